@@ -1,0 +1,21 @@
+# Two commands do all set-up on a fresh machine: `make bench` (the main job) and `make test`.
+PYTHON ?= python3
+STAMP := .setup.stamp
+
+.PHONY: setup bench test clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m pip install torch==2.13.0
+	$(PYTHON) -m pip install -e '.[test,bench,gpu]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+bench: setup
+	$(PYTHON) -m zipccl.bench.codec
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+clean:
+	rm -f $(STAMP)

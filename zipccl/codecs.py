@@ -1,0 +1,129 @@
+"""Codecs: one protocol (encode, decode, max_encoded_size) over 1-D uint8 packets.
+
+Every packet starts with the header of zipccl/format.py, so any codec's
+decoder can reject a packet of another codec, dtype or size with FormatError.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from . import format as F
+from .errors import FormatError, UnsupportedError
+from .kernels import resolve
+from .reference.packet import assemble, host_bytes
+
+__all__ = ["Codec", "Raw", "Lossless", "packet_size", "check_input"]
+
+
+class Codec(Protocol):
+    name: str
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int: ...
+
+
+def check_input(x: torch.Tensor) -> None:
+    """A codec input must be a contiguous float tensor of a supported dtype."""
+    if not isinstance(x, torch.Tensor):
+        raise UnsupportedError(f"expected a torch.Tensor, got {type(x).__name__}")
+    F.dtype_code(x.dtype)
+    if x.layout != torch.strided or not x.is_contiguous():
+        raise UnsupportedError("codecs take contiguous strided tensors; call .contiguous() first")
+
+
+def _check_packet(packet: torch.Tensor) -> None:
+    if not isinstance(packet, torch.Tensor) or packet.dtype != torch.uint8 or packet.dim() != 1:
+        raise FormatError("a packet is a 1-D torch.uint8 tensor")
+
+
+def _output(header: F.Header, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(header.numel, dtype=header.dtype, device=device)
+    if out.dtype != header.dtype or out.numel() != header.numel or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {header.dtype} tensor of {header.numel} elements, "
+                         f"got {out.dtype} with {out.numel()} elements")
+    return out.view(-1)
+
+
+def packet_size(packet: torch.Tensor) -> int:
+    """Total bytes of the packet at the start of ``packet`` (trailing bytes are ignored by decoders)."""
+    _check_packet(packet)
+    return F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), None, packet.numel()).total_size
+
+
+class Raw:
+    """No compression: the header followed by the tensor's bytes."""
+    name = "raw"
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        check_input(x)
+        header = F.Header(F.CODEC_RAW, x.dtype, x.numel())
+        return assemble(header, [x.reshape(-1).view(torch.uint8)])
+
+    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        _check_packet(packet)
+        h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_RAW, packet.numel())
+        itemsize = F.LAYOUTS[h.dtype].itemsize
+        if h.sections != (0, 0, 0, h.numel * itemsize):
+            raise FormatError("raw packet sections do not match its element count")
+        F.check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h) if h.flags else None
+        out = _output(h, out, packet.device)
+        out.view(torch.uint8).copy_(packet[F.HEADER_SIZE:h.total_size])
+        return out
+
+    def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
+        return F.HEADER_SIZE + numel * F.LAYOUTS[_dtype(dtype)].itemsize
+
+    def __repr__(self) -> str:
+        return "Raw()"
+
+
+def _dtype(dtype: torch.dtype) -> torch.dtype:
+    F.dtype_code(dtype)
+    return dtype
+
+
+class Lossless:
+    """Bit-exact exponent coding (docs/FORMAT.md): bf16 shrinks to about two thirds.
+
+    impl: "auto" (numba on CPU, Triton on CUDA), "reference", "numba" or "triton".
+    block_size: elements per independently coded block, a power of two in [256, 32768].
+    checksum: store a CRC32 of the payload and verify it on decode (costs a host pass).
+    """
+    name = "lossless"
+
+    def __init__(self, impl: str = "auto", block_size: int = F.DEFAULT_BLOCK_SIZE, checksum: bool = False):
+        if not isinstance(block_size, int) or not F.MIN_BLOCK_SIZE <= block_size <= F.MAX_BLOCK_SIZE \
+                or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [{F.MIN_BLOCK_SIZE}, {F.MAX_BLOCK_SIZE}], "
+                             f"got {block_size!r}")
+        resolve(impl, torch.device("cpu")) if impl in ("reference", "numba") else None
+        if impl not in ("auto", "reference", "numba", "triton"):
+            raise ValueError(f"unknown impl {impl!r}; choose auto, reference, numba or triton")
+        self.impl, self.block_size, self.checksum = impl, block_size, checksum
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        check_input(x)
+        return resolve(self.impl, x.device).encode(x.reshape(-1), self.block_size, self.checksum)
+
+    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        _check_packet(packet)
+        h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_LOSSLESS, packet.numel())
+        out = _output(h, out, packet.device)
+        if out.device != packet.device:
+            raise UnsupportedError(f"out is on {out.device}, the packet on {packet.device}")
+        return resolve(self.impl, packet.device).decode(packet, out)
+
+    def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
+        nb = F.num_blocks(numel, self.block_size)
+        return (F.HEADER_SIZE + F.num_tables(nb) * F.TABLE_BYTES + nb * F.INDEX_ENTRY
+                + numel * F.LAYOUTS[_dtype(dtype)].itemsize)
+
+    def __repr__(self) -> str:
+        return f"Lossless(impl={self.impl!r}, block_size={self.block_size}, checksum={self.checksum})"

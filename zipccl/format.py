@@ -1,0 +1,162 @@
+"""Wire format constants and the packet header (docs/FORMAT.md is the prose twin).
+
+Every packet, whatever its codec, starts with the same 56-byte little-endian
+header so that a receiver can validate it before touching the payload:
+
+    offset size field
+      0     4   magic b"ZCCL"
+      4     1   version (1)
+      5     1   codec   (0 raw, 1 lossless, 2 top-k)
+      6     1   dtype   (1 float32, 2 float16, 3 bfloat16)
+      7     1   flags   (bit 0: payload CRC32 present)
+      8     8   numel
+     16     4   block_size (elements per block; 0 for codecs without blocks)
+     20     1   ntables
+     21     1   nsym   (symbols per table)
+     22     1   maxlen (longest code, bits)
+     23     1   reserved, 0
+     24     4   section 0 bytes (lossless: code tables)
+     28     4   section 1 bytes (lossless: block index)
+     32     8   section 2 bytes (lossless: exponent streams)
+     40     8   section 3 bytes (lossless: sign+mantissa; raw: the data)
+     48     4   payload CRC32 (0 unless flags bit 0)
+     52     4   header CRC32 of bytes 0..51
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .errors import FormatError, UnsupportedError
+
+MAGIC = b"ZCCL"
+VERSION = 1
+HEADER_SIZE = 56
+_HEADER = struct.Struct("<4sBBBBQIBBBBIIQQII")
+assert _HEADER.size == HEADER_SIZE
+
+CODEC_RAW, CODEC_LOSSLESS, CODEC_TOPK = 0, 1, 2
+FLAG_CRC = 1
+
+DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+SUPPORTED = "torch.float32, torch.float16 and torch.bfloat16"
+
+
+@dataclass(frozen=True)
+class Header:
+    codec: int
+    dtype: torch.dtype
+    numel: int
+    flags: int = 0
+    block_size: int = 0
+    ntables: int = 0
+    nsym: int = 0
+    maxlen: int = 0
+    sections: tuple[int, int, int, int] = (0, 0, 0, 0)
+    payload_crc: int = 0
+
+    @property
+    def total_size(self) -> int:
+        return HEADER_SIZE + sum(self.sections)
+
+    def pack(self) -> bytes:
+        body = _HEADER.pack(MAGIC, VERSION, self.codec, DTYPE_CODES[self.dtype], self.flags,
+                            self.numel, self.block_size, self.ntables, self.nsym, self.maxlen, 0,
+                            *self.sections, self.payload_crc, 0)
+        return body[:52] + struct.pack("<I", zlib.crc32(body[:52]))
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The wire code of a float dtype, or UnsupportedError naming what is supported."""
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise UnsupportedError(f"dtype {dtype} is not supported; zipccl codecs take {SUPPORTED}") from None
+
+
+def parse_header(head: bytes, expect_codec: int | None, packet_size: int) -> Header:
+    """Validate and unpack the header of a packet of ``packet_size`` bytes; any inconsistency is a FormatError."""
+    if packet_size < HEADER_SIZE or len(head) < HEADER_SIZE:
+        raise FormatError(f"packet of {packet_size} bytes is shorter than the {HEADER_SIZE}-byte header")
+    raw = bytes(head[:HEADER_SIZE])
+    (magic, version, codec, dt, flags, numel, block_size, ntables, nsym, maxlen, reserved,
+     s0, s1, s2, s3, pcrc, hcrc) = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise FormatError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise FormatError(f"unsupported format version {version}, this zipccl reads version {VERSION}")
+    if zlib.crc32(raw[:52]) != hcrc:
+        raise FormatError("header checksum mismatch (corrupt header)")
+    if codec not in (CODEC_RAW, CODEC_LOSSLESS, CODEC_TOPK):
+        raise FormatError(f"unknown codec id {codec}")
+    if expect_codec is not None and codec != expect_codec:
+        raise FormatError(f"packet holds codec {codec}, expected codec {expect_codec}")
+    if dt not in DTYPES:
+        raise FormatError(f"unknown dtype code {dt}")
+    if flags & ~FLAG_CRC or reserved:
+        raise FormatError(f"unknown flags {flags:#x} or nonzero reserved byte")
+    if not flags & FLAG_CRC and pcrc:
+        raise FormatError("payload CRC set without its flag")
+    h = Header(codec, DTYPES[dt], numel, flags, block_size, ntables, nsym, maxlen, (s0, s1, s2, s3), pcrc)
+    if packet_size < h.total_size:
+        raise FormatError(f"packet truncated: {packet_size} bytes, header declares {h.total_size}")
+    return h
+
+
+def payload_crc(packet_bytes: bytes | memoryview, header: Header) -> int:
+    return zlib.crc32(packet_bytes[HEADER_SIZE:header.total_size])
+
+
+def check_payload_crc(packet_bytes, header: Header) -> None:
+    if header.flags & FLAG_CRC and payload_crc(packet_bytes, header) != header.payload_crc:
+        raise FormatError("payload checksum mismatch (corrupt payload)")
+
+
+# ---- lossless layout (see docs/FORMAT.md, "Lossless payload") ----
+NSYM = 32            # symbols per code table
+SYM_ZERO = 0         # the element is +0.0 (all bits zero): no sign+mantissa stored
+SYM_ESC = 1          # exponent stored inline as raw bits right after the code
+OFFSET_BIAS = 28     # symbol = (exponent - block reference) + OFFSET_BIAS, for offsets -26..+3
+MIN_OFFSET, MAX_OFFSET = 2 - OFFSET_BIAS, NSYM - 1 - OFFSET_BIAS
+MAXLEN = 12          # longest Huffman code, bits (decoders peek MAXLEN bits)
+MAX_TABLES = 8
+RAW_BLOCK = 0xFF     # block index table id of a block stored raw
+INDEX_ENTRY = 8      # bytes per block index entry: u8 ref, u8 table, u16 nwords, u16 nzero, u16 0
+TABLE_BYTES = NSYM // 2
+DEFAULT_BLOCK_SIZE = 4096
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 256, 32768
+
+
+@dataclass(frozen=True)
+class FloatLayout:
+    """How one dtype splits into exponent (coded) and the rest (stored)."""
+    itemsize: int
+    ebits: int        # exponent field width
+    mbits: int        # mantissa field width (sign sits above the exponent)
+    rest_bytes: int   # whole bytes of sign+mantissa in section 3
+    inline_bits: int  # remaining sign+mantissa bits written after each code
+
+    @property
+    def emax(self) -> int:
+        return (1 << self.ebits) - 1
+
+
+LAYOUTS = {
+    torch.float32: FloatLayout(4, 8, 23, 3, 0),
+    torch.float16: FloatLayout(2, 5, 10, 1, 3),
+    torch.bfloat16: FloatLayout(2, 8, 7, 1, 0),
+}
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    return -(-numel // block_size) if numel else 0
+
+
+def num_tables(nblocks: int) -> int:
+    """Tables an encoder builds: one per four blocks, at most MAX_TABLES."""
+    return min(MAX_TABLES, max(1, (nblocks + 3) // 4)) if nblocks else 0

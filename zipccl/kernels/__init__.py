@@ -1,0 +1,39 @@
+"""Implementation registry: the reference is the specification, kernels override it per device.
+
+An implementation is a module with ``encode(x, block_size, checksum) -> uint8
+tensor`` and ``decode(packet, out) -> out`` for the lossless format.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from ..errors import UnsupportedError
+
+IMPLS = ("auto", "reference", "numba", "triton")
+_MODULES = {"reference": "zipccl.reference.lossless", "numba": "zipccl.kernels.cpu", "triton": "zipccl.kernels.gpu"}
+
+
+def _check_available(impl: str, device: torch.device) -> None:
+    if impl == "numba" and device.type != "cpu":
+        raise UnsupportedError(f"impl='numba' runs on CPU tensors, got a tensor on {device}; "
+                               "use impl='auto' or 'reference'")
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UnsupportedError(f"impl='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU "
+                               f"tensors), got a tensor on {device}")
+
+
+def resolve(impl: str, device: torch.device):
+    """The implementation module for ``impl`` on ``device``."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        impl = {"cpu": "numba", "cuda": "triton"}.get(device.type, "reference")
+    _check_available(impl, device)
+    try:
+        return importlib.import_module(_MODULES[impl])
+    except ImportError as e:
+        raise UnsupportedError(f"impl={impl!r} is not available: {e}") from e

@@ -1,0 +1,198 @@
+"""The lossless codec in plain torch: the specification, slow and obvious.
+
+Every step is a whole-tensor torch operation, so it runs on any device; only
+the code tables (reference/tables.py) are built on the host. Fast kernels
+(kernels/cpu.py, kernels/gpu.py) must produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import FormatError
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, INDEX_ENTRY, LAYOUTS, MAX_OFFSET, MAXLEN, MIN_OFFSET,
+                      OFFSET_BIAS, RAW_BLOCK, SYM_ESC, SYM_ZERO, Header, num_blocks, num_tables)
+from . import tables as T
+from .packet import assemble, parse_lossless
+
+
+def float_bits(x: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of each element as a non-negative int64."""
+    layout = LAYOUTS[x.dtype]
+    ints = x.reshape(-1).view(torch.int32 if layout.itemsize == 4 else torch.int16).to(torch.int64)
+    return ints & ((1 << (8 * layout.itemsize)) - 1)
+
+
+def to_bytes(values: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """Little-endian bytes of non-negative int64 values, nbytes each, row-major."""
+    shifts = torch.arange(nbytes, device=values.device) * 8
+    return ((values.unsqueeze(-1) >> shifts) & 255).to(torch.uint8).reshape(-1)
+
+
+def from_bytes(data: torch.Tensor, nbytes: int) -> torch.Tensor:
+    shifts = torch.arange(nbytes, device=data.device) * 8
+    return (data.reshape(-1, nbytes).to(torch.int64) << shifts).sum(dim=1)
+
+
+def block_symbols(bits: torch.Tensor, layout, block_size: int):
+    """Per block: reference exponent, symbols, exponents, zero mask (padded to whole blocks)."""
+    n = bits.numel()
+    nb = num_blocks(n, block_size)
+    padded = torch.zeros(nb * block_size, dtype=torch.int64, device=bits.device)
+    padded[:n] = bits
+    valid = (torch.arange(nb * block_size, device=bits.device) < n).reshape(nb, block_size)
+    bits2 = padded.reshape(nb, block_size)
+    exp = (bits2 >> layout.mbits) & layout.emax
+    zero = bits2 == 0
+    counts = torch.zeros(nb, layout.emax + 1, dtype=torch.int64, device=bits.device)
+    counts.scatter_add_(1, exp, (valid & ~zero).to(torch.int64))
+    ref = counts.argmax(dim=1)  # ties -> smallest exponent; all-zero block -> 0
+    d = exp - ref[:, None]
+    sym = torch.where((d >= MIN_OFFSET) & (d <= MAX_OFFSET), d + OFFSET_BIAS, torch.full_like(d, SYM_ESC))
+    sym = torch.where(zero, torch.zeros_like(sym), sym)
+    return ref, sym, exp, zero, valid, bits2
+
+
+def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
+    layout = LAYOUTS[x.dtype]
+    n = x.numel()
+    bits = float_bits(x)
+    nb = num_blocks(n, block_size)
+    dev = x.device
+    ref, sym, exp, zero, valid, bits2 = block_symbols(bits, layout, block_size)
+    hist = torch.zeros(nb, T.NSYM, dtype=torch.int64, device=dev)
+    hist.scatter_add_(1, sym, valid.to(torch.int64))
+    K = num_tables(nb)
+    lengths, assign, cost = T.choose_tables(hist.cpu().numpy(), K, layout) if nb else (np.zeros((0, T.NSYM), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    nvalid = valid.sum(dim=1).cpu().numpy()
+    nzero = (zero & valid).sum(dim=1).cpu().numpy()
+    coded_bytes = 4 * (-(-cost // 32)) + (nvalid - nzero) * layout.rest_bytes
+    raw = coded_bytes >= nvalid * layout.itemsize
+    nwords = np.where(raw, 0, -(-cost // 32))
+
+    m = layout.mbits
+    rest_val = (bits2 & ((1 << m) - 1)) | ((bits2 >> (m + layout.ebits)) << m)  # sign above mantissa
+
+    # Exponent streams: each symbol's code, then its inline raw bits, LSB first.
+    codes = torch.from_numpy(np.stack([T.canonical_codes(l) for l in lengths]) if K else np.zeros((0, T.NSYM), np.int64)).to(dev)
+    lens = torch.from_numpy(lengths).to(dev)
+    tab = torch.from_numpy(assign).to(dev)[:, None]
+    coded = torch.from_numpy(~raw).to(dev)[:, None] & valid
+    value = codes[tab, sym]
+    width = lens[tab, sym]
+    esc = sym == SYM_ESC
+    value = value | torch.where(esc, exp << width, torch.zeros_like(exp))
+    width = width + torch.where(esc, layout.ebits, 0)
+    if layout.inline_bits:
+        top = rest_val >> (8 * layout.rest_bytes)  # fp16: sign and the top two mantissa bits
+        value = value | torch.where(zero, 0, top << width)
+        width = width + torch.where(zero, 0, layout.inline_bits)
+    width = torch.where(coded, width, torch.zeros_like(width))
+    word_start = torch.from_numpy(np.concatenate([[0], np.cumsum(nwords)])).to(dev)
+    pos = (torch.cumsum(width, dim=1) - width) + word_start[:-1, None] * 32
+    total_words = int(word_start[-1])
+    words = torch.zeros(total_words + 1, dtype=torch.int64, device=dev)
+    shifted = (value << (pos & 31))[coded]
+    w = (pos >> 5)[coded]
+    words.index_add_(0, w, shifted & 0xFFFFFFFF)
+    words.index_add_(0, w + 1, shifted >> 32)
+    stream = to_bytes(words[:total_words], 4)
+
+    # Sign+mantissa bytes of non-zero elements of coded blocks; whole raw blocks.
+    is_raw = torch.from_numpy(raw).to(dev)[:, None]
+    per_elem = torch.where(is_raw[..., None], to_bytes(bits2, layout.itemsize).reshape(nb, block_size, -1),
+                           to_bytes(rest_val, layout.itemsize).reshape(nb, block_size, -1))
+    count = torch.where(is_raw & valid, layout.itemsize, torch.where(coded & ~zero, layout.rest_bytes, 0))
+    section3 = per_elem[torch.arange(layout.itemsize, device=dev) < count[..., None]]
+
+    index = np.zeros((nb, 4), dtype=np.uint16)
+    refs = np.where(raw, 0, ref.cpu().numpy())
+    index[:, 0] = refs | (np.where(raw, RAW_BLOCK, assign) << 8)
+    index[:, 1] = nwords
+    index[:, 2] = np.where(raw, 0, nzero)
+    sections = [torch.from_numpy(T.pack_tables(lengths)).to(dev),
+                torch.from_numpy(index.view(np.uint8).reshape(-1).copy()).to(dev), stream, section3]
+    header = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, K, T.NSYM, MAXLEN)
+    return assemble(header, sections)
+
+
+def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Decode into ``out`` (1-D, the packet's dtype and numel). Blocks decode in lock step."""
+    p = parse_lossless(packet)
+    layout, h = p.layout, p.header
+    n, bs, nb = h.numel, h.block_size, len(p.ref)
+    dev = packet.device
+    bits = torch.zeros(nb, bs, dtype=torch.int64, device=dev)
+    t_idx = torch.arange(bs, device=dev)
+    valid = t_idx[None, :] < torch.from_numpy(p.nvalid).to(dev)[:, None]
+    raw = torch.from_numpy(p.table == RAW_BLOCK).to(dev)
+    coded_blocks = torch.nonzero(~raw).reshape(-1)
+
+    if coded_blocks.numel():
+        nc = coded_blocks.numel()
+        words = torch.zeros(int(p.word_start[-1]) + 2, dtype=torch.int64, device=dev)
+        words[:-2] = from_bytes(packet[p.stream_offset:p.rest_offset], 4)
+        luts = torch.from_numpy(T.decode_luts(p.lengths).astype(np.int64)).to(dev)
+        table = torch.from_numpy(p.table).to(dev)[coded_blocks]
+        pos = torch.from_numpy(p.word_start[:-1] * 32).to(dev)[coded_blocks]
+        end = torch.from_numpy(p.word_start[1:] * 32).to(dev)[coded_blocks]
+        nvalid = torch.from_numpy(p.nvalid).to(dev)[coded_blocks]
+        sym = torch.zeros(nc, bs, dtype=torch.int64, device=dev)
+        exp_esc = torch.zeros(nc, bs, dtype=torch.int64, device=dev)
+        top = torch.zeros(nc, bs, dtype=torch.int64, device=dev)
+
+        def take(nbits):
+            """The next nbits at each block's bit position (clamped reads stay inside ``words``)."""
+            w = torch.clamp(pos >> 5, max=words.numel() - 2)
+            return ((words[w] | (words[w + 1] << 32)) >> (pos & 31)) & ((1 << nbits) - 1)
+
+        for t in range(int(p.nvalid.max())):
+            active = t < nvalid
+            entry = luts[table, take(MAXLEN)]
+            length = entry >> 8
+            if bool((active & (length == 0)).any()):
+                raise FormatError("invalid code in exponent stream")
+            s = entry & 255
+            pos = pos + torch.where(active, length, 0)
+            is_esc = active & (s == SYM_ESC)
+            exp_esc[:, t] = torch.where(is_esc, take(layout.ebits), 0)
+            pos = pos + torch.where(is_esc, layout.ebits, 0)
+            if layout.inline_bits:
+                has_top = active & (s != SYM_ZERO)
+                top[:, t] = torch.where(has_top, take(layout.inline_bits), 0)
+                pos = pos + torch.where(has_top, layout.inline_bits, 0)
+            if bool((pos > end).any()):
+                raise FormatError("exponent stream overruns its block")
+            sym[:, t] = torch.where(active, s, 0)
+        zero = (sym == SYM_ZERO) & valid[coded_blocks]
+        if not torch.equal(zero.sum(dim=1).cpu(), torch.from_numpy(p.nzero)[coded_blocks.cpu()]):
+            raise FormatError("zero count of a block does not match its index entry")
+        ref = torch.from_numpy(p.ref).to(dev)[coded_blocks]
+        exp = torch.where(sym == SYM_ESC, exp_esc, ref[:, None] + sym - OFFSET_BIAS)
+        exp = torch.where(sym == SYM_ZERO, 0, exp)
+        if bool(((exp < 0) | (exp > layout.emax)).any()):
+            raise FormatError("decoded exponent out of range")
+        # Rest bytes: the k-th non-zero element of a block takes the k-th rest entry of that block.
+        rb = layout.rest_bytes
+        rest_all = packet[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
+        k = torch.cumsum((~zero).to(torch.int64), dim=1) - 1
+        start = torch.from_numpy(p.rest_start[:-1]).to(dev)[coded_blocks][:, None] + k * rb
+        keep = ~zero & valid[coded_blocks]
+        rest = torch.zeros(nc, bs, dtype=torch.int64, device=dev)
+        for j in range(rb):
+            idx = torch.where(keep, start + j, 0)
+            rest |= torch.where(keep, rest_all[idx].to(torch.int64) << (8 * j), 0) if rest_all.numel() else 0
+        rest |= top << (8 * rb)
+        m = layout.mbits
+        value = (rest & ((1 << m) - 1)) | (exp << m) | ((rest >> m) << (m + layout.ebits))
+        bits[coded_blocks] = torch.where(keep, value, 0)
+
+    for b in torch.nonzero(raw).reshape(-1).tolist():
+        a = p.rest_offset + int(p.rest_start[b])
+        bits[b, :int(p.nvalid[b])] = from_bytes(packet[a:a + int(p.nvalid[b]) * layout.itemsize], layout.itemsize)
+
+    flat = bits.reshape(-1)[:n]
+    ints = torch.where(flat >= 1 << (8 * layout.itemsize - 1), flat - (1 << (8 * layout.itemsize)), flat)
+    out.view(torch.int32 if layout.itemsize == 4 else torch.int16).copy_(ints)
+    return out
