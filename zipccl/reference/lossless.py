@@ -60,11 +60,15 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     bits = float_bits(x)
     nb = num_blocks(n, block_size)
     dev = x.device
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.uint8, device=dev)
+        flags = FLAG_CRC if checksum else 0
+        return assemble(Header(CODEC_LOSSLESS, x.dtype, 0, flags, block_size, 0, T.NSYM, MAXLEN), [empty] * 4)
     ref, sym, exp, zero, valid, bits2 = block_symbols(bits, layout, block_size)
     hist = torch.zeros(nb, T.NSYM, dtype=torch.int64, device=dev)
     hist.scatter_add_(1, sym, valid.to(torch.int64))
     K = num_tables(nb)
-    lengths, assign, cost = T.choose_tables(hist.cpu().numpy(), K, layout) if nb else (np.zeros((0, T.NSYM), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    lengths, assign, cost = T.choose_tables(hist.cpu().numpy(), K, layout)
     nvalid = valid.sum(dim=1).cpu().numpy()
     nzero = (zero & valid).sum(dim=1).cpu().numpy()
     coded_bytes = 4 * (-(-cost // 32)) + (nvalid - nzero) * layout.rest_bytes
@@ -75,7 +79,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     rest_val = (bits2 & ((1 << m) - 1)) | ((bits2 >> (m + layout.ebits)) << m)  # sign above mantissa
 
     # Exponent streams: each symbol's code, then its inline raw bits, LSB first.
-    codes = torch.from_numpy(np.stack([T.canonical_codes(l) for l in lengths]) if K else np.zeros((0, T.NSYM), np.int64)).to(dev)
+    codes = torch.from_numpy(np.stack([T.canonical_codes(l) for l in lengths])).to(dev)
     lens = torch.from_numpy(lengths).to(dev)
     tab = torch.from_numpy(assign).to(dev)[:, None]
     coded = torch.from_numpy(~raw).to(dev)[:, None] & valid
