@@ -1,25 +1,31 @@
 """numba CPU kernels for the lossless format, byte-identical to zipccl/reference.
 
-Three passes over the data: analyse (histograms, one read), emit (codes and
-sign+mantissa bytes, one read, one write), and for decode a single pass that
-reads codes and rest bytes and writes the floats. Code tables come from
+Encode reads the data three times: analyse (histograms), pack (codes into
+32-bit words) and rest (sign+mantissa bytes). Decode runs two passes: Huffman
+symbols into a byte buffer (a 12-bit lookup yields up to three symbols), then
+a branch-free pass joining exponents and rest bytes. Huffman coding and
+decoding are serial within a block, so four blocks go in lock step to keep
+the core busy while one waits on a table lookup. Code tables come from
 reference/tables.py, which runs once per packet on the block histograms.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import torch
 from numba import njit
 
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_OFFSET, MAXLEN,
-                      MIN_OFFSET, NSYM, OFFSET_BIAS, RAW_BLOCK, SYM_ESC, SYM_ZERO, TABLE_BYTES, Header,
-                      num_blocks, num_tables)
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK,
+                      TABLE_BYTES, Header, num_blocks, num_tables)
 from ..reference import tables as T
 from ..reference.packet import parse_lossless
 
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
+LANES = 4          # blocks coded in lock step
+_SPECIAL = -(1 << 31)  # multi-symbol entry flag: an escape (count 1) or an invalid code (count 0)
 
 
 @njit(**_NOGIL)
@@ -34,15 +40,17 @@ def _analyse(bits, bs, mbits, emax, ref, hist, nzero):
         hi = min(n, lo + bs)
         cnt[:] = 0
         z = 0
-        i = lo
-        while i + 4 <= hi:
+        vb = bits[lo:hi]
+        m = hi - lo
+        i = 0
+        while i + 4 <= m:  # four histograms: repeated exponents don't wait on each other
             for k in range(4):
-                v = np.int64(bits[i + k])
+                v = np.int64(vb[i + k])
                 cnt[k, (v >> mbits) & emax] += 1
                 z += v == 0
             i += 4
-        while i < hi:
-            v = np.int64(bits[i])
+        while i < m:
+            v = np.int64(vb[i])
             cnt[0, (v >> mbits) & emax] += 1
             z += v == 0
             i += 1
@@ -69,67 +77,96 @@ def _analyse(bits, bs, mbits, emax, ref, hist, nzero):
 
 
 @njit(**_NOGIL)
-def _emit(bits, bs, mbits, ebits, rest_bytes, inline_bits, itemsize, ref, table, codes, lens,
-          word_start, rest_start, words, rest):
-    """Write each coded block's exponent stream (LSB-first 32-bit words) and rest bytes;
-    copy raw blocks into the rest section."""
+def _element_tables(ref, t, codes, lens, mbits, ebits, inline_bits, ct, lt, st):
+    """Per block, code/length/inline-shift indexed by exponent; slot emax+1 is +0.0.
+
+    Escapes get their raw exponent appended to the code here, so packing is branch-free."""
+    emax = (1 << ebits) - 1
+    for e in range(emax + 1):
+        d = e - ref
+        if d >= -26 and d <= 3:
+            ct[e] = codes[t, d + 28]
+            st[e] = lens[t, d + 28]
+        else:
+            ct[e] = codes[t, 1] | (e << lens[t, 1])
+            st[e] = lens[t, 1] + ebits
+        lt[e] = st[e] + inline_bits
+    ct[emax + 1] = codes[t, 0]
+    lt[emax + 1] = lens[t, 0]
+    st[emax + 1] = 0
+
+
+@njit(**_NOGIL)
+def _pack(bits, bs, mbits, ebits, rest_bytes, inline_bits, ref, table, codes, lens, word_start, words):
+    """Huffman-code the exponents of every coded block.
+
+    Per block, a branch-free pass (it vectorizes) turns elements into
+    code | length << 32; then a serial pass appends them to the bit stream,
+    storing the open word every time so that the flush needs no branch (that
+    store never leaves the block's own words)."""
     n = bits.shape[0]
     emax = (1 << ebits) - 1
     mmask = (1 << mbits) - 1
+    rshift = 8 * rest_bytes
     imask = (1 << inline_bits) - 1
-    for b in range(ref.shape[0]):
-        lo = b * bs
-        hi = min(n, lo + bs)
-        t = table[b]
-        j = rest_start[b]
-        if t == 255:
-            for i in range(lo, hi):
-                v = np.int64(bits[i])
-                for k in range(itemsize):
-                    rest[j] = (v >> (8 * k)) & 255
-                    j += 1
+    ct = np.zeros(emax + 2, np.int64)
+    lt = np.zeros(emax + 2, np.int64)
+    st = np.zeros(emax + 2, np.int64)
+    cl = np.zeros(bs, np.int64)
+    for b in range(table.shape[0]):
+        if table[b] == RAW_BLOCK:
             continue
-        r = np.int64(ref[b])
-        w = word_start[b]
+        _element_tables(np.int64(ref[b]), table[b], codes, lens, mbits, ebits, inline_bits, ct, lt, st)
+        vb = bits[b * bs:min(n, b * bs + bs)]
+        nv = vb.shape[0]
+        for i in range(nv):
+            v = np.int64(vb[i])
+            idx = (v >> mbits) & emax if v != 0 else emax + 1
+            rv = (v & mmask) | ((v >> (mbits + ebits)) << mbits)
+            cl[i] = (ct[idx] | (((rv >> rshift) & imask) << st[idx])) | (lt[idx] << 32)
         acc = np.int64(0)
-        nb_ = np.int64(0)
-        for i in range(lo, hi):
-            v = np.int64(bits[i])
-            if v == 0:
-                acc |= codes[t, 0] << nb_
-                nb_ += lens[t, 0]
-            else:
-                e = (v >> mbits) & emax
-                rv = (v & mmask) | ((v >> (mbits + ebits)) << mbits)
-                d = e - r
-                if d >= -26 and d <= 3:
-                    s = d + 28
-                    acc |= codes[t, s] << nb_
-                    nb_ += lens[t, s]
-                else:
-                    acc |= codes[t, 1] << nb_
-                    nb_ += lens[t, 1]
-                    acc |= e << nb_
-                    nb_ += ebits
-                if inline_bits:
-                    if nb_ >= 32:
-                        words[w] = acc & 0xFFFFFFFF
-                        w += 1
-                        acc >>= 32
-                        nb_ -= 32
-                    acc |= ((rv >> (8 * rest_bytes)) & imask) << nb_
-                    nb_ += inline_bits
-                for k in range(rest_bytes):
-                    rest[j] = (rv >> (8 * k)) & 255
-                    j += 1
-            if nb_ >= 32:
-                words[w] = acc & 0xFFFFFFFF
-                w += 1
-                acc >>= 32
-                nb_ -= 32
-        if nb_ > 0:
+        nbits = np.int64(0)
+        w = word_start[b]
+        for i in range(nv):
+            c = cl[i]
+            acc |= (c & 0xFFFFFFFF) << nbits
+            nbits += c >> 32
             words[w] = acc & 0xFFFFFFFF
-            w += 1
+            full = nbits >= 32
+            w += full
+            acc >>= 32 if full else 0
+            nbits -= 32 if full else 0
+        if nbits > 0:  # bits left over after the last element's flush
+            words[w] = acc & 0xFFFFFFFF
+
+
+@njit(**_NOGIL)
+def _rest(bits, bs, mbits, ebits, rest_bytes, itemsize, table, nzero, rest_start, rest):
+    """Section 3: sign+mantissa bytes of non-zero elements; whole raw blocks."""
+    n = bits.shape[0]
+    mmask = (1 << mbits) - 1
+    for b in range(table.shape[0]):
+        lo = b * bs
+        nv = min(n, lo + bs) - lo
+        j = rest_start[b]
+        if table[b] == RAW_BLOCK:
+            for i in range(nv):
+                v = np.int64(bits[lo + i])
+                for k in range(itemsize):
+                    rest[j + itemsize * i + k] = (v >> (8 * k)) & 255
+        elif nzero[b] == 0 and rest_bytes == 1:
+            vb, rb = bits[lo:lo + nv], rest[j:j + nv]  # slices, not offsets: the loop vectorizes
+            for i in range(nv):
+                v = np.int64(vb[i])
+                rb[i] = (v & mmask) | ((v >> (mbits + ebits)) << mbits)
+        else:
+            for i in range(lo, lo + nv):
+                v = np.int64(bits[i])
+                if v != 0:
+                    rv = (v & mmask) | ((v >> (mbits + ebits)) << mbits)
+                    for k in range(rest_bytes):
+                        rest[j + k] = (rv >> (8 * k)) & 255
+                    j += rest_bytes
 
 
 def _int_view(x: torch.Tensor) -> np.ndarray:
@@ -171,29 +208,230 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     index[:, 2] = np.where(raw, 0, nzero)
     index[:, 3] = 0
     p += sizes[1]
-    words = buf[p:p + sizes[2]].view(np.uint32)
-    rest = buf[p + sizes[2]:]
     if nb:
         codes = np.stack([T.canonical_codes(l) for l in lengths]).astype(np.int64)
-        _emit(bits, block_size, layout.mbits, layout.ebits, layout.rest_bytes, layout.inline_bits,
-              layout.itemsize, ref, table, codes, lengths.astype(np.int64), word_start, rest_start, words, rest)
-    crc = 0
-    if checksum:
-        import zlib
-        crc = zlib.crc32(memoryview(buf)[HEADER_SIZE:])
+        _pack(bits, block_size, layout.mbits, layout.ebits, layout.rest_bytes, layout.inline_bits, ref, table,
+              codes, lengths.astype(np.int64), word_start, buf[p:p + sizes[2]].view(np.uint32))
+        _rest(bits, block_size, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize, table, nzero,
+              rest_start, buf[p + sizes[2]:])
+    crc = zlib.crc32(memoryview(buf)[HEADER_SIZE:]) if checksum else 0
     h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, K, NSYM, MAXLEN, sizes, crc)
     buf[:HEADER_SIZE] = np.frombuffer(h.pack(), dtype=np.uint8)
     return torch.from_numpy(buf)
 
 
 @njit(**_NOGIL)
-def _decode(stream, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, itemsize, ref, table, nzero,
+def _multi_luts(luts):
+    """Lookups that resolve up to three symbols from the next 12 bits.
+
+    entry = s0 | s1 << 5 | s2 << 10 | count << 16 | bits << 20 | zeros << 24, with the
+    sign bit set for an escape (alone, count 1: its raw exponent follows) and for an
+    invalid code (count 0). A window stops before an escape."""
+    K = luts.shape[0]
+    m = np.zeros((K, 1 << MAXLEN), dtype=np.int32)
+    for t in range(K):
+        for w in range(1 << MAXLEN):
+            e = luts[t, w]
+            ln = e >> 8
+            s = e & 255
+            if ln == 0:
+                m[t, w] = _SPECIAL
+                continue
+            if s == 1:
+                m[t, w] = _SPECIAL | 1 | (1 << 16) | (ln << 20)
+                continue
+            syms, cnt, used, zeros = s, 1, ln, 1 if s == 0 else 0
+            while cnt < 3:
+                e2 = luts[t, (w >> used) & ((1 << MAXLEN) - 1)]
+                ln2 = e2 >> 8
+                s2 = e2 & 255
+                if ln2 == 0 or used + ln2 > MAXLEN or s2 == 1:
+                    break
+                syms |= s2 << (5 * cnt)
+                zeros += 1 if s2 == 0 else 0
+                cnt += 1
+                used += ln2
+            m[t, w] = syms | (cnt << 16) | (used << 20) | (zeros << 24)
+    return m
+
+
+@njit(inline="always")
+def _peek(words, p):
+    """At least 33 bits of the stream from bit ``p`` (``words`` carries zero padding)."""
+    w = p >> 5
+    return (np.int64(words[w]) | (np.int64(words[w + 1]) << 32)) >> (p & 31)
+
+
+@njit(inline="always")
+def _multi(words, mlut, sym, s, p, k):
+    e = np.int64(mlut[_peek(words, p) & ((1 << MAXLEN) - 1)])
+    sym[s + k] = e & 31
+    sym[s + k + 1] = (e >> 5) & 31
+    sym[s + k + 2] = (e >> 10) & 31
+    return p + ((e >> 20) & 15), k + ((e >> 16) & 3), e
+
+
+@njit(inline="always")
+def _special(words, e, p, k, s, ebits, xexp):
+    """After a flagged lookup: read an escape's raw exponent. Returns (p, escapes, error)."""
+    if e >= 0:
+        return p, 0, False
+    if (e >> 16) & 3 == 0:
+        return p, 0, True
+    xexp[s + k - 1] = _peek(words, p) & ((1 << ebits) - 1)
+    return p + ebits, 1, False
+
+
+@njit(**_NOGIL)
+def _symbols(words, bs, n, ebits, table, word_start, luts, mluts, sym, xexp, stats):
+    """Decode every coded block's symbols. stats[b] = (zeros, escapes, end bit, error).
+
+    The lock-step loop breaks out only for escapes and invalid codes (flagged by the
+    sign bit), which keeps it free of stores that depend on a branch."""
+    coded = np.nonzero(table != RAW_BLOCK)[0]
+    nc = coded.shape[0]
+    P = np.zeros(LANES, np.int64)
+    Kk = np.zeros(LANES, np.int64)
+    Z = np.zeros(LANES, np.int64)
+    X = np.zeros(LANES, np.int64)
+    for g in range(0, nc, LANES):
+        m = min(LANES, nc - g)
+        bad = False
+        for q in range(m):
+            P[q] = word_start[coded[g + q]] * 32
+            Kk[q] = 0
+            Z[q] = 0
+            X[q] = 0
+        if m == LANES:
+            b0, b1, b2, b3 = coded[g], coded[g + 1], coded[g + 2], coded[g + 3]
+            t0, t1, t2, t3 = mluts[table[b0]], mluts[table[b1]], mluts[table[b2]], mluts[table[b3]]
+            s0, s1, s2, s3 = b0 * bs, b1 * bs, b2 * bs, b3 * bs
+            p0, p1, p2, p3 = P[0], P[1], P[2], P[3]
+            k0 = k1 = k2 = k3 = np.int64(0)
+            z = np.int64(0)
+            x = np.int64(0)
+            lim = min(bs, n - b3 * bs) - 3
+            while k0 < lim and k1 < lim and k2 < lim and k3 < lim and not bad:
+                e0 = e1 = e2 = e3 = np.int64(0)
+                while k0 < lim and k1 < lim and k2 < lim and k3 < lim:
+                    p0, k0, e0 = _multi(words, t0, sym, s0, p0, k0)
+                    p1, k1, e1 = _multi(words, t1, sym, s1, p1, k1)
+                    p2, k2, e2 = _multi(words, t2, sym, s2, p2, k2)
+                    p3, k3, e3 = _multi(words, t3, sym, s3, p3, k3)
+                    z += ((e0 >> 24) & 3) + ((e1 >> 24) & 3) + ((e2 >> 24) & 3) + ((e3 >> 24) & 3)
+                    if (e0 | e1 | e2 | e3) < 0:
+                        break
+                p0, d0, f0 = _special(words, e0, p0, k0, s0, ebits, xexp)
+                p1, d1, f1 = _special(words, e1, p1, k1, s1, ebits, xexp)
+                p2, d2, f2 = _special(words, e2, p2, k2, s2, ebits, xexp)
+                p3, d3, f3 = _special(words, e3, p3, k3, s3, ebits, xexp)
+                X[0] += d0
+                X[1] += d1
+                X[2] += d2
+                X[3] += d3
+                bad = f0 or f1 or f2 or f3
+            P[0], P[1], P[2], P[3] = p0, p1, p2, p3
+            Kk[0], Kk[1], Kk[2], Kk[3] = k0, k1, k2, k3
+            Z[0] = z  # zeros are checked per block below from the symbols themselves
+        for q in range(m):
+            b = coded[g + q]
+            nv = min(bs, n - b * bs)
+            p, k, x = P[q], Kk[q], X[q]
+            ml, sl = mluts[table[b]], luts[table[b]]
+            s = b * bs
+            while k + 3 <= nv and not bad:
+                p, k, e = _multi(words, ml, sym, s, p, k)
+                p, d, bad = _special(words, e, p, k, s, ebits, xexp)
+                x += d
+            while k < nv and not bad:
+                e = sl[_peek(words, p) & ((1 << MAXLEN) - 1)]
+                sym[s + k] = e & 255
+                p += e >> 8
+                k += 1
+                bad = (e >> 8) == 0
+                if (e & 255) == 1:
+                    xexp[s + k - 1] = _peek(words, p) & ((1 << ebits) - 1)
+                    p += ebits
+                    x += 1
+            stats[b, 1] = x
+            stats[b, 2] = p
+            stats[b, 3] = bad
+
+
+@njit(**_NOGIL)
+def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, itemsize, ref, table, nzero,
+             word_start, rest_start, stats, out):
+    """Join exponents and sign+mantissa bytes into ``out``; returns 0 or an error code."""
+    emax = (1 << ebits) - 1
+    mmask = (1 << mbits) - 1
+    for b in range(ref.shape[0]):
+        lo = b * bs
+        nv = min(n, lo + bs) - lo
+        j = rest_start[b]
+        if table[b] == RAW_BLOCK:
+            for i in range(nv):
+                v = np.int64(0)
+                for k in range(itemsize):
+                    v |= np.int64(rest[j + itemsize * i + k]) << (8 * k)
+                out[lo + i] = v
+            continue
+        if stats[b, 3] or stats[b, 2] > word_start[b + 1] * 32:
+            return -1
+        zeros = 0
+        sb = sym[lo:lo + nv]
+        for i in range(nv):
+            zeros += sb[i] == 0
+        if zeros != nzero[b]:
+            return -3
+        r = np.int64(ref[b])
+        if zeros == 0 and r >= 26 and r + 3 <= emax:
+            base = r - 28  # every symbol but an escape is an offset: no branches, so this vectorizes
+            ob, sb, rb = out[lo:lo + nv], sym[lo:lo + nv], rest[j:j + nv * rest_bytes]
+            if rest_bytes == 1:
+                for i in range(nv):
+                    rv = np.int64(rb[i])
+                    ob[i] = (rv & mmask) | ((np.int64(sb[i]) + base) << mbits) | ((rv >> mbits) << (mbits + ebits))
+            else:
+                for i in range(nv):
+                    rv = np.int64(rb[3 * i]) | (np.int64(rb[3 * i + 1]) << 8) | (np.int64(rb[3 * i + 2]) << 16)
+                    ob[i] = (rv & mmask) | ((np.int64(sb[i]) + base) << mbits) | ((rv >> mbits) << (mbits + ebits))
+            if stats[b, 1]:
+                for i in range(lo, lo + nv):
+                    if sym[i] == 1:
+                        out[i] = (np.int64(out[i]) & ~(emax << mbits)) | (np.int64(xexp[i]) << mbits)
+            continue
+        for i in range(lo, lo + nv):
+            s = sym[i]
+            if s == 0:
+                out[i] = 0
+                continue
+            if s == 1:
+                ex = np.int64(xexp[i])
+            else:
+                ex = r + s - 28
+                if ex < 0 or ex > emax:
+                    return -2
+            rv = np.int64(0)
+            for k in range(rest_bytes):
+                rv |= np.int64(rest[j]) << (8 * k)
+                j += 1
+            out[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
+    return 0
+
+
+@njit(**_NOGIL)
+def _decode_inline(stream, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, itemsize, ref, table, nzero,
             word_start, rest_start, luts, out):
-    """Decode every block into ``out`` (integer view); returns 0 or a negative error code."""
+    """fp16 decoder (codes interleave with inline bits): one symbol per lookup; 0 or an error code.
+
+    The bit reader refills 32 bits at a time, which keeps at least 32 bits
+    buffered: enough for the longest element (12-bit code, escape, inline bits).
+    """
     emax = (1 << ebits) - 1
     mask = (1 << 12) - 1
     imask = (1 << inline_bits) - 1
-    nbytes = stream.shape[0]
+    mmask = (1 << mbits) - 1
+    dtab = np.zeros(32, dtype=np.int64)
     for b in range(ref.shape[0]):
         lo = b * bs
         hi = min(n, lo + bs)
@@ -208,50 +446,56 @@ def _decode(stream, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, itemsize
                 out[i] = v
             continue
         r = np.int64(ref[b])
-        pos = word_start[b] * 4          # next byte to load
+        for sym in range(2, 32):
+            e = r + sym - 28
+            dtab[sym] = e << mbits if 0 <= e <= emax else -1
+        pos = word_start[b] * 4          # next stream byte to load
         end = word_start[b + 1] * 4
         acc = np.int64(0)
-        have = 0
+        have = np.int64(0)
         zeros = 0
+        rest_end = rest_start[b + 1]
         for i in range(lo, hi):
-            while have <= 48 and pos < end:
-                acc |= np.int64(stream[pos]) << have
-                pos += 1
-                have += 8
+            if have < 32 and pos < end:
+                acc |= (np.int64(stream[pos]) | (np.int64(stream[pos + 1]) << 8) | (np.int64(stream[pos + 2]) << 16)
+                        | (np.int64(stream[pos + 3]) << 24)) << have
+                pos += 4
+                have += 32
             entry = luts[t, acc & mask]
             ln = entry >> 8
-            if ln == 0 or ln > have:
-                return -1
             s = entry & 255
             acc >>= ln
             have -= ln
-            if s == 0:
+            if s >= 2:
+                ebits_val = dtab[s]
+                if ebits_val < 0:
+                    return -2
+            elif s == 0:
+                if ln == 0:
+                    return -1
                 out[i] = 0
                 zeros += 1
                 continue
-            if s == 1:
-                if have < ebits:
-                    return -1
-                e = acc & emax
+            else:
+                ebits_val = (acc & emax) << mbits
                 acc >>= ebits
                 have -= ebits
+            if j >= rest_end:
+                return -3
+            if rest_bytes == 1:
+                rv = np.int64(rest[j])
             else:
-                e = r + s - 28
-                if e < 0 or e > emax:
-                    return -2
-            rv = np.int64(0)
-            for k in range(rest_bytes):
-                rv |= np.int64(rest[j]) << (8 * k)
-                j += 1
+                rv = np.int64(rest[j]) | (np.int64(rest[j + 1]) << 8) | (np.int64(rest[j + 2]) << 16)
+            j += rest_bytes
             if inline_bits:
-                if have < inline_bits:
-                    return -1
                 rv |= (acc & imask) << (8 * rest_bytes)
                 acc >>= inline_bits
                 have -= inline_bits
-            out[i] = (rv & ((1 << mbits) - 1)) | (e << mbits) | ((rv >> mbits) << (mbits + ebits))
-        if zeros != nzero[b]:
-            return -3
+            out[i] = (rv & mmask) | ebits_val | ((rv >> mbits) << (mbits + ebits))
+            if have < 0:
+                return -1
+        if zeros != nzero[b] or have < 0:
+            return -3 if have >= 0 else -1
     return 0
 
 
@@ -262,14 +506,27 @@ _ERRORS = {-1: "invalid or truncated code in an exponent stream", -2: "decoded e
 def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     p = parse_lossless(packet)
     layout, h = p.layout, p.header
+    n, bs = h.numel, h.block_size
     buf = packet.numpy()
-    stream = buf[p.stream_offset:p.rest_offset]
     rest = buf[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
     luts = T.decode_luts(p.lengths).astype(np.int64) if len(p.lengths) else np.zeros((1, 1 << MAXLEN), np.int64)
     view = _int_view(out)
-    err = _decode(stream, rest, h.block_size, h.numel, layout.mbits, layout.ebits, layout.rest_bytes,
-                  layout.inline_bits, layout.itemsize, p.ref, p.table, p.nzero, p.word_start, p.rest_start,
-                  luts, view)
+    if layout.inline_bits:
+        err = _decode_inline(buf[p.stream_offset:p.rest_offset], rest, bs, n, layout.mbits, layout.ebits,
+                             layout.rest_bytes, layout.inline_bits, layout.itemsize, p.ref, p.table, p.nzero,
+                             p.word_start, p.rest_start, luts, view)
+    else:
+        # Aligned copy of the streams with zero padding: a corrupt stream may read past its
+        # block by at most one element's worth of lookups per symbol, never past the padding.
+        nw = int(p.word_start[-1])
+        words = np.zeros(nw + 2 + (MAXLEN + layout.ebits) * bs // 32, np.uint32)
+        words[:nw] = buf[p.stream_offset:p.rest_offset].view(np.uint8).copy().view(np.uint32) if nw else 0
+        sym = np.empty(n + 4, np.uint8)
+        xexp = np.zeros(n + 4, np.uint8)
+        stats = np.zeros((len(p.ref), 4), np.int64)
+        _symbols(words, bs, n, layout.ebits, p.table, p.word_start, luts, _multi_luts(luts), sym, xexp, stats)
+        err = _compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize,
+                       p.ref, p.table, p.nzero, p.word_start, p.rest_start, stats, view)
     if err:
         raise FormatError(_ERRORS[err])
     return out

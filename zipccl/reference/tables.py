@@ -10,6 +10,7 @@ produces the same bytes.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from ..errors import FormatError
 from ..format import MAXLEN, NSYM, SYM_ESC, SYM_ZERO, TABLE_BYTES, FloatLayout
@@ -23,36 +24,55 @@ def limited_lengths(freqs, maxlen: int = MAXLEN) -> np.ndarray:
     Ties are broken by symbol number and leaves sort before packages of equal
     weight, which makes the result a pure function of ``freqs``.
     """
-    freqs = [int(f) for f in freqs]
-    active = [s for s, f in enumerate(freqs) if f > 0]
-    lengths = np.zeros(len(freqs), dtype=np.int64)
-    if len(active) == 1:
-        lengths[active[0]] = 1
-    if len(active) <= 1:
-        return lengths
-    if len(active) > (1 << maxlen):
+    freqs = np.asarray(freqs, dtype=np.int64)
+    if np.count_nonzero(freqs) > (1 << maxlen):
         raise ValueError("too many symbols for the length limit")
-    leaves = sorted(((freqs[s], s) for s in active))
-    leaf_items = []
-    for w, s in leaves:
-        members = np.zeros(len(freqs), dtype=np.int64)
-        members[s] = 1
-        leaf_items.append((w, members))
-    items = list(leaf_items)
+    return _package_merge(freqs, maxlen)
+
+
+@njit(cache=True)
+def _package_merge(freqs, maxlen):
+    n = freqs.shape[0]
+    lengths = np.zeros(n, dtype=np.int64)
+    active = np.nonzero(freqs)[0]
+    m = active.shape[0]
+    if m == 1:
+        lengths[active[0]] = 1
+    if m <= 1:
+        return lengths
+    order = active[np.argsort(freqs[active], kind="mergesort")]  # stable: ties by symbol
+    leaf_w = freqs[order]
+    # An item is a weight plus how many times each symbol occurs in it.
+    cap = 2 * m
+    w = np.zeros(cap, dtype=np.int64)
+    members = np.zeros((cap, n), dtype=np.int64)
+    count = m
+    for i in range(m):
+        w[i] = leaf_w[i]
+        members[i, order[i]] = 1
     for _ in range(maxlen - 1):
-        packages = [(items[i][0] + items[i + 1][0], items[i][1] + items[i + 1][1])
-                    for i in range(0, len(items) - 1, 2)]
-        merged, i, j = [], 0, 0
-        while i < len(leaf_items) or j < len(packages):
-            if j >= len(packages) or (i < len(leaf_items) and leaf_items[i][0] <= packages[j][0]):
-                merged.append(leaf_items[i])
+        npk = count // 2
+        pw = np.empty(npk, dtype=np.int64)
+        pm = np.empty((npk, n), dtype=np.int64)
+        for k in range(npk):
+            pw[k] = w[2 * k] + w[2 * k + 1]
+            pm[k] = members[2 * k] + members[2 * k + 1]
+        i = 0
+        k = 0
+        count = 0
+        while i < m or k < npk:
+            if k >= npk or (i < m and leaf_w[i] <= pw[k]):
+                w[count] = leaf_w[i]
+                members[count] = 0
+                members[count, order[i]] = 1
                 i += 1
             else:
-                merged.append(packages[j])
-                j += 1
-        items = merged
-    for _, members in items[: 2 * len(active) - 2]:
-        lengths += members
+                w[count] = pw[k]
+                members[count] = pm[k]
+                k += 1
+            count += 1
+    for i in range(2 * m - 2):
+        lengths += members[i]
     return lengths
 
 
@@ -88,7 +108,8 @@ def choose_tables(hist: np.ndarray, ntables: int, layout: FloatLayout):
     each block to its cheapest table (ties to the lowest id).
     """
     nblocks = hist.shape[0]
-    order = sorted(range(nblocks), key=lambda b: (int(hist[b, 28]) * 65536 // max(1, int(hist[b].sum())), b))
+    peak = hist[:, 28] * 65536 // np.maximum(1, hist.sum(axis=1))
+    order = np.argsort(peak, kind="stable")  # ties by block number
     assign = np.zeros(nblocks, dtype=np.int64)
     for g in range(ntables):
         assign[order[g * nblocks // ntables:(g + 1) * nblocks // ntables]] = g
