@@ -63,8 +63,9 @@ class Raw:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x)
-        header = F.Header(F.CODEC_RAW, x.dtype, x.numel())
-        return assemble(header, [x.reshape(-1).view(torch.uint8)])
+        data = x.reshape(-1).view(torch.uint8)
+        empty = data[:0]
+        return assemble(F.Header(F.CODEC_RAW, x.dtype, x.numel()), [empty, empty, empty, data])
 
     def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_packet(packet)

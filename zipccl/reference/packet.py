@@ -22,6 +22,7 @@ from .tables import unpack_tables
 def assemble(header: Header, sections: list[torch.Tensor]) -> torch.Tensor:
     """Header followed by the sections, as one uint8 tensor on the sections' device."""
     sizes = tuple(int(s.numel()) for s in sections)
+    assert len(sizes) == 4, "a packet has four sections (empty ones included)"
     header = Header(header.codec, header.dtype, header.numel, header.flags, header.block_size,
                     header.ntables, header.nsym, header.maxlen, sizes, 0)
     device = sections[0].device if sections else torch.device("cpu")

@@ -1,0 +1,251 @@
+"""The lossless and raw codecs: bit-exactness, reference equality, size bound, untrusted packets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import zipccl
+from zipccl import format as F
+from zipccl.codecs import Lossless, Raw, packet_size
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+BS = 256  # small blocks so that multi-block cases stay fast in the reference
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1).view(INT[x.dtype])
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.numel() == b.numel()
+    assert torch.equal(bits(a), bits(b))
+
+
+def make(kind: str, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "gauss":
+        x = torch.randn(n, generator=g)
+    elif kind == "laplace":
+        x = torch.distributions.Laplace(0.0, 1e-3).sample((n,))
+    elif kind == "zeros":
+        x = torch.zeros(n)
+    elif kind == "equal":
+        x = torch.full((n,), 0.375)
+    elif kind == "mixed":  # wide exponent range, exact zeros, tiny values: escapes everywhere
+        x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-40, 4, (n,), generator=g).float()
+        x[torch.rand(n, generator=g) < 0.2] = 0.0
+    elif kind == "random_bits":  # incompressible: every bit pattern
+        ib = torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int32)
+        if dtype == torch.float32:
+            ib = torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+            return ib.view(torch.float32)
+        return ib.to(torch.int16).view(dtype)
+    else:
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+KINDS = ["gauss", "laplace", "zeros", "equal", "mixed", "random_bits"]
+SIZES = [0, 1, BS - 1, BS, BS + 1, 5 * BS + 77]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", SIZES)
+def test_numba_matches_reference(dtype, kind, n):
+    """Invariant 2: byte-identical packets and identical decoded bits across implementations."""
+    x = make(kind, n, dtype)
+    ref, fast = Lossless("reference", block_size=BS), Lossless("numba", block_size=BS)
+    p_ref, p_fast = ref.encode(x), fast.encode(x)
+    assert torch.equal(p_ref, p_fast)
+    assert p_fast.numel() <= fast.max_encoded_size(n, dtype)
+    for impl in (ref, fast):
+        assert_same_bits(impl.decode(p_ref), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_every_16bit_pattern_roundtrips(dtype):
+    """All 65536 patterns: ±0, subnormals, ±inf, every NaN payload."""
+    x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    codec = Lossless()
+    assert_same_bits(codec.decode(codec.encode(x)), x)
+    shuffled = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(1))]
+    assert_same_bits(codec.decode(codec.encode(shuffled)), shuffled)
+
+
+def test_fp32_special_values():
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45,
+                             1.17549435e-38, 3.4028235e38, -3.4028235e38, 1.0, -2.5])
+    payload_nans = torch.tensor([0x7F800001, 0x7FC00001, 0xFFFFFFFF, 0x7FBFFFFF], dtype=torch.int64)
+    x = torch.cat([specials, payload_nans.to(torch.int32).view(torch.float32)]).repeat(100)
+    for impl in ("reference", "numba"):
+        codec = Lossless(impl, block_size=BS)
+        assert_same_bits(codec.decode(codec.encode(x)), x)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=700),
+       dtype=st.sampled_from(DTYPES), scale=st.integers(0, 31))
+def test_random_bit_patterns_roundtrip(data, dtype, scale):
+    """Hypothesis: arbitrary bit patterns, with the high bits shifted down to vary exponents."""
+    arr = np.array(data, dtype=np.uint64) >> np.uint64(scale)
+    if dtype == torch.float32:
+        x = torch.from_numpy(arr.astype(np.uint32).view(np.int32)).view(torch.float32)
+    else:
+        x = torch.from_numpy((arr & np.uint64(0xFFFF)).astype(np.uint16).view(np.int16)).view(dtype)
+    codec = Lossless(block_size=BS)
+    p = codec.encode(x)
+    assert p.numel() <= codec.max_encoded_size(x.numel(), dtype)
+    assert_same_bits(codec.decode(p), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_real_gradients_ratio_and_reference(real_grads, dtype):
+    """On the real bucket: bit-exact, and the numba packet equals the reference on a slice."""
+    x = real_grads.to(dtype)
+    codec = Lossless()
+    p = codec.encode(x)
+    assert_same_bits(codec.decode(p), x)
+    ratio = p.numel() / (x.numel() * x.element_size())
+    assert ratio <= {torch.bfloat16: 0.675, torch.float16: 0.85, torch.float32: 0.835}[dtype]
+    part = x[1_000_000:1_000_000 + 20_000]
+    assert torch.equal(Lossless("reference").encode(part), codec.encode(part))
+
+
+def test_gaussian_bf16_ratio():
+    x = make("gauss", 1 << 20, torch.bfloat16) * 0.02
+    p = Lossless().encode(x)
+    assert p.numel() / (x.numel() * 2) <= 0.67
+
+
+def test_incompressible_stays_within_bound_and_raw_blocks_used():
+    x = make("random_bits", 10_000, torch.bfloat16)
+    codec = Lossless()
+    p = codec.encode(x)
+    assert p.numel() <= codec.max_encoded_size(x.numel(), x.dtype)
+    assert p.numel() - x.numel() * 2 <= F.HEADER_SIZE + F.TABLE_BYTES + 3 * F.INDEX_ENTRY
+
+
+def test_decode_into_out_and_layouts():
+    x = make("gauss", 3000, torch.bfloat16).reshape(30, 100)
+    codec = Lossless()
+    p = codec.encode(x)
+    assert p.dtype == torch.uint8 and p.dim() == 1
+    out = torch.empty(60, 50, dtype=torch.bfloat16)
+    y = codec.decode(p, out=out)
+    assert y.data_ptr() == out.data_ptr() and y.shape == (3000,)
+    assert_same_bits(out, x)
+    with pytest.raises(ValueError):
+        codec.decode(p, out=torch.empty(2999, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        codec.decode(p, out=torch.empty(3000, dtype=torch.float16))
+
+
+def test_unsupported_inputs():
+    codec = Lossless()
+    with pytest.raises(zipccl.UnsupportedError, match="bfloat16"):
+        codec.encode(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(zipccl.UnsupportedError, match="contiguous"):
+        codec.encode(torch.zeros(4, 4)[:, 1])
+    with pytest.raises(zipccl.UnsupportedError):
+        Raw().encode(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(zipccl.UnsupportedError, match="numba"):
+        Lossless("numba").encode(torch.zeros(4, device="meta"))
+    with pytest.raises(ValueError):
+        Lossless(impl="fast")
+    with pytest.raises(ValueError):
+        Lossless(block_size=1000)
+    assert issubclass(zipccl.FormatError, zipccl.ZipcclError)
+
+
+@pytest.mark.parametrize("codec", [Raw(), Lossless(block_size=BS), Lossless(block_size=BS, checksum=True)], ids=repr)
+def test_truncated_to_reported_size_decodes(codec):
+    x = make("mixed", 2000, torch.bfloat16)
+    p = codec.encode(x)
+    padded = torch.cat([p, torch.full((37,), 0xAB, dtype=torch.uint8)])
+    assert packet_size(padded) == p.numel()
+    assert_same_bits(codec.decode(padded[:packet_size(padded)]), x)
+    assert_same_bits(codec.decode(padded), x)  # trailing bytes past the reported size are ignored
+    for cut in (0, 10, F.HEADER_SIZE, p.numel() // 2, p.numel() - 1):
+        with pytest.raises(zipccl.FormatError):
+            codec.decode(p[:cut].clone())
+
+
+def _corrupt(p: torch.Tensor, offset: int, value: int) -> torch.Tensor:
+    q = p.clone()
+    q[offset] = value
+    return q
+
+
+@pytest.mark.parametrize("impl", ["reference", "numba"])
+def test_corrupt_headers_raise(impl):
+    codec = Lossless(impl, block_size=BS)
+    p = codec.encode(make("gauss", 1500, torch.float32))
+    with pytest.raises(zipccl.FormatError, match="magic"):
+        codec.decode(_corrupt(p, 0, ord("X")))
+    for off in range(4, F.HEADER_SIZE):  # every header byte is covered by the header CRC
+        with pytest.raises(zipccl.FormatError):
+            codec.decode(_corrupt(p, off, int(p[off]) ^ 0x10))
+    with pytest.raises(zipccl.FormatError):
+        Raw().decode(p)  # a lossless packet is not a raw packet
+    with pytest.raises(zipccl.FormatError):
+        codec.decode(torch.zeros(10, dtype=torch.float32).view(torch.uint8))
+
+
+def _rewrite_header(p: torch.Tensor, **changes) -> torch.Tensor:
+    """A packet whose header is re-signed after a change: only deeper validation can catch it."""
+    h = F.parse_header(p[:F.HEADER_SIZE].numpy().tobytes(), None, p.numel())
+    fields = {**h.__dict__, **changes}
+    q = p.clone()
+    q[:F.HEADER_SIZE] = torch.frombuffer(bytearray(F.Header(**fields).pack()), dtype=torch.uint8)
+    return q
+
+
+@pytest.mark.parametrize("impl", ["reference", "numba"])
+def test_inconsistent_sections_raise(impl):
+    codec = Lossless(impl, block_size=BS)
+    p = codec.encode(make("mixed", 1500, torch.bfloat16))
+    h = F.parse_header(p[:F.HEADER_SIZE].numpy().tobytes(), None, p.numel())
+    s0, s1, s2, s3 = h.sections
+    bad = [dict(numel=h.numel + 1), dict(numel=h.numel + BS), dict(block_size=BS * 2), dict(block_size=300),
+           dict(sections=(s0, s1, s2 + 4, s3 - 4)), dict(sections=(s0, s1, s2 - 4, s3 + 4)),
+           dict(sections=(s0 + 16, s1, s2, s3)), dict(ntables=h.ntables + 1), dict(dtype=torch.float16)]
+    for change in bad:
+        with pytest.raises(zipccl.FormatError):
+            codec.decode(_rewrite_header(p, **change))
+
+
+@pytest.mark.parametrize("impl", ["reference", "numba"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_payload_bit_flips_never_crash(impl, dtype):
+    """Without checksum a flipped payload bit either raises FormatError or decodes to some floats
+    of the right size (never a crash or a write outside ``out``); with checksum it always raises."""
+    x = make("mixed", 1200, dtype)
+    plain, checked = Lossless(impl, block_size=BS), Lossless(impl, block_size=BS, checksum=True)
+    p, pc = plain.encode(x), checked.encode(x)
+    rng = np.random.default_rng(0)
+    guard = torch.full((x.numel() + 64,), 7, dtype=INT[dtype])
+    for off in rng.integers(F.HEADER_SIZE, p.numel(), 25 if impl == "numba" else 6):
+        for bit in (0, 5):
+            q = _corrupt(p, int(off), int(p[off]) ^ (1 << bit))
+            out = guard.clone()
+            try:
+                plain.decode(q, out=out[:x.numel()].view(dtype))
+            except zipccl.FormatError:
+                pass
+            assert torch.equal(out[x.numel():], guard[x.numel():])
+            qc = _corrupt(pc, int(off), int(pc[off]) ^ (1 << bit))
+            with pytest.raises(zipccl.FormatError):
+                checked.decode(qc)
+
+
+def test_raw_codec_roundtrip_and_bound():
+    for dtype in DTYPES:
+        x = make("random_bits", 1001, dtype)
+        p = Raw().encode(x)
+        assert p.numel() == Raw().max_encoded_size(1001, dtype)
+        assert_same_bits(Raw().decode(p), x)
