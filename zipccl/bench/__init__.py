@@ -1,0 +1,1 @@
+"""Installed command-line tools: codec benchmark, zipccl-perf, network lab."""

@@ -1,0 +1,185 @@
+"""Codec benchmark: zipccl lossless against ZipNN, zstd and memcpy, in one run.
+
+    python -m zipccl.bench.codec [--size N] [--repeat R] [--json FILE]
+
+Every codec sees the same bytes: bf16, fp16 and fp32 views of the real
+gradient bucket in ../shared/data, gradients of a small model this script
+trains for a few steps, and Gaussian and Laplace data. Throughput is the
+median of R runs on one thread, in GB/s of uncompressed bytes (GB = 1e9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..codecs import Lossless
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ZIPNN_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "grads_step050_bucket0_fp32.npy"
+
+
+def train_small_model_grads(steps: int = 6, seed: int = 0) -> torch.Tensor:
+    """Gradients (fp32, one flat bucket) of a small byte-level transformer after a few Adam steps
+    on the Python standard library's own source, which exists on every machine."""
+    import inspect
+    import json as _json
+    torch.manual_seed(seed)
+    text = (inspect.getsource(_json) + inspect.getsource(argparse) + inspect.getsource(inspect)).encode()
+    data = torch.tensor(list(text), dtype=torch.long)
+    d, ctx, vocab = 128, 64, 256
+    layer = torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+    model = torch.nn.ModuleDict(dict(emb=torch.nn.Embedding(vocab, d), pos=torch.nn.Embedding(ctx, d),
+                                     body=torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                                     head=torch.nn.Linear(d, vocab)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(ctx)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - ctx - 1, (8,), generator=g)
+        x = torch.stack([data[s:s + ctx] for s in starts])
+        y = torch.stack([data[s + 1:s + ctx + 1] for s in starts])
+        h = model["emb"](x) + model["pos"](torch.arange(ctx))
+        logits = model["head"](model["body"](h, mask=mask, is_causal=True))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def datasets(size: int | None, data_file: Path | None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Named fp32 tensors; each is cut (or tiled) to ``size`` elements when given."""
+    g = torch.Generator().manual_seed(seed)
+    n = size or 4 * 1024 * 1024
+    out = {}
+    if data_file and data_file.exists():
+        out["grads_step050"] = torch.from_numpy(np.load(data_file))
+    out["small_gpt_grads"] = train_small_model_grads()
+    out["gaussian"] = torch.randn(n, generator=g) * 0.02
+    out["laplace"] = torch.distributions.Laplace(0.0, 0.01).sample((n,))
+    if size:
+        out = {k: v.repeat(-(-size // v.numel()))[:size] for k, v in out.items()}
+    return out
+
+
+def _median_time(fn, repeat: int, setup=None) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeat):
+        arg = setup() if setup else None
+        t = time.perf_counter()
+        result = fn(arg) if setup else fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)), result
+
+
+def codecs(dtype_name: str, include_zipnn: bool, include_zstd: bool):
+    """(name, encode(bytes-like tensor) -> packet, decode(packet) -> bytes-like, needs_fresh_copy)."""
+    dtype = DTYPES[dtype_name]
+    z = Lossless()
+    yield "zipccl-lossless", (lambda x: z.encode(x)), (lambda p: z.decode(p)), False
+    if include_zipnn:
+        try:
+            import zipnn
+        except ImportError:
+            print("# zipnn not installed: skipped (pip install zipnn)", file=sys.stderr)
+        else:
+            for threads, label in ((1, "zipnn-1thread"), (0, "zipnn-default")):
+                zn = zipnn.ZipNN(input_format="byte", bytearray_dtype=ZIPNN_DTYPE[dtype_name], threads=threads)
+                yield label, zn.compress, zn.decompress, True
+    if include_zstd:
+        try:
+            import zstandard
+        except ImportError:
+            print("# zstandard not installed: skipped", file=sys.stderr)
+        else:
+            for level in (1, 3):
+                c, d = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+                yield f"zstd-{level}", c.compress, d.decompress, False
+    yield "memcpy", (lambda b: bytearray(b)), (lambda p: bytearray(p)), False
+
+
+def run(size: int | None, repeat: int, data_file: Path | None, dtypes: list[str], zipnn: bool = True,
+        zstd: bool = True) -> list[dict]:
+    torch.set_num_threads(1)
+    rows = []
+    for data_name, base in datasets(size, data_file).items():
+        for dt in dtypes:
+            x = base.to(DTYPES[dt]).contiguous()
+            raw = x.view(torch.uint8).numpy().tobytes()
+            nbytes = len(raw)
+            for name, enc, dec, fresh in codecs(dt, zipnn, zstd):
+                print(f"# {data_name} {dt} {name} ...", file=sys.stderr, flush=True)
+                if name == "zipccl-lossless":
+                    enc_arg, check = x, (lambda y: torch.equal(y.view(torch.uint8), x.view(torch.uint8)))
+                else:
+                    enc_arg, check = raw, (lambda y: bytes(y) == raw)
+                # ZipNN modifies a bytes input in place for bf16/fp32: a fresh copy per run, untimed.
+                setup = (lambda: bytearray(raw)) if fresh else None
+                dec(enc(bytearray(raw) if fresh else enc_arg))  # warm-up: JIT compilation, allocator
+                t_enc, packet = _median_time((lambda a=None: enc(a if fresh else enc_arg)), repeat, setup)
+                t_dec, decoded = _median_time(lambda: dec(packet), repeat)
+                size_out = packet.numel() if isinstance(packet, torch.Tensor) else len(packet)
+                rows.append(dict(data=data_name, dtype=dt, codec=name, bytes=nbytes, ratio=size_out / nbytes,
+                                 encode_GBps=nbytes / t_enc / 1e9, decode_GBps=nbytes / t_dec / 1e9,
+                                 roundtrip_ok=bool(check(decoded))))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'data':<16} {'dtype':<5} {'codec':<16} {'MB':>7} {'ratio':>7} {'enc GB/s':>9} {'dec GB/s':>9} ok"]
+    for r in rows:
+        lines.append(f"{r['data']:<16} {r['dtype']:<5} {r['codec']:<16} {r['bytes'] / 1e6:7.2f} {r['ratio']:7.4f} "
+                     f"{r['encode_GBps']:9.3f} {r['decode_GBps']:9.3f} {'yes' if r['roundtrip_ok'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def speedups(rows: list[dict], baseline: str = "zipnn-1thread") -> str:
+    """zipccl lossless relative to ``baseline`` on the same data and dtype, from the same run."""
+    out = []
+    for r in rows:
+        if r["codec"] != "zipccl-lossless":
+            continue
+        b = next((s for s in rows if s["codec"] == baseline and s["data"] == r["data"] and s["dtype"] == r["dtype"]), None)
+        if b:
+            out.append(f"# {r['data']} {r['dtype']}: ratio {r['ratio']:.4f} vs {b['ratio']:.4f}, encode "
+                       f"{r['encode_GBps'] / b['encode_GBps']:.2f}x, decode {r['decode_GBps'] / b['decode_GBps']:.2f}x "
+                       f"{baseline}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="zipccl-codec-bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=int, default=None, help="elements per dataset (default: each dataset's own size)")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per measurement; the median is reported")
+    ap.add_argument("--data", type=Path, default=Path(os.environ.get("ZIPCCL_DATA", DEFAULT_DATA.parent))
+                    / DEFAULT_DATA.name if os.environ.get("ZIPCCL_DATA") else DEFAULT_DATA,
+                    help="a .npy of fp32 gradients (default: ../shared/data/grads_step050_bucket0_fp32.npy)")
+    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
+    ap.add_argument("--no-zipnn", action="store_true")
+    ap.add_argument("--no-zstd", action="store_true")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    if any(d not in DTYPES for d in dtypes) or args.repeat < 1:
+        ap.error(f"--dtypes takes a comma list of {', '.join(DTYPES)}; --repeat >= 1")
+    if not args.data.exists():
+        print(f"# {args.data} not found: benchmarking without the real gradient bucket", file=sys.stderr)
+    rows = run(args.size, args.repeat, args.data, dtypes, not args.no_zipnn, not args.no_zstd)
+    print(format_table(rows))
+    print(speedups(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["roundtrip_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
