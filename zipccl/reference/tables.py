@@ -9,6 +9,8 @@ produces the same bytes.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 from numba import njit
 
@@ -78,6 +80,11 @@ def _package_merge(freqs, maxlen):
 
 def canonical_codes(lengths) -> np.ndarray:
     """Canonical prefix codes, bit-reversed so that they are written LSB first."""
+    return _canonical_codes(tuple(int(v) for v in lengths)).copy()
+
+
+@lru_cache(maxsize=1024)  # tables repeat from packet to packet: data of one shape gives the same lengths
+def _canonical_codes(lengths: tuple) -> np.ndarray:
     lengths = np.asarray(lengths, dtype=np.int64)
     codes = np.zeros(len(lengths), dtype=np.int64)
     code, prev = 0, 0
@@ -141,11 +148,17 @@ def unpack_tables(data: np.ndarray, ntables: int) -> np.ndarray:
 
 def decode_luts(lengths: np.ndarray) -> np.ndarray:
     """(ntables, 2**MAXLEN) int32 lookup: symbol | length << 8 for the next MAXLEN bits; 0 = invalid."""
-    luts = np.zeros((len(lengths), 1 << MAXLEN), dtype=np.int32)
-    for t, lens in enumerate(lengths):
-        codes = canonical_codes(lens)
-        for s in range(NSYM):
-            n = int(lens[s])
-            if n:
-                luts[t, int(codes[s])::1 << n] = s | (n << 8)
-    return luts
+    return np.stack([decode_lut(tuple(int(v) for v in lens)) for lens in lengths]) if len(lengths) \
+        else np.zeros((0, 1 << MAXLEN), np.int32)
+
+
+@lru_cache(maxsize=1024)
+def decode_lut(lengths: tuple) -> np.ndarray:
+    """One table's lookup (cached: treat as read-only)."""
+    lut = np.zeros(1 << MAXLEN, dtype=np.int32)
+    codes = _canonical_codes(lengths)
+    for s in range(NSYM):
+        n = lengths[s]
+        if n:
+            lut[int(codes[s])::1 << n] = s | (n << 8)
+    return lut
