@@ -2,6 +2,9 @@
 
 from .errors import FormatError, MismatchError, UnsupportedError, ZipcclError
 from . import codecs
+from .collectives import all_gather, all_reduce, reduce_scatter
+from .stats import reset_stats, stats
 
 __version__ = "0.1.0"
-__all__ = ["ZipcclError", "FormatError", "MismatchError", "UnsupportedError", "codecs"]
+__all__ = ["ZipcclError", "FormatError", "MismatchError", "UnsupportedError", "codecs",
+           "all_reduce", "reduce_scatter", "all_gather", "stats", "reset_stats"]

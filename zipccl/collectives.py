@@ -1,0 +1,384 @@
+"""Compressed all-reduce, reduce-scatter and all-gather: the only place that knows how bytes move.
+
+Algorithms (DESIGN.md):
+- reduce-scatter: one chunk per rank, each encoded once, an all-to-all of the
+  packets with exact splits, then the received chunks decoded and reduced in
+  rank order (fp32 accumulation for 16-bit types, rounded once);
+- all-gather: the local shard encoded once and sent to every peer (all-to-all
+  with exact splits, so no padding crosses the wire), every peer's packet decoded;
+- all-reduce = reduce-scatter + all-gather of each owner's reduced chunk,
+  encoded once by its owner, so every rank ends with the owner's exact bits.
+
+Before any payload moves, the ranks exchange one small int64 vector per phase:
+an error flag, the call's signature (collective, dtype, numel, op, codec) and
+the packet sizes. A rank whose call is invalid, or ranks that disagree, make
+every rank raise (MismatchError, or the local error on the offending rank)
+instead of hanging in a mismatched collective.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from . import format as F
+from . import stats as _stats
+from .codecs import Lossless, Raw
+from .errors import MismatchError, UnsupportedError
+from .transport import TorchTransport
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "AUTO_MIN_BYTES", "Handle"]
+
+#: "auto" sends messages smaller than this raw (bytes per rank's input); see docs/PERFORMANCE.md.
+AUTO_MIN_BYTES = int(os.environ.get("ZIPCCL_AUTO_MIN_BYTES", 1 << 20))
+
+_OPS = {dist.ReduceOp.SUM: 1, dist.ReduceOp.AVG: 2, dist.ReduceOp.MAX: 3, dist.ReduceOp.MIN: 4}
+_COLLECTIVES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_reduce/gather": 4}
+_FIELDS = ("collective", "dtype", "numel", "op", "codec")
+_RAW, _LOSSLESS = Raw(), Lossless()
+
+
+def resolve_codec(codec, dtype: torch.dtype, nbytes: int):
+    """The codec object for a call, or None for the backend's own collective (non-float dtypes)."""
+    if isinstance(codec, str):
+        if codec not in ("auto", "raw", "lossless"):
+            raise ValueError(f"unknown codec {codec!r}: use 'raw', 'lossless', 'auto' or a codec instance")
+        if dtype not in F.DTYPE_CODES:
+            if codec == "lossless":
+                raise UnsupportedError(f"codec 'lossless' takes {F.SUPPORTED}, not {dtype}")
+            return None
+        if codec == "raw" or (codec == "auto" and nbytes < AUTO_MIN_BYTES):
+            return _RAW
+        return _LOSSLESS
+    if not all(hasattr(codec, m) for m in ("encode", "decode", "max_encoded_size")):
+        raise ValueError(f"codec {codec!r} lacks encode/decode/max_encoded_size")
+    if dtype not in F.DTYPE_CODES:
+        raise UnsupportedError(f"codec {codec!r} takes {F.SUPPORTED}, not {dtype}")
+    return codec
+
+
+def _codec_id(codec) -> int:
+    if codec is None:
+        return 0
+    key = f"{getattr(codec, 'name', type(codec).__name__)}:{getattr(codec, 'block_size', 0)}"
+    return zlib.crc32(key.encode()) & 0x7FFFFFFF
+
+
+def _op_code(op) -> int:
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):
+        raise UnsupportedError(f"reduce op {op} is not supported; zipccl reduces with SUM, AVG, MAX, MIN") from None
+
+
+# ---- one rank-consistent metadata exchange per phase --------------------------------------------------------
+
+class _Call:
+    """The signature of one phase of a call, checked against every rank's."""
+
+    def __init__(self, name: str, dtype: torch.dtype, numel: int, op, codec):
+        self.name = name
+        self.values = [_COLLECTIVES[name], F.DTYPE_CODES.get(dtype, 100 + zlib.crc32(str(dtype).encode()) % 1000),
+                       numel, _OPS.get(op, 0), _codec_id(codec)]
+
+    def exchange(self, t, sizes: list[int], error: Exception | None = None) -> torch.Tensor:
+        """Exchange [error, signature, sizes]; raise the same way on every rank if anything is off.
+        Returns the (ranks, ranks) sizes every rank announced (padded with zeros: every rank's
+        vector has the same length, whatever phase it is in)."""
+        sizes = list(sizes) + [0] * (t.size - len(sizes))
+        mine = torch.tensor([1 if error else 0, *self.values, *sizes], dtype=torch.int64)
+        rows = t.exchange(mine)
+        bad = [r for r in range(t.size) if rows[r, 0]]
+        if error is not None:
+            raise error
+        if bad:
+            raise MismatchError(f"zipccl.{self.name}: rank(s) {bad} made an invalid call (see their error)")
+        for k, field in enumerate(_FIELDS):
+            col = rows[:, 1 + k]
+            if not bool((col == col[0]).all()):
+                groups = {}
+                for r in range(t.size):
+                    groups.setdefault(int(col[r]), []).append(r)
+                shown = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
+                raise MismatchError(f"zipccl.{self.name}: ranks disagree on {field} ({shown})")
+        return rows[:, 1 + len(_FIELDS):]
+
+
+# ---- the algorithms ------------------------------------------------------------------------------------------
+
+def _acc_dtype(dtype):
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _reduce_into(acc: torch.Tensor, x: torch.Tensor, op_code: int) -> None:
+    if op_code in (1, 2):
+        acc.add_(x)
+    elif op_code == 3:
+        torch.maximum(acc, x.to(acc.dtype), out=acc)
+    else:
+        torch.minimum(acc, x.to(acc.dtype), out=acc)
+
+
+def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc: dict) -> torch.Tensor:
+    """chunks: (ranks, m). Returns this rank's reduced chunk (m elements, chunks' dtype)."""
+    n, r = t.size, t.rank
+    op_code = _OPS[op]
+    t0 = time.perf_counter()
+    packets = [codec.encode(chunks[j]) if j != r else chunks[j][:0].view(torch.uint8) for j in range(n)]
+    acc["codec_seconds"] += time.perf_counter() - t0
+    sizes = [p.numel() for p in packets]
+    t0 = time.perf_counter()
+    recv_sizes = call.exchange(t, sizes)[:, r].tolist()
+    recv = t.all_to_all(torch.cat(packets), sizes, recv_sizes)
+    acc["comm_seconds"] += time.perf_counter() - t0
+    acc["wire_bytes"] += sum(sizes)
+    acc["raw_bytes"] += (n - 1) * chunks[0].numel() * chunks.element_size()
+    acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+
+    t0 = time.perf_counter()
+    result = None
+    scratch = torch.empty_like(chunks[0])
+    offset = 0
+    for j in range(n):  # fixed rank order: the same sum on every owner, whatever arrives first
+        if j == r:
+            part = chunks[r]
+        else:
+            part = codec.decode(recv[offset:offset + recv_sizes[j]], out=scratch)
+            offset += recv_sizes[j]
+        if result is None:
+            result = part.to(_acc_dtype(chunks.dtype), copy=True)
+        else:
+            _reduce_into(result, part, op_code)
+    if op_code == 2:
+        result.div_(n)
+    acc["codec_seconds"] += time.perf_counter() - t0
+    return result.to(chunks.dtype)
+
+
+def _all_gather_chunks(t, mine: torch.Tensor, outs: list[torch.Tensor], codec, call: _Call, acc: dict) -> None:
+    """Send ``mine`` to every rank; write rank j's chunk into outs[j] (which may be shorter: padding)."""
+    n, r = t.size, t.rank
+    t0 = time.perf_counter()
+    packet = codec.encode(mine)
+    acc["codec_seconds"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    sizes = call.exchange(t, [packet.numel()])[:, 0].tolist()
+    send_splits = [0 if j == r else packet.numel() for j in range(n)]
+    recv_splits = [0 if j == r else sizes[j] for j in range(n)]
+    recv = t.all_to_all(packet.repeat(n - 1), send_splits, recv_splits)
+    acc["comm_seconds"] += time.perf_counter() - t0
+    acc["wire_bytes"] += (n - 1) * packet.numel()
+    acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
+    acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+
+    t0 = time.perf_counter()
+    offset = 0
+    scratch = None
+    for j in range(n):
+        dest = outs[j]
+        if j == r:
+            dest.copy_(mine[:dest.numel()])
+            continue
+        part = recv[offset:offset + recv_splits[j]]
+        offset += recv_splits[j]
+        if dest.numel() == mine.numel():
+            codec.decode(part, out=dest)  # straight into the caller's buffer
+        else:
+            scratch = codec.decode(part, out=scratch if scratch is not None else torch.empty_like(mine))
+            dest.copy_(scratch[:dest.numel()])
+    acc["codec_seconds"] += time.perf_counter() - t0
+
+
+# ---- validation ----------------------------------------------------------------------------------------------
+
+def _check_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_contiguous():
+        raise UnsupportedError(f"{name} must be contiguous")
+
+
+def _check_device(t, *tensors: torch.Tensor) -> None:
+    devices = {x.device for x in tensors}
+    if len(devices) > 1:
+        raise UnsupportedError(f"tensors are on different devices: {sorted(map(str, devices))}")
+    dev = devices.pop()
+    if isinstance(t, TorchTransport) and t.meta_device.type == "cpu" and dev.type != "cpu":
+        raise UnsupportedError(f"the process group's backend (gloo) takes CPU tensors here, got a tensor on {dev}")
+
+
+def _prepare(name, group, tensors, op, codec, numel, nbytes, check):
+    """Validate locally; any failure still joins the metadata exchange so that no rank hangs."""
+    t = TorchTransport(group)
+    dtype = tensors[-1].dtype if isinstance(tensors[-1], torch.Tensor) else None
+    error, resolved = None, None
+    try:
+        for label, x in zip(("output", "input"), tensors):
+            _check_tensor(label, x)
+        _check_device(t, *tensors)
+        if op is not None:
+            _op_code(op)
+        resolved = resolve_codec(codec, dtype, nbytes)
+        check(t)
+    except (TypeError, ValueError, UnsupportedError) as e:
+        error = e
+    if error is not None:
+        _Call(name, dtype, numel, op, None).exchange(t, [], error)
+    return t, resolved
+
+
+# ---- async execution -----------------------------------------------------------------------------------------
+
+class Handle:
+    """What ``async_op=True`` returns: ``wait()``, ``is_completed()`` and ``get_future()``.
+
+    Async calls run one after another on one background thread per process, in
+    the order they were issued (all ranks must issue them in the same order, as
+    with torch.distributed). Do not issue other collectives on the same group
+    until you have waited for the handle."""
+
+    def __init__(self):
+        self._future = torch.futures.Future()
+
+    def wait(self, timeout=None) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+_queue: queue.Queue | None = None
+_queue_lock = threading.Lock()
+
+
+def _worker(q: queue.Queue) -> None:
+    while True:
+        fn, handle = q.get()
+        try:
+            handle._future.set_result(fn())
+        except BaseException as e:  # surfaced by wait()
+            handle._future.set_exception(e)
+
+
+def _run(fn, async_op: bool):
+    if not async_op:
+        fn()
+        return None
+    global _queue
+    with _queue_lock:
+        if _queue is None:
+            _queue = queue.Queue()
+            threading.Thread(target=_worker, args=(_queue,), daemon=True, name="zipccl-async").start()
+    handle = Handle()
+    _queue.put((fn, handle))
+    return handle
+
+
+def _finish(name, codec, acc):
+    _stats.record(name, getattr(codec, "name", "native") if codec is not None else "native", **acc)
+
+
+def _new_acc():
+    return dict(raw_bytes=0, wire_bytes=0, meta_bytes=0, codec_seconds=0.0, comm_seconds=0.0)
+
+
+# ---- public API ----------------------------------------------------------------------------------------------
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                   async_op: bool = False, *, codec="auto"):
+    """Like ``dist.reduce_scatter_single``: ``input`` holds world-size chunks of ``output.numel()``;
+    rank r receives the reduction of every rank's chunk r in ``output``."""
+    def check(t):
+        if input.dtype != output.dtype:
+            raise ValueError(f"input is {input.dtype} but output is {output.dtype}")
+        if input.numel() != t.size * output.numel():
+            raise ValueError(f"reduce_scatter input has {input.numel()} elements; it must have world size "
+                             f"({t.size}) x output ({output.numel()}) = {t.size * output.numel()}")
+
+    numel = input.numel() if isinstance(input, torch.Tensor) else -1
+    nbytes = numel * input.element_size() if numel > 0 else 0
+    t, c = _prepare("reduce_scatter", group, (output, input), op, codec, numel, nbytes, check)
+
+    def run():
+        acc = _new_acc()
+        if c is None:
+            t0 = time.perf_counter()
+            _Call("reduce_scatter", input.dtype, numel, op, None).exchange(t, [])
+            t.native("reduce_scatter", output.view(-1), input.view(-1), op=op)
+            acc["comm_seconds"] += time.perf_counter() - t0
+        else:
+            call = _Call("reduce_scatter", input.dtype, numel, op, c)
+            reduced = _reduce_scatter_chunks(t, input.view(t.size, -1), op, c, call, acc)
+            output.view(-1).copy_(reduced)
+        _finish("reduce_scatter", c, acc)
+
+    return _run(run, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *, codec="auto"):
+    """Like ``dist.all_gather_single``: ``output`` receives every rank's ``input`` in rank order."""
+    def check(t):
+        if input.dtype != output.dtype:
+            raise ValueError(f"input is {input.dtype} but output is {output.dtype}")
+        if output.numel() != t.size * input.numel():
+            raise ValueError(f"all_gather output has {output.numel()} elements; it must have world size "
+                             f"({t.size}) x input ({input.numel()}) = {t.size * input.numel()}")
+
+    numel = input.numel() if isinstance(input, torch.Tensor) else -1
+    nbytes = numel * input.element_size() if numel > 0 else 0
+    t, c = _prepare("all_gather", group, (output, input), None, codec, numel, nbytes, check)
+
+    def run():
+        acc = _new_acc()
+        call = _Call("all_gather", input.dtype, numel, None, c)
+        if c is None:
+            t0 = time.perf_counter()
+            call.exchange(t, [])
+            t.native("all_gather", output.view(-1), input.view(-1))
+            acc["comm_seconds"] += time.perf_counter() - t0
+        else:
+            outs = list(output.view(t.size, -1)) if numel else [output.view(-1)[:0]] * t.size
+            _all_gather_chunks(t, input.view(-1), outs, c, call, acc)
+        _finish("all_gather", c, acc)
+
+    return _run(run, async_op)
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *,
+               codec="auto"):
+    """Like ``dist.all_reduce``, in place; every rank ends with bit-identical results."""
+    numel = tensor.numel() if isinstance(tensor, torch.Tensor) else -1
+    nbytes = numel * tensor.element_size() if numel > 0 else 0
+    t, c = _prepare("all_reduce", group, (tensor,), op, codec, numel, nbytes, lambda t: None)
+
+    def run():
+        acc = _new_acc()
+        flat = tensor.view(-1)
+        if c is None:
+            t0 = time.perf_counter()
+            _Call("all_reduce", tensor.dtype, numel, op, None).exchange(t, [])
+            if _OPS[op] == 2:
+                raise UnsupportedError("AVG of integer tensors is not supported; use SUM and divide")
+            t.native("all_reduce", flat, op=op)
+            acc["comm_seconds"] += time.perf_counter() - t0
+        else:
+            n = t.size
+            m = -(-numel // n)
+            padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
+            chunks = padded.view(n, m)
+            reduced = _reduce_scatter_chunks(t, chunks, op, c, _Call("all_reduce", tensor.dtype, numel, op, c), acc)
+            outs = [flat[j * m:min(numel, (j + 1) * m)] for j in range(n)]
+            _all_gather_chunks(t, reduced, outs, c, _Call("all_reduce/gather", tensor.dtype, m, op, c), acc)
+        _finish("all_reduce", c, acc)
+
+    return _run(run, async_op)
