@@ -19,3 +19,24 @@ def real_grads() -> torch.Tensor:
     if not GRADS.exists():
         pytest.skip(f"real gradients not found at {GRADS} (set ZIPCCL_DATA)")
     return torch.from_numpy(np.load(GRADS))
+
+
+@pytest.fixture(scope="session")
+def pool_factory():
+    """A session-wide worker pool of 4 gloo ranks, restarted if a test killed it."""
+    from workers import Pool
+    state = {}
+
+    def get():
+        if "pool" not in state or not state["pool"].alive:
+            state["pool"] = Pool(4)
+        return state["pool"]
+
+    yield get
+    if "pool" in state:
+        state["pool"].close()
+
+
+@pytest.fixture
+def pool(pool_factory):
+    return pool_factory()

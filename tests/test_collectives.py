@@ -1,0 +1,225 @@
+"""Multi-process tests of the collectives: 2 and 4 gloo ranks in a long-lived pool (tests/workers.py)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import zipccl
+from zipccl.codecs import Lossless
+
+pytestmark = pytest.mark.timeout(300)
+
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def digest(x: torch.Tensor) -> str:
+    return hashlib.sha1(x.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def data(rank: int, n: int, dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return (torch.randn(n, generator=g) * 0.02).to(dtype)
+
+
+# ---- tasks: module-level functions run by every rank of the pool ----------------------------------------------
+
+def _every_combination(rank, groups, size, n):
+    """Run every collective x codec x op x dtype; return digests of the results."""
+    if rank >= size:
+        return None
+    g = groups[size]
+    out = {}
+    for dname, dtype in DTYPES.items():
+        for codec in ("raw", "lossless", "auto"):
+            for oname, op in OPS.items():
+                x = data(rank, n, dtype)
+                zipccl.all_reduce(x, op=op, group=g, codec=codec)
+                out[("ar", dname, codec, oname)] = digest(x)
+                rs = torch.empty(n, dtype=dtype)
+                zipccl.reduce_scatter(rs, data(rank, n * size, dtype), op=op, group=g, codec=codec)
+                out[("rs", dname, codec, oname)] = (digest(rs), rs.float())
+            ag = torch.empty(n * size, dtype=dtype)
+            zipccl.all_gather(ag, data(rank, n, dtype), group=g, codec=codec)
+            out[("ag", dname, codec)] = digest(ag)
+    xi = torch.arange(n, dtype=torch.int32) * (rank + 1)
+    zipccl.all_reduce(xi, group=g, codec="raw")
+    out["int32"] = xi.tolist()
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("n", [1, 257, 4099])
+def test_all_ranks_bit_identical_and_lossless_equals_raw(pool, size, n):
+    res = pool.run(_every_combination, size, n, timeout=240)[:size]
+    for r in res:
+        assert not isinstance(r, BaseException), r
+    for key in res[0]:
+        if key[0] in ("ar", "ag"):
+            assert len({r[key] for r in res}) == 1, f"ranks differ on {key}"
+    for key in res[0]:
+        if isinstance(key, tuple) and key[2] == "lossless":
+            raw_key = key[:2] + ("raw",) + key[3:]
+            a, b = res[0][key], res[0][raw_key]
+            assert (a[0] if key[0] == "rs" else a) == (b[0] if key[0] == "rs" else b), f"lossless != raw for {key}"
+    for r in range(size):  # reduce-scatter: each rank's chunk matches the fp64 reduction closely
+        full = torch.stack([data(q, n * size, torch.float32).double() for q in range(size)])
+        exp = full.sum(0).view(size, n)[r]
+        got = res[r][("rs", "fp32", "raw", "sum")][1].double()
+        assert torch.allclose(got, exp, atol=1e-6)
+    assert res[0]["int32"] == [i * sum(range(1, size + 1)) for i in range(n)]
+
+
+def _verifiable(rank, groups, size, n):
+    """nccl-tests style: integers times powers of two are exact in any summation order."""
+    if rank >= size:
+        return None
+    g = groups[size]
+    wrong = {}
+    for dname, dtype in DTYPES.items():
+        base = (torch.arange(n) % 17 - 8).double() * 2.0 ** (torch.arange(n) % 5 - 2)
+        for codec in ("raw", "lossless"):
+            x = (base * (rank + 1)).to(dtype)
+            zipccl.all_reduce(x, group=g, codec=codec)
+            expect = base * sum(range(1, size + 1))
+            wrong[(dname, codec, "ar")] = int((x.double() != expect).sum())
+            rs = torch.empty(n, dtype=dtype)
+            zipccl.reduce_scatter(rs, (base.repeat(size) * (rank + 1)).to(dtype), group=g, codec=codec)
+            wrong[(dname, codec, "rs")] = int((rs.double() != expect).sum())
+            ag = torch.empty(n * size, dtype=dtype)
+            zipccl.all_gather(ag, (base + rank).to(dtype), group=g, codec=codec)
+            wrong[(dname, codec, "ag")] = int((ag.double() != torch.cat([base + q for q in range(size)])).sum())
+    return wrong
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_exact_sum_inputs_have_zero_wrong(pool, size):
+    for r in pool.run(_verifiable, size, 3001)[:size]:
+        assert not isinstance(r, BaseException), r
+        assert all(v == 0 for v in r.values()), r
+
+
+def _real_gradients(rank, groups, size, path):
+    if rank >= size:
+        return None
+    g = groups[size]
+    grads = torch.from_numpy(np.load(path))
+    x = (grads * (1.0 + 0.25 * rank)).to(torch.bfloat16)
+    results, wire = {}, {}
+    for codec in ("raw", "lossless"):
+        y = x.clone()
+        zipccl.reset_stats()
+        zipccl.all_reduce(y, group=g, codec=codec)
+        results[codec] = digest(y)
+        wire[codec] = zipccl.stats()["all_reduce"]
+    # Wire accounting: this rank sent its packets of the other owners' chunks, then its
+    # reduced chunk to every peer; the stats must count exactly those bytes.
+    m = -(-x.numel() // size)
+    padded = torch.cat([x, x.new_zeros(m * size - x.numel())]).view(size, m)
+    reduced = torch.cat([y, y.new_zeros(m * size - y.numel())]).view(size, m)[rank]
+    codec = Lossless()
+    expect = sum(codec.encode(padded[j]).numel() for j in range(size) if j != rank) \
+        + (size - 1) * codec.encode(reduced).numel()
+    return results, wire, expect
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_real_gradients_lossless_is_raw_and_moves_fewer_bytes(pool, real_grads, size):
+    from conftest import GRADS
+    res = pool.run(_real_gradients, size, str(GRADS), timeout=240)[:size]
+    for r in res:
+        assert not isinstance(r, BaseException), r
+    assert len({r[0]["raw"] for r in res}) == 1
+    assert all(r[0]["lossless"] == r[0]["raw"] for r in res)
+    for results, wire, expect in res:
+        lossless, raw = wire["lossless"], wire["raw"]
+        assert lossless["wire_bytes"] == expect
+        assert raw["raw_bytes"] == lossless["raw_bytes"]
+        assert raw["raw_bytes"] == 2 * (size - 1) * (-(-real_grads.numel() // size)) * 2
+        assert lossless["wire_bytes"] <= 0.70 * raw["wire_bytes"]
+        assert lossless["meta_bytes"] < 1e-3 * lossless["wire_bytes"]
+
+
+def _mismatch(rank, groups, size, case):
+    if rank >= size:
+        return None
+    g = groups[size]
+    x = torch.ones(1000)
+    kwargs = dict(group=g, codec="lossless")
+    if case == "numel":
+        x = torch.ones(1000 + rank)
+    elif case == "dtype":
+        x = x.to(torch.bfloat16 if rank else torch.float32)
+    elif case == "op":
+        kwargs["op"] = dist.ReduceOp.MAX if rank else dist.ReduceOp.SUM
+    elif case == "codec":
+        kwargs["codec"] = "raw" if rank else "lossless"
+    elif case == "rs_size":  # only rank 0 passes a wrong size: it raises ValueError, the others MismatchError
+        out = torch.empty(10)
+        inp = torch.ones(10 * size + (1 if rank == 0 else 0))
+        try:
+            zipccl.reduce_scatter(out, inp, group=g)
+        except Exception as e:
+            return type(e).__name__, str(e)
+        return "ok", ""
+    elif case == "int_lossless":
+        x = torch.ones(10, dtype=torch.int32)
+    elif case == "product":
+        kwargs["op"] = dist.ReduceOp.PRODUCT
+    elif case == "device":
+        x = torch.ones(1000, device="meta") if rank == 1 else x
+    try:
+        zipccl.all_reduce(x, **kwargs)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    # the group must still work after the error
+    return "ok", ""
+
+
+@pytest.mark.parametrize("case", ["numel", "dtype", "op", "codec"])
+def test_mismatched_calls_raise_on_every_rank(pool, case):
+    res = pool.run(_mismatch, 4, case, timeout=60)
+    assert all(r[0] == "MismatchError" for r in res), res
+    assert len({r[1] for r in res}) == 1 and case in res[0][1]
+    after = pool.run(_healthy, 4)
+    assert all(a is True for a in after)
+
+
+def _healthy(rank, groups, size):
+    x = torch.full((100,), float(rank))
+    zipccl.all_reduce(x, group=groups[size])
+    return bool((x == sum(range(size))).all())
+
+
+@pytest.mark.parametrize("case,local,others", [
+    ("rs_size", "ValueError", "MismatchError"),
+    ("int_lossless", "UnsupportedError", "UnsupportedError"),
+    ("product", "UnsupportedError", "UnsupportedError"),
+    ("device", "UnsupportedError", "MismatchError"),
+])
+def test_invalid_calls_raise_clearly_without_hanging(pool, case, local, others):
+    res = pool.run(_mismatch, 4, case, timeout=60)
+    culprit = 1 if case == "device" else 0
+    assert res[culprit][0] == local, res
+    assert all(r[0] == others for i, r in enumerate(res) if i != culprit), res
+    assert all(pool.run(_healthy, 4))
+
+
+def _async(rank, groups, size):
+    g = groups[size]
+    xs = [torch.full((5000,), float(rank + i)) for i in range(3)]
+    handles = [zipccl.all_reduce(x, group=g, async_op=True, codec="lossless") for x in xs]
+    futures_ok = isinstance(handles[0].get_future(), torch.futures.Future)
+    for h in handles:
+        h.wait()
+    expect = [sum(range(size)) + size * i for i in range(3)]
+    return futures_ok and all(bool((x == e).all()) for x, e in zip(xs, expect)) and handles[-1].is_completed()
+
+
+def test_async_handles(pool):
+    assert all(pool.run(_async, 4))

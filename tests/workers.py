@@ -1,0 +1,90 @@
+"""A long-lived pool of gloo ranks for multi-process tests (importing torch costs seconds per process).
+
+``Pool(4)`` starts four spawned processes once; each joins a gloo world of 4 and
+a sub-group of ranks {0, 1}. ``pool.run(fn, *args)`` runs ``fn(rank, groups, *args)``
+on every rank, where ``groups`` maps a world size (2 or 4) to the process group to
+use, and returns each rank's return value, or the exception it raised. A task that
+does not finish within its timeout kills the pool (the next run starts a new one)
+and fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import time
+
+import torch.multiprocessing as mp
+
+from zipccl.launch import free_port
+
+
+def _serve(rank: int, nranks: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=nranks, timeout=datetime.timedelta(seconds=60))
+    groups = {nranks: dist.group.WORLD, 2: dist.new_group([0, 1])}
+    results.put((rank, "ready"))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            value = fn(rank, groups, *args)
+        except BaseException as e:  # returned to the test, which asserts on it
+            value = e
+        results.put((rank, value))
+    dist.destroy_process_group()
+
+
+class Pool:
+    def __init__(self, nranks: int = 4, start_timeout: float = 120.0):
+        ctx = mp.get_context("spawn")
+        self.nranks = nranks
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(nranks)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, nranks, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(nranks)]
+        for p in self.procs:
+            p.start()
+        self._collect(start_timeout)
+
+    def _collect(self, timeout: float) -> list:
+        out, deadline = {}, time.monotonic() + timeout
+        while len(out) < self.nranks:
+            try:
+                rank, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if time.monotonic() >= deadline or dead:
+                    self.close(kill=True)
+                    raise TimeoutError(f"ranks {sorted(set(range(self.nranks)) - set(out))} did not answer "
+                                       f"within {timeout:.0f} s (dead: {dead})") from None
+                continue
+            out[rank] = value
+        return [out[r] for r in range(self.nranks)]
+
+    def run(self, fn, *args, timeout: float = 60.0) -> list:
+        for q in self.tasks:
+            q.put((fn, args))
+        return self._collect(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self.procs, self.tasks):
+            if kill:
+                p.kill()
+            elif p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
