@@ -5,6 +5,9 @@ STAMP := .setup.stamp
 .PHONY: setup bench test clean
 
 $(STAMP): pyproject.toml Makefile
+	@# Open MPI for the mpirun tests and launcher (Debian/Ubuntu, as root; skipped elsewhere).
+	if ! command -v mpirun >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev; fi
 	$(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -e '.[test,bench,gpu]'
 	touch $(STAMP)

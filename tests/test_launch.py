@@ -1,0 +1,78 @@
+"""Launch paths: environment detection, local spawn, torchrun and mpirun running the example."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zipccl import launch
+from zipccl.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "allreduce.py")
+LINE = re.compile(r"(\d) ranks: sent ([\d.]+) MB instead of ([\d.]+) MB \(ratio ([\d.]+)\)")
+
+
+def _clean_env():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("OMPI_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _check(out: str, ranks: int) -> None:
+    m = LINE.search(out)
+    assert m, out
+    assert int(m.group(1)) == ranks
+    assert float(m.group(2)) < 0.75 * float(m.group(3))
+
+
+def test_detect(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert launch.detect() is None
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    assert launch.detect() == launch.World(2, 4, 0, "mpirun")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert launch.detect() == launch.World(1, 2, 1, "torchrun")
+
+
+@pytest.mark.timeout(180)
+def test_local_spawn():
+    out = subprocess.run([sys.executable, EXAMPLE, "--nranks", "2"], env=_clean_env(), capture_output=True,
+                         text=True, timeout=170)
+    assert out.returncode == 0, out.stderr
+    _check(out.stdout, 2)
+
+
+@pytest.mark.timeout(180)
+def test_torchrun():
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not on PATH")
+    out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), EXAMPLE],
+                         env=_clean_env(), capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr
+    _check(out.stdout, 2)
+
+
+@pytest.mark.timeout(180)
+def test_mpirun():
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not installed (make test installs openmpi-bin as root)")
+    env = _clean_env()
+    env["MASTER_PORT"] = str(free_port())
+    out = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", "-x", "MASTER_PORT",
+                          "-x", "PYTHONPATH", sys.executable, EXAMPLE], env=env, capture_output=True, text=True,
+                         timeout=170)
+    assert out.returncode == 0, out.stderr + out.stdout
+    _check(out.stdout, 4)
