@@ -1,0 +1,243 @@
+"""The nccl-tests-style harness behind zipccl-perf: flags, sizes, timing, checking, table, JSON, plot.
+
+Each collective is a small ``Spec`` (all_reduce.py, reduce_scatter.py, all_gather.py):
+its buffers, how to run it, its bus-bandwidth factor and its expected output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+CODECS = ("raw", "lossless", "auto")
+COLUMNS = ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "codec", "wire_B", "ratio")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One collective, nccl-tests style."""
+    name: str
+    has_op: bool
+    bus_factor: Callable[[int], float]             # busbw = algbw * bus_factor(nranks)
+    buffers: Callable[[int, int], tuple[int, int]]  # (count, nranks) -> (input numel, output numel)
+    run: Callable                                  # run(out, inp, op, group, codec) with codec None = torch
+    expect: Callable                               # expect(inputs of every rank, op, rank, nranks) -> output
+
+
+def parse_size(text: str) -> int:
+    """'64M' -> 67108864 (K, M, G are powers of 1024, as in nccl-tests)."""
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMG" else text
+    try:
+        value = int(float(number) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 1M, 64K, 1G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"size must be >= 0, got {text!r}")
+    return value
+
+
+def sizes(min_bytes: int, max_bytes: int, factor: float, step: int) -> list[int]:
+    out, s = [], min_bytes
+    while s <= max_bytes:
+        out.append(s)
+        s = int(s * factor) if factor > 1 else s + step
+        if s == out[-1]:
+            break
+    return out
+
+
+def parser(prog: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description="nccl-tests-style bandwidth benchmark of zipccl's "
+                                 "compressed collectives (effective bandwidth on uncompressed bytes).")
+    ap.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1M"), help="minimum size (default 1M)")
+    ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("16M"), help="maximum size (default 16M)")
+    ap.add_argument("-i", "--stepbytes", type=parse_size, default=parse_size("1M"),
+                    help="fixed increment between sizes (used when -f is 1; default 1M)")
+    ap.add_argument("-f", "--stepfactor", type=float, default=4.0, help="multiplication factor between sizes (default 4)")
+    ap.add_argument("-d", "--datatype", default="bfloat16", choices=[*DTYPES, "all"], help="default bfloat16")
+    ap.add_argument("-o", "--op", default="sum", choices=[*OPS, "all"], help="reduction op (default sum)")
+    ap.add_argument("-n", "--iters", type=int, default=10, help="timed iterations (default 10)")
+    ap.add_argument("-w", "--warmup_iters", type=int, default=2, help="warm-up iterations (default 2)")
+    ap.add_argument("-c", "--check", type=int, default=1, help="check correctness of this many iterations (default 1)")
+    ap.add_argument("-a", "--average", type=int, default=1, choices=[0, 1, 2, 3],
+                    help="how times combine across ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum (default 1)")
+    ap.add_argument("-J", "--output_file", type=Path, help="write the results as JSON to this file")
+    ap.add_argument("--collective", default="all_reduce", choices=["all_reduce", "reduce_scatter", "all_gather"])
+    ap.add_argument("--codec", default="all", choices=[*CODECS, "all"], help="zipccl codec (default all)")
+    ap.add_argument("--baseline", action="store_true", help="also run the plain torch.distributed collective")
+    ap.add_argument("--data", type=Path, help="real tensors (.npy or .pt), tiled to each size (not verifiable: "
+                    "lossless is checked against zipccl raw instead)")
+    ap.add_argument("--nranks", type=int, default=4, help="local ranks to spawn when not under a launcher (default 4)")
+    ap.add_argument("--plot", type=Path, help="draw busbw against size per codec into this PNG")
+    ap.add_argument("--netlab", metavar="RATE", help="run the ranks in the network lab at RATE per rank (e.g. 1gbit)")
+    return ap
+
+
+def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.minbytes > args.maxbytes:
+        ap.error(f"-b ({args.minbytes}) must not be larger than -e ({args.maxbytes})")
+    if args.stepfactor < 1 or (args.stepfactor == 1 and args.stepbytes <= 0):
+        ap.error("-f must be >= 1, and -i > 0 when -f is 1")
+    if args.iters < 1 or args.warmup_iters < 0 or args.check < 0:
+        ap.error("-n must be >= 1, -w and -c >= 0")
+    if args.nranks < 1:
+        ap.error("--nranks must be >= 1")
+    if args.data is not None and not args.data.exists():
+        ap.error(f"--data {args.data} does not exist")
+
+
+# ---- data --------------------------------------------------------------------------------------------------
+
+def verifiable(numel: int, dtype: torch.dtype, rank: int, nranks: int, seed: int = 0) -> torch.Tensor:
+    """Gaussian-like values on a grid coarse enough that any sum over the ranks is exact in ``dtype``
+    (nccl-tests' idea): multiples of 2**-q within +-2, q chosen from the precision and nranks."""
+    precision = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}[dtype]
+    q = precision - 2 - math.ceil(math.log2(max(nranks, 2)))
+    g = torch.Generator().manual_seed(seed * 100003 + rank)
+    x = torch.randn(numel, generator=g).clamp_(-2, 2)
+    return (torch.round(x * 2.0 ** q) / 2.0 ** q + 0.0).to(dtype)  # + 0.0: no -0.0, whose sums depend on order
+
+
+def load_data(path: Path) -> torch.Tensor:
+    t = torch.load(path) if path.suffix == ".pt" else torch.from_numpy(np.load(path))
+    if isinstance(t, dict):
+        t = torch.cat([v.reshape(-1).float() for v in t.values() if torch.is_tensor(v)])
+    return t.reshape(-1).float()
+
+
+def real(data: torch.Tensor, numel: int, dtype: torch.dtype, rank: int) -> torch.Tensor:
+    """The real tensor tiled to ``numel``, shifted by rank so that ranks differ."""
+    tiled = data.roll(rank * 7919).repeat(-(-numel // max(1, data.numel())))[:numel]
+    return tiled.to(dtype)
+
+
+# ---- running ------------------------------------------------------------------------------------------------
+
+def combine_time(seconds: float, mode: int, group=None) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    if mode == 0:
+        dist.broadcast(t, 0, group=group)
+        return float(t)
+    op = {1: dist.ReduceOp.SUM, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.MAX}[mode]
+    dist.all_reduce(t, op=op, group=group)
+    return float(t) / (dist.get_world_size(group) if mode == 1 else 1)
+
+
+def _int_view(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1).view(torch.int32 if x.element_size() == 4 else torch.int16)
+
+
+def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, inp: torch.Tensor,
+            reference: torch.Tensor | None, nranks: int) -> tuple[dict, torch.Tensor]:
+    """Warm up, check ``args.check`` iterations against ``reference`` (bitwise), time ``args.iters``
+    iterations. Returns the row and the output of the last checked (or warm-up) iteration."""
+    import zipccl
+    out = torch.empty(numel_out, dtype=dtype)
+    wrong, last = 0, None
+    for i in range(args.warmup_iters + max(1, args.check)):
+        target = inp.clone() if spec.name == "all_reduce" else out
+        spec.run(target, target if spec.name == "all_reduce" else inp, op, None, codec)
+        last = target
+        if i >= args.warmup_iters and reference is not None and i < args.warmup_iters + args.check:
+            wrong += int((_int_view(target) != _int_view(reference)).sum())
+    work = inp.clone()
+    zipccl.reset_stats()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        if spec.name == "all_reduce":
+            spec.run(work, work, op, None, codec)
+        else:
+            spec.run(out, inp, op, None, codec)
+    elapsed = combine_time((time.perf_counter() - t0) / args.iters, args.average)
+    st = zipccl.stats()["total"]
+    size = max(numel_in, numel_out) * inp.element_size()
+    algbw = size / elapsed / 1e9 if elapsed > 0 else 0.0
+    calls = max(1, st["calls"])
+    row = dict(size=size, count=max(numel_in, numel_out), type=args_type(dtype),
+               redop=op_name(op) if spec.has_op else "none", root=-1, time=elapsed * 1e6, algbw=algbw,
+               busbw=algbw * spec.bus_factor(nranks), wrong=wrong if reference is not None and args.check else None,
+               codec=codec or "torch", wire_B=int(st["wire_bytes"] / calls) if codec else None,
+               ratio=st["wire_bytes"] / st["raw_bytes"] if codec and st["raw_bytes"] else None,
+               collective=spec.name, nranks=nranks)
+    return row, last
+
+
+def args_type(dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def op_name(op) -> str:
+    return {v: k for k, v in OPS.items()}[op]
+
+
+# ---- output -------------------------------------------------------------------------------------------------
+
+def header_lines(args, nranks: int, how: str) -> list[str]:
+    step = f"{args.stepfactor:g}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)"
+    return [f"# zipccl-perf: {args.collective}  nranks {nranks} ({how})  minBytes {args.minbytes} maxBytes "
+            f"{args.maxbytes} step: {step} warmup iters: {args.warmup_iters} iters: {args.iters} "
+            f"validation: {args.check}  data: {args.data or 'verifiable gaussian-like'}",
+            "#",
+            f"# {'size':>10} {'count':>12} {'type':>9} {'redop':>6} {'root':>6} {'time':>9} {'algbw':>7} "
+            f"{'busbw':>7} {'#wrong':>6} {'codec':>9} {'wire_B':>11} {'ratio':>6}",
+            f"# {'(B)':>10} {'(elements)':>12} {'':>9} {'':>6} {'':>6} {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} "
+            f"{'':>6} {'':>9} {'(B)':>11} {'':>6}"]
+
+
+def row_line(r: dict) -> str:
+    wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
+    wire = "N/A" if r["wire_B"] is None else str(r["wire_B"])
+    ratio = "N/A" if r["ratio"] is None else f"{r['ratio']:.4f}"
+    return (f"  {r['size']:>10} {r['count']:>12} {r['type']:>9} {r['redop']:>6} {r['root']:>6} {r['time']:>9.1f} "
+            f"{r['algbw']:>7.3f} {r['busbw']:>7.3f} {wrong:>6} {r['codec']:>9} {wire:>11} {ratio:>6}")
+
+
+def footer_lines(rows: list[dict]) -> list[str]:
+    bad = sum(r["wrong"] for r in rows if r["wrong"] not in (None,) and r["wrong"] > 0)
+    avg = sum(r["busbw"] for r in rows) / max(1, len(rows))
+    return [f"# Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}",
+            f"# Avg bus bandwidth    : {avg:.6g}", "#"]
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for codec in dict.fromkeys(r["codec"] for r in rows):
+        for dtype in dict.fromkeys(r["type"] for r in rows):
+            pts = sorted((r["size"], r["busbw"]) for r in rows if r["codec"] == codec and r["type"] == dtype)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{codec} ({dtype})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth, uncompressed bytes (GB/s)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(rows: list[dict], path: Path, meta: dict) -> None:
+    path.write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
+
+
+def progress(i: int, total: int, text: str) -> None:
+    print(f"# [{i}/{total}] {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,25 @@
+"""zipccl-perf spec of reduce-scatter: size = input bytes, busbw = algbw * (n-1)/n."""
+
+import torch.distributed as dist
+
+import zipccl
+
+from .all_reduce import reduce_all
+from .common import Spec
+
+
+def _run(out, inp, op, group, codec):
+    if codec is None:
+        dist.reduce_scatter_single(out, inp, op=op, group=group)
+    else:
+        zipccl.reduce_scatter(out, inp, op=op, group=group, codec=codec)
+
+
+def expect(inputs, op, rank, nranks):
+    full = reduce_all(inputs, op)
+    m = full.numel() // nranks
+    return full[rank * m:(rank + 1) * m]
+
+
+SPEC = Spec("reduce_scatter", True, lambda n: (n - 1) / n,
+            lambda count, n: (count // n * n, count // n), _run, expect)
