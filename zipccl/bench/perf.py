@@ -55,8 +55,9 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn") -> list[dic
             inp = verifiable(numel_in, dtype, rank, nranks)
             ref = spec.expect([verifiable(numel_in, dtype, r, nranks) for r in range(nranks)], op, rank, nranks) \
                 .to(dtype) if args.check else None
-        else:
+        else:  # real data is not verifiable: codecs must reproduce zipccl raw's exact bits
             inp, ref = real(data, numel_in, dtype, rank), None
+            raw_out = _raw_result(spec, inp, numel_out, op) if args.check else None
         for codec in codecs:
             k += 1
             if rank == 0:
@@ -64,12 +65,8 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn") -> list[dic
             if codec is None and op == dist.ReduceOp.AVG:
                 say(f"#  (torch baseline skipped for avg: gloo has no AVG)")
                 continue
-            reference = ref
-            if data is not None and codec not in ("raw", None):
-                reference = raw_out  # real data: lossless must give zipccl raw's exact bits
-            row, out = measure(spec, args, numel_in, numel_out, dtype, op, codec, inp, reference, nranks)
-            if codec == "raw":
-                raw_out = out.clone()
+            reference = raw_out if data is not None and codec not in ("raw", None) else ref
+            row = measure(spec, args, numel_in, numel_out, dtype, op, codec, inp, reference, nranks)
             rows.append(row)
             say(row_line(row), flush=True)
     for line in footer_lines(rows):
@@ -79,6 +76,12 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn") -> list[dic
     if rank == 0 and args.plot:
         plot(rows, args.plot, f"zipccl-perf {spec.name}, {nranks} ranks ({how})")
     return rows
+
+
+def _raw_result(spec, inp, numel_out, op):
+    out = inp.clone() if spec.name == "all_reduce" else torch.empty(numel_out, dtype=inp.dtype)
+    spec.run(out, out if spec.name == "all_reduce" else inp, op, None, "raw")
+    return out
 
 
 def _spawned(rank, nranks, args):

@@ -1,0 +1,91 @@
+"""The network lab: up, ranks over it at a shaped rate, down, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zipccl.bench import netlab
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = r"""
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+r = dist.get_rank()
+x = torch.full((1000,), float(r + 1))
+dist.all_reduce(x)
+assert bool((x == 3).all()), x[:4]
+buf = torch.zeros(5 << 20, dtype=torch.uint8)   # 5 MiB one way: rank 0 -> rank 1
+dist.barrier()
+t = time.perf_counter()
+if r == 0:
+    dist.send(buf, 1)
+else:
+    dist.recv(buf, 0)
+dist.barrier()
+if r == 1:
+    print(f"rate {buf.numel() * 8 / (time.perf_counter() - t):.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _lab_possible() -> str | None:
+    if os.geteuid() != 0:
+        return "not root"
+    try:
+        netlab.check_host()
+        subprocess.run(["ip", "netns", "add", "zcl-probe"], check=True, capture_output=True)
+        subprocess.run(["ip", "netns", "del", "zcl-probe"], check=True, capture_output=True)
+    except (netlab.LabError, subprocess.CalledProcessError, FileNotFoundError) as e:
+        return f"network namespaces cannot be created here: {e}"
+    return None
+
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(_lab_possible() is not None, reason=str(_lab_possible()))]
+
+
+def test_rate_parsing_and_refusals(monkeypatch):
+    assert netlab.rate_bits("1gbit") == 1e9 and netlab.rate_bits("500mbit") == 5e8
+    with pytest.raises(ValueError):
+        netlab.rate_bits("fast")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(netlab.LabError, match="root"):
+        netlab.check_host()
+    assert netlab.main(["up", "2", "1gbit"]) == 2
+
+
+def test_two_ranks_over_a_shaped_link(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    out = tmp_path / "out.txt"
+    try:
+        with netlab.NetLab(2, "200mbit") as lab:
+            assert set(netlab.namespaces()) == {"zcl-br", "zcl-r0", "zcl-r1"}
+            assert "tbf" in netlab.status()
+            with open(out, "w") as f:
+                procs = [lab.popen(r, [sys.executable, str(script)], lab.env(r, 29541), stdout=f) for r in range(2)]
+                codes = [p.wait(timeout=120) for p in procs]
+        assert codes == [0, 0]
+        rate = float(out.read_text().split()[-1])
+        assert 0.5 * 200e6 <= rate <= 1.2 * 200e6, rate
+    finally:
+        netlab.down()
+    assert netlab.namespaces() == []
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert "zcl-" not in links
+    assert netlab.main(["down"]) == 0  # idempotent
+
+
+def test_perf_over_the_lab(capfd):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-m", "zipccl.bench", "-b", "64K", "-e", "64K", "-n", "1", "-w", "0",
+                          "--nranks", "2", "--codec", "lossless", "--netlab", "500mbit"],
+                         capture_output=True, text=True, env=env, timeout=200)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "# netlab: 2 ranks, 500mbit" in res.stdout and "# Out of bounds values : 0 OK" in res.stdout
+    assert netlab.namespaces() == []

@@ -1,0 +1,92 @@
+"""zipccl-perf smoke runs: nccl-tests columns, #wrong = 0, JSON fields, flag validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zipccl.bench import common
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = ["size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "codec", "wire_B", "ratio"]
+
+
+def run_perf(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "zipccl.bench", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def parse_rows(stdout: str) -> list[dict]:
+    lines = stdout.splitlines()
+    head = next(line for line in lines if line.startswith("#") and "algbw" in line)
+    assert head.lstrip("# ").split() == COLUMNS
+    return [dict(zip(COLUMNS, line.split())) for line in lines if line and not line.startswith("#")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_smoke_two_ranks(tmp_path, collective):
+    out_json, png = tmp_path / "r.json", tmp_path / "r.png"
+    res = run_perf("-b", "8K", "-e", "32K", "-f", "4", "-n", "2", "-w", "1", "--nranks", "2", "--baseline",
+                   "--collective", collective, "-d", "all", "-J", str(out_json), "--plot", str(png))
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = parse_rows(res.stdout)
+    assert len(rows) == 2 * 3 * 4  # sizes x dtypes x (torch, raw, lossless, auto)
+    assert all(r["#wrong"] == "0" for r in rows), res.stdout
+    assert {r["codec"] for r in rows} == {"torch", "raw", "lossless", "auto"}
+    for r in rows:
+        factor = 2 * (2 - 1) / 2 if collective == "all_reduce" else (2 - 1) / 2
+        assert abs(float(r["busbw"]) - float(r["algbw"]) * factor) <= 0.002
+        if r["codec"] == "lossless":
+            assert float(r["ratio"]) < 0.95
+    assert "# Out of bounds values : 0 OK" in res.stdout and "# Avg bus bandwidth" in res.stdout
+    data = json.loads(out_json.read_text())
+    assert {"size", "count", "type", "redop", "time", "algbw", "busbw", "wrong", "codec", "wire_B", "ratio",
+            "collective", "nranks"} <= set(data["results"][0])
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.timeout(300)
+def test_real_data_and_ops(tmp_path, real_grads):
+    from conftest import GRADS
+    res = run_perf("-b", "64K", "-e", "64K", "-n", "1", "-w", "0", "--nranks", "2", "-o", "all", "--codec", "lossless",
+                   "--data", str(GRADS))
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = parse_rows(res.stdout)
+    assert {r["redop"] for r in rows} == {"sum", "avg", "max", "min"}
+    assert all(r["#wrong"] == "0" for r in rows)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-b", "2M", "-e", "1M"], "must not be larger"),
+    (["-b", "1X"], "not a size"),
+    (["-n", "0"], "-n must be"),
+    (["-d", "double"], "invalid choice"),
+    (["--data", "/nonexistent.npy"], "does not exist"),
+])
+def test_flag_validation(args, message, capsys):
+    from zipccl.bench.perf import main
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sizes_and_verifiable_data():
+    assert common.parse_size("64M") == 64 << 20 and common.parse_size("1K") == 1024
+    assert common.sizes(1 << 20, 16 << 20, 4, 0) == [1 << 20, 4 << 20, 16 << 20]
+    assert common.sizes(1, 3, 1, 1) == [1, 2, 3]
+    import torch
+    for dtype in common.DTYPES.values():
+        xs = [common.verifiable(10000, dtype, r, 8) for r in range(8)]
+        exact = sum(x.double() for x in xs)
+        assert torch.equal(exact.to(dtype).double(), exact)  # the sum is representable: order cannot matter
+        assert (xs[0] != 0).float().mean() > 0.9 and xs[0].double().std() > 0.5
