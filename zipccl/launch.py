@@ -50,6 +50,8 @@ def init(backend: str = "gloo", timeout: float = 600.0) -> World:
         return World(dist.get_rank(), dist.get_world_size(), world.local_rank, world.launcher)
     os.environ.setdefault("MASTER_ADDR", DEFAULT_ADDR)
     os.environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
+    if world.launcher == "mpirun" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # as torchrun does: ranks with full thread pools oversubscribe the cores
     dist.init_process_group(backend, rank=world.rank, world_size=world.size,
                             timeout=datetime.timedelta(seconds=timeout))
     return world

@@ -146,9 +146,11 @@ class NetLab:
         signal.signal(signal.SIGTERM, self._old)
 
     def env(self, rank: int, port: int) -> dict:
-        """torch.distributed environment of a rank inside the lab."""
+        """torch.distributed environment of a rank inside the lab (one intra-op thread per rank, as
+        torchrun does: N ranks with default thread pools oversubscribe the cores and stall)."""
         return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.nranks), LOCAL_RANK=str(rank),
-                    MASTER_ADDR=rank_ip(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=rank_if(rank))
+                    MASTER_ADDR=rank_ip(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=rank_if(rank),
+                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
     def popen(self, rank: int, argv: list[str], env: dict, **kw) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", rank_ns(rank), *argv], env=env, **kw)
