@@ -236,7 +236,8 @@ def _prepare(name, group, tensors, op, codec, numel, nbytes, check):
 # ---- async execution -----------------------------------------------------------------------------------------
 
 class Handle:
-    """What ``async_op=True`` returns: ``wait()``, ``is_completed()`` and ``get_future()``.
+    """What ``async_op=True`` returns: ``wait()``, ``is_completed()`` and ``get_future()``
+    (whose value is the call's statistics: raw_bytes, wire_bytes, codec_seconds, ...).
 
     Async calls run one after another on one background thread per process, in
     the order they were issued (all ranks must issue them in the same order, as
@@ -284,8 +285,9 @@ def _run(fn, async_op: bool):
     return handle
 
 
-def _finish(name, codec, acc):
+def _finish(name, codec, acc) -> dict:
     _stats.record(name, getattr(codec, "name", "native") if codec is not None else "native", **acc)
+    return acc
 
 
 def _new_acc():
@@ -320,7 +322,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.S
             call = _Call("reduce_scatter", input.dtype, numel, op, c)
             reduced = _reduce_scatter_chunks(t, input.view(t.size, -1), op, c, call, acc)
             output.view(-1).copy_(reduced)
-        _finish("reduce_scatter", c, acc)
+        return _finish("reduce_scatter", c, acc)
 
     return _run(run, async_op)
 
@@ -349,7 +351,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         else:
             outs = list(output.view(t.size, -1)) if numel else [output.view(-1)[:0]] * t.size
             _all_gather_chunks(t, input.view(-1), outs, c, call, acc)
-        _finish("all_gather", c, acc)
+        return _finish("all_gather", c, acc)
 
     return _run(run, async_op)
 
@@ -379,6 +381,6 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
             reduced = _reduce_scatter_chunks(t, chunks, op, c, _Call("all_reduce", tensor.dtype, numel, op, c), acc)
             outs = [flat[j * m:min(numel, (j + 1) * m)] for j in range(n)]
             _all_gather_chunks(t, reduced, outs, c, _Call("all_reduce/gather", tensor.dtype, m, op, c), acc)
-        _finish("all_reduce", c, acc)
+        return _finish("all_reduce", c, acc)
 
     return _run(run, async_op)

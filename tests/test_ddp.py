@@ -1,0 +1,124 @@
+"""DDP comm hook: parity with DDP's own all-reduce, bit-identity lossless vs raw, state handling."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_wrapper
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zipccl.ddp
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.LayerNorm(256), torch.nn.GELU(),
+                               torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+
+
+def _train(rank, groups, mode, steps, gabv=False, static=False):
+    if rank >= 2:
+        return None
+    g = groups[2]
+    ddp = DDP(_model(), process_group=g, gradient_as_bucket_view=gabv, static_graph=static, bucket_cap_mb=0.05)
+    state = None
+    if mode != "torch":
+        state = zipccl.ddp.State(group=g, codec="lossless" if mode.endswith("lossless") else "raw")
+        hook = zipccl.ddp.hook
+        if mode.startswith("bf16"):
+            hook = zipccl.ddp.bf16_hook
+        elif mode.startswith("torchbf16"):
+            # PyTorch's wrapper; DDP refuses its name on CPU (CUDA/NCCL only), so rename the closure
+            hook = bf16_compress_wrapper(zipccl.ddp.hook)
+            hook.__name__ = "torch_bf16_wrapper_of_zipccl"
+        ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 32, generator=gen)
+        y = torch.randn(16, 8, generator=gen)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+    return dict(digest=hashlib.sha1(flat.numpy().tobytes()).hexdigest(), params=flat, losses=losses,
+                stats=state.stats() if state else None)
+
+
+@pytest.mark.parametrize("gabv,static", [(False, False), (True, False), (False, True)])
+def test_hook_parity(pool, gabv, static):
+    steps = 100
+    runs = {mode: pool.run(_train, mode, steps, gabv, static, timeout=240)[:2] for mode in ("torch", "raw", "lossless")}
+    for mode, res in runs.items():
+        assert all(not isinstance(r, BaseException) for r in res), res
+        assert res[0]["digest"] == res[1]["digest"], f"{mode}: ranks differ"
+    assert runs["lossless"][0]["digest"] == runs["raw"][0]["digest"]  # lossless changes nothing
+    assert runs["lossless"][0]["losses"] == runs["raw"][0]["losses"]
+    assert torch.allclose(runs["lossless"][0]["params"], runs["torch"][0]["params"], rtol=1e-4, atol=1e-5)
+    st = runs["lossless"][0]["stats"]
+    assert st["iterations"] == steps and 0 < st["wire_bytes"] < st["raw_bytes"]
+
+
+def test_bf16_hooks_compose(pool):
+    modes = ("bf16-raw", "bf16-lossless", "torchbf16-lossless")
+    res = {m: pool.run(_train, m, 20, timeout=240)[:2] for m in modes}
+    for m in modes:
+        assert all(not isinstance(r, BaseException) for r in res[m]), res[m]
+    digests = {res[m][r]["digest"] for m in modes for r in range(2)}
+    assert len(digests) == 1  # ranks agree, lossless == raw, zipccl's and PyTorch's wrappers agree
+    assert res["bf16-lossless"][0]["stats"]["ratio"] < 0.9
+    fp32 = pool.run(_train, "lossless", 20)[0]
+    assert fp32["digest"] not in digests  # bf16 gradients really were rounded
+
+
+def _register_twice(rank, groups):
+    if rank >= 2:
+        return None
+    ddp = DDP(_model(), process_group=groups[2])
+    state = zipccl.ddp.State(group=groups[2])
+    ddp.register_comm_hook(state, zipccl.ddp.hook)
+    try:
+        ddp.register_comm_hook(state, zipccl.ddp.hook)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_registering_twice_is_refused(pool):
+    res = pool.run(_register_twice)[:2]
+    assert all("can only be called once" in r for r in res), res
+
+
+def test_state_pickles_and_validates():
+    state = zipccl.ddp.State(codec="raw")
+    state.raw_bytes, state.wire_bytes, state.iterations = 1000, 600, 7
+    back = pickle.loads(pickle.dumps(state))
+    assert back.group is None and back.codec == "raw" and back.stats() == state.stats()
+    with pytest.raises(ValueError, match="unknown codec"):
+        zipccl.ddp.State(codec="zstd")
+    with pytest.raises(ValueError):
+        zipccl.ddp.State(codec=object())
+
+
+def _foreign_group(rank, groups):
+    if rank < 2:  # ranks 0 and 1 are in groups[2]; 2 and 3 are not
+        return "member"
+    try:
+        zipccl.ddp.State(group=groups[2])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_group_the_process_is_not_in(pool):
+    res = pool.run(_foreign_group)
+    assert res[2].startswith("this process is not a member") and res[3].startswith("this process is not")
