@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .setup.stamp
 
-.PHONY: setup bench test clean
+.PHONY: setup bench codec-bench test clean
 
 $(STAMP): pyproject.toml Makefile
 	@# Open MPI for the mpirun tests and launcher (Debian/Ubuntu, as root; skipped elsewhere).
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 bench: setup
+	$(PYTHON) -m zipccl.bench --baseline
+
+codec-bench: setup
 	$(PYTHON) -m zipccl.bench.codec
 
 test: setup

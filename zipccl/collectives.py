@@ -18,7 +18,6 @@ instead of hanging in a mismatched collective.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -27,6 +26,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from . import config
 from . import format as F
 from . import stats as _stats
 from .codecs import Lossless, Raw
@@ -35,8 +35,7 @@ from .transport import TorchTransport
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "AUTO_MIN_BYTES", "Handle"]
 
-#: "auto" sends messages smaller than this raw (bytes per rank's input); see docs/PERFORMANCE.md.
-AUTO_MIN_BYTES = int(os.environ.get("ZIPCCL_AUTO_MIN_BYTES", 1 << 20))
+AUTO_MIN_BYTES = config.AUTO_MIN_BYTES
 
 _OPS = {dist.ReduceOp.SUM: 1, dist.ReduceOp.AVG: 2, dist.ReduceOp.MAX: 3, dist.ReduceOp.MIN: 4}
 _COLLECTIVES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_reduce/gather": 4}

@@ -84,6 +84,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--nranks", type=int, default=4, help="local ranks to spawn when not under a launcher (default 4)")
     ap.add_argument("--plot", type=Path, help="draw busbw against size per codec into this PNG")
     ap.add_argument("--netlab", metavar="RATE", help="run the ranks in the network lab at RATE per rank (e.g. 1gbit)")
+    ap.add_argument("--how", help=argparse.SUPPRESS)  # set by --netlab for the ranks it starts
     return ap
 
 

@@ -188,7 +188,8 @@ def run_perf(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0) -
         check_host()
         with NetLab(nranks, rate) as lab:
             print(f"# netlab: {nranks} ranks, {rate} per rank (tc tbf, both directions)", flush=True)
-            codes = lab.run_ranks([sys.executable, "-m", "zipccl.bench.perf", *rest], timeout)
+            codes = lab.run_ranks([sys.executable, "-m", "zipccl.bench.perf", *rest, "--how", f"netlab {rate}"],
+                                  timeout)
     except LabError as e:
         print(f"zipccl-perf: {e}", file=sys.stderr)
         return 2

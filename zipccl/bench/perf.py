@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     world = launch.detect()
     if world is not None:
         launch.init()
-        rows = run_rank(world.rank, world.size, args, world.launcher)
+        rows = run_rank(world.rank, world.size, args, args.how or world.launcher)
         dist.destroy_process_group()
         return 1 if any((r["wrong"] or 0) > 0 for r in rows) else 0
     wrong = launch.spawn(_spawned, args.nranks, args)
