@@ -122,3 +122,29 @@ def _foreign_group(rank, groups):
 def test_group_the_process_is_not_in(pool):
     res = pool.run(_foreign_group)
     assert res[2].startswith("this process is not a member") and res[3].startswith("this process is not")
+
+
+@pytest.mark.timeout(400)
+def test_train_gpt_example_smoke(tmp_path):
+    """examples/train_gpt.py on 2 ranks: runs, and lossless gives raw's exact parameters."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    out = {}
+    for comm in ("torch", "raw", "lossless"):
+        path = tmp_path / f"{comm}.json"
+        res = subprocess.run([sys.executable, str(root / "examples" / "train_gpt.py"), "--comm", comm, "--steps", "3",
+                              "--d-model", "64", "--layers", "2", "--text-bytes", "1000000", "--dtype", "bf16",
+                              "--json", str(path)], capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "eval loss" in res.stdout
+        out[comm] = json.loads(path.read_text())
+    assert out["raw"]["param_sha256"] == out["lossless"]["param_sha256"]
+    assert out["raw"]["losses"] == out["lossless"]["losses"]
+    assert out["lossless"]["wire_bytes"] < 0.8 * out["lossless"]["raw_bytes"]
+    assert abs(out["torch"]["losses"][0] - out["raw"]["losses"][0]) < 1e-6  # same first step: same init and data
+    assert len(out["torch"]["losses"]) == 3 and out["torch"]["eval_loss"] > 0
