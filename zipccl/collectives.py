@@ -212,6 +212,24 @@ def _check_device(t, *tensors: torch.Tensor) -> None:
         raise UnsupportedError(f"the process group's backend (gloo) takes CPU tensors here, got a tensor on {dev}")
 
 
+def _size(x) -> tuple[int, int]:
+    """(numel, bytes) of a call's input; -1 elements for a non-tensor (the call fails validation)."""
+    if not isinstance(x, torch.Tensor):
+        return -1, 0
+    return x.numel(), x.numel() * x.element_size()
+
+
+def _world_multiple(name, big_label, big, small_label, small):
+    """The size check of reduce-scatter and all-gather: one buffer holds world-size x the other."""
+    def check(t):
+        if big.dtype != small.dtype:
+            raise ValueError(f"{big_label} is {big.dtype} but {small_label} is {small.dtype}")
+        if big.numel() != t.size * small.numel():
+            raise ValueError(f"{name} {big_label} has {big.numel()} elements; it must have world size ({t.size}) "
+                             f"x {small_label} ({small.numel()}) = {t.size * small.numel()}")
+    return check
+
+
 def _prepare(name, group, tensors, op, codec, numel, nbytes, check):
     """Validate locally; any failure still joins the metadata exchange so that no rank hangs."""
     t = TorchTransport(group)
@@ -299,16 +317,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.S
                    async_op: bool = False, *, codec="auto"):
     """Like ``dist.reduce_scatter_single``: ``input`` holds world-size chunks of ``output.numel()``;
     rank r receives the reduction of every rank's chunk r in ``output``."""
-    def check(t):
-        if input.dtype != output.dtype:
-            raise ValueError(f"input is {input.dtype} but output is {output.dtype}")
-        if input.numel() != t.size * output.numel():
-            raise ValueError(f"reduce_scatter input has {input.numel()} elements; it must have world size "
-                             f"({t.size}) x output ({output.numel()}) = {t.size * output.numel()}")
-
-    numel = input.numel() if isinstance(input, torch.Tensor) else -1
-    nbytes = numel * input.element_size() if numel > 0 else 0
-    t, c = _prepare("reduce_scatter", group, (output, input), op, codec, numel, nbytes, check)
+    numel, nbytes = _size(input)
+    t, c = _prepare("reduce_scatter", group, (output, input), op, codec, numel, nbytes,
+                    _world_multiple("reduce_scatter", "input", input, "output", output))
 
     def run():
         acc = _new_acc()
@@ -328,16 +339,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.S
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *, codec="auto"):
     """Like ``dist.all_gather_single``: ``output`` receives every rank's ``input`` in rank order."""
-    def check(t):
-        if input.dtype != output.dtype:
-            raise ValueError(f"input is {input.dtype} but output is {output.dtype}")
-        if output.numel() != t.size * input.numel():
-            raise ValueError(f"all_gather output has {output.numel()} elements; it must have world size "
-                             f"({t.size}) x input ({input.numel()}) = {t.size * input.numel()}")
-
-    numel = input.numel() if isinstance(input, torch.Tensor) else -1
-    nbytes = numel * input.element_size() if numel > 0 else 0
-    t, c = _prepare("all_gather", group, (output, input), None, codec, numel, nbytes, check)
+    numel, nbytes = _size(input)
+    t, c = _prepare("all_gather", group, (output, input), None, codec, numel, nbytes,
+                    _world_multiple("all_gather", "output", output, "input", input))
 
     def run():
         acc = _new_acc()
@@ -358,8 +362,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *,
                codec="auto"):
     """Like ``dist.all_reduce``, in place; every rank ends with bit-identical results."""
-    numel = tensor.numel() if isinstance(tensor, torch.Tensor) else -1
-    nbytes = numel * tensor.element_size() if numel > 0 else 0
+    numel, nbytes = _size(tensor)
     t, c = _prepare("all_reduce", group, (tensor,), op, codec, numel, nbytes, lambda t: None)
 
     def run():
