@@ -12,7 +12,7 @@ import torch
 
 from . import format as F
 from .errors import FormatError, UnsupportedError
-from .kernels import resolve
+from .kernels import IMPLS, resolve
 from .reference.packet import assemble, host_bytes
 
 __all__ = ["Codec", "Raw", "Lossless", "packet_size", "check_input"]
@@ -73,7 +73,8 @@ class Raw:
         itemsize = F.LAYOUTS[h.dtype].itemsize
         if h.sections != (0, 0, 0, h.numel * itemsize):
             raise FormatError("raw packet sections do not match its element count")
-        F.check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h) if h.flags else None
+        if h.flags:
+            F.check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
         out = _output(h, out, packet.device)
         out.view(torch.uint8).copy_(packet[F.HEADER_SIZE:h.total_size])
         return out
@@ -104,9 +105,8 @@ class Lossless:
                 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in [{F.MIN_BLOCK_SIZE}, {F.MAX_BLOCK_SIZE}], "
                              f"got {block_size!r}")
-        resolve(impl, torch.device("cpu")) if impl in ("reference", "numba") else None
-        if impl not in ("auto", "reference", "numba", "triton"):
-            raise ValueError(f"unknown impl {impl!r}; choose auto, reference, numba or triton")
+        if impl not in IMPLS:
+            raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
         self.impl, self.block_size, self.checksum = impl, block_size, checksum
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
