@@ -7,7 +7,6 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -83,7 +83,6 @@ def _median_time(fn, repeat: int, setup=None) -> tuple[float, object]:
 
 def codecs(dtype_name: str, include_zipnn: bool, include_zstd: bool):
     """(name, encode(bytes-like tensor) -> packet, decode(packet) -> bytes-like, needs_fresh_copy)."""
-    dtype = DTYPES[dtype_name]
     z = Lossless()
     yield "zipccl-lossless", (lambda x: z.encode(x)), (lambda p: z.decode(p)), False
     if include_zipnn:

@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 PREFIX = "zcl-"
 BRIDGE_NS = f"{PREFIX}br"

@@ -63,7 +63,7 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn") -> list[dic
             if rank == 0:
                 progress(k, total, f"{spec.name} {size} B {dtype} {codec or 'torch'}")
             if codec is None and op == dist.ReduceOp.AVG:
-                say(f"#  (torch baseline skipped for avg: gloo has no AVG)")
+                say("#  (torch baseline skipped for avg: gloo has no AVG)")
                 continue
             reference = raw_out if data is not None and codec not in ("raw", None) else ref
             row = measure(spec, args, numel_in, numel_out, dtype, op, codec, inp, reference, nranks)

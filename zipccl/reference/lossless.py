@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, INDEX_ENTRY, LAYOUTS, MAX_OFFSET, MAXLEN, MIN_OFFSET,
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, LAYOUTS, MAX_OFFSET, MAXLEN, MIN_OFFSET,
                       OFFSET_BIAS, RAW_BLOCK, SYM_ESC, SYM_ZERO, Header, num_blocks, num_tables)
 from . import tables as T
 from .packet import assemble, parse_lossless
