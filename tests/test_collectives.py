@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import zipccl
 from zipccl.codecs import Lossless
+from zipccl.collectives import pieces
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,8 +99,11 @@ def _verifiable(rank, groups, size, n):
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_exact_sum_inputs_have_zero_wrong(pool, size):
-    for r in pool.run(_verifiable, size, 3001)[:size]:
+@pytest.mark.parametrize("n", [3001, 2_500_007])  # the large one runs in several pipeline pieces, with padding
+def test_exact_sum_inputs_have_zero_wrong(pool, size, n):
+    m = -(-n // size)
+    assert n < 10_000 or len(pieces(m, size, 2)) > 1
+    for r in pool.run(_verifiable, size, n, timeout=240)[:size]:
         assert not isinstance(r, BaseException), r
         assert all(v == 0 for v in r.values()), r
 
@@ -117,14 +121,16 @@ def _real_gradients(rank, groups, size, path):
         zipccl.all_reduce(y, group=g, codec=codec)
         results[codec] = digest(y)
         wire[codec] = zipccl.stats()["all_reduce"]
-    # Wire accounting: this rank sent its packets of the other owners' chunks, then its
-    # reduced chunk to every peer; the stats must count exactly those bytes.
+    # Wire accounting: piece by piece, this rank sent its packets of the other owners' chunks,
+    # then its reduced piece to every peer; the stats must count exactly those bytes.
     m = -(-x.numel() // size)
     padded = torch.cat([x, x.new_zeros(m * size - x.numel())]).view(size, m)
     reduced = torch.cat([y, y.new_zeros(m * size - y.numel())]).view(size, m)[rank]
     codec = Lossless()
-    expect = sum(codec.encode(padded[j]).numel() for j in range(size) if j != rank) \
-        + (size - 1) * codec.encode(reduced).numel()
+    cuts = pieces(m, size, 2)
+    assert len(cuts) > 1  # the pipeline really runs in pieces here
+    expect = sum(codec.encode(padded[j, a:b]).numel() for a, b in cuts for j in range(size) if j != rank) \
+        + (size - 1) * sum(codec.encode(reduced[a:b]).numel() for a, b in cuts)
     return results, wire, expect
 
 

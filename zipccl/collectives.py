@@ -124,74 +124,124 @@ def _reduce_into(acc: torch.Tensor, x: torch.Tensor, op_code: int) -> None:
         torch.minimum(acc, x.to(acc.dtype), out=acc)
 
 
-def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc: dict) -> torch.Tensor:
-    """chunks: (ranks, m). Returns this rank's reduced chunk (m elements, chunks' dtype)."""
+#: Pipelining: each phase moves in pieces of about this many input bytes (all ranks' chunks
+#: together), so that encoding piece k+1 and decoding piece k-1 overlap piece k on the wire.
+PIECE_BYTES = 4 << 20
+MAX_PIECES = 16
+
+
+def pieces(m: int, n: int, itemsize: int) -> list[tuple[int, int]]:
+    """Element ranges [a, b) that cut a chunk of ``m`` elements into pipeline pieces."""
+    count = max(1, min(MAX_PIECES, -(-m * n * itemsize // PIECE_BYTES), m))
+    step = max(1, -(-m // count))
+    return [(a, min(m, a + step)) for a in range(0, m, step)] or [(0, 0)]
+
+
+def _timed(acc: dict, key: str, fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    acc[key] += time.perf_counter() - t0
+    return out
+
+
+def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
+    """chunks: (ranks, m). Returns this rank's reduced chunk (m elements, chunks' dtype).
+
+    Piece by piece: encode the piece of every peer's chunk, exchange sizes, start the all-to-all,
+    then reduce the previous piece while this one is on the wire; ``on_piece(a, b)`` hears of each
+    reduced range (all-reduce starts gathering it at once)."""
     n, r = t.size, t.rank
     op_code = _OPS[op]
-    t0 = time.perf_counter()
-    packets = [codec.encode(chunks[j]) if j != r else chunks[j][:0].view(torch.uint8) for j in range(n)]
-    acc["codec_seconds"] += time.perf_counter() - t0
-    sizes = [p.numel() for p in packets]
-    t0 = time.perf_counter()
-    recv_sizes = call.exchange(t, sizes)[:, r].tolist()
-    recv = t.all_to_all(torch.cat(packets), sizes, recv_sizes)
-    acc["comm_seconds"] += time.perf_counter() - t0
-    acc["wire_bytes"] += sum(sizes)
-    acc["raw_bytes"] += (n - 1) * chunks[0].numel() * chunks.element_size()
-    acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+    m = chunks.shape[1]
+    result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
+    scratch = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
+    pending = None
+    for piece in pieces(m, n, chunks.element_size()) + [None]:
+        launched = None
+        if piece is not None:
+            a, b = piece
+            packets = _timed(acc, "codec_seconds", lambda: [
+                codec.encode(chunks[j, a:b]) if j != r else chunks[j, :0].view(torch.uint8) for j in range(n)])
+            sizes = [p.numel() for p in packets]
+            recv_sizes = _timed(acc, "comm_seconds", lambda: call.exchange(t, sizes)[:, r].tolist())
+            send = torch.cat(packets)
+            work, recv = _timed(acc, "comm_seconds", t.all_to_all_async, send, sizes, recv_sizes)
+            launched = (a, b, work, recv, recv_sizes, send)
+            acc["wire_bytes"] += sum(sizes)
+            acc["raw_bytes"] += (n - 1) * (b - a) * chunks.element_size()
+            acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+        if pending is not None:
+            pa, pb, work, recv, recv_sizes, _ = pending
+            if work is not None:
+                _timed(acc, "comm_seconds", work.wait)
+            t0 = time.perf_counter()
+            total, offset = None, 0
+            for j in range(n):  # fixed rank order: the same sum on every owner, whatever arrives first
+                if j == r:
+                    part = chunks[r, pa:pb]
+                else:
+                    part = codec.decode(recv[offset:offset + recv_sizes[j]], out=scratch[:pb - pa])
+                    offset += recv_sizes[j]
+                if total is None:
+                    total = part.to(_acc_dtype(chunks.dtype), copy=True)
+                else:
+                    _reduce_into(total, part, op_code)
+            if op_code == 2:
+                total.div_(n)
+            result[pa:pb].copy_(total)
+            acc["codec_seconds"] += time.perf_counter() - t0
+            if on_piece is not None:
+                on_piece(pa, pb, result[pa:pb])
+        pending = launched
+    return result
 
-    t0 = time.perf_counter()
-    result = None
-    scratch = torch.empty_like(chunks[0])
-    offset = 0
-    for j in range(n):  # fixed rank order: the same sum on every owner, whatever arrives first
-        if j == r:
-            part = chunks[r]
-        else:
-            part = codec.decode(recv[offset:offset + recv_sizes[j]], out=scratch)
-            offset += recv_sizes[j]
-        if result is None:
-            result = part.to(_acc_dtype(chunks.dtype), copy=True)
-        else:
-            _reduce_into(result, part, op_code)
-    if op_code == 2:
-        result.div_(n)
-    acc["codec_seconds"] += time.perf_counter() - t0
-    return result.to(chunks.dtype)
 
+class _Gather:
+    """All-gather pipeline: ``push`` this rank's piece [a, b) to every peer; each peer's piece is
+    decoded into ``dest(j, a, b)`` (a view that may be shorter: the padding of all-reduce)."""
 
-def _all_gather_chunks(t, mine: torch.Tensor, outs: list[torch.Tensor], codec, call: _Call, acc: dict) -> None:
-    """Send ``mine`` to every rank; write rank j's chunk into outs[j] (which may be shorter: padding)."""
-    n, r = t.size, t.rank
-    t0 = time.perf_counter()
-    packet = codec.encode(mine)
-    acc["codec_seconds"] += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    sizes = call.exchange(t, [packet.numel()])[:, 0].tolist()
-    send_splits = [0 if j == r else packet.numel() for j in range(n)]
-    recv_splits = [0 if j == r else sizes[j] for j in range(n)]
-    recv = t.all_to_all(packet.repeat(n - 1), send_splits, recv_splits)
-    acc["comm_seconds"] += time.perf_counter() - t0
-    acc["wire_bytes"] += (n - 1) * packet.numel()
-    acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
-    acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+    def __init__(self, t, codec, call: _Call, acc: dict, dest):
+        self.t, self.codec, self.call, self.acc, self.dest = t, codec, call, acc, dest
+        self.pending = []
+        self.scratch = None
 
-    t0 = time.perf_counter()
-    offset = 0
-    scratch = None
-    for j in range(n):
-        dest = outs[j]
-        if j == r:
-            dest.copy_(mine[:dest.numel()])
-            continue
-        part = recv[offset:offset + recv_splits[j]]
-        offset += recv_splits[j]
-        if dest.numel() == mine.numel():
-            codec.decode(part, out=dest)  # straight into the caller's buffer
-        else:
-            scratch = codec.decode(part, out=scratch if scratch is not None else torch.empty_like(mine))
-            dest.copy_(scratch[:dest.numel()])
-    acc["codec_seconds"] += time.perf_counter() - t0
+    def push(self, a: int, b: int, mine: torch.Tensor) -> None:
+        t, n, r, acc = self.t, self.t.size, self.t.rank, self.acc
+        packet = _timed(acc, "codec_seconds", self.codec.encode, mine)
+        sizes = _timed(acc, "comm_seconds", lambda: self.call.exchange(t, [packet.numel()])[:, 0].tolist())
+        send_splits = [0 if j == r else packet.numel() for j in range(n)]
+        recv_splits = [0 if j == r else sizes[j] for j in range(n)]
+        send = packet.repeat(n - 1)
+        work, recv = _timed(acc, "comm_seconds", t.all_to_all_async, send, send_splits, recv_splits)
+        acc["wire_bytes"] += (n - 1) * packet.numel()
+        acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
+        acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+        own = self.dest(r, a, b)
+        own.copy_(mine[:own.numel()])
+        self.pending.append((a, b, mine, work, recv, recv_splits, send))
+
+    def drain(self, keep: int = 0) -> None:
+        """Finish all but the ``keep`` most recent pieces."""
+        while len(self.pending) > keep:
+            a, b, mine, work, recv, recv_splits, _ = self.pending.pop(0)
+            if work is not None:
+                _timed(self.acc, "comm_seconds", work.wait)
+            t0 = time.perf_counter()
+            offset = 0
+            for j in range(self.t.size):
+                if j == self.t.rank:
+                    continue
+                part = recv[offset:offset + recv_splits[j]]
+                offset += recv_splits[j]
+                dest = self.dest(j, a, b)
+                if dest.numel() == b - a:
+                    self.codec.decode(part, out=dest)  # straight into the caller's buffer
+                else:
+                    if self.scratch is None or self.scratch.numel() < b - a:
+                        self.scratch = torch.empty_like(mine)
+                    decoded = self.codec.decode(part, out=self.scratch[:b - a])
+                    dest.copy_(decoded[:dest.numel()])
+            self.acc["codec_seconds"] += time.perf_counter() - t0
 
 
 # ---- validation ----------------------------------------------------------------------------------------------
@@ -352,8 +402,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
             t.native("all_gather", output.view(-1), input.view(-1))
             acc["comm_seconds"] += time.perf_counter() - t0
         else:
-            outs = list(output.view(t.size, -1)) if numel else [output.view(-1)[:0]] * t.size
-            _all_gather_chunks(t, input.view(-1), outs, c, call, acc)
+            mine, outs = input.view(-1), output.view(t.size, -1)
+            gather = _Gather(t, c, call, acc, lambda j, a, b: outs[j, a:b])
+            for a, b in pieces(numel, t.size, input.element_size()):
+                gather.push(a, b, mine[a:b])
+                gather.drain(keep=1)
+            gather.drain()
         return _finish("all_gather", c, acc)
 
     return _run(run, async_op)
@@ -379,10 +433,16 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
             n = t.size
             m = -(-numel // n)
             padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
-            chunks = padded.view(n, m)
-            reduced = _reduce_scatter_chunks(t, chunks, op, c, _Call("all_reduce", tensor.dtype, numel, op, c), acc)
-            outs = [flat[j * m:min(numel, (j + 1) * m)] for j in range(n)]
-            _all_gather_chunks(t, reduced, outs, c, _Call("all_reduce/gather", tensor.dtype, m, op, c), acc)
+            gather = _Gather(t, c, _Call("all_reduce/gather", tensor.dtype, m, op, c), acc,
+                             lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
+
+            def reduced(a, b, piece):  # gather each reduced piece as soon as it exists
+                gather.push(a, b, piece)
+                gather.drain(keep=1)
+
+            _reduce_scatter_chunks(t, padded.view(n, m), op, c, _Call("all_reduce", tensor.dtype, numel, op, c),
+                                   acc, on_piece=reduced)
+            gather.drain()
         return _finish("all_reduce", c, acc)
 
     return _run(run, async_op)

@@ -27,6 +27,11 @@ class Transport(ABC):
         received, ``recv_splits[j]`` from rank j, concatenated in rank order."""
 
     @abstractmethod
+    def all_to_all_async(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]):
+        """``all_to_all`` that returns at once: (handle with ``wait()`` or None when nothing moves,
+        receive buffer). ``send`` must stay alive until the handle is waited for."""
+
+    @abstractmethod
     def native(self, name: str, *tensors: torch.Tensor, op=None) -> None:
         """The backend's own collective (for dtypes no codec handles): ``all_reduce``,
         ``reduce_scatter`` (output, input) or ``all_gather`` (output, input)."""

@@ -30,11 +30,18 @@ class TorchTransport(Transport):
         return out.reshape(self.size, -1).cpu()
 
     def all_to_all(self, send, send_splits, recv_splits):
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
-        if sum(send_splits) or sum(recv_splits):
-            dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
-                                   input_split_sizes=list(send_splits), group=self.group)
+        work, recv = self.all_to_all_async(send, send_splits, recv_splits)
+        if work is not None:
+            work.wait()
         return recv
+
+    def all_to_all_async(self, send, send_splits, recv_splits):
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
+        if not (sum(send_splits) or sum(recv_splits)):
+            return None, recv
+        work = dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
+                                      input_split_sizes=list(send_splits), group=self.group, async_op=True)
+        return work, recv
 
     def native(self, name, *tensors, op=None):
         if name == "all_reduce":
