@@ -99,7 +99,7 @@ def _verifiable(rank, groups, size, n):
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("n", [3001, 2_500_007])  # the large one runs in several pipeline pieces, with padding
+@pytest.mark.parametrize("n", [3001, 4_500_007])  # the large one runs in several pipeline pieces, with padding
 def test_exact_sum_inputs_have_zero_wrong(pool, size, n):
     m = -(-n // size)
     assert n < 10_000 or len(pieces(m, size, 2)) > 1
@@ -112,7 +112,7 @@ def _real_gradients(rank, groups, size, path):
     if rank >= size:
         return None
     g = groups[size]
-    grads = torch.from_numpy(np.load(path))
+    grads = torch.from_numpy(np.load(path)).repeat(2)  # 13 MB of bf16: several pipeline pieces
     x = (grads * (1.0 + 0.25 * rank)).to(torch.bfloat16)
     results, wire = {}, {}
     for codec in ("raw", "lossless"):
@@ -146,7 +146,7 @@ def test_real_gradients_lossless_is_raw_and_moves_fewer_bytes(pool, real_grads, 
         lossless, raw = wire["lossless"], wire["raw"]
         assert lossless["wire_bytes"] == expect
         assert raw["raw_bytes"] == lossless["raw_bytes"]
-        assert raw["raw_bytes"] == 2 * (size - 1) * (-(-real_grads.numel() // size)) * 2
+        assert raw["raw_bytes"] == 2 * (size - 1) * (-(-2 * real_grads.numel() // size)) * 2
         assert lossless["wire_bytes"] <= 0.70 * raw["wire_bytes"]
         assert lossless["meta_bytes"] < 1e-3 * lossless["wire_bytes"]
 

@@ -126,7 +126,7 @@ def _reduce_into(acc: torch.Tensor, x: torch.Tensor, op_code: int) -> None:
 
 #: Pipelining: each phase moves in pieces of about this many input bytes (all ranks' chunks
 #: together), so that encoding piece k+1 and decoding piece k-1 overlap piece k on the wire.
-PIECE_BYTES = 4 << 20
+PIECE_BYTES = 8 << 20
 MAX_PIECES = 16
 
 
