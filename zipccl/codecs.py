@@ -15,7 +15,7 @@ from .errors import FormatError, UnsupportedError
 from .kernels import IMPLS, resolve
 from .reference.packet import assemble, host_bytes
 
-__all__ = ["Codec", "Raw", "Lossless", "packet_size", "check_input"]
+__all__ = ["Codec", "Raw", "Lossless", "TopK", "packet_size", "check_input"]
 
 
 class Codec(Protocol):
@@ -128,3 +128,6 @@ class Lossless:
 
     def __repr__(self) -> str:
         return f"Lossless(impl={self.impl!r}, block_size={self.block_size}, checksum={self.checksum})"
+
+
+from .topk import TopK  # noqa: E402  (topk imports check_input from here)

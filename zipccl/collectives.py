@@ -65,7 +65,8 @@ def resolve_codec(codec, dtype: torch.dtype, nbytes: int):
 def _codec_id(codec) -> int:
     if codec is None:
         return 0
-    key = f"{getattr(codec, 'name', type(codec).__name__)}:{getattr(codec, 'block_size', 0)}"
+    key = f"{getattr(codec, 'name', type(codec).__name__)}:{getattr(codec, 'block_size', 0)}:" \
+          f"{getattr(codec, 'density', 0)}"
     return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 
@@ -244,6 +245,32 @@ class _Gather:
             self.acc["codec_seconds"] += time.perf_counter() - t0
 
 
+def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict) -> None:
+    """Top-k all-reduce: all-gather every rank's (index, value) packet, add them in rank order
+    into an fp32 (or the dtype's) accumulator, so that every rank ends with the same bits."""
+    n, r = t.size, t.rank
+    packet = _timed(acc, "codec_seconds", codec.encode, flat)
+    sizes = _timed(acc, "comm_seconds", lambda: call.exchange(t, [packet.numel()])[:, 0].tolist())
+    send_splits = [0 if j == r else packet.numel() for j in range(n)]
+    recv_splits = [0 if j == r else sizes[j] for j in range(n)]
+    recv = _timed(acc, "comm_seconds", t.all_to_all, packet.repeat(n - 1), send_splits, recv_splits)
+    acc["wire_bytes"] += (n - 1) * packet.numel()
+    acc["raw_bytes"] += 2 * (n - 1) * -(-flat.numel() // n) * flat.element_size()  # a dense all-reduce
+    acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+    t0 = time.perf_counter()
+    total = torch.zeros(flat.numel(), dtype=_acc_dtype(flat.dtype), device=flat.device)
+    offset = 0
+    for j in range(n):  # rank order; indices are unique within a packet, so index_add_ is exact per step
+        part = packet if j == r else recv[offset:offset + recv_splits[j]]
+        offset += recv_splits[j]
+        _, idx, values = codec.parse(part)
+        total.index_add_(0, idx, values.to(total.dtype))
+    if _OPS[op] == 2:
+        total.div_(n)
+    flat.copy_(total)
+    acc["codec_seconds"] += time.perf_counter() - t0
+
+
 # ---- validation ----------------------------------------------------------------------------------------------
 
 def _check_tensor(name: str, x) -> None:
@@ -292,6 +319,11 @@ def _prepare(name, group, tensors, op, codec, numel, nbytes, check):
         if op is not None:
             _op_code(op)
         resolved = resolve_codec(codec, dtype, nbytes)
+        if not getattr(resolved, "exact", True):
+            if name != "all_reduce":
+                raise UnsupportedError(f"lossy codec {resolved!r} works with all_reduce only, not {name}")
+            if _OPS.get(op) not in (1, 2):
+                raise UnsupportedError(f"lossy codec {resolved!r} reduces with SUM or AVG only")
         check(t)
     except (TypeError, ValueError, UnsupportedError) as e:
         error = e
@@ -431,6 +463,9 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
             acc["comm_seconds"] += time.perf_counter() - t0
         else:
             n = t.size
+            if not getattr(c, "exact", True):
+                _sparse_all_reduce(t, flat, op, c, _Call("all_reduce", tensor.dtype, numel, op, c), acc)
+                return _finish("all_reduce", c, acc)
             m = -(-numel // n)
             padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
             gather = _Gather(t, c, _Call("all_reduce/gather", tensor.dtype, m, op, c), acc,

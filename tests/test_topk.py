@@ -1,0 +1,136 @@
+"""Top-k codec, error feedback, and the sparse all-reduce (groundwork of issue 7)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
+
+import zipccl
+from zipccl import format as F
+from zipccl.codecs import TopK
+from zipccl.feedback import Residuals
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 3000), density=st.floats(0.001, 1.0), seed=st.integers(0, 10**6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_roundtrip_keeps_the_largest_entries(n, density, seed, dtype):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    c = TopK(density)
+    p = c.encode(x)
+    assert p.numel() == c.max_encoded_size(n, dtype)
+    y = c.decode(p)
+    kept = y != 0
+    k = c.k(n)
+    assert int(kept.sum()) <= k
+    assert torch.equal(y[kept], x[kept])
+    idx, _ = c.select(x)
+    assert idx.numel() == k
+    threshold = x.float().abs()[idx.long()].min()
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[idx.long()] = False
+    assert bool((x.float().abs()[rest] <= threshold).all())
+
+
+def test_selection_is_deterministic_with_ties():
+    x = torch.tensor([1.0, -1.0, 1.0, 0.5, -1.0])
+    idx, values = TopK(0.6).select(x)
+    assert idx.tolist() == [0, 1, 2] and values.tolist() == [1.0, -1.0, 1.0]
+
+
+def _rewrite(p, idx=None, values_bytes=None, **header):
+    h = F.parse_header(p[:F.HEADER_SIZE].numpy().tobytes(), None, p.numel())
+    body = p[F.HEADER_SIZE:].clone()
+    if idx is not None:
+        body[:len(idx) * 4] = torch.tensor(idx, dtype=torch.int32).view(torch.uint8)
+    fields = {**h.__dict__, **header}
+    q = torch.cat([torch.frombuffer(bytearray(F.Header(**fields).pack()), dtype=torch.uint8), body])
+    return q
+
+
+def test_corrupt_packets_raise():
+    c = TopK(0.5)
+    p = c.encode(torch.arange(8, dtype=torch.float32))  # keeps indices 4..7
+    with pytest.raises(zipccl.FormatError, match="range"):
+        c.decode(_rewrite(p, idx=[4, 5, 6, 8]))
+    with pytest.raises(zipccl.FormatError, match="ascending"):
+        c.decode(_rewrite(p, idx=[4, 5, 5, 7]))
+    with pytest.raises(zipccl.FormatError, match="ascending"):
+        c.decode(_rewrite(p, idx=[7, 5, 6, 4]))
+    h = F.parse_header(p[:F.HEADER_SIZE].numpy().tobytes(), None, p.numel())
+    s0, s1, s2, s3 = h.sections
+    with pytest.raises(zipccl.FormatError):
+        c.decode(_rewrite(p, sections=(s0, s1, s2 - 4, s3)))
+    with pytest.raises(zipccl.FormatError):
+        c.decode(p[:-1].clone())
+    with pytest.raises(zipccl.FormatError):
+        zipccl.codecs.Lossless().decode(p)
+
+
+def test_bad_configuration():
+    for bad in (0, -0.1, 1.5, "0.1"):
+        with pytest.raises(ValueError):
+            TopK(bad)
+    with pytest.raises(ValueError):
+        Residuals(torch.float16)
+
+
+def test_error_feedback_is_exact_and_pickles():
+    res = Residuals()
+    c = TopK(0.1)
+    g = torch.Generator().manual_seed(0)
+    old = torch.zeros(1000)
+    for step in range(3):
+        grad = torch.randn(1000, generator=g)
+        comp = res.compensate(("bucket", 0), grad)
+        assert torch.equal(comp, grad + old)
+        sent = c.decode(c.encode(comp))
+        res.update(("bucket", 0), comp, sent)
+        assert torch.equal(res.store[("bucket", 0)], (grad + old) - sent)
+        old = res.store[("bucket", 0)]
+    assert res.memory_bytes() == 4000
+    assert torch.equal(res.compensate(("bucket", 0), torch.zeros(7)), torch.zeros(7))  # rebuilt bucket: fresh
+    back = pickle.loads(pickle.dumps(res))
+    assert torch.equal(back.store[("bucket", 0)], old)
+    half = Residuals(torch.bfloat16)
+    half.update("w", torch.ones(10), torch.zeros(10))
+    assert half.memory_bytes() == 20
+
+
+def _sparse(rank, groups, size, density):
+    if rank >= size:
+        return None
+    g = groups[size]
+    c = TopK(density)
+    x = torch.randn(10_001, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    y = x.clone()
+    zipccl.all_reduce(y, group=g, codec=c)
+    errors = {}
+    for name, call in (("rs", lambda: zipccl.reduce_scatter(torch.empty(10), torch.ones(10 * size), group=g, codec=c)),
+                       ("max", lambda: zipccl.all_reduce(torch.ones(10), op=dist.ReduceOp.MAX, group=g, codec=c))):
+        try:
+            call()
+            errors[name] = "no error"
+        except zipccl.UnsupportedError as e:
+            errors[name] = str(e)
+    return y.view(torch.int16).clone(), errors
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 4])
+def test_sparse_all_reduce_equals_dense_sum_of_what_was_sent(pool, size):
+    res = pool.run(_sparse, size, 0.05)[:size]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    assert all(torch.equal(r[0], res[0][0]) for r in res)  # bit-identical on every rank
+    c = TopK(0.05)
+    total = torch.zeros(10_001)
+    for q in range(size):  # rank order, fp32 accumulation, rounded once
+        x = torch.randn(10_001, generator=torch.Generator().manual_seed(q)).to(torch.bfloat16)
+        total += c.decode(c.encode(x)).float()
+    assert torch.equal(res[0][0], total.to(torch.bfloat16).view(torch.int16))
+    for r in res:
+        assert "all_reduce only" in r[1]["rs"] and "SUM or AVG" in r[1]["max"]

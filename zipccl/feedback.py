@@ -1,0 +1,44 @@
+"""Error feedback for lossy codecs: keep what was not sent and add it to the next gradient.
+
+``residual = (grad + residual) - sent``, per key. Keys name a tensor (a parameter
+name, or a DDP bucket as (index, numel): DDP rebuilds its buckets after the first
+iteration, and a key whose numel changed starts from zero). Residuals are kept
+in fp32 (exact) or bf16 (half the memory).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Residuals"]
+
+
+class Residuals:
+    __slots__ = ("dtype", "store")
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"residual dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        self.dtype = dtype
+        self.store: dict = {}
+
+    def compensate(self, key, grad: torch.Tensor) -> torch.Tensor:
+        """``grad + residual`` in fp32 (a new tensor; ``grad`` is not modified)."""
+        out = grad.reshape(-1).to(torch.float32, copy=True)
+        old = self.store.get(key)
+        if old is not None and old.numel() == out.numel():
+            out += old.float()
+        return out
+
+    def update(self, key, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+        """Keep ``compensated - sent`` (``sent`` dense: zeros where nothing was sent)."""
+        self.store[key] = (compensated - sent.reshape(-1).float()).to(self.dtype)
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.store.values())
+
+    def __getstate__(self):
+        return {"dtype": self.dtype, "store": self.store}
+
+    def __setstate__(self, state):
+        self.dtype, self.store = state["dtype"], state["store"]

@@ -1,0 +1,96 @@
+"""Lossy top-k sparsification as a codec: the k largest-magnitude entries as (int32 index, value).
+
+Packets use the common header (codec 2): section 2 holds the indices (int32,
+strictly ascending), section 3 the values in the tensor's dtype; sections 0 and
+1 are empty. Selection is deterministic: the k largest |x|, ties to the lower
+index, so every rank given the same tensor sends the same packet. Error feedback
+(keeping what was not sent) lives in zipccl/feedback.py; collectives with a TopK
+codec all-gather the packets and add them in rank order (zipccl.collectives).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import format as F
+from .errors import FormatError
+from .reference.packet import assemble, host_bytes
+
+__all__ = ["TopK"]
+
+
+class TopK:
+    """Keep ``density`` of the entries (at least one): ``TopK(density=0.01)``."""
+    name = "topk"
+    exact = False
+
+    def __init__(self, density: float = 0.01):
+        if not isinstance(density, (int, float)) or not 0 < density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        self.density = float(density)
+
+    def k(self, numel: int) -> int:
+        return min(numel, max(1, math.ceil(self.density * numel))) if numel else 0
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices int32 ascending, values) of the k largest |x|, ties to the lower index."""
+        from .codecs import check_input
+        check_input(x)
+        flat = x.reshape(-1)
+        k = self.k(flat.numel())
+        order = torch.sort(flat.float().abs().neg(), stable=True).indices[:k]
+        idx = torch.sort(order).values
+        return idx.to(torch.int32), flat[idx]
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        idx, values = self.select(x)
+        return self.encode_selected(idx, values, x.numel())
+
+    def encode_selected(self, idx: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+        """A packet of already chosen entries (indices int32 strictly ascending)."""
+        empty = idx.new_zeros(0, dtype=torch.uint8)
+        header = F.Header(F.CODEC_TOPK, values.dtype, numel)
+        return assemble(header, [empty, empty, idx.contiguous().view(torch.uint8),
+                                 values.contiguous().view(torch.uint8)])
+
+    def parse(self, packet: torch.Tensor) -> tuple[F.Header, torch.Tensor, torch.Tensor]:
+        """Validate a packet: (header, indices int64, values)."""
+        if not isinstance(packet, torch.Tensor) or packet.dtype != torch.uint8 or packet.dim() != 1:
+            raise FormatError("a packet is a 1-D torch.uint8 tensor")
+        h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_TOPK, packet.numel())
+        s0, s1, s2, s3 = h.sections
+        itemsize = F.LAYOUTS[h.dtype].itemsize
+        if s0 or s1 or s2 % 4 or s3 != s2 // 4 * itemsize or s2 // 4 > h.numel:
+            raise FormatError("top-k sections do not match: indices and values must pair up")
+        if h.flags:
+            F.check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
+        k = s2 // 4
+        start = F.HEADER_SIZE
+        idx = packet[start:start + s2].clone().view(torch.int32).to(torch.int64)
+        values = packet[start + s2:start + s2 + s3].clone().view(h.dtype)
+        if k and (int(idx[0]) < 0 or int(idx[-1]) >= h.numel):
+            raise FormatError(f"top-k index out of range [0, {h.numel})")
+        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise FormatError("top-k indices must be strictly ascending (no duplicates)")
+        return h, idx, values
+
+    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense tensor: the sent entries, zeros elsewhere."""
+        h, idx, values = self.parse(packet)
+        if out is None:
+            out = torch.zeros(h.numel, dtype=h.dtype, device=packet.device)
+        else:
+            if out.dtype != h.dtype or out.numel() != h.numel or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous {h.dtype} tensor of {h.numel} elements")
+            out = out.view(-1)
+            out.zero_()
+        out[idx] = values
+        return out
+
+    def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
+        return F.HEADER_SIZE + self.k(numel) * (4 + F.LAYOUTS[dtype].itemsize)
+
+    def __repr__(self) -> str:
+        return f"TopK(density={self.density})"
