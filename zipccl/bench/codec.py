@@ -81,19 +81,12 @@ def _median_time(fn, repeat: int, setup=None) -> tuple[float, object]:
     return float(np.median(times)), result
 
 
-def codecs(dtype_name: str, include_zipnn: bool, include_zstd: bool):
-    """(name, encode(bytes-like tensor) -> packet, decode(packet) -> bytes-like, needs_fresh_copy)."""
+def codecs(dtype_name: str, include_zipnn: bool, include_zstd: bool) -> list:
+    """[(name, encode, decode, needs_fresh_copy)], ZipNN's multi-threaded default last: its worker
+    threads outlive a call and would slow whatever is measured after them."""
     z = Lossless()
-    yield "zipccl-lossless", (lambda x: z.encode(x)), (lambda p: z.decode(p)), False
-    if include_zipnn:
-        try:
-            import zipnn
-        except ImportError:
-            print("# zipnn not installed: skipped (pip install zipnn)", file=sys.stderr)
-        else:
-            for threads, label in ((1, "zipnn-1thread"), (0, "zipnn-default")):
-                zn = zipnn.ZipNN(input_format="byte", bytearray_dtype=ZIPNN_DTYPE[dtype_name], threads=threads)
-                yield label, zn.compress, zn.decompress, True
+    out = [("zipccl-lossless", (lambda x: z.encode(x)), (lambda p: z.decode(p)), False),
+           ("memcpy", (lambda b: bytearray(b)), (lambda p: bytearray(p)), False)]
     if include_zstd:
         try:
             import zstandard
@@ -102,35 +95,51 @@ def codecs(dtype_name: str, include_zipnn: bool, include_zstd: bool):
         else:
             for level in (1, 3):
                 c, d = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
-                yield f"zstd-{level}", c.compress, d.decompress, False
-    yield "memcpy", (lambda b: bytearray(b)), (lambda p: bytearray(p)), False
+                out.append((f"zstd-{level}", c.compress, d.decompress, False))
+    if include_zipnn:
+        try:
+            import zipnn
+        except ImportError:
+            print("# zipnn not installed: skipped (pip install zipnn)", file=sys.stderr)
+        else:
+            for threads, label in ((1, "zipnn-1thread"), (0, "zipnn-default")):
+                zn = zipnn.ZipNN(input_format="byte", bytearray_dtype=ZIPNN_DTYPE[dtype_name], threads=threads)
+                out.append((label, zn.compress, zn.decompress, True))
+    return out
 
 
 def run(size: int | None, repeat: int, data_file: Path | None, dtypes: list[str], zipnn: bool = True,
         zstd: bool = True) -> list[dict]:
+    """Codec-major order (every codec over all data before the next), rows sorted for display."""
     torch.set_num_threads(1)
+    cases = [(name, dt, base.to(DTYPES[dt]).contiguous())
+             for name, base in datasets(size, data_file).items() for dt in dtypes]
+    table = {dt: codecs(dt, zipnn, zstd) for dt in dtypes}
     rows = []
-    for data_name, base in datasets(size, data_file).items():
-        for dt in dtypes:
-            x = base.to(DTYPES[dt]).contiguous()
+    for slot in range(max(len(v) for v in table.values())):
+        for data_name, dt, x in cases:
+            if slot >= len(table[dt]):
+                continue
+            name, enc, dec, fresh = table[dt][slot]
             raw = x.view(torch.uint8).numpy().tobytes()
             nbytes = len(raw)
-            for name, enc, dec, fresh in codecs(dt, zipnn, zstd):
-                print(f"# {data_name} {dt} {name} ...", file=sys.stderr, flush=True)
-                if name == "zipccl-lossless":
-                    enc_arg, check = x, (lambda y: torch.equal(y.view(torch.uint8), x.view(torch.uint8)))
-                else:
-                    enc_arg, check = raw, (lambda y: bytes(y) == raw)
-                # ZipNN modifies a bytes input in place for bf16/fp32: a fresh copy per run, untimed.
-                setup = (lambda: bytearray(raw)) if fresh else None
-                dec(enc(bytearray(raw) if fresh else enc_arg))  # warm-up: JIT compilation, allocator
-                t_enc, packet = _median_time((lambda a=None: enc(a if fresh else enc_arg)), repeat, setup)
-                t_dec, decoded = _median_time(lambda: dec(packet), repeat)
-                size_out = packet.numel() if isinstance(packet, torch.Tensor) else len(packet)
-                rows.append(dict(data=data_name, dtype=dt, codec=name, bytes=nbytes, ratio=size_out / nbytes,
-                                 encode_GBps=nbytes / t_enc / 1e9, decode_GBps=nbytes / t_dec / 1e9,
-                                 roundtrip_ok=bool(check(decoded))))
-    return rows
+            print(f"# {data_name} {dt} {name} ...", file=sys.stderr, flush=True)
+            if name == "zipccl-lossless":
+                enc_arg, check = x, (lambda y: torch.equal(y.view(torch.uint8), x.view(torch.uint8)))
+            else:
+                enc_arg, check = raw, (lambda y: bytes(y) == raw)
+            # ZipNN modifies a bytes input in place for bf16/fp32: a fresh copy per run, untimed.
+            setup = (lambda: bytearray(raw)) if fresh else None
+            dec(enc(bytearray(raw) if fresh else enc_arg))  # warm-up: JIT compilation, allocator
+            t_enc, packet = _median_time((lambda a=None: enc(a if fresh else enc_arg)), repeat, setup)
+            t_dec, decoded = _median_time(lambda: dec(packet), repeat)
+            size_out = packet.numel() if isinstance(packet, torch.Tensor) else len(packet)
+            rows.append(dict(data=data_name, dtype=dt, codec=name, bytes=nbytes, ratio=size_out / nbytes,
+                             encode_GBps=nbytes / t_enc / 1e9, decode_GBps=nbytes / t_dec / 1e9,
+                             roundtrip_ok=bool(check(decoded))))
+    order = {name: i for i, (name, *_rest) in enumerate(table[dtypes[0]])}
+    data_order = {name: i for i, (name, _, _) in enumerate(cases)}
+    return sorted(rows, key=lambda r: (data_order[r["data"]], dtypes.index(r["dtype"]), order.get(r["codec"], 99)))
 
 
 def format_table(rows: list[dict]) -> str:
