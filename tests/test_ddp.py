@@ -11,6 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zipccl.ddp
+from zipccl.entropy import EntropyRate
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,7 +28,11 @@ def _train(rank, groups, mode, steps, gabv=False, static=False):
     g = groups[2]
     ddp = DDP(_model(), process_group=g, gradient_as_bucket_view=gabv, static_graph=static, bucket_cap_mb=0.05)
     state = None
-    if mode != "torch":
+    if mode in ("topk", "entropy"):
+        rate = EntropyRate(min_density=0.01, max_density=0.3, warmup=3, every=2, sample=0.5)
+        state = zipccl.ddp.State(group=g, codec=mode, density=0.1, rate=rate)
+        ddp.register_comm_hook(state, zipccl.ddp.hook)
+    elif mode != "torch":
         state = zipccl.ddp.State(group=g, codec="lossless" if mode.endswith("lossless") else "raw")
         hook = zipccl.ddp.hook
         if mode.startswith("bf16"):
@@ -67,6 +72,26 @@ def test_hook_parity(pool, gabv, static):
     assert st["iterations"] == steps and 0 < st["wire_bytes"] < st["raw_bytes"]
 
 
+def test_lossy_hooks_train_identically_on_every_rank(pool):
+    lossless = pool.run(_train, "lossless", 12)[:2]
+    for mode in ("topk", "entropy"):
+        res = pool.run(_train, mode, 12, timeout=240)[:2]
+        assert all(not isinstance(r, BaseException) for r in res), res
+        assert res[0]["digest"] == res[1]["digest"], mode
+        st = [r["stats"] for r in res]
+        assert st[0]["densities"] == st[1]["densities"] and len(st[0]["densities"]) == 12
+        assert st[0]["residual_bytes"] > 0
+        assert st[0]["ratio"] < (0.35 if mode == "topk" else 0.9)  # entropy: lossless warm-up, densities <= 0.3
+        assert bool(torch.isfinite(res[0]["params"]).all())
+        assert res[0]["digest"] != lossless[0]["digest"]  # it really is lossy
+        if mode == "entropy":
+            assert st[0]["densities"][:3] == [None] * 3  # warm-up: lossless
+            assert all(0.01 <= d <= 0.3 for d in st[0]["densities"][3:])
+            assert st[0]["decisions"] == st[1]["decisions"]
+        else:
+            assert set(st[0]["densities"]) == {0.1}
+
+
 def test_bf16_hooks_compose(pool):
     modes = ("bf16-raw", "bf16-lossless", "torchbf16-lossless")
     res = {m: pool.run(_train, m, 20, timeout=240)[:2] for m in modes}
@@ -104,6 +129,12 @@ def test_state_pickles_and_validates():
     assert back.group is None and back.codec == "raw" and back.stats() == state.stats()
     with pytest.raises(ValueError, match="unknown codec"):
         zipccl.ddp.State(codec="zstd")
+    with pytest.raises(ValueError, match="density"):
+        zipccl.ddp.State(codec="topk", density=0.0)
+    lossy = zipccl.ddp.State(codec="entropy")
+    lossy.residuals.update((0, 3), torch.ones(3), torch.zeros(3))
+    back = pickle.loads(pickle.dumps(lossy))
+    assert back.rate is not None and torch.equal(back.residuals.store[(0, 3)], torch.ones(3))
     with pytest.raises(ValueError):
         zipccl.ddp.State(codec=object())
 

@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 from . import config
 from . import format as F
-from . import stats as _stats
+from .stats import record as _record
 from .codecs import Lossless, Raw
 from .errors import MismatchError, UnsupportedError
 from .transport import TorchTransport
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "AUTO_MIN_BYTES", "Handle"]
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "submit", "AUTO_MIN_BYTES", "Handle"]
 
 AUTO_MIN_BYTES = config.AUTO_MIN_BYTES
 
@@ -370,6 +370,13 @@ def _worker(q: queue.Queue) -> None:
             handle._future.set_exception(e)
 
 
+def submit(fn) -> Handle:
+    """Run ``fn()`` on zipccl's background thread, after every async call issued before it;
+    its return value becomes the handle's future value. For work that issues collectives in
+    the middle of async traffic (the DDP hook's lossy path) without racing it."""
+    return _run(fn, True)
+
+
 def _run(fn, async_op: bool):
     if not async_op:
         fn()
@@ -385,7 +392,7 @@ def _run(fn, async_op: bool):
 
 
 def _finish(name, codec, acc) -> dict:
-    _stats.record(name, getattr(codec, "name", "native") if codec is not None else "native", **acc)
+    _record(name, getattr(codec, "name", "native") if codec is not None else "native", **acc)
     return acc
 
 

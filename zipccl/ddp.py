@@ -17,7 +17,11 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .stats import stats as _snapshot
+from .entropy import EntropyRate
 from .errors import UnsupportedError
+from .feedback import Residuals
+from .topk import TopK
 
 __all__ = ["State", "hook", "bf16_hook"]
 
@@ -28,25 +32,37 @@ class State:
     group: process group to reduce over (None: the default group; the process
         must be a member).
     codec: "lossless" (default: bit-exact, bf16 gradients shrink to ~0.67),
-        "raw", "auto" (raw below ``zipccl.collectives.AUTO_MIN_BYTES``), or a
-        codec instance.
+        "raw", "auto" (raw below ``zipccl.collectives.AUTO_MIN_BYTES``; never lossy),
+        a codec instance, or the lossy, opt-in "topk" (fixed ``density``) and
+        "entropy" (density from the gradient-entropy trend, ``rate``), both with
+        error feedback: what a step does not send is added to the next step's
+        gradient (``residual_dtype`` float32, or bfloat16 for half the memory).
     Gradients are averaged over the group, reduced in rank order with fp32
     accumulation for 16-bit buckets, so every rank gets identical bits. The
     state pickles for checkpoints: the group is dropped (None on load), the
     counters are kept.
     """
 
-    __slots__ = ("group", "codec", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds")
+    __slots__ = ("group", "codec", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds",
+                 "density", "rate", "residuals", "densities")
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, codec="lossless"):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, codec="lossless", density: float = 0.01,
+                 rate: Optional[EntropyRate] = None, residual_dtype: torch.dtype = torch.float32):
         if isinstance(codec, str):
-            if codec not in ("raw", "lossless", "auto"):
-                raise ValueError(f"unknown codec {codec!r}: use 'raw', 'lossless', 'auto' or a codec instance")
+            if codec not in ("raw", "lossless", "auto", "topk", "entropy"):
+                raise ValueError(f"unknown codec {codec!r}: use 'raw', 'lossless', 'auto', 'topk', 'entropy' "
+                                 "or a codec instance")
         elif not all(hasattr(codec, m) for m in ("encode", "decode", "max_encoded_size")):
             raise ValueError(f"codec {codec!r} lacks encode/decode/max_encoded_size")
         if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
             raise ValueError("this process is not a member of the given process group")
+        if not 0 < density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {density}")
         self.group, self.codec = group, codec
+        self.density = density
+        self.rate = rate if rate is not None else (EntropyRate() if codec == "entropy" else None)
+        self.residuals = Residuals(residual_dtype) if self.lossy else None
+        self.densities: list = []
         self.iterations = 0
         self.raw_bytes = self.wire_bytes = 0
         self.codec_seconds = self.comm_seconds = 0.0
@@ -57,11 +73,20 @@ class State:
         self.codec_seconds += call["codec_seconds"]
         self.comm_seconds += call["comm_seconds"]
 
+    @property
+    def lossy(self) -> bool:
+        return self.codec in ("topk", "entropy") or isinstance(self.codec, TopK)
+
     def stats(self) -> dict:
-        """Bytes this rank would send uncompressed and did send, and seconds in codec vs communication."""
-        return dict(iterations=self.iterations, raw_bytes=self.raw_bytes, wire_bytes=self.wire_bytes,
-                    ratio=self.wire_bytes / self.raw_bytes if self.raw_bytes else 1.0,
-                    codec_seconds=self.codec_seconds, comm_seconds=self.comm_seconds)
+        """Bytes this rank would send uncompressed and did send, seconds in codec vs communication;
+        for lossy codecs also the density per step, the entropy decisions and the residuals' memory."""
+        out = dict(iterations=self.iterations, raw_bytes=self.raw_bytes, wire_bytes=self.wire_bytes,
+                   ratio=self.wire_bytes / self.raw_bytes if self.raw_bytes else 1.0,
+                   codec_seconds=self.codec_seconds, comm_seconds=self.comm_seconds)
+        if self.lossy:
+            out.update(densities=list(self.densities), residual_bytes=self.residuals.memory_bytes(),
+                       decisions=list(self.rate.decisions) if self.rate else [])
+        return out
 
     def __getstate__(self):
         return {k: getattr(self, k) for k in self.__slots__ if k != "group"}
@@ -79,16 +104,48 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     buffer = bucket.buffer()
     if not buffer.is_floating_point():
         raise UnsupportedError(f"gradient bucket of dtype {buffer.dtype}")
+    step, index = state.iterations, bucket.index()  # read now: the lossy work runs later, on another thread
     if bucket.is_last():
         state.iterations += 1
-    handle = collectives.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, async_op=True,
-                                    codec=state.codec)
+    if state.lossy:
+        handle = collectives.submit(lambda: _lossy(state, step, index, buffer))
+    else:
+        handle = collectives.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, async_op=True,
+                                        codec=state.codec)
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
         state._add(fut.value())
         return buffer
 
     return handle.get_future().then(done)
+
+
+def _lossy(state: State, step: int, index: int, buffer: torch.Tensor) -> dict:
+    """On zipccl's thread (so the entropy estimate's small all-reduces cannot race the traffic):
+    choose the density, add the residual, send the top-k, keep what was not sent."""
+    def allreduce(t):
+        dist.all_reduce(t, group=state.group)
+
+    if isinstance(state.codec, TopK):
+        density = state.codec.density
+    elif state.codec == "topk":
+        density = state.density
+    elif index == 0:  # one decision per step, from the first bucket, identical on every rank
+        density = state.rate.update(step, buffer, allreduce)
+    else:
+        density = state.rate.density
+    if index == 0:
+        state.densities.append(density)
+    if density is None:  # entropy warm-up: lossless
+        collectives.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, codec="lossless")
+        return _snapshot()["last"]
+    codec = TopK(density)
+    key = (index, buffer.numel())  # DDP rebuilds buckets after the first step: a new numel starts fresh
+    compensated = state.residuals.compensate(key, buffer)
+    buffer.view(-1).copy_(compensated)
+    state.residuals.update(key, compensated, codec.decode(codec.encode(buffer)))
+    collectives.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, codec=codec)
+    return _snapshot()["last"]
 
 
 def bf16_hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
