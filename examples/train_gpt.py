@@ -4,7 +4,9 @@
     python examples/train_gpt.py --nranks 4 --comm torch --netlab 1gbit --json out.json
     torchrun --nproc-per-node 2 examples/train_gpt.py --comm raw
 
---comm torch is DDP's own all-reduce; raw and lossless use zipccl's DDP hook.
+--comm torch is DDP's own all-reduce; raw and lossless use zipccl's DDP hook; topk
+(--density) and entropy (density from the gradient-entropy trend) are zipccl's
+lossy, error-feedback codecs.
 --dtype bf16 sends bf16 gradients (zipccl.ddp.bf16_hook; PyTorch's bf16 wrapper
 for torch). The text is the Python standard library's own source, which exists
 on every machine. The JSON summary holds the losses, the evaluation loss on 32
@@ -92,7 +94,7 @@ def batches(text: torch.Tensor, n: int, ctx: int, gen: torch.Generator):
     return window[:, :-1], window[:, 1:]
 
 
-def register(ddp: DDP, comm: str, dtype: str, group, timing: dict):
+def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: float = 0.01):
     """The communication of --comm/--dtype; returns the zipccl state (None for torch)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     if comm == "torch":
@@ -108,7 +110,7 @@ def register(ddp: DDP, comm: str, dtype: str, group, timing: dict):
             return base(state, bucket).then(stop)
         ddp.register_comm_hook(group, timed)
         return None
-    state = zipccl.ddp.State(group=group, codec=comm)
+    state = zipccl.ddp.State(group=group, codec=comm, density=density)
     ddp.register_comm_hook(state, zipccl.ddp.bf16_hook if dtype == "bf16" else zipccl.ddp.hook)
     return state
 
@@ -120,7 +122,7 @@ def train(rank: int, nranks: int, args) -> dict:
     model = GPT(args.d_model, args.layers, args.heads, args.ctx)
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
     timing = dict(comm_seconds=0.0)
-    state = register(ddp, args.comm, args.dtype, None, timing)
+    state = register(ddp, args.comm, args.dtype, None, timing, args.density)
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
@@ -155,7 +157,8 @@ def train(rank: int, nranks: int, args) -> dict:
     return dict(comm=args.comm, dtype=args.dtype, nranks=nranks, steps=args.steps, losses=losses,
                 eval_loss=eval_loss, median_step_seconds=sorted(times)[len(times) // 2],
                 comm_seconds=st["comm_seconds"], raw_bytes=st.get("raw_bytes"), wire_bytes=st.get("wire_bytes"),
-                params=nparams, param_sha256=hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+                params=nparams, param_sha256=hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+                densities=st.get("densities"))
 
 
 def _spawned(rank, nranks, args):
@@ -171,7 +174,8 @@ def finish(result: dict, args) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--comm", choices=["torch", "raw", "lossless"], default="lossless")
+    ap.add_argument("--comm", choices=["torch", "raw", "lossless", "topk", "entropy"], default="lossless")
+    ap.add_argument("--density", type=float, default=0.01, help="top-k density for --comm topk")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="gradient dtype on the wire")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
