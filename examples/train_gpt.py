@@ -97,6 +97,12 @@ def batches(text: torch.Tensor, n: int, ctx: int, gen: torch.Generator):
 def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: float = 0.01):
     """The communication of --comm/--dtype; returns the zipccl state (None for torch)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    if comm.startswith("powersgd"):  # PyTorch's PowerSGD hook, for comparison (rank from the name)
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+        state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=int(comm[len("powersgd"):]),
+                                       start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        return None
     if comm == "torch":
         base = default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook) if dtype == "bf16" \
             else default_hooks.allreduce_hook
@@ -174,7 +180,8 @@ def finish(result: dict, args) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--comm", choices=["torch", "raw", "lossless", "topk", "entropy"], default="lossless")
+    ap.add_argument("--comm", choices=["torch", "raw", "lossless", "topk", "entropy", "powersgd1", "powersgd4"],
+                    default="lossless")
     ap.add_argument("--density", type=float, default=0.01, help="top-k density for --comm topk")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="gradient dtype on the wire")
     ap.add_argument("--steps", type=int, default=50)
