@@ -177,6 +177,8 @@ def _mismatch(rank, groups, size, case):
         x = torch.ones(10, dtype=torch.int32)
     elif case == "product":
         kwargs["op"] = dist.ReduceOp.PRODUCT
+    elif case == "noncontig":  # only rank 0 passes a strided view
+        x = torch.ones(40, 25).t() if rank == 0 else x
     elif case == "device":
         x = torch.ones(1000, device="meta") if rank == 1 else x
     try:
@@ -207,11 +209,14 @@ def _healthy(rank, groups, size):
     ("int_lossless", "UnsupportedError", "UnsupportedError"),
     ("product", "UnsupportedError", "UnsupportedError"),
     ("device", "UnsupportedError", "MismatchError"),
+    ("noncontig", "UnsupportedError", "MismatchError"),
 ])
 def test_invalid_calls_raise_clearly_without_hanging(pool, case, local, others):
     res = pool.run(_mismatch, 4, case, timeout=60)
     culprit = 1 if case == "device" else 0
     assert res[culprit][0] == local, res
+    if case == "noncontig":
+        assert res[0][1] == "tensor must be contiguous", res
     assert all(r[0] == others for i, r in enumerate(res) if i != culprit), res
     assert all(pool.run(_healthy, 4))
 

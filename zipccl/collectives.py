@@ -313,7 +313,7 @@ def _prepare(name, group, tensors, op, codec, numel, nbytes, check):
     dtype = tensors[-1].dtype if isinstance(tensors[-1], torch.Tensor) else None
     error, resolved = None, None
     try:
-        for label, x in zip(("output", "input"), tensors):
+        for label, x in zip(("tensor",) if len(tensors) == 1 else ("output", "input"), tensors):
             _check_tensor(label, x)
         _check_device(t, *tensors)
         if op is not None:
