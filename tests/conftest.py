@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+# No GPU here: the Triton kernels run on CPU tensors under Triton's interpreter. It must be set
+# before zipccl.kernels.gpu is imported, because @triton.jit decides at decoration time.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 GRADS = Path(os.environ.get("ZIPCCL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")) \
     / "grads_step050_bucket0_fp32.npy"
 

@@ -23,10 +23,10 @@ import torch
 from numba import njit
 
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK,
-                      TABLE_BYTES, Header, num_blocks, num_tables)
+from ..format import CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK, Header, num_blocks
 from ..reference import tables as T
 from ..reference.packet import parse_lossless
+from ..reference.plan import plan
 
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
 LANES = 4          # blocks coded in lock step
@@ -188,39 +188,19 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     hist = np.zeros((nb, NSYM), np.int64)
     nzero = np.zeros(nb, np.int64)
     _analyse(bits, block_size, layout.mbits, layout.emax, ref, hist, nzero)
-    K = num_tables(nb)
+    pl = plan(ref, hist, nzero, n, block_size, layout)
+    buf = np.empty(pl.total_size, dtype=np.uint8)
+    front = pl.front()
+    p = HEADER_SIZE + len(front)
+    buf[HEADER_SIZE:p] = front
     if nb:
-        lengths, assign, cost = T.choose_tables(hist, K, layout)
-    else:
-        lengths, assign, cost = np.zeros((0, NSYM), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    nvalid = np.minimum(block_size, n - np.arange(nb) * block_size)
-    nw = -(-cost // 32)
-    raw = 4 * nw + (nvalid - nzero) * layout.rest_bytes >= nvalid * layout.itemsize
-    nwords = np.where(raw, 0, nw)
-    table = np.where(raw, RAW_BLOCK, assign)
-    rest_len = np.where(raw, nvalid * layout.itemsize, (nvalid - nzero) * layout.rest_bytes)
-    word_start = np.concatenate([[0], np.cumsum(nwords)]).astype(np.int64)
-    rest_start = np.concatenate([[0], np.cumsum(rest_len)]).astype(np.int64)
-    sizes = (K * TABLE_BYTES, nb * INDEX_ENTRY, int(word_start[-1]) * 4, int(rest_start[-1]))
-    total = HEADER_SIZE + sum(sizes)
-    buf = np.empty(total, dtype=np.uint8)
-    p = HEADER_SIZE
-    buf[p:p + sizes[0]] = T.pack_tables(lengths)
-    p += sizes[0]
-    index = buf[p:p + sizes[1]].view(np.uint16).reshape(nb, 4)
-    index[:, 0] = np.where(raw, 0, ref) | (table << 8)
-    index[:, 1] = nwords
-    index[:, 2] = np.where(raw, 0, nzero)
-    index[:, 3] = 0
-    p += sizes[1]
-    if nb:
-        codes = np.stack([T.canonical_codes(l) for l in lengths]).astype(np.int64)
-        _pack(bits, block_size, layout.mbits, layout.ebits, layout.rest_bytes, layout.inline_bits, ref, table,
-              codes, lengths.astype(np.int64), word_start, buf[p:p + sizes[2]].view(np.uint32))
-        _rest(bits, block_size, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize, table, nzero,
-              rest_start, buf[p + sizes[2]:])
+        _pack(bits, block_size, layout.mbits, layout.ebits, layout.rest_bytes, layout.inline_bits, pl.ref, pl.table,
+              pl.codes, pl.lengths, pl.word_start, buf[p:p + pl.sizes[2]].view(np.uint32))
+        _rest(bits, block_size, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize, pl.table, pl.nzero,
+              pl.rest_start, buf[p + pl.sizes[2]:])
     crc = zlib.crc32(memoryview(buf)[HEADER_SIZE:]) if checksum else 0
-    h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, K, NSYM, MAXLEN, sizes, crc)
+    h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, len(pl.lengths), NSYM, MAXLEN,
+               pl.sizes, crc)
     buf[:HEADER_SIZE] = np.frombuffer(h.pack(), dtype=np.uint8)
     return torch.from_numpy(buf)
 

@@ -1,0 +1,77 @@
+"""The Triton kernels: under the interpreter on real data, and compiled ahead of time for sm_80/sm_90.
+
+The shared matrix against the reference (sizes, data kinds, corrupt packets) lives in
+test_codec.py; this file adds what is specific to the GPU path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zipccl
+from zipccl.codecs import Lossless
+from test_codec import assert_same_bits
+
+pytest.importorskip("triton", reason="triton not installed (pip install zipccl[gpu]); .ci/run installs it")
+
+
+@pytest.mark.parametrize("dtype,block_size", [(torch.bfloat16, 4096), (torch.float16, 1024), (torch.float32, 1024)],
+                         ids=str)
+def test_real_gradients_match_reference(real_grads, dtype, block_size):
+    """64K elements of the real bucket (the interpreter's pace sets the size), cut mid-block."""
+    x = real_grads[2_000_000:2_000_000 + 65536 + 123].to(dtype)
+    ref, gpu = Lossless("reference", block_size=block_size), Lossless("triton", block_size=block_size)
+    p = ref.encode(x)
+    assert torch.equal(gpu.encode(x), p)
+    assert_same_bits(gpu.decode(p), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_every_16bit_pattern(dtype):
+    x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(2))]
+    gpu = Lossless("triton", block_size=512)
+    p = gpu.encode(x)
+    assert torch.equal(p, Lossless("numba", block_size=512).encode(x))
+    assert_same_bits(gpu.decode(p), x)
+
+
+def test_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(zipccl.UnsupportedError, match="CUDA"):
+        Lossless("triton").encode(torch.zeros(8, dtype=torch.bfloat16))
+
+
+def _run(code_or_args, env_drop=("TRITON_INTERPRET",), timeout=300):
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_import_zipccl_never_imports_triton():
+    r = _run(["-c", "import sys, zipccl, zipccl.codecs, zipccl.collectives, zipccl.ddp; "
+                    "print('triton' in sys.modules)"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
+@pytest.mark.timeout(600)
+def test_every_kernel_compiles_for_sm80_and_sm90():
+    """AOT, no GPU: PTX and cubin for every kernel, dtype and arch, with the compiler's resource report."""
+    r = _run(["-m", "zipccl.kernels.aot", "--json"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)
+    got = {(row["kernel"], row["dtype"], row["arch"]) for row in rows}
+    want = {(k, d, a) for k in ("_analyse", "_encode", "_decode", "_decode_raw")
+            for d in ("bfloat16", "float16", "float32") for a in ("sm_80", "sm_90")}
+    assert got == want
+    for row in rows:
+        assert row["cubin_bytes"] > 0 and row["ptx_bytes"] > 0
+        if "cubin_reg" in row:  # cuobjdump ships with Triton's NVIDIA backend
+            assert 0 < row["cubin_reg"] <= 255
+            assert row["cubin_local"] == 0, f"{row['kernel']} spills registers on {row['arch']}"

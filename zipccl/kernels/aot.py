@@ -1,0 +1,100 @@
+"""Ahead-of-time compilation of the Triton kernels for real GPUs, without a GPU.
+
+``python -m zipccl.kernels.aot`` compiles every kernel of kernels/gpu.py for
+each dtype and for sm_80 and sm_90, and reports what the compiler says about
+it: registers, spills and static shared memory (from Triton's metadata and,
+where the bundled ``cuobjdump`` runs, from the cubin itself). It cannot run
+under TRITON_INTERPRET=1, which replaces kernels by interpreted functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from ..errors import UnsupportedError
+
+ARCHS = (80, 90)
+BLOCK_SIZE = 4096
+_DTYPES = {"bfloat16": ("*i16", 8, 7, 1, 0, 2), "float16": ("*i16", 5, 10, 1, 3, 2),
+           "float32": ("*i32", 8, 23, 3, 0, 4)}  # pointer, ebits, mbits, rest bytes, inline bits, itemsize
+
+
+def _specs(dtype: str):
+    """(kernel name, signature, constexprs, num_warps) of every kernel for one dtype."""
+    ptr, ebits, mbits, rest_bytes, inline_bits, itemsize = _DTYPES[dtype]
+    vmask = -1 if itemsize == 4 else 0xFFFF
+    bs = BLOCK_SIZE
+    from . import gpu
+    yield ("_analyse", {"x_ptr": ptr, "n": "i64", "ref_ptr": "*i32", "hist_ptr": "*i32"},
+           dict(BS=bs, VMASK=vmask, MBITS=mbits, EMAX=(1 << ebits) - 1), gpu.ENCODE_WARPS)
+    yield ("_encode", {"x_ptr": ptr, "n": "i64", "block_ptr": "*i64", "codes_ptr": "*i32", "lens_ptr": "*i32",
+                       "words_ptr": "*i32", "rest_ptr": "*u8"},
+           dict(BS=bs, VMASK=vmask, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes, INLINE_BITS=inline_bits,
+                ITEMSIZE=itemsize), gpu.ENCODE_WARPS)
+    yield ("_decode", {"words_ptr": "*i32", "nwords": "i64", "rest_ptr": "*u8", "out_ptr": ptr, "n": "i64",
+                       "coded_ptr": "*i64", "ncoded": "i32", "block_ptr": "*i64", "lut_ptr": "*i32", "err_ptr": "*i32"},
+           dict(BS=bs, LANES=gpu.LANES, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes, INLINE_BITS=inline_bits),
+           gpu.DECODE_WARPS)
+    yield ("_decode_raw", {"rest_ptr": "*u8", "out_ptr": ptr, "n": "i64", "raw_ptr": "*i64", "rest_start_ptr": "*i64"},
+           dict(BS=bs, ITEMSIZE=itemsize), gpu.ENCODE_WARPS)
+
+
+def _cubin_usage(cubin: bytes) -> dict:
+    """cubin_reg, _stack, _shared, _local of the cubin's function, from the cuobjdump that Triton bundles."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        tool = shutil.which("cuobjdump")
+    if not tool:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return {f"cubin_{k.lower()}": int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def compile_kernels(archs=ARCHS, dtypes=tuple(_DTYPES)) -> list[dict]:
+    """Compile every kernel; one row per (kernel, dtype, arch) with the compiler's resource report."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise UnsupportedError("AOT compilation needs TRITON_INTERPRET unset (interpreted kernels do not compile)")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from . import gpu
+    rows = []
+    for dtype in dtypes:
+        for name, signature, constexprs, warps in _specs(dtype):
+            for arch in archs:
+                src = triton.compiler.ASTSource(fn=getattr(gpu, name), signature=signature, constexprs=constexprs)
+                k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+                usage = _cubin_usage(k.asm["cubin"])
+                rows.append(dict(kernel=name, dtype=dtype, arch=f"sm_{arch}", num_warps=warps,
+                                 shared=k.metadata.shared, ptx_bytes=len(k.asm["ptx"]),
+                                 cubin_bytes=len(k.asm["cubin"]), **usage))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m zipccl.kernels.aot", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    args = ap.parse_args(argv)
+    rows = compile_kernels()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'kernel':<12} {'dtype':<9} {'arch':<6} {'warps':>5} {'regs':>5} {'spill':>6} {'shared':>7} {'cubin':>7}")
+    for r in rows:
+        print(f"{r['kernel']:<12} {r['dtype']:<9} {r['arch']:<6} {r['num_warps']:>5} {r.get('cubin_reg', '-'):>5} "
+              f"{r.get('cubin_local', '-'):>6} {r['shared']:>7} {r['cubin_bytes']:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Triton kernels for the lossless format, byte-identical to zipccl/reference.
+
+GPU-only in production: on CPU tensors they run only under TRITON_INTERPRET=1
+(how the tests prove them here), and ``compile_for`` builds them for sm_80 /
+sm_90 without a GPU. docs/GPU.md explains the design; in short:
+
+encode, two passes over the input and one round trip to the host:
+  1. ``_analyse``: one program per block reads it once and writes the block's
+     reference exponent and 32-bin symbol histogram (132 bytes per block).
+  2. The host reads those statistics (the one device-to-host copy), builds the
+     code tables and every block's offsets (reference/plan.py), and sends
+     tables, per-block offsets and the packet's front back (host-to-device).
+  3. ``_encode``: one program per block reads it again and writes its codes and
+     sign+mantissa bytes at the planned offsets. Bit positions come from an
+     in-block prefix sum of code widths; the codes of each 32-bit word are
+     joined by a segmented OR scan, and one element per word stores it, so
+     there are no atomics and no zero-filling.
+
+decode, one pass: the host validates header, tables and block index (reads
+8 bytes per block) before launching; ``_decode`` then runs LANES blocks per
+program in lock step, one symbol per block per iteration, and reports errors
+per block, which the host reads once at the end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import FormatError
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, OFFSET_BIAS, RAW_BLOCK,
+                      SYM_ESC, SYM_ZERO, Header, num_blocks)
+from ..reference import tables as T
+from ..reference.packet import parse_lossless
+from ..reference.plan import plan
+
+LANES = 32  # blocks decoded in lock step by one program
+ENCODE_WARPS = 8  # a 4096-element block: 16 elements per thread
+DECODE_WARPS = 1  # LANES lanes fill one warp
+
+# Format constants as Triton compile-time constants (kernels may read only constexpr globals).
+_NSYM, _BIAS, _ESC, _ZERO, _RAW, _LUT = (tl.constexpr(v) for v in (NSYM, OFFSET_BIAS, SYM_ESC, SYM_ZERO,
+                                                                     RAW_BLOCK, 1 << MAXLEN))
+
+_ERR_CODE, _ERR_RANGE, _ERR_ZEROS, _ERR_REST = (tl.constexpr(1 << k) for k in range(4))
+_ERRORS = {1: "invalid or truncated code in an exponent stream", 2: "decoded exponent out of range",
+           4: "zero count of a block does not match its index entry",
+           8: "sign+mantissa bytes of a block overrun its section"}
+
+
+@triton.jit
+def _bits(x_ptr, offs, valid, VMASK: tl.constexpr):
+    """Elements as non-negative bit patterns (int32 for 16-bit types; fp32 keeps its sign bit)."""
+    return tl.load(x_ptr + offs, mask=valid, other=0).to(tl.int32) & VMASK
+
+
+@triton.jit
+def _symbols(v, valid, ref, MBITS: tl.constexpr, EMAX: tl.constexpr):
+    exp = (v >> MBITS) & EMAX
+    d = exp - ref
+    sym = tl.where((d >= 2 - _BIAS) & (d <= _NSYM - 1 - _BIAS), d + _BIAS, _ESC)
+    return exp, tl.where(v == 0, _ZERO, sym)
+
+
+@triton.jit
+def _analyse(x_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.constexpr, MBITS: tl.constexpr,
+             EMAX: tl.constexpr):
+    """Per block: reference exponent (most common among non-zero elements, ties to the smallest) and
+    the histogram of its symbols."""
+    b = tl.program_id(0)
+    offs = b.to(tl.int64) * BS + tl.arange(0, BS)
+    valid = offs < n
+    v = _bits(x_ptr, offs, valid, VMASK)
+    counts = tl.histogram((v >> MBITS) & EMAX, EMAX + 1, mask=valid & (v != 0))
+    ref = tl.argmax(counts, axis=0, tie_break_left=True).to(tl.int32)
+    _, sym = _symbols(v, valid, ref, MBITS, EMAX)
+    tl.store(ref_ptr + b, ref)
+    tl.store(hist_ptr + b * _NSYM + tl.arange(0, _NSYM), tl.histogram(sym, _NSYM, mask=valid))
+
+
+@triton.jit
+def _seg_or(start_a, a, start_b, b):
+    """Combine of a segmented OR scan: a segment start discards what came before it."""
+    return start_a | start_b, tl.where(start_b != 0, b, a | b)
+
+
+@triton.jit
+def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: tl.constexpr, VMASK: tl.constexpr,
+            MBITS: tl.constexpr, EBITS: tl.constexpr, REST_BYTES: tl.constexpr, INLINE_BITS: tl.constexpr,
+            ITEMSIZE: tl.constexpr):
+    """One block: its exponent stream (or raw bytes) and its sign+mantissa bytes.
+
+    block_ptr holds (ref, table, first word, first rest byte) per block, as int64."""
+    b = tl.program_id(0)
+    i = tl.arange(0, BS)
+    offs = b.to(tl.int64) * BS + i
+    valid = offs < n
+    v = _bits(x_ptr, offs, valid, VMASK)
+    ref = tl.load(block_ptr + 4 * b).to(tl.int32)
+    t = tl.load(block_ptr + 4 * b + 1).to(tl.int32)
+    w0 = tl.load(block_ptr + 4 * b + 2)
+    r0 = tl.load(block_ptr + 4 * b + 3)
+    if t == _RAW:
+        for k in tl.static_range(ITEMSIZE):
+            tl.store(rest_ptr + r0 + i * ITEMSIZE + k, ((v >> (8 * k)) & 255).to(tl.uint8), mask=valid)
+    else:
+        exp, sym = _symbols(v, valid, ref, MBITS, (1 << EBITS) - 1)
+        zero = v == 0
+        rest = (v & ((1 << MBITS) - 1)) | (((v >> (MBITS + EBITS)) & 1) << MBITS)
+        value = tl.load(codes_ptr + t * _NSYM + sym).to(tl.int64)
+        width = tl.load(lens_ptr + t * _NSYM + sym)
+        esc = sym == _ESC
+        value = value | tl.where(esc, exp.to(tl.int64) << width, 0)
+        width = width + tl.where(esc, EBITS, 0)
+        if INLINE_BITS > 0:  # fp16: sign and top mantissa bits follow the code
+            value = value | tl.where(zero, 0, (rest >> (8 * REST_BYTES)).to(tl.int64) << width)
+            width = width + tl.where(zero, 0, INLINE_BITS)
+        width = tl.where(valid, width, 0)
+        end = tl.cumsum(width, 0)
+        pos = end - width
+        word = pos >> 5
+        wide = tl.where(valid, value, 0) << (pos & 31)
+        hi = wide >> 32
+        # An element starts a word's segment if its predecessor started in an earlier word; bits that
+        # predecessor spilled into this word ride along (codes are at most 20 bits: one spill at most).
+        prev = tl.maximum(i - 1, 0)
+        start = (i == 0) | ((tl.gather(pos, prev, 0) >> 5) != word)
+        spill = tl.where(start & (i > 0), tl.gather(hi, prev, 0), 0)
+        _, joined = tl.associative_scan((start.to(tl.int32), (wide & 0xFFFFFFFF) | spill), 0, _seg_or)
+        nv = tl.minimum(n - b.to(tl.int64) * BS, BS)
+        last = i == nv - 1
+        closes = valid & (((end >> 5) != word) | last)
+        tl.store(words_ptr + w0 + word, joined.to(tl.int32), mask=closes)
+        tl.store(words_ptr + w0 + word + 1, hi.to(tl.int32), mask=last & (end > (word + 1) * 32))
+        keep = valid & ~zero
+        k = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
+        for j in tl.static_range(REST_BYTES):
+            tl.store(rest_ptr + r0 + k * REST_BYTES + j, ((rest >> (8 * j)) & 255).to(tl.uint8), mask=keep)
+
+
+@triton.jit
+def _decode(words_ptr, nwords, rest_ptr, out_ptr, n, coded_ptr, ncoded, block_ptr, lut_ptr, err_ptr,
+            BS: tl.constexpr, LANES: tl.constexpr, MBITS: tl.constexpr, EBITS: tl.constexpr,
+            REST_BYTES: tl.constexpr, INLINE_BITS: tl.constexpr):
+    """LANES coded blocks in lock step, one symbol each per iteration.
+
+    block_ptr holds (ref, table, first word, end word, first rest byte, end rest byte, nzero) per block.
+    Every load is masked to its section and every store to the block's own elements, so a corrupt
+    stream yields an error code, never a stray access."""
+    EMAX: tl.constexpr = (1 << EBITS) - 1
+    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    live = lane < ncoded
+    b = tl.load(coded_ptr + lane, mask=live, other=0)
+    row = block_ptr + 7 * b
+    ref = tl.load(row, mask=live, other=0)
+    t = tl.load(row + 1, mask=live, other=0)
+    pos = tl.load(row + 2, mask=live, other=0) * 32
+    pos_end = tl.load(row + 3, mask=live, other=0) * 32
+    rj = tl.load(row + 4, mask=live, other=0)
+    rest_end = tl.load(row + 5, mask=live, other=0)
+    nzero = tl.load(row + 6, mask=live, other=0)
+    base = b * BS
+    nv = tl.where(live, tl.minimum(n - base, BS), 0)
+    err = tl.zeros([LANES], dtype=tl.int32)
+    zeros = tl.zeros([LANES], dtype=tl.int64)
+    for k in range(BS):
+        act = k < nv
+        w = pos >> 5
+        lo = tl.load(words_ptr + w, mask=act & (w < nwords), other=0).to(tl.int64) & 0xFFFFFFFF
+        hi = tl.load(words_ptr + w + 1, mask=act & (w + 1 < nwords), other=0).to(tl.int64) & 0xFFFFFFFF
+        window = (lo | (hi << 32)) >> (pos & 31)  # at least 33 bits: the longest element is 20
+        e = tl.load(lut_ptr + t * _LUT + (window & (_LUT - 1)), mask=act, other=0)
+        length = (e >> 8).to(tl.int64)
+        s = (e & 255).to(tl.int64)
+        esc = s == _ESC
+        nz = s != _ZERO
+        exp = tl.where(esc, (window >> length) & EMAX, ref + s - _BIAS)
+        used = length + tl.where(esc, EBITS, 0)
+        r = tl.zeros([LANES], dtype=tl.int64)
+        if INLINE_BITS > 0:
+            r = tl.where(nz, ((window >> used) & ((1 << INLINE_BITS) - 1)) << (8 * REST_BYTES), 0)
+            used += tl.where(nz, INLINE_BITS, 0)
+        pos += tl.where(act, used, 0)
+        take = act & nz & (rj + REST_BYTES <= rest_end)
+        for j in tl.static_range(REST_BYTES):
+            r |= tl.load(rest_ptr + rj + j, mask=take, other=0).to(tl.int64) << (8 * j)
+        err |= tl.where(act & (length == 0), _ERR_CODE, 0)
+        err |= tl.where(act & nz & ((exp < 0) | (exp > EMAX)), _ERR_RANGE, 0)
+        err |= tl.where(act & nz & ~take, _ERR_REST, 0)
+        rj += tl.where(take, REST_BYTES, 0)
+        zeros += (act & ~nz).to(tl.int64)
+        val = (r & ((1 << MBITS) - 1)) | (exp << MBITS) | ((r >> MBITS) << (MBITS + EBITS))
+        tl.store(out_ptr + base + k, tl.where(nz, val, 0).to(out_ptr.dtype.element_ty), mask=act)
+    err |= tl.where(pos > pos_end, _ERR_CODE, 0)
+    err |= tl.where(zeros != nzero, _ERR_ZEROS, 0)
+    tl.store(err_ptr + lane, err, mask=live)
+
+
+@triton.jit
+def _decode_raw(rest_ptr, out_ptr, n, raw_ptr, rest_start_ptr, BS: tl.constexpr, ITEMSIZE: tl.constexpr):
+    """One raw block: its elements' bytes, little-endian."""
+    b = tl.load(raw_ptr + tl.program_id(0))
+    i = tl.arange(0, BS)
+    valid = b * BS + i < n
+    r0 = tl.load(rest_start_ptr + b)
+    v = tl.zeros([BS], dtype=tl.int64)
+    for k in tl.static_range(ITEMSIZE):
+        v |= tl.load(rest_ptr + r0 + i * ITEMSIZE + k, mask=valid, other=0).to(tl.int64) << (8 * k)
+    tl.store(out_ptr + b * BS + i, v.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def _ints(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32 if x.element_size() == 4 else torch.int16)
+
+
+def _shape_args(layout) -> dict:
+    return dict(VMASK=-1 if layout.itemsize == 4 else 0xFFFF, MBITS=layout.mbits)
+
+
+def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
+    layout = LAYOUTS[x.dtype]
+    n, dev = x.numel(), x.device
+    nb = num_blocks(n, block_size)
+    bits = _ints(x)
+    ref = torch.zeros(nb, dtype=torch.int32, device=dev)
+    hist = torch.zeros(nb, NSYM, dtype=torch.int32, device=dev)
+    if nb:
+        _analyse[(nb,)](bits, n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=ENCODE_WARPS,
+                        **_shape_args(layout))
+    # The encoder's one device-to-host copy: 132 bytes per block, needed for the tables and sizes.
+    hist_h = hist.cpu().numpy().astype(np.int64)
+    pl = plan(ref.cpu().numpy().astype(np.int64), hist_h, hist_h[:, SYM_ZERO].copy(), n, block_size, layout)
+    packet = torch.empty(pl.total_size, dtype=torch.uint8, device=dev)
+    front = pl.front()
+    p = HEADER_SIZE + len(front)
+    packet[HEADER_SIZE:p] = torch.from_numpy(front).to(dev)
+    if nb:
+        blocks = np.stack([pl.ref, pl.table, pl.word_start[:-1], pl.rest_start[:-1]], axis=1)
+        _encode[(nb,)](bits, n, torch.from_numpy(blocks).to(dev),
+                       torch.from_numpy(pl.codes.astype(np.int32)).to(dev),
+                       torch.from_numpy(pl.lengths.astype(np.int32)).to(dev),
+                       packet[p:p + pl.sizes[2]].view(torch.int32), packet[p + pl.sizes[2]:],
+                       BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
+                       INLINE_BITS=layout.inline_bits, ITEMSIZE=layout.itemsize, num_warps=ENCODE_WARPS,
+                       **_shape_args(layout))
+    crc = 0
+    if checksum:  # a host pass over the payload, as on every device
+        import zlib
+        crc = zlib.crc32(packet[HEADER_SIZE:].cpu().numpy().tobytes())
+    h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, len(pl.lengths), NSYM, MAXLEN,
+               pl.sizes, crc)
+    packet[:HEADER_SIZE] = torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8).to(dev)
+    return packet
+
+
+def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    p = parse_lossless(packet)  # host validation of header, tables and index before any launch
+    layout, h = p.layout, p.header
+    n, bs, dev = h.numel, h.block_size, packet.device
+    if n == 0:
+        return out
+    view = _ints(out)
+    rest = packet[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
+    raw = np.nonzero(p.table == RAW_BLOCK)[0]
+    coded = np.nonzero(p.table != RAW_BLOCK)[0]
+    if len(raw):
+        _decode_raw[(len(raw),)](rest, view, n, torch.from_numpy(raw).to(dev), torch.from_numpy(p.rest_start).to(dev),
+                                 BS=bs, ITEMSIZE=layout.itemsize, num_warps=ENCODE_WARPS)
+    if len(coded):
+        nwords = int(p.word_start[-1])
+        stream = packet[p.stream_offset:p.rest_offset]
+        words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
+        blocks = np.stack([p.ref, p.table, p.word_start[:-1], p.word_start[1:], p.rest_start[:-1],
+                           p.rest_start[1:], p.nzero], axis=1)
+        err = torch.zeros(len(coded), dtype=torch.int32, device=dev)
+        _decode[(triton.cdiv(len(coded), LANES),)](
+            words, nwords, rest, view, n, torch.from_numpy(coded).to(dev), len(coded), torch.from_numpy(blocks).to(dev),
+            torch.from_numpy(T.decode_luts(p.lengths)).to(dev), err, BS=bs, LANES=LANES, MBITS=layout.mbits,
+            EBITS=layout.ebits, REST_BYTES=layout.rest_bytes, INLINE_BITS=layout.inline_bits,
+            num_warps=DECODE_WARPS)
+        codes = int(np.bitwise_or.reduce(err.cpu().numpy()))  # the decoder's one device-to-host read
+        if codes:
+            raise FormatError(_ERRORS[codes & -codes])
+    return out
