@@ -37,7 +37,7 @@ from ..reference.packet import parse_lossless
 from ..reference.plan import plan
 
 LANES = 32  # blocks decoded in lock step by one program
-ENCODE_WARPS = 8  # a 4096-element block: 16 elements per thread
+ENCODE_WARPS = 16  # a 4096-element block: 8 elements per thread (8 warps needed 247 registers)
 DECODE_WARPS = 1  # LANES lanes fill one warp
 
 # Format constants as Triton compile-time constants (kernels may read only constexpr globals).
@@ -109,31 +109,34 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: t
         exp, sym = _symbols(v, valid, ref, MBITS, (1 << EBITS) - 1)
         zero = v == 0
         rest = (v & ((1 << MBITS) - 1)) | (((v >> (MBITS + EBITS)) & 1) << MBITS)
-        value = tl.load(codes_ptr + t * _NSYM + sym).to(tl.int64)
+        value = tl.load(codes_ptr + t * _NSYM + sym)
         width = tl.load(lens_ptr + t * _NSYM + sym)
         esc = sym == _ESC
-        value = value | tl.where(esc, exp.to(tl.int64) << width, 0)
+        value = value | tl.where(esc, exp << width, 0)
         width = width + tl.where(esc, EBITS, 0)
         if INLINE_BITS > 0:  # fp16: sign and top mantissa bits follow the code
-            value = value | tl.where(zero, 0, (rest >> (8 * REST_BYTES)).to(tl.int64) << width)
+            value = value | tl.where(zero, 0, (rest >> (8 * REST_BYTES)) << width)
             width = width + tl.where(zero, 0, INLINE_BITS)
+        # 32-bit arithmetic throughout: an element is at most 20 bits, a block at most 2**20 bits.
         width = tl.where(valid, width, 0)
+        value = tl.where(valid, value, 0)
         end = tl.cumsum(width, 0)
         pos = end - width
         word = pos >> 5
-        wide = tl.where(valid, value, 0) << (pos & 31)
-        hi = wide >> 32
+        sh = pos & 31
+        lo = value << sh                 # wraps: the bits that spill go to ``hi``
+        hi = (value >> 1) >> (31 - sh)   # two shifts, so that sh == 0 never shifts by 32
         # An element starts a word's segment if its predecessor started in an earlier word; bits that
         # predecessor spilled into this word ride along (codes are at most 20 bits: one spill at most).
         prev = tl.maximum(i - 1, 0)
         start = (i == 0) | ((tl.gather(pos, prev, 0) >> 5) != word)
         spill = tl.where(start & (i > 0), tl.gather(hi, prev, 0), 0)
-        _, joined = tl.associative_scan((start.to(tl.int32), (wide & 0xFFFFFFFF) | spill), 0, _seg_or)
+        _, joined = tl.associative_scan((start.to(tl.int32), lo | spill), 0, _seg_or)
         nv = tl.minimum(n - b.to(tl.int64) * BS, BS)
         last = i == nv - 1
         closes = valid & (((end >> 5) != word) | last)
-        tl.store(words_ptr + w0 + word, joined.to(tl.int32), mask=closes)
-        tl.store(words_ptr + w0 + word + 1, hi.to(tl.int32), mask=last & (end > (word + 1) * 32))
+        tl.store(words_ptr + w0 + word, joined, mask=closes)
+        tl.store(words_ptr + w0 + word + 1, hi, mask=last & (end > (word + 1) * 32))
         keep = valid & ~zero
         k = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
         for j in tl.static_range(REST_BYTES):
