@@ -95,14 +95,16 @@ class Lossless:
     """Bit-exact exponent coding (docs/FORMAT.md): bf16 shrinks to about two thirds.
 
     impl: "auto" (numba on CPU, Triton on CUDA), "reference", "numba" or "triton".
-    block_size: elements per independently coded block, a power of two in [256, 32768].
+    block_size: elements per independently coded block, a power of two in [256, 32768]; by default
+        4096 on CPU and 1024 for Triton, whose decoder runs one lane per block (4x the lanes for
+        0.0004 of ratio on bf16 gradients). Any implementation decodes any block size.
     checksum: store a CRC32 of the payload and verify it on decode (costs a host pass).
     """
     name = "lossless"
 
-    def __init__(self, impl: str = "auto", block_size: int = F.DEFAULT_BLOCK_SIZE, checksum: bool = False):
-        if not isinstance(block_size, int) or not F.MIN_BLOCK_SIZE <= block_size <= F.MAX_BLOCK_SIZE \
-                or block_size & (block_size - 1):
+    def __init__(self, impl: str = "auto", block_size: int | None = None, checksum: bool = False):
+        if block_size is not None and (not isinstance(block_size, int) or block_size & (block_size - 1)
+                                       or not F.MIN_BLOCK_SIZE <= block_size <= F.MAX_BLOCK_SIZE):
             raise ValueError(f"block_size must be a power of two in [{F.MIN_BLOCK_SIZE}, {F.MAX_BLOCK_SIZE}], "
                              f"got {block_size!r}")
         if impl not in IMPLS:
@@ -111,7 +113,9 @@ class Lossless:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x)
-        return resolve(self.impl, x.device).encode(x.reshape(-1), self.block_size, self.checksum)
+        kernels = resolve(self.impl, x.device)
+        block_size = self.block_size or getattr(kernels, "BLOCK_SIZE", F.DEFAULT_BLOCK_SIZE)
+        return kernels.encode(x.reshape(-1), block_size, self.checksum)
 
     def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_packet(packet)
@@ -122,7 +126,7 @@ class Lossless:
         return resolve(self.impl, packet.device).decode(packet, out)
 
     def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
-        nb = F.num_blocks(numel, self.block_size)
+        nb = F.num_blocks(numel, self.block_size or F.MIN_DEFAULT_BLOCK_SIZE)
         return (F.HEADER_SIZE + F.num_tables(nb) * F.TABLE_BYTES + nb * F.INDEX_ENTRY
                 + numel * F.LAYOUTS[_dtype(dtype)].itemsize)
 

@@ -128,7 +128,9 @@ MAX_TABLES = 8
 RAW_BLOCK = 0xFF     # block index table id of a block stored raw
 INDEX_ENTRY = 8      # bytes per block index entry: u8 ref, u8 table, u16 nwords, u16 nzero, u16 0
 TABLE_BYTES = NSYM // 2
-DEFAULT_BLOCK_SIZE = 4096
+DEFAULT_BLOCK_SIZE = 4096      # CPU encoders
+GPU_BLOCK_SIZE = 1024          # Triton encoder: more blocks, more decode lanes (docs/GPU.md)
+MIN_DEFAULT_BLOCK_SIZE = min(DEFAULT_BLOCK_SIZE, GPU_BLOCK_SIZE)  # bounds max_encoded_size for either
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 256, 32768
 
 

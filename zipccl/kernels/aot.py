@@ -19,9 +19,10 @@ import sys
 import tempfile
 
 from ..errors import UnsupportedError
+from ..format import GPU_BLOCK_SIZE
 
 ARCHS = (80, 90)
-BLOCK_SIZE = 4096
+BLOCK_SIZE = GPU_BLOCK_SIZE
 _DTYPES = {"bfloat16": ("*i16", 8, 7, 1, 0, 2), "float16": ("*i16", 5, 10, 1, 3, 2),
            "float32": ("*i32", 8, 23, 3, 0, 4)}  # pointer, ebits, mbits, rest bytes, inline bits, itemsize
 
@@ -33,17 +34,17 @@ def _specs(dtype: str):
     bs = BLOCK_SIZE
     from . import gpu
     yield ("_analyse", {"x_ptr": ptr, "n": "i64", "ref_ptr": "*i32", "hist_ptr": "*i32"},
-           dict(BS=bs, VMASK=vmask, MBITS=mbits, EMAX=(1 << ebits) - 1), gpu.ENCODE_WARPS)
+           dict(BS=bs, VMASK=vmask, MBITS=mbits, EMAX=(1 << ebits) - 1), gpu.block_warps(bs))
     yield ("_encode", {"x_ptr": ptr, "n": "i64", "block_ptr": "*i64", "codes_ptr": "*i32", "lens_ptr": "*i32",
                        "words_ptr": "*i32", "rest_ptr": "*u8"},
            dict(BS=bs, VMASK=vmask, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes, INLINE_BITS=inline_bits,
-                ITEMSIZE=itemsize), gpu.ENCODE_WARPS)
+                ITEMSIZE=itemsize), gpu.block_warps(bs))
     yield ("_decode", {"words_ptr": "*i32", "nwords": "i64", "rest_ptr": "*u8", "out_ptr": ptr, "n": "i64",
                        "coded_ptr": "*i64", "ncoded": "i32", "block_ptr": "*i64", "lut_ptr": "*i32", "err_ptr": "*i32"},
            dict(BS=bs, LANES=gpu.LANES, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes, INLINE_BITS=inline_bits),
            gpu.DECODE_WARPS)
     yield ("_decode_raw", {"rest_ptr": "*u8", "out_ptr": ptr, "n": "i64", "raw_ptr": "*i64", "rest_start_ptr": "*i64"},
-           dict(BS=bs, ITEMSIZE=itemsize), gpu.ENCODE_WARPS)
+           dict(BS=bs, ITEMSIZE=itemsize), gpu.block_warps(bs))
 
 
 def _cubin_usage(cubin: bytes) -> dict:

@@ -30,14 +30,14 @@ import triton
 import triton.language as tl
 
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, OFFSET_BIAS, RAW_BLOCK,
-                      SYM_ESC, SYM_ZERO, Header, num_blocks)
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, OFFSET_BIAS,
+                      RAW_BLOCK, SYM_ESC, SYM_ZERO, Header, num_blocks)
 from ..reference import tables as T
 from ..reference.packet import parse_lossless
 from ..reference.plan import plan
 
+BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 LANES = 32  # blocks decoded in lock step by one program
-ENCODE_WARPS = 16  # a 4096-element block: 8 elements per thread (8 warps needed 247 registers)
 DECODE_WARPS = 1  # LANES lanes fill one warp
 
 # Format constants as Triton compile-time constants (kernels may read only constexpr globals).
@@ -214,6 +214,12 @@ def _decode_raw(rest_ptr, out_ptr, n, raw_ptr, rest_start_ptr, BS: tl.constexpr,
     tl.store(out_ptr + b * BS + i, v.to(out_ptr.dtype.element_ty), mask=valid)
 
 
+def block_warps(block_size: int) -> int:
+    """Warps of the per-block kernels: 4 to 8 elements per thread (a 4096-element block in 8 warps
+    needed 247 registers in _encode; in 16, 107-128)."""
+    return max(4, min(16, block_size // 256))
+
+
 def _ints(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32 if x.element_size() == 4 else torch.int16)
 
@@ -230,7 +236,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     ref = torch.zeros(nb, dtype=torch.int32, device=dev)
     hist = torch.zeros(nb, NSYM, dtype=torch.int32, device=dev)
     if nb:
-        _analyse[(nb,)](bits, n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=ENCODE_WARPS,
+        _analyse[(nb,)](bits, n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=block_warps(block_size),
                         **_shape_args(layout))
     # The encoder's one device-to-host copy: 132 bytes per block, needed for the tables and sizes.
     hist_h = hist.cpu().numpy().astype(np.int64)
@@ -246,7 +252,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
                        torch.from_numpy(pl.lengths.astype(np.int32)).to(dev),
                        packet[p:p + pl.sizes[2]].view(torch.int32), packet[p + pl.sizes[2]:],
                        BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
-                       INLINE_BITS=layout.inline_bits, ITEMSIZE=layout.itemsize, num_warps=ENCODE_WARPS,
+                       INLINE_BITS=layout.inline_bits, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
                        **_shape_args(layout))
     crc = 0
     if checksum:  # a host pass over the payload, as on every device
@@ -270,7 +276,7 @@ def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     coded = np.nonzero(p.table != RAW_BLOCK)[0]
     if len(raw):
         _decode_raw[(len(raw),)](rest, view, n, torch.from_numpy(raw).to(dev), torch.from_numpy(p.rest_start).to(dev),
-                                 BS=bs, ITEMSIZE=layout.itemsize, num_warps=ENCODE_WARPS)
+                                 BS=bs, ITEMSIZE=layout.itemsize, num_warps=block_warps(bs))
     if len(coded):
         nwords = int(p.word_start[-1])
         stream = packet[p.stream_offset:p.rest_offset]
