@@ -134,3 +134,42 @@ def test_sparse_all_reduce_equals_dense_sum_of_what_was_sent(pool, size):
     assert torch.equal(res[0][0], total.to(torch.bfloat16).view(torch.int16))
     for r in res:
         assert "all_reduce only" in r[1]["rs"] and "SUM or AVG" in r[1]["max"]
+
+
+def _algorithms(rank, groups, size, density, numel):
+    if rank >= size:
+        return None
+    out = {}
+    for algorithm in ("gather", "scatter"):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(10 + rank)).to(torch.bfloat16)
+        zipccl.all_reduce(x, op=dist.ReduceOp.AVG, group=groups[size], codec=TopK(density, algorithm=algorithm))
+        out[algorithm] = x.view(torch.int16).clone()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size,density,numel", [(2, 0.05, 10_001), (4, 0.01, 50_003), (4, 0.6, 4_001)])
+def test_sparse_gather_and_scatter_give_the_same_bits(pool, size, density, numel):
+    """The owner-reduces-its-chunk algorithm (dense or sparse second phase) equals the all-gather one,
+    bit for bit, on every rank; and both equal the rank-order fp32 sum of what each rank sent."""
+    res = pool.run(_algorithms, size, density, numel)[:size]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    c = TopK(density)
+    total = torch.zeros(numel)
+    for q in range(size):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(10 + q)).to(torch.bfloat16)
+        total += c.decode(c.encode(x)).float()
+    want = (total / size).to(torch.bfloat16).view(torch.int16)
+    for r in res:
+        assert torch.equal(r["gather"], want) and torch.equal(r["scatter"], want)
+
+
+def test_sparse_algorithm_choice():
+    """Gather while few ranks share few pairs; scatter once the all-gather would outgrow it."""
+    from zipccl.collectives import sparse_algorithm
+    assert sparse_algorithm(2, 0.01, 2) == "gather"
+    assert sparse_algorithm(4, 0.01, 4) == "gather"
+    assert sparse_algorithm(64, 0.01, 2) == "scatter"
+    assert sparse_algorithm(8, 0.3, 4) == "scatter"
+    with pytest.raises(ValueError):
+        TopK(0.1, algorithm="ring")

@@ -31,9 +31,11 @@ from . import format as F
 from .stats import record as _record
 from .codecs import Lossless, Raw
 from .errors import MismatchError, UnsupportedError
+from .reference.packet import host_bytes
 from .transport import TorchTransport
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "submit", "AUTO_MIN_BYTES", "Handle"]
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "sparse_algorithm", "submit",
+           "AUTO_MIN_BYTES", "Handle"]
 
 AUTO_MIN_BYTES = config.AUTO_MIN_BYTES
 
@@ -66,7 +68,7 @@ def _codec_id(codec) -> int:
     if codec is None:
         return 0
     key = f"{getattr(codec, 'name', type(codec).__name__)}:{getattr(codec, 'block_size', 0)}:" \
-          f"{getattr(codec, 'density', 0)}"
+          f"{getattr(codec, 'density', 0)}:{getattr(codec, 'algorithm', '')}"
     return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 
@@ -245,30 +247,94 @@ class _Gather:
             self.acc["codec_seconds"] += time.perf_counter() - t0
 
 
+def sparse_algorithm(n: int, density: float, itemsize: int) -> str:
+    """"gather" or "scatter": whichever moves fewer bytes per rank for a top-k all-reduce of
+    ``n`` ranks. Gather: every rank receives every other rank's k pairs, (n-1)·k·(4+s). Scatter:
+    pairs go to the owner of their chunk, k·(4+s)·(n-1)/n, then each owner's reduced chunk goes
+    to everyone, sparse or dense, (n-1)·(m/1)·min(u·(4+s), s), with u = 1-(1-d)^n the union's
+    density if ranks chose independently (an upper bound: gradients' top-k overlap)."""
+    pair = 4 + itemsize
+    gather = (n - 1) * density * pair
+    union = 1 - (1 - density) ** n
+    scatter = density * pair * (n - 1) / n + (n - 1) / n * min(union * pair, itemsize)
+    return "scatter" if scatter < gather else "gather"
+
+
 def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict) -> None:
-    """Top-k all-reduce: all-gather every rank's (index, value) packet, add them in rank order
-    into an fp32 (or the dtype's) accumulator, so that every rank ends with the same bits."""
+    """Top-k all-reduce. Both algorithms add the ranks' pairs in rank order into an fp32 (or
+    the dtype's) accumulator and round once, so they give the same bits on every rank."""
+    algorithm = getattr(codec, "algorithm", "auto")
+    if algorithm == "auto":
+        algorithm = sparse_algorithm(t.size, codec.density, flat.element_size())
+    acc["raw_bytes"] += 2 * (t.size - 1) * -(-flat.numel() // t.size) * flat.element_size()  # a dense all-reduce
+    idx, values = _timed(acc, "codec_seconds", codec.select, flat)
+    if algorithm == "gather":
+        packet = _timed(acc, "codec_seconds", codec.encode_selected, idx, values, flat.numel())
+        total = torch.zeros(flat.numel(), dtype=_acc_dtype(flat.dtype), device=flat.device)
+        for part in _sparse_all_gather(t, packet, call, acc):  # rank order
+            _, i, v = codec.parse(part)
+            total.index_add_(0, i, v.to(total.dtype))  # indices are unique within a packet: exact per step
+        if _OPS[op] == 2:
+            total.div_(t.size)
+        flat.copy_(total)
+        return
+    # scatter: each owner reduces its chunk, then everyone gathers the reduced chunks
+    n, r, numel = t.size, t.rank, flat.numel()
+    m = -(-numel // n)
+    bounds = [min(numel, j * m) for j in range(n + 1)]
+    cut = torch.searchsorted(idx.to(torch.int64), torch.tensor(bounds, dtype=torch.int64)).tolist()
+    t0 = time.perf_counter()
+    parts = [codec.encode_selected(idx[cut[j]:cut[j + 1]] - bounds[j], values[cut[j]:cut[j + 1]],
+                                   bounds[j + 1] - bounds[j]) for j in range(n)]
+    acc["codec_seconds"] += time.perf_counter() - t0
+    sizes = _timed(acc, "comm_seconds", call.exchange, t, [p.numel() for p in parts])
+    send_splits = [0 if j == r else parts[j].numel() for j in range(n)]
+    recv_splits = [0 if j == r else int(sizes[j, r]) for j in range(n)]
+    send = torch.cat([parts[j] for j in range(n) if j != r])
+    recv = _timed(acc, "comm_seconds", t.all_to_all, send, send_splits, recv_splits)
+    acc["wire_bytes"] += int(send.numel())
+    acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+    t0 = time.perf_counter()
+    mine = flat[bounds[r]:bounds[r + 1]]
+    total = torch.zeros(mine.numel(), dtype=_acc_dtype(flat.dtype), device=flat.device)
+    sent = torch.zeros(mine.numel(), dtype=torch.bool, device=flat.device)
+    offset = 0
+    for j in range(n):
+        part = parts[r] if j == r else recv[offset:offset + recv_splits[j]]
+        offset += recv_splits[j]
+        _, i, v = codec.parse(part)
+        total.index_add_(0, i, v.to(total.dtype))
+        sent[i] = True
+    if _OPS[op] == 2:
+        total.div_(n)
+    reduced = total.to(flat.dtype)
+    where = torch.nonzero(sent).reshape(-1).to(torch.int32)
+    sparse = where.numel() * (4 + flat.element_size()) < mine.numel() * flat.element_size()
+    packet = codec.encode_selected(where, reduced[where.long()], mine.numel()) if sparse else _RAW.encode(reduced)
+    acc["codec_seconds"] += time.perf_counter() - t0
+    gather = _Call("all_reduce/gather", flat.dtype, numel, op, codec)
+    for j, part in enumerate(_sparse_all_gather(t, packet, gather, acc)):
+        t0 = time.perf_counter()
+        chunk = flat[bounds[j]:bounds[j + 1]]
+        h = F.parse_header(host_bytes(part, 0, F.HEADER_SIZE).tobytes(), None, part.numel())
+        (_RAW if h.codec == F.CODEC_RAW else codec).decode(part, out=chunk)
+        acc["codec_seconds"] += time.perf_counter() - t0
+
+
+def _sparse_all_gather(t, packet: torch.Tensor, call: _Call, acc: dict) -> list[torch.Tensor]:
+    """Every rank's packet, in rank order (this rank's own included), by one all-to-all."""
     n, r = t.size, t.rank
-    packet = _timed(acc, "codec_seconds", codec.encode, flat)
     sizes = _timed(acc, "comm_seconds", lambda: call.exchange(t, [packet.numel()])[:, 0].tolist())
     send_splits = [0 if j == r else packet.numel() for j in range(n)]
     recv_splits = [0 if j == r else sizes[j] for j in range(n)]
     recv = _timed(acc, "comm_seconds", t.all_to_all, packet.repeat(n - 1), send_splits, recv_splits)
     acc["wire_bytes"] += (n - 1) * packet.numel()
-    acc["raw_bytes"] += 2 * (n - 1) * -(-flat.numel() // n) * flat.element_size()  # a dense all-reduce
     acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
-    t0 = time.perf_counter()
-    total = torch.zeros(flat.numel(), dtype=_acc_dtype(flat.dtype), device=flat.device)
-    offset = 0
-    for j in range(n):  # rank order; indices are unique within a packet, so index_add_ is exact per step
-        part = packet if j == r else recv[offset:offset + recv_splits[j]]
+    out, offset = [], 0
+    for j in range(n):
+        out.append(packet if j == r else recv[offset:offset + recv_splits[j]])
         offset += recv_splits[j]
-        _, idx, values = codec.parse(part)
-        total.index_add_(0, idx, values.to(total.dtype))
-    if _OPS[op] == 2:
-        total.div_(n)
-    flat.copy_(total)
-    acc["codec_seconds"] += time.perf_counter() - t0
+    return out
 
 
 # ---- validation ----------------------------------------------------------------------------------------------

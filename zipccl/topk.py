@@ -22,14 +22,21 @@ __all__ = ["TopK"]
 
 
 class TopK:
-    """Keep ``density`` of the entries (at least one): ``TopK(density=0.01)``."""
+    """Keep ``density`` of the entries (at least one): ``TopK(density=0.01)``.
+
+    algorithm: how zipccl.all_reduce combines the ranks' packets: "gather" (everyone gets every
+    rank's pairs), "scatter" (owners reduce their chunk, then share it) or "auto" (the one that
+    moves fewer bytes: zipccl.collectives.sparse_algorithm). All give the same bits."""
     name = "topk"
     exact = False
 
-    def __init__(self, density: float = 0.01):
+    def __init__(self, density: float = 0.01, algorithm: str = "auto"):
         if not isinstance(density, (int, float)) or not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
+        if algorithm not in ("auto", "gather", "scatter"):
+            raise ValueError(f"algorithm must be 'auto', 'gather' or 'scatter', got {algorithm!r}")
         self.density = float(density)
+        self.algorithm = algorithm
 
     def k(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(self.density * numel))) if numel else 0
@@ -93,4 +100,4 @@ class TopK:
         return F.HEADER_SIZE + self.k(numel) * (4 + F.LAYOUTS[dtype].itemsize)
 
     def __repr__(self) -> str:
-        return f"TopK(density={self.density})"
+        return f"TopK(density={self.density}, algorithm={self.algorithm!r})"
