@@ -173,3 +173,18 @@ def test_sparse_algorithm_choice():
     assert sparse_algorithm(8, 0.3, 4) == "scatter"
     with pytest.raises(ValueError):
         TopK(0.1, algorithm="ring")
+
+
+@settings(max_examples=80, deadline=None)
+@given(values=st.lists(st.sampled_from([0.0, -0.0, 0.5, -0.5, 1.0, -2.0, 3.0, float("inf"), float("nan")]),
+                       min_size=1, max_size=300),
+       density=st.floats(0.001, 1.0))
+def test_selection_equals_the_stable_sort_definition(values, density):
+    """The O(n) selection picks exactly what a stable sort of -|x| would: ties to the lower index,
+    NaN last."""
+    x = torch.tensor(values)
+    c = TopK(density)
+    order = torch.sort(x.abs().neg(), stable=True).indices[:c.k(x.numel())]
+    idx, picked = c.select(x)
+    assert torch.equal(idx, torch.sort(order).values.to(torch.int32))
+    assert torch.equal(picked.view(torch.int32), x[idx.long()].view(torch.int32))

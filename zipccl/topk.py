@@ -46,9 +46,16 @@ class TopK:
         from .codecs import check_input
         check_input(x)
         flat = x.reshape(-1)
-        k = self.k(flat.numel())
-        order = torch.sort(flat.float().abs().neg(), stable=True).indices[:k]
-        idx = torch.sort(order).values
+        n, k = flat.numel(), self.k(flat.numel())
+        if k == n:
+            idx = torch.arange(n, device=flat.device)
+            return idx.to(torch.int32), flat[idx]
+        # O(n): the k-th largest magnitude, everything above it, then ties by index (NaN ranks last).
+        mag = torch.nan_to_num(flat.float().abs(), nan=-1.0)
+        threshold = torch.kthvalue(mag, n - k + 1).values
+        above = torch.nonzero(mag > threshold).reshape(-1)
+        ties = torch.nonzero(mag == threshold).reshape(-1)[:k - above.numel()]
+        idx = torch.sort(torch.cat([above, ties])).values
         return idx.to(torch.int32), flat[idx]
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
