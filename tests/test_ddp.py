@@ -11,6 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zipccl.ddp
+import zipccl.rules
 from zipccl.entropy import EntropyRate
 
 pytestmark = pytest.mark.timeout(300)
@@ -90,6 +91,57 @@ def test_lossy_hooks_train_identically_on_every_rank(pool):
             assert st[0]["decisions"] == st[1]["decisions"]
         else:
             assert set(st[0]["densities"]) == {0.1}
+
+
+def _rules_grads(rank, groups, rules):
+    """One backward under DDP's own all-reduce and one under the top-k hook: the gradients."""
+    if rank >= 2:
+        return None
+    g = groups[2]
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(7 + rank))
+    out = {}
+    for mode in ("torch", "topk"):
+        model = _model()
+        ddp = DDP(model, process_group=g, bucket_cap_mb=0.05)
+        if mode == "topk":
+            ddp.register_comm_hook(zipccl.ddp.State(group=g, codec="topk", density=0.01, rules=rules, model=model),
+                                   zipccl.ddp.hook)
+        ddp(x).square().mean().backward()
+        out[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out
+
+
+@pytest.mark.parametrize("with_rules", [True, False])
+def test_layer_rules_keep_small_tensors_exact(pool, with_rules):
+    """With the default rules, 1-D tensors and small weights get the exact average (2 ranks: DDP's
+    own result, bit for bit) while large weights go top-k; without rules everything is sparsified."""
+    rules = zipccl.rules.LayerRules() if with_rules else None
+    res = pool.run(_rules_grads, rules)[:2]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    torch_grads, topk_grads = res[0]["torch"], res[0]["topk"]
+    small_same = []
+    for name, grad in torch_grads.items():
+        same = torch.equal(grad, topk_grads[name])
+        if grad.dim() < 2 or grad.numel() < 4096:
+            small_same.append(same)
+        else:
+            assert not same, name
+    # without rules a small tensor is exact only if all its entries made the bucket's top 1%
+    assert all(small_same) if with_rules else not all(small_same)
+    assert all(torch.equal(res[0]["topk"][n], res[1]["topk"][n]) for n in torch_grads)
+
+
+def test_segments_of_a_bucket():
+    rules = zipccl.rules.LayerRules(min_numel=10)
+    params = [torch.nn.Parameter(torch.zeros(4, 5)), torch.nn.Parameter(torch.zeros(3)),
+              torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(5, 5))]
+    names = {id(params[3]): "blocks.0.ln_f.weight"}
+    lossy, exact = zipccl.rules.segments(rules, params, names, 52)
+    assert lossy.tolist() == list(range(20))
+    assert exact.tolist() == list(range(20, 52))
+    assert zipccl.rules.segments(rules, params, names, 53) is None  # parameters do not tile the bucket
+    with pytest.raises(ValueError):
+        zipccl.rules.LayerRules(min_numel=-1)
 
 
 def test_bf16_hooks_compose(pool):

@@ -21,6 +21,7 @@ from .stats import stats as _snapshot
 from .entropy import EntropyRate
 from .errors import UnsupportedError
 from .feedback import Residuals
+from .rules import LayerRules, segments
 from .topk import TopK
 
 __all__ = ["State", "hook", "bf16_hook"]
@@ -37,6 +38,10 @@ class State:
         "entropy" (density from the gradient-entropy trend, ``rate``), both with
         error feedback: what a step does not send is added to the next step's
         gradient (``residual_dtype`` float32, or bfloat16 for half the memory).
+    rules: for lossy codecs, which parameters stay lossless (``zipccl.rules.LayerRules``:
+        by default 1-D tensors, tensors under 4096 elements, and names with "bias", "norm"
+        or "ln"; names are known when ``model`` is given). ``rules=None`` sends whole
+        buckets lossy.
     Gradients are averaged over the group, reduced in rank order with fp32
     accumulation for 16-bit buckets, so every rank gets identical bits. The
     state pickles for checkpoints: the group is dropped (None on load), the
@@ -44,10 +49,11 @@ class State:
     """
 
     __slots__ = ("group", "codec", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds",
-                 "density", "rate", "residuals", "densities")
+                 "density", "rate", "residuals", "densities", "rules", "names", "layouts")
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, codec="lossless", density: float = 0.01,
-                 rate: Optional[EntropyRate] = None, residual_dtype: torch.dtype = torch.float32):
+                 rate: Optional[EntropyRate] = None, residual_dtype: torch.dtype = torch.float32,
+                 rules: Optional[LayerRules] = LayerRules(), model: Optional[torch.nn.Module] = None):
         if isinstance(codec, str):
             if codec not in ("raw", "lossless", "auto", "topk", "entropy"):
                 raise ValueError(f"unknown codec {codec!r}: use 'raw', 'lossless', 'auto', 'topk', 'entropy' "
@@ -63,6 +69,9 @@ class State:
         self.rate = rate if rate is not None else (EntropyRate() if codec == "entropy" else None)
         self.residuals = Residuals(residual_dtype) if self.lossy else None
         self.densities: list = []
+        self.rules = rules
+        self.names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self.layouts: dict = {}  # bucket key -> (lossy index, exact index) or None
         self.iterations = 0
         self.raw_bytes = self.wire_bytes = 0
         self.codec_seconds = self.comm_seconds = 0.0
@@ -88,11 +97,11 @@ class State:
                        decisions=list(self.rate.decisions) if self.rate else [])
         return out
 
-    def __getstate__(self):
-        return {k: getattr(self, k) for k in self.__slots__ if k != "group"}
+    def __getstate__(self):  # parameter ids and bucket layouts belong to this process: rebuilt on use
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ("group", "names", "layouts")}
 
     def __setstate__(self, state):
-        self.group = None
+        self.group, self.names, self.layouts = None, {}, {}
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -108,7 +117,11 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     if bucket.is_last():
         state.iterations += 1
     if state.lossy:
-        handle = collectives.submit(lambda: _lossy(state, step, index, buffer))
+        key = (index, buffer.numel())  # DDP rebuilds buckets after the first step: a new numel starts fresh
+        if state.rules is not None and key not in state.layouts:
+            state.layouts[key] = segments(state.rules, bucket.parameters(), state.names, buffer.numel())
+        layout = state.layouts.get(key)
+        handle = collectives.submit(lambda: _split(state, step, key, buffer, layout))
     else:
         handle = collectives.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, async_op=True,
                                         codec=state.codec)
@@ -120,9 +133,34 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     return handle.get_future().then(done)
 
 
-def _lossy(state: State, step: int, index: int, buffer: torch.Tensor) -> dict:
+def _split(state: State, step: int, key, buffer: torch.Tensor, layout) -> dict:
     """On zipccl's thread (so the entropy estimate's small all-reduces cannot race the traffic):
-    choose the density, add the residual, send the top-k, keep what was not sent."""
+    the lossy part of the bucket through top-k, the rest lossless, counters summed."""
+    if layout is None:
+        return _lossy(state, step, key, buffer)
+    lossy_idx, exact_idx = layout
+    total = dict(raw_bytes=0, wire_bytes=0, codec_seconds=0.0, comm_seconds=0.0)
+    for idx, run in ((lossy_idx, lambda part: _lossy(state, step, key, part)),
+                     (exact_idx, lambda part: _exact(state, part))):
+        if not idx.numel():  # the same model on every rank: the same parts are empty everywhere
+            continue
+        part = buffer[idx]
+        call = run(part)
+        buffer[idx] = part
+        for k in total:
+            total[k] += call[k]
+    return total
+
+
+def _exact(state: State, part: torch.Tensor) -> dict:
+    collectives.all_reduce(part, op=dist.ReduceOp.AVG, group=state.group, codec="lossless")
+    return _snapshot()["last"]
+
+
+def _lossy(state: State, step: int, key, buffer: torch.Tensor) -> dict:
+    """Choose the density, add the residual, send the top-k, keep what was not sent."""
+    index = key[0]
+
     def allreduce(t):
         dist.all_reduce(t, group=state.group)
 
@@ -140,7 +178,6 @@ def _lossy(state: State, step: int, index: int, buffer: torch.Tensor) -> dict:
         collectives.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, codec="lossless")
         return _snapshot()["last"]
     codec = TopK(density)
-    key = (index, buffer.numel())  # DDP rebuilds buckets after the first step: a new numel starts fresh
     compensated = state.residuals.compensate(key, buffer)
     buffer.view(-1).copy_(compensated)
     state.residuals.update(key, compensated, codec.decode(codec.encode(buffer)))
