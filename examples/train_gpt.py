@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zipccl.ddp
+import zipccl.entropy
+import zipccl.rules
 from zipccl import launch
 
 
@@ -94,7 +96,7 @@ def batches(text: torch.Tensor, n: int, ctx: int, gen: torch.Generator):
     return window[:, :-1], window[:, 1:]
 
 
-def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: float = 0.01):
+def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: float = 0.01, lossy_opts=None):
     """The communication of --comm/--dtype; returns the zipccl state (None for torch)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     if comm.startswith("powersgd"):  # PyTorch's PowerSGD hook, for comparison (rank from the name)
@@ -116,7 +118,13 @@ def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: floa
             return base(state, bucket).then(stop)
         ddp.register_comm_hook(group, timed)
         return None
-    state = zipccl.ddp.State(group=group, codec=comm, density=density)
+    opts = dict(lossy_opts or {})
+    rate = None
+    if comm == "entropy":
+        rate = zipccl.entropy.EntropyRate(**{k: opts[k] for k in ("start", "warmup", "min_density", "max_density")
+                                             if opts.get(k) is not None})
+    rules = zipccl.rules.LayerRules() if opts.get("rules", True) else None
+    state = zipccl.ddp.State(group=group, codec=comm, density=density, rate=rate, rules=rules, model=ddp.module)
     ddp.register_comm_hook(state, zipccl.ddp.bf16_hook if dtype == "bf16" else zipccl.ddp.hook)
     return state
 
@@ -128,7 +136,9 @@ def train(rank: int, nranks: int, args) -> dict:
     model = GPT(args.d_model, args.layers, args.heads, args.ctx)
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
     timing = dict(comm_seconds=0.0)
-    state = register(ddp, args.comm, args.dtype, None, timing, args.density)
+    state = register(ddp, args.comm, args.dtype, None, timing, args.density,
+                     dict(start=args.start_density, warmup=args.warmup, min_density=args.min_density,
+                          max_density=args.max_density, rules=not args.no_rules))
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
@@ -183,6 +193,12 @@ def main(argv=None) -> int:
     ap.add_argument("--comm", choices=["torch", "raw", "lossless", "topk", "entropy", "powersgd1", "powersgd4"],
                     default="lossless")
     ap.add_argument("--density", type=float, default=0.01, help="top-k density for --comm topk")
+    ap.add_argument("--start-density", dest="start_density", type=float, help="--comm entropy: density after warm-up")
+    ap.add_argument("--warmup", type=int, help="--comm entropy: lossless warm-up steps (default 50)")
+    ap.add_argument("--min-density", dest="min_density", type=float, help="--comm entropy: lower bound (0.01)")
+    ap.add_argument("--max-density", dest="max_density", type=float, help="--comm entropy: upper bound (0.25)")
+    ap.add_argument("--no-rules", dest="no_rules", action="store_true",
+                    help="lossy: sparsify whole buckets (default: biases, norms, small tensors stay lossless)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="gradient dtype on the wire")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)

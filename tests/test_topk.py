@@ -188,3 +188,50 @@ def test_selection_equals_the_stable_sort_definition(values, density):
     idx, picked = c.select(x)
     assert torch.equal(idx, torch.sort(order).values.to(torch.int32))
     assert torch.equal(picked.view(torch.int32), x[idx.long()].view(torch.int32))
+
+
+def _named(rank, groups, steps):
+    import zipccl.lossy
+    g = groups[2]
+    if rank >= 2:
+        return None
+    comp = zipccl.lossy.Compressor("topk", density=0.02)
+    gen = torch.Generator().manual_seed(rank)
+    out = {"errors": []}
+    for codec in ("entropy", "bogus"):
+        try:
+            zipccl.all_reduce(torch.ones(4), group=g, codec=codec)
+        except ValueError as e:
+            out["errors"].append(str(e))
+    residual_ok = True
+    for _ in range(steps):
+        w, b = torch.randn(64, 128, generator=gen), torch.randn(128, generator=gen)
+        old = comp.residuals.store.get("w")
+        compensated = w.reshape(-1) + (old.float() if old is not None else 0)
+        b_sum = b.clone()
+        dist.all_reduce(b_sum, group=g)
+        comp.all_reduce(w, "w", group=g)
+        comp.all_reduce(b, "b", group=g)
+        residual_ok &= bool(torch.equal(b, b_sum / 2))  # 1-D: lossless by the default rules
+        # residual = compensated - sent, where sent is the top 2% of the compensated gradient
+        _, idx = torch.sort(compensated.abs().neg(), stable=True)
+        sent = torch.zeros_like(compensated)
+        keep = idx[:TopK(0.02).k(compensated.numel())]
+        sent[keep] = compensated[keep]
+        residual_ok &= bool(torch.equal(comp.residuals.store["w"], compensated - sent))
+    out.update(w=w, residual_ok=residual_ok, step=comp.step, densities=comp.densities)
+    # the module-level path: name= keeps feedback in zipccl.lossy.default("topk")
+    x = torch.randn(100, 50, generator=gen)
+    zipccl.all_reduce(x, group=g, codec="topk", name="x")
+    out["default_residual"] = "x" in zipccl.lossy.default("topk").residuals.store
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_named_lossy_all_reduce_keeps_feedback_and_rules(pool):
+    res = pool.run(_named, 3)[:2]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    assert torch.equal(res[0]["w"], res[1]["w"])
+    for r in res:
+        assert r["residual_ok"] and r["step"] == 2 and r["densities"] == [0.02] * 3 and r["default_residual"]
+        assert "name=" in r["errors"][0] and "unknown codec" in r["errors"][1]

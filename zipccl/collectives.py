@@ -29,7 +29,7 @@ import torch.distributed as dist
 from . import config
 from . import format as F
 from .stats import record as _record
-from .codecs import Lossless, Raw
+from .codecs import Lossless, Raw, TopK
 from .errors import MismatchError, UnsupportedError
 from .reference.packet import host_bytes
 from .transport import TorchTransport
@@ -48,8 +48,15 @@ _RAW, _LOSSLESS = Raw(), Lossless()
 def resolve_codec(codec, dtype: torch.dtype, nbytes: int):
     """The codec object for a call, or None for the backend's own collective (non-float dtypes)."""
     if isinstance(codec, str):
-        if codec not in ("auto", "raw", "lossless"):
-            raise ValueError(f"unknown codec {codec!r}: use 'raw', 'lossless', 'auto' or a codec instance")
+        if codec == "topk":
+            codec = TopK()
+        elif codec == "entropy":
+            raise ValueError("codec 'entropy' keeps state per tensor: pass name=... to zipccl.all_reduce "
+                             "(or use zipccl.lossy.Compressor / zipccl.ddp.State)")
+        elif codec not in ("auto", "raw", "lossless"):
+            raise ValueError(f"unknown codec {codec!r}: use 'raw', 'lossless', 'auto' (never lossy), the lossy "
+                             "'topk' or 'entropy', or a codec instance")
+    if isinstance(codec, str):
         if dtype not in F.DTYPE_CODES:
             if codec == "lossless":
                 raise UnsupportedError(f"codec 'lossless' takes {F.SUPPORTED}, not {dtype}")
@@ -519,8 +526,18 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *,
-               codec="auto"):
-    """Like ``dist.all_reduce``, in place; every rank ends with bit-identical results."""
+               codec="auto", name: str | None = None):
+    """Like ``dist.all_reduce``, in place; every rank ends with bit-identical results.
+
+    codec: "auto" (raw for small tensors, else lossless; never lossy), "raw", "lossless", or
+    opt-in lossy: "topk" (TopK(0.01)) or a TopK instance. With ``name`` (the tensor's name, the
+    same on every rank), "topk" and "entropy" keep error feedback and, for "entropy", the
+    entropy-driven density across calls (zipccl.lossy.default(codec)); the layer rules send
+    small tensors, biases and norms lossless."""
+    if name is not None and codec in ("topk", "entropy"):
+        from . import lossy
+        compressor = lossy.default(codec)
+        return _run(lambda: compressor.all_reduce(tensor, name, op=op, group=group), async_op)
     numel, nbytes = _size(tensor)
     t, c = _prepare("all_reduce", group, (tensor,), op, codec, numel, nbytes, lambda t: None)
 

@@ -20,7 +20,7 @@ from . import collectives
 from .stats import stats as _snapshot
 from .entropy import EntropyRate
 from .errors import UnsupportedError
-from .feedback import Residuals
+from .lossy import Compressor
 from .rules import LayerRules, segments
 from .topk import TopK
 
@@ -49,7 +49,7 @@ class State:
     """
 
     __slots__ = ("group", "codec", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds",
-                 "density", "rate", "residuals", "densities", "rules", "names", "layouts")
+                 "density", "compressor", "rate", "residuals", "densities", "rules", "names", "layouts")
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, codec="lossless", density: float = 0.01,
                  rate: Optional[EntropyRate] = None, residual_dtype: torch.dtype = torch.float32,
@@ -66,9 +66,10 @@ class State:
             raise ValueError(f"density must be in (0, 1], got {density}")
         self.group, self.codec = group, codec
         self.density = density
-        self.rate = rate if rate is not None else (EntropyRate() if codec == "entropy" else None)
-        self.residuals = Residuals(residual_dtype) if self.lossy else None
-        self.densities: list = []
+        self.compressor = Compressor(codec, density, rate, residual_dtype, rules) if self.lossy else None
+        self.rate = self.compressor.rate if self.lossy else None          # shared with the compressor,
+        self.residuals = self.compressor.residuals if self.lossy else None  # for stats and checkpoints
+        self.densities: list = self.compressor.densities if self.lossy else []
         self.rules = rules
         self.names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self.layouts: dict = {}  # bucket key -> (lossy index, exact index) or None
@@ -158,31 +159,8 @@ def _exact(state: State, part: torch.Tensor) -> dict:
 
 
 def _lossy(state: State, step: int, key, buffer: torch.Tensor) -> dict:
-    """Choose the density, add the residual, send the top-k, keep what was not sent."""
-    index = key[0]
-
-    def allreduce(t):
-        dist.all_reduce(t, group=state.group)
-
-    if isinstance(state.codec, TopK):
-        density = state.codec.density
-    elif state.codec == "topk":
-        density = state.density
-    elif index == 0:  # one decision per step, from the first bucket, identical on every rank
-        density = state.rate.update(step, buffer, allreduce)
-    else:
-        density = state.rate.density
-    if index == 0:
-        state.densities.append(density)
-    if density is None:  # entropy warm-up: lossless
-        collectives.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, codec="lossless")
-        return _snapshot()["last"]
-    codec = TopK(density)
-    compensated = state.residuals.compensate(key, buffer)
-    buffer.view(-1).copy_(compensated)
-    state.residuals.update(key, compensated, codec.decode(codec.encode(buffer)))
-    collectives.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, codec=codec)
-    return _snapshot()["last"]
+    """Top-k with error feedback; the first bucket of a step decides the density."""
+    return state.compressor.reduce(buffer.view(-1), key, step, key[0] == 0, state.group)
 
 
 def bf16_hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
