@@ -235,3 +235,30 @@ def test_named_lossy_all_reduce_keeps_feedback_and_rules(pool):
     for r in res:
         assert r["residual_ok"] and r["step"] == 2 and r["densities"] == [0.02] * 3 and r["default_residual"]
         assert "name=" in r["errors"][0] and "unknown codec" in r["errors"][1]
+
+
+def test_remembered_selection_is_used_once_and_only_for_the_unmodified_tensor():
+    c = TopK(0.1)
+    x = torch.randn(1000)
+    first = c.select(x, remember=True)
+    assert c.select(x.view(-1)) is first          # a view of the same, unmodified tensor
+    assert c.select(x) is not first               # taken: the next call selects again
+    c.select(x, remember=True)
+    x.mul_(-1)                                    # modified in place: the version counter moved
+    idx, values = c.select(x)
+    assert torch.equal(values, x[idx.long()])
+    assert pickle.loads(pickle.dumps(c)).density == 0.1
+
+
+def test_sampled_selection_is_deterministic_and_bounded():
+    x = torch.randn(400_000, generator=torch.Generator().manual_seed(5))
+    c = TopK(0.01, sampled=True)
+    idx, values = c.select(x)
+    again, _ = TopK(0.01, sampled=True).select(x.clone())
+    assert torch.equal(idx, again)
+    k = c.k(x.numel())
+    assert 0.8 * k <= idx.numel() <= 2 * k
+    threshold = values.abs().min()
+    assert bool((x.abs() >= threshold).sum() == idx.numel())  # everything at or above its threshold
+    assert c.encode(x).numel() <= c.max_encoded_size(x.numel(), x.dtype)
+    assert torch.equal(TopK(0.01, sampled=True).select(x[:1000])[0], TopK(0.01).select(x[:1000])[0])  # small: exact

