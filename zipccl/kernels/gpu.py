@@ -157,46 +157,49 @@ def _decode(words_ptr, nwords, rest_ptr, out_ptr, n, coded_ptr, ncoded, block_pt
     live = lane < ncoded
     b = tl.load(coded_ptr + lane, mask=live, other=0)
     row = block_ptr + 7 * b
-    ref = tl.load(row, mask=live, other=0)
-    t = tl.load(row + 1, mask=live, other=0)
-    pos = tl.load(row + 2, mask=live, other=0) * 32
-    pos_end = tl.load(row + 3, mask=live, other=0) * 32
+    ref = tl.load(row, mask=live, other=0).to(tl.int32)
+    t = tl.load(row + 1, mask=live, other=0).to(tl.int32)
+    w0 = tl.load(row + 2, mask=live, other=0)
+    bits_end = ((tl.load(row + 3, mask=live, other=0) - w0) * 32).to(tl.int32)
     rj = tl.load(row + 4, mask=live, other=0)
     rest_end = tl.load(row + 5, mask=live, other=0)
-    nzero = tl.load(row + 6, mask=live, other=0)
+    nzero = tl.load(row + 6, mask=live, other=0).to(tl.int32)
     base = b * BS
-    nv = tl.where(live, tl.minimum(n - base, BS), 0)
+    nv = tl.where(live, tl.minimum(n - base, BS), 0).to(tl.int32)
+    # 32-bit arithmetic in the loop: a block's stream is at most 32768 x 20 bits, counted from w0.
+    bit = tl.zeros([LANES], dtype=tl.int32)
     err = tl.zeros([LANES], dtype=tl.int32)
-    zeros = tl.zeros([LANES], dtype=tl.int64)
+    zeros = tl.zeros([LANES], dtype=tl.int32)
     for k in range(BS):
         act = k < nv
-        w = pos >> 5
-        lo = tl.load(words_ptr + w, mask=act & (w < nwords), other=0).to(tl.int64) & 0xFFFFFFFF
-        hi = tl.load(words_ptr + w + 1, mask=act & (w + 1 < nwords), other=0).to(tl.int64) & 0xFFFFFFFF
-        window = (lo | (hi << 32)) >> (pos & 31)  # at least 33 bits: the longest element is 20
+        w = w0 + (bit >> 5)
+        lo = tl.load(words_ptr + w, mask=act & (w < nwords), other=0).to(tl.uint32)
+        hi = tl.load(words_ptr + w + 1, mask=act & (w + 1 < nwords), other=0).to(tl.uint32)
+        sh = (bit & 31).to(tl.uint32)
+        window = ((lo >> sh) | ((hi << 1) << (31 - sh))).to(tl.int32)  # 32 bits; an element is at most 20
         e = tl.load(lut_ptr + t * _LUT + (window & (_LUT - 1)), mask=act, other=0)
-        length = (e >> 8).to(tl.int64)
-        s = (e & 255).to(tl.int64)
+        length = e >> 8
+        s = e & 255
         esc = s == _ESC
         nz = s != _ZERO
         exp = tl.where(esc, (window >> length) & EMAX, ref + s - _BIAS)
         used = length + tl.where(esc, EBITS, 0)
-        r = tl.zeros([LANES], dtype=tl.int64)
+        r = tl.zeros([LANES], dtype=tl.int32)
         if INLINE_BITS > 0:
             r = tl.where(nz, ((window >> used) & ((1 << INLINE_BITS) - 1)) << (8 * REST_BYTES), 0)
             used += tl.where(nz, INLINE_BITS, 0)
-        pos += tl.where(act, used, 0)
+        bit += tl.where(act, used, 0)
         take = act & nz & (rj + REST_BYTES <= rest_end)
         for j in tl.static_range(REST_BYTES):
-            r |= tl.load(rest_ptr + rj + j, mask=take, other=0).to(tl.int64) << (8 * j)
+            r |= tl.load(rest_ptr + rj + j, mask=take, other=0).to(tl.int32) << (8 * j)
         err |= tl.where(act & (length == 0), _ERR_CODE, 0)
         err |= tl.where(act & nz & ((exp < 0) | (exp > EMAX)), _ERR_RANGE, 0)
         err |= tl.where(act & nz & ~take, _ERR_REST, 0)
         rj += tl.where(take, REST_BYTES, 0)
-        zeros += (act & ~nz).to(tl.int64)
-        val = (r & ((1 << MBITS) - 1)) | (exp << MBITS) | ((r >> MBITS) << (MBITS + EBITS))
+        zeros += (act & ~nz).to(tl.int32)
+        val = (r & ((1 << MBITS) - 1)) | (exp << MBITS) | ((r >> MBITS) << (MBITS + EBITS))  # fp32: wraps
         tl.store(out_ptr + base + k, tl.where(nz, val, 0).to(out_ptr.dtype.element_ty), mask=act)
-    err |= tl.where(pos > pos_end, _ERR_CODE, 0)
+    err |= tl.where(bit > bits_end, _ERR_CODE, 0)
     err |= tl.where(zeros != nzero, _ERR_ZEROS, 0)
     tl.store(err_ptr + lane, err, mask=live)
 
