@@ -125,7 +125,8 @@ def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: floa
                                              if opts.get(k) is not None})
     rules = zipccl.rules.LayerRules() if opts.get("rules", True) else None
     state = zipccl.ddp.State(group=group, codec=comm, density=density, rate=rate, rules=rules, model=ddp.module,
-                             sampled=opts.get("sampled", False))
+                             sampled=opts.get("sampled", False),
+                             value_dtype=torch.bfloat16 if opts.get("bf16_values") else None)
     ddp.register_comm_hook(state, zipccl.ddp.bf16_hook if dtype == "bf16" else zipccl.ddp.hook)
     return state
 
@@ -139,7 +140,8 @@ def train(rank: int, nranks: int, args) -> dict:
     timing = dict(comm_seconds=0.0)
     state = register(ddp, args.comm, args.dtype, None, timing, args.density,
                      dict(start=args.start_density, warmup=args.warmup, min_density=args.min_density,
-                          max_density=args.max_density, rules=not args.no_rules, sampled=args.sampled))
+                          max_density=args.max_density, rules=not args.no_rules, sampled=args.sampled,
+                          bf16_values=args.bf16_values))
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
@@ -199,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-density", dest="min_density", type=float, help="--comm entropy: lower bound (0.01)")
     ap.add_argument("--max-density", dest="max_density", type=float, help="--comm entropy: upper bound (0.25)")
     ap.add_argument("--sampled", action="store_true", help="lossy: top-k by a sampled threshold (faster)")
+    ap.add_argument("--bf16-values", dest="bf16_values", action="store_true",
+                    help="lossy: send top-k values as bf16 (6 instead of 8 bytes per entry with fp32 gradients)")
     ap.add_argument("--no-rules", dest="no_rules", action="store_true",
                     help="lossy: sparsify whole buckets (default: biases, norms, small tensors stay lossless)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="gradient dtype on the wire")

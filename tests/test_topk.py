@@ -262,3 +262,35 @@ def test_sampled_selection_is_deterministic_and_bounded():
     assert bool((x.abs() >= threshold).sum() == idx.numel())  # everything at or above its threshold
     assert c.encode(x).numel() <= c.max_encoded_size(x.numel(), x.dtype)
     assert torch.equal(TopK(0.01, sampled=True).select(x[:1000])[0], TopK(0.01).select(x[:1000])[0])  # small: exact
+
+
+def _bf16_values(rank, groups):
+    import zipccl.lossy
+    if rank >= 2:
+        return None
+    g = groups[2]
+    comp = zipccl.lossy.Compressor("topk", density=0.05, value_dtype=torch.bfloat16)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(rank))
+    compensated = w.reshape(-1).clone()
+    comp.all_reduce(w, "w", group=g)
+    wire = compensated.to(torch.bfloat16)
+    idx, values = TopK(0.05).select(wire)
+    sent = torch.zeros_like(compensated)
+    sent[idx.long()] = values.float()
+    return w, bool(torch.equal(comp.residuals.store["w"], compensated - sent)), stats_bytes()
+
+
+def stats_bytes():
+    return zipccl.stats()["last"]["wire_bytes"]
+
+
+@pytest.mark.timeout(120)
+def test_bf16_values_shrink_entries_to_six_bytes(pool):
+    """fp32 gradients with bf16 values on the wire: 6 bytes per entry, residual keeps the rounding,
+    identical result on both ranks (a bf16-rounded average)."""
+    res = pool.run(_bf16_values)[:2]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    assert torch.equal(res[0][0], res[1][0]) and res[0][1] and res[1][1]
+    k = TopK(0.05).k(64 * 128)
+    assert res[0][2] == F.HEADER_SIZE + 6 * k  # one packet to the one other rank
+    assert torch.equal(res[0][0], res[0][0].to(torch.bfloat16).float())

@@ -42,6 +42,7 @@ class State:
         by default 1-D tensors, tensors under 4096 elements, and names with "bias", "norm"
         or "ln"; names are known when ``model`` is given). ``rules=None`` sends whole
         buckets lossy. ``sampled=True``: top-k by a sampled threshold (zipccl.codecs.TopK).
+        ``value_dtype=torch.bfloat16``: lossy values travel as bf16 (zipccl.lossy.Compressor).
     Gradients are averaged over the group, reduced in rank order with fp32
     accumulation for 16-bit buckets, so every rank gets identical bits. The
     state pickles for checkpoints: the group is dropped (None on load), the
@@ -54,7 +55,7 @@ class State:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, codec="lossless", density: float = 0.01,
                  rate: Optional[EntropyRate] = None, residual_dtype: torch.dtype = torch.float32,
                  rules: Optional[LayerRules] = LayerRules(), model: Optional[torch.nn.Module] = None,
-                 sampled: bool = False):
+                 sampled: bool = False, value_dtype: Optional[torch.dtype] = None):
         if isinstance(codec, str):
             if codec not in ("raw", "lossless", "auto", "topk", "entropy"):
                 raise ValueError(f"unknown codec {codec!r}: use 'raw', 'lossless', 'auto', 'topk', 'entropy' "
@@ -67,7 +68,8 @@ class State:
             raise ValueError(f"density must be in (0, 1], got {density}")
         self.group, self.codec = group, codec
         self.density = density
-        self.compressor = Compressor(codec, density, rate, residual_dtype, rules, sampled) if self.lossy else None
+        self.compressor = Compressor(codec, density, rate, residual_dtype, rules, sampled, value_dtype) \
+            if self.lossy else None
         self.rate = self.compressor.rate if self.lossy else None          # shared with the compressor,
         self.residuals = self.compressor.residuals if self.lossy else None  # for stats and checkpoints
         self.densities: list = self.compressor.densities if self.lossy else []

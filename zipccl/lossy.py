@@ -33,16 +33,21 @@ class Compressor:
     """codec: "topk" (``density`` fixed), "entropy" (density from ``rate``, an EntropyRate) or a
     TopK instance. residual_dtype: float32, or bfloat16 for half the memory. rules: which
     tensors may go lossy (None: all); the others are sent lossless. sampled: select by a
-    sampled threshold (TopK(sampled=True): about k entries, several times faster)."""
+    sampled threshold (TopK(sampled=True): about k entries, several times faster).
+    value_dtype: send the values in this dtype (torch.bfloat16 for fp32 gradients: 6 instead
+    of 8 bytes per entry); error feedback keeps the rounding, the sum is rounded once more."""
 
     def __init__(self, codec="topk", density: float = 0.01, rate: EntropyRate | None = None,
                  residual_dtype: torch.dtype = torch.float32, rules: LayerRules | None = LayerRules(),
-                 sampled: bool = False):
+                 sampled: bool = False, value_dtype: torch.dtype | None = None):
         if not (codec in ("topk", "entropy") or isinstance(codec, TopK)):
             raise ValueError(f"lossy codec must be 'topk', 'entropy' or a TopK instance, got {codec!r}")
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density}")
+        if value_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"value_dtype must be None, float32, bfloat16 or float16, got {value_dtype}")
         self.codec, self.density, self.rules, self.sampled = codec, density, rules, sampled
+        self.value_dtype = value_dtype
         self.rate = rate if rate is not None else (EntropyRate() if codec == "entropy" else None)
         self.residuals = Residuals(residual_dtype)
         self.densities: list = []   # per step: the density used (None: lossless warm-up)
@@ -71,12 +76,15 @@ class Compressor:
             return _snapshot()["last"]
         codec = self.codec if isinstance(self.codec, TopK) else TopK(density, sampled=self.sampled)
         compensated = self.residuals.compensate(key, flat)
-        flat.copy_(compensated)
-        idx, values = codec.select(flat, remember=True)  # the collective below reuses it
+        wire = flat if self.value_dtype in (None, flat.dtype) else torch.empty_like(flat, dtype=self.value_dtype)
+        wire.copy_(compensated)
+        idx, values = codec.select(wire, remember=True)  # the collective below reuses it
         sent = torch.zeros_like(compensated)
         sent[idx.long()] = values.float()
         self.residuals.update(key, compensated, sent)
-        collectives.all_reduce(flat, op=op, group=group, codec=codec)
+        collectives.all_reduce(wire, op=op, group=group, codec=codec)
+        if wire is not flat:
+            flat.copy_(wire)
         return _snapshot()["last"]
 
     def all_reduce(self, tensor: torch.Tensor, name: str, op=dist.ReduceOp.AVG, group=None) -> dict:
