@@ -27,8 +27,10 @@ VARIANTS = {  # the runs of docs/PERFORMANCE.md; lossy ones keep the default lay
     "topk10pct": ["--comm", "topk", "--density", "0.1"],
     "entropy_s08_w10_norules": ["--comm", "entropy", "--start-density", "0.08", "--warmup", "10", "--no-rules"],
     "entropy_s10_w20_bf16": ["--comm", "entropy", "--start-density", "0.1", "--warmup", "20", "--bf16-values"],
+    "entropy_s10_w20_norules_bf16": ["--comm", "entropy", "--start-density", "0.1", "--warmup", "20", "--no-rules",
+                                     "--bf16-values"],
 }
-PLOTTED = ("torch", "powersgd4", "topk1pct", "topk10pct", "entropy_s08_w10_norules", "entropy_s10_w20_bf16")
+PLOTTED = ("torch", "powersgd4", "topk1pct", "topk10pct", "entropy_s08_w10_norules", "entropy_s10_w20_norules_bf16")
 
 
 def main() -> None:
