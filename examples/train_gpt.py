@@ -196,8 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--comm", choices=["torch", "raw", "lossless", "topk", "entropy", "powersgd1", "powersgd4"],
                     default="lossless")
     ap.add_argument("--density", type=float, default=0.01, help="top-k density for --comm topk")
-    ap.add_argument("--start-density", dest="start_density", type=float, help="--comm entropy: density after warm-up")
-    ap.add_argument("--warmup", type=int, help="--comm entropy: lossless warm-up steps (default 50)")
+    ap.add_argument("--start-density", dest="start_density", type=float,
+                    help="--comm entropy: density after warm-up (default 0.1)")
+    ap.add_argument("--warmup", type=int, help="--comm entropy: lossless warm-up steps (default 20)")
     ap.add_argument("--min-density", dest="min_density", type=float, help="--comm entropy: lower bound (0.01)")
     ap.add_argument("--max-density", dest="max_density", type=float, help="--comm entropy: upper bound (0.25)")
     ap.add_argument("--sampled", action="store_true", help="lossy: top-k by a sampled threshold (faster)")

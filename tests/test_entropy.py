@@ -27,7 +27,7 @@ def test_entropy_of_the_synthetic_streams_differs():
 
 
 def test_warmup_stays_lossless_and_bounds_hold():
-    rate = EntropyRate(min_density=0.02, max_density=0.2, warmup=10, every=2)
+    rate = EntropyRate(min_density=0.02, max_density=0.2, warmup=10, every=2, start=0.2)
     dens = run(rate, [1.0] * 10 + [4.0] * 30)
     assert all(d is None for d in dens[:10])
     assert all(0.02 <= d <= 0.2 for d in dens[10:])
