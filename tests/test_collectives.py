@@ -122,15 +122,16 @@ def _real_gradients(rank, groups, size, path):
         results[codec] = digest(y)
         wire[codec] = zipccl.stats()["all_reduce"]
     # Wire accounting: piece by piece, this rank sent its packets of the other owners' chunks,
-    # then its reduced piece to every peer; the stats must count exactly those bytes.
+    # then, around the ring, every owner's reduced piece but its successor's; the stats must
+    # count exactly those bytes.
     m = -(-x.numel() // size)
     padded = torch.cat([x, x.new_zeros(m * size - x.numel())]).view(size, m)
-    reduced = torch.cat([y, y.new_zeros(m * size - y.numel())]).view(size, m)[rank]
+    final = torch.cat([y, y.new_zeros(m * size - y.numel())]).view(size, m)  # every owner's reduced chunk
     codec = Lossless()
     cuts = pieces(m, size, 2)
     assert len(cuts) > 1  # the pipeline really runs in pieces here
     expect = sum(codec.encode(padded[j, a:b]).numel() for a, b in cuts for j in range(size) if j != rank) \
-        + (size - 1) * sum(codec.encode(reduced[a:b]).numel() for a, b in cuts)
+        + sum(codec.encode(final[j, a:b]).numel() for a, b in cuts for j in range(size) if j != (rank + 1) % size)
     return results, wire, expect
 
 

@@ -207,51 +207,69 @@ def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc:
 
 
 class _Gather:
-    """All-gather pipeline: ``push`` this rank's piece [a, b) to every peer; each peer's piece is
-    decoded into ``dest(j, a, b)`` (a view that may be shorter: the padding of all-reduce)."""
+    """All-gather pipeline on a ring: ``push`` this rank's piece [a, b); its packet and every other
+    rank's travel around the ring (n-1 steps, each rank forwarding what it just received, so each
+    packet is encoded once and each link carries one flow), and each received packet is decoded
+    into ``dest(j, a, b)`` (a view that may be shorter: the padding of all-reduce) while the next
+    step is on the wire. A ring rather than an all-to-all: on the 1 Gbit/s lab, n-1 flows into
+    each shaped port were slower (docs/PERFORMANCE.md)."""
 
     def __init__(self, t, codec, call: _Call, acc: dict, dest):
         self.t, self.codec, self.call, self.acc, self.dest = t, codec, call, acc, dest
-        self.pending = []
         self.scratch = None
+        self.ring = None  # the previous piece's ring, its first step on the wire
 
     def push(self, a: int, b: int, mine: torch.Tensor) -> None:
+        """Encode this piece while the previous piece's first step is on the wire, finish the
+        previous piece, then start this one and return with its first step in flight."""
         t, n, r, acc = self.t, self.t.size, self.t.rank, self.acc
         packet = _timed(acc, "codec_seconds", self.codec.encode, mine)
+        self.finish()
         sizes = _timed(acc, "comm_seconds", lambda: self.call.exchange(t, [packet.numel()])[:, 0].tolist())
-        send_splits = [0 if j == r else packet.numel() for j in range(n)]
-        recv_splits = [0 if j == r else sizes[j] for j in range(n)]
-        send = packet.repeat(n - 1)
-        work, recv = _timed(acc, "comm_seconds", t.all_to_all_async, send, send_splits, recv_splits)
-        acc["wire_bytes"] += (n - 1) * packet.numel()
         acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
         acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
         own = self.dest(r, a, b)
         own.copy_(mine[:own.numel()])
-        self.pending.append((a, b, mine, work, recv, recv_splits, send))
+        self.ring = self._ring(a, b, mine, packet, sizes)
+        next(self.ring, None)
 
-    def drain(self, keep: int = 0) -> None:
-        """Finish all but the ``keep`` most recent pieces."""
-        while len(self.pending) > keep:
-            a, b, mine, work, recv, recv_splits, _ = self.pending.pop(0)
-            if work is not None:
-                _timed(self.acc, "comm_seconds", work.wait)
-            t0 = time.perf_counter()
-            offset = 0
-            for j in range(self.t.size):
-                if j == self.t.rank:
-                    continue
-                part = recv[offset:offset + recv_splits[j]]
-                offset += recv_splits[j]
-                dest = self.dest(j, a, b)
-                if dest.numel() == b - a:
-                    self.codec.decode(part, out=dest)  # straight into the caller's buffer
-                else:
-                    if self.scratch is None or self.scratch.numel() < b - a:
-                        self.scratch = torch.empty_like(mine)
-                    decoded = self.codec.decode(part, out=self.scratch[:b - a])
-                    dest.copy_(decoded[:dest.numel()])
-            self.acc["codec_seconds"] += time.perf_counter() - t0
+    def finish(self) -> None:
+        """Complete the piece in flight."""
+        if self.ring is not None:
+            for _ in self.ring:
+                pass
+            self.ring = None
+
+    def _ring(self, a: int, b: int, mine: torch.Tensor, packet: torch.Tensor, sizes: list[int]):
+        """n-1 steps; each decodes the packet received last while the next transfer runs. Yields
+        once, after posting the first step."""
+        t, n, r, acc = self.t, self.t.size, self.t.rank, self.acc
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        send, arrived = packet, None
+        for step in range(1, n):
+            origin = (r - step) % n  # whose packet arrives at this step
+            works, recv = _timed(acc, "comm_seconds", t.send_recv_async, send, nxt, sizes[origin], prv)
+            acc["wire_bytes"] += send.numel()
+            if step == 1:
+                yield
+            if arrived is not None:
+                self._decode(*arrived, a, b, mine)
+            for w in works:
+                _timed(acc, "comm_seconds", w.wait)
+            send, arrived = recv, (origin, recv)
+        if arrived is not None:
+            self._decode(*arrived, a, b, mine)
+
+    def _decode(self, j: int, part: torch.Tensor, a: int, b: int, mine: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        dest = self.dest(j, a, b)
+        if dest.numel() == b - a:
+            self.codec.decode(part, out=dest)  # straight into the caller's buffer
+        else:
+            if self.scratch is None or self.scratch.numel() < b - a:
+                self.scratch = torch.empty_like(mine)
+            dest.copy_(self.codec.decode(part, out=self.scratch[:b - a])[:dest.numel()])
+        self.acc["codec_seconds"] += time.perf_counter() - t0
 
 
 def sparse_algorithm(n: int, density: float, itemsize: int) -> str:
@@ -518,8 +536,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
             gather = _Gather(t, c, call, acc, lambda j, a, b: outs[j, a:b])
             for a, b in pieces(numel, t.size, input.element_size()):
                 gather.push(a, b, mine[a:b])
-                gather.drain(keep=1)
-            gather.drain()
+            gather.finish()
         return _finish("all_gather", c, acc)
 
     return _run(run, async_op)
@@ -561,13 +578,9 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
             gather = _Gather(t, c, _Call("all_reduce/gather", tensor.dtype, m, op, c), acc,
                              lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
 
-            def reduced(a, b, piece):  # gather each reduced piece as soon as it exists
-                gather.push(a, b, piece)
-                gather.drain(keep=1)
-
             _reduce_scatter_chunks(t, padded.view(n, m), op, c, _Call("all_reduce", tensor.dtype, numel, op, c),
-                                   acc, on_piece=reduced)
-            gather.drain()
+                                   acc, on_piece=gather.push)  # gather each reduced piece as soon as it exists
+            gather.finish()
         return _finish("all_reduce", c, acc)
 
     return _run(run, async_op)

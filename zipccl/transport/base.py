@@ -32,6 +32,11 @@ class Transport(ABC):
         receive buffer). ``send`` must stay alive until the handle is waited for."""
 
     @abstractmethod
+    def send_recv_async(self, send: torch.Tensor, dst: int, recv_bytes: int, src: int):
+        """Send ``send`` to rank ``dst`` and receive ``recv_bytes`` bytes from rank ``src``, at once:
+        (handles with ``wait()``, receive buffer). Messages between two ranks arrive in order."""
+
+    @abstractmethod
     def native(self, name: str, *tensors: torch.Tensor, op=None) -> None:
         """The backend's own collective (for dtypes no codec handles): ``all_reduce``,
         ``reduce_scatter`` (output, input) or ``all_gather`` (output, input)."""

@@ -43,6 +43,12 @@ class TorchTransport(Transport):
                                       input_split_sizes=list(send_splits), group=self.group, async_op=True)
         return work, recv
 
+    def send_recv_async(self, send, dst, recv_bytes, src):
+        recv = torch.empty(recv_bytes, dtype=torch.uint8, device=send.device)
+        works = [dist.isend(send, group=self.group, group_dst=dst),
+                 dist.irecv(recv, group=self.group, group_src=src)]
+        return works, recv
+
     def native(self, name, *tensors, op=None):
         if name == "all_reduce":
             dist.all_reduce(tensors[0], op=op, group=self.group)
