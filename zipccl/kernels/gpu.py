@@ -24,6 +24,8 @@ per block, which the host reads once at the end.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import torch
 import triton
@@ -218,8 +220,8 @@ def _decode_raw(rest_ptr, out_ptr, n, raw_ptr, rest_start_ptr, BS: tl.constexpr,
 
 
 def block_warps(block_size: int) -> int:
-    """Warps of the per-block kernels: 4 to 8 elements per thread (a 4096-element block in 8 warps
-    needed 247 registers in _encode; in 16, 107-128)."""
+    """Warps of the per-block kernels: at most 8 elements per thread, 4 to 16 warps (a 4096-element
+    block in 8 warps needed 247 registers in _encode; in 16, 107-128)."""
     return max(4, min(16, block_size // 256))
 
 
@@ -259,7 +261,6 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
                        **_shape_args(layout))
     crc = 0
     if checksum:  # a host pass over the payload, as on every device
-        import zlib
         crc = zlib.crc32(packet[HEADER_SIZE:].cpu().numpy().tobytes())
     h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, len(pl.lengths), NSYM, MAXLEN,
                pl.sizes, crc)
