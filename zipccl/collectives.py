@@ -4,10 +4,13 @@ Algorithms (DESIGN.md):
 - reduce-scatter: one chunk per rank, each encoded once, an all-to-all of the
   packets with exact splits, then the received chunks decoded and reduced in
   rank order (fp32 accumulation for 16-bit types, rounded once);
-- all-gather: the local shard encoded once and sent to every peer (all-to-all
-  with exact splits, so no padding crosses the wire), every peer's packet decoded;
+- all-gather: the local shard encoded once and forwarded around a ring (exact
+  sizes, so no padding crosses the wire; one flow per link), every peer's packet
+  decoded;
 - all-reduce = reduce-scatter + all-gather of each owner's reduced chunk,
-  encoded once by its owner, so every rank ends with the owner's exact bits.
+  encoded once by its owner, so every rank ends with the owner's exact bits;
+- top-k (lossy) all-reduce: every rank's (index, value) packet to everyone, or
+  to the owner of each chunk and back (sparse_algorithm), added in rank order.
 
 Before any payload moves, the ranks exchange one small int64 vector per phase:
 an error flag, the call's signature (collective, dtype, numel, op, codec) and
