@@ -279,8 +279,9 @@ def sparse_algorithm(n: int, density: float, itemsize: int) -> str:
     """"gather" or "scatter": whichever moves fewer bytes per rank for a top-k all-reduce of
     ``n`` ranks. Gather: every rank receives every other rank's k pairs, (n-1)·k·(4+s). Scatter:
     pairs go to the owner of their chunk, k·(4+s)·(n-1)/n, then each owner's reduced chunk goes
-    to everyone, sparse or dense, (n-1)·(m/1)·min(u·(4+s), s), with u = 1-(1-d)^n the union's
-    density if ranks chose independently (an upper bound: gradients' top-k overlap)."""
+    to everyone, sparse or dense, (n-1)/n·N·min(u·(4+s), s), with u = 1-(1-d)^n the union's
+    density if ranks chose independently (an upper bound: gradients' top-k overlap). Both in
+    bytes per element N of the tensor."""
     pair = 4 + itemsize
     gather = (n - 1) * density * pair
     union = 1 - (1 - density) ** n
@@ -298,12 +299,7 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict)
     idx, values = _timed(acc, "codec_seconds", codec.select, flat)
     if algorithm == "gather":
         packet = _timed(acc, "codec_seconds", codec.encode_selected, idx, values, flat.numel())
-        total = torch.zeros(flat.numel(), dtype=_acc_dtype(flat.dtype), device=flat.device)
-        for part in _sparse_all_gather(t, packet, call, acc):  # rank order
-            _, i, v = codec.parse(part)
-            total.index_add_(0, i, v.to(total.dtype))  # indices are unique within a packet: exact per step
-        if _OPS[op] == 2:
-            total.div_(t.size)
+        total, _ = _sum_pairs(_sparse_all_gather(t, packet, call, acc), codec, flat, op, t.size)
         flat.copy_(total)
         return
     # scatter: each owner reduces its chunk, then everyone gathers the reduced chunks
@@ -324,17 +320,7 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict)
     acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
     t0 = time.perf_counter()
     mine = flat[bounds[r]:bounds[r + 1]]
-    total = torch.zeros(mine.numel(), dtype=_acc_dtype(flat.dtype), device=flat.device)
-    sent = torch.zeros(mine.numel(), dtype=torch.bool, device=flat.device)
-    offset = 0
-    for j in range(n):
-        part = parts[r] if j == r else recv[offset:offset + recv_splits[j]]
-        offset += recv_splits[j]
-        _, i, v = codec.parse(part)
-        total.index_add_(0, i, v.to(total.dtype))
-        sent[i] = True
-    if _OPS[op] == 2:
-        total.div_(n)
+    total, sent = _sum_pairs(_in_rank_order(recv, recv_splits, parts[r], r), codec, mine, op, n)
     reduced = total.to(flat.dtype)
     where = torch.nonzero(sent).reshape(-1).to(torch.int32)
     sparse = where.numel() * (4 + flat.element_size()) < mine.numel() * flat.element_size()
@@ -358,11 +344,30 @@ def _sparse_all_gather(t, packet: torch.Tensor, call: _Call, acc: dict) -> list[
     recv = _timed(acc, "comm_seconds", t.all_to_all, packet.repeat(n - 1), send_splits, recv_splits)
     acc["wire_bytes"] += (n - 1) * packet.numel()
     acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+    return _in_rank_order(recv, recv_splits, packet, r)
+
+
+def _in_rank_order(recv: torch.Tensor, recv_splits: list[int], own: torch.Tensor, r: int) -> list[torch.Tensor]:
+    """An all-to-all's received bytes cut per sender, with this rank's own packet in its place."""
     out, offset = [], 0
-    for j in range(n):
-        out.append(packet if j == r else recv[offset:offset + recv_splits[j]])
-        offset += recv_splits[j]
+    for j, size in enumerate(recv_splits):
+        out.append(own if j == r else recv[offset:offset + size])
+        offset += size
     return out
+
+
+def _sum_pairs(parts, codec, like: torch.Tensor, op, n: int):
+    """(sum of the packets' pairs in rank order, averaged for AVG, in fp32 for 16-bit types; mask of
+    the positions any packet named). Indices are unique within a packet, so each add is exact."""
+    total = torch.zeros(like.numel(), dtype=_acc_dtype(like.dtype), device=like.device)
+    named = torch.zeros(like.numel(), dtype=torch.bool, device=like.device)
+    for part in parts:
+        _, i, v = codec.parse(part)
+        total.index_add_(0, i, v.to(total.dtype))
+        named[i] = True
+    if _OPS[op] == 2:
+        total.div_(n)
+    return total, named
 
 
 # ---- validation ----------------------------------------------------------------------------------------------

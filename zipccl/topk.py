@@ -31,7 +31,7 @@ class TopK:
     moves fewer bytes: zipccl.collectives.sparse_algorithm). All give the same bits.
     sampled: estimate the magnitude threshold from a fixed sample of SAMPLE entries and send
     everything at or above it (about k entries, at most 2k; DGC's trick): one pass instead
-    of an exact selection, 10x faster on large buckets. Deterministic, but not exactly k."""
+    of an exact selection, 4x faster on a 7M-element bucket. Deterministic, but not exactly k."""
     name = "topk"
     exact = False
 
