@@ -121,16 +121,28 @@ def _real_gradients(rank, groups, size, path):
         zipccl.all_reduce(y, group=g, codec=codec)
         results[codec] = digest(y)
         wire[codec] = zipccl.stats()["all_reduce"]
-    # Wire accounting: piece by piece, this rank sent its packets of the other owners' chunks,
-    # then, around the ring, every owner's reduced piece but its successor's; the stats must
-    # count exactly those bytes.
+    # Wire accounting: piece by piece, this rank sent around the reduce-scatter ring its partial
+    # sum of chunk rank-s at step s (the parts of ranks rank-s+1..rank, rounded to bf16 at every
+    # hop), then, around the all-gather ring, every owner's reduced piece but its successor's;
+    # the stats must count exactly those bytes.
     m = -(-x.numel() // size)
-    padded = torch.cat([x, x.new_zeros(m * size - x.numel())]).view(size, m)
     final = torch.cat([y, y.new_zeros(m * size - y.numel())]).view(size, m)  # every owner's reduced chunk
     codec = Lossless()
     cuts = pieces(m, size, 2)
     assert len(cuts) > 1  # the pipeline really runs in pieces here
-    expect = sum(codec.encode(padded[j, a:b]).numel() for a, b in cuts for j in range(size) if j != rank) \
+
+    def part(q, c, a, b):  # rank q's part of chunk c
+        xq = (grads * (1.0 + 0.25 * q)).to(torch.bfloat16)
+        return torch.cat([xq, xq.new_zeros(m * size - xq.numel())]).view(size, m)[c, a:b].float()
+
+    def partial(s, a, b):
+        c = (rank - s) % size
+        total = part((c + 1) % size, c, a, b)
+        for k in range(2, s + 1):
+            total = total.to(torch.bfloat16).float() + part((c + k) % size, c, a, b)
+        return total.to(torch.bfloat16)
+
+    expect = sum(codec.encode(partial(s, a, b)).numel() for a, b in cuts for s in range(1, size)) \
         + sum(codec.encode(final[j, a:b]).numel() for a, b in cuts for j in range(size) if j != (rank + 1) % size)
     return results, wire, expect
 

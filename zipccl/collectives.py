@@ -1,9 +1,9 @@
 """Compressed all-reduce, reduce-scatter and all-gather: the only place that knows how bytes move.
 
 Algorithms (DESIGN.md):
-- reduce-scatter: one chunk per rank, each encoded once, an all-to-all of the
-  packets with exact splits, then the received chunks decoded and reduced in
-  rank order (fp32 accumulation for 16-bit types, rounded once);
+- reduce-scatter: a ring; each rank adds its part of a chunk to the partial sum
+  it received (fp32 for 16-bit types), encodes the sum rounded to the dtype and
+  passes it on; the chunk's owner finishes it (one flow per link, pipelined);
 - all-gather: the local shard encoded once and forwarded around a ring (exact
   sizes, so no padding crosses the wire; one flow per link), every peer's packet
   decoded;
@@ -157,55 +157,79 @@ def _timed(acc: dict, key: str, fn, *args):
     return out
 
 
+#: Reduce-scatter pieces on the ring at once: one piece's codec work overlaps another's transfer.
+RING_DEPTH = 2
+_TAG_SIZE, _TAG_DATA = 1, 2  # a partial sum's packet follows its size, each in order on its own tag
+_DONE = object()
+
+
 def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
     """chunks: (ranks, m). Returns this rank's reduced chunk (m elements, chunks' dtype).
 
-    Piece by piece: encode the piece of every peer's chunk, exchange sizes, start the all-to-all,
-    then reduce the previous piece while this one is on the wire; ``on_piece(a, b)`` hears of each
-    reduced range (all-reduce starts gathering it at once)."""
+    A ring: in step s (1..n-1) rank r sends its partial sum of chunk r-s to rank r+1 and
+    receives rank r-1's partial sum of chunk r-s-1, adds its own part (fp32 for 16-bit
+    types), and encodes the sum, rounded to the dtype, for the next step. After n-1 steps it
+    holds chunk r summed over every rank (in the order r+1, r+2, ..., r); only the owner
+    finishes a chunk, so all-gather hands every rank the same bits. A ring because each link
+    then carries one flow and each pair of ranks talks one way: on the 1 Gbit/s lab, an
+    all-to-all (n-1 flows into each port) or pairwise exchange (both ways on a pair at once)
+    ran at half the rate (docs/PERFORMANCE.md). Partial sums are encoded anew at every step,
+    so each packet is preceded by its size. RING_DEPTH pieces travel at once, interleaved
+    identically on every rank; ``on_piece(a, b, reduced)`` hears of each finished range."""
     n, r = t.size, t.rank
+    _timed(acc, "comm_seconds", call.exchange, t, [])  # every rank's signature and error flag first
+    acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
     op_code = _OPS[op]
-    m = chunks.shape[1]
+    m, itemsize = chunks.shape[1], chunks.element_size()
     result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
-    scratch = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
-    pending = None
-    for piece in pieces(m, n, chunks.element_size()) + [None]:
-        launched = None
-        if piece is not None:
-            a, b = piece
-            packets = _timed(acc, "codec_seconds", lambda: [
-                codec.encode(chunks[j, a:b]) if j != r else chunks[j, :0].view(torch.uint8) for j in range(n)])
-            sizes = [p.numel() for p in packets]
-            recv_sizes = _timed(acc, "comm_seconds", lambda: call.exchange(t, sizes)[:, r].tolist())
-            send = torch.cat(packets)
-            work, recv = _timed(acc, "comm_seconds", t.all_to_all_async, send, sizes, recv_sizes)
-            launched = (a, b, work, recv, recv_sizes, send)
-            acc["wire_bytes"] += sum(sizes)
-            acc["raw_bytes"] += (n - 1) * (b - a) * chunks.element_size()
-            acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
-        if pending is not None:
-            pa, pb, work, recv, recv_sizes, _ = pending
-            if work is not None:
-                _timed(acc, "comm_seconds", work.wait)
+    nxt, prv = (r + 1) % n, (r - 1) % n
+
+    def ring(a: int, b: int):
+        scratch = torch.empty(b - a, dtype=chunks.dtype, device=chunks.device)
+        total = chunks[prv, a:b]
+        for s in range(1, n):
+            packet = _timed(acc, "codec_seconds", codec.encode, total)
+            size_in = torch.empty(1, dtype=torch.int64, device=chunks.device)
+            sends = [t.isend(torch.tensor([packet.numel()], dtype=torch.int64, device=chunks.device), nxt,
+                             _TAG_SIZE), t.isend(packet, nxt, _TAG_DATA)]
+            got_size = t.irecv(size_in, prv, _TAG_SIZE)
+            acc["wire_bytes"] += packet.numel()
+            acc["meta_bytes"] += 8
+            acc["raw_bytes"] += (b - a) * itemsize
+            yield
+            _timed(acc, "comm_seconds", got_size.wait)
+            recv = torch.empty(int(size_in), dtype=torch.uint8, device=chunks.device)
+            got = t.irecv(recv, prv, _TAG_DATA)
+            yield
+            for w in (got, *sends):
+                _timed(acc, "comm_seconds", w.wait)
             t0 = time.perf_counter()
-            total, offset = None, 0
-            for j in range(n):  # fixed rank order: the same sum on every owner, whatever arrives first
-                if j == r:
-                    part = chunks[r, pa:pb]
-                else:
-                    part = codec.decode(recv[offset:offset + recv_sizes[j]], out=scratch[:pb - pa])
-                    offset += recv_sizes[j]
-                if total is None:
-                    total = part.to(_acc_dtype(chunks.dtype), copy=True)
-                else:
-                    _reduce_into(total, part, op_code)
-            if op_code == 2:
-                total.div_(n)
-            result[pa:pb].copy_(total)
+            mine = chunks[(r - s - 1) % n, a:b]
+            if s < n - 1:
+                # A hop's result is rounded to the dtype anyway; torch adds 16-bit tensors in
+                # fp32 and rounds once, so this is the fp32 sum, rounded, in one pass.
+                total = (torch.add, torch.add, torch.maximum, torch.minimum)[op_code - 1](
+                    codec.decode(recv, out=scratch), mine)
+            else:
+                total = codec.decode(recv, out=scratch).to(_acc_dtype(chunks.dtype), copy=True)
+                _reduce_into(total, mine, op_code)
             acc["codec_seconds"] += time.perf_counter() - t0
-            if on_piece is not None:
-                on_piece(pa, pb, result[pa:pb])
-        pending = launched
+        if n == 1:
+            total = total.to(_acc_dtype(chunks.dtype), copy=True)
+        if op_code == 2:
+            total.div_(n)
+        result[a:b].copy_(total)
+        if on_piece is not None:
+            on_piece(a, b, result[a:b])
+
+    waiting = [ring(a, b) for a, b in pieces(m, n, itemsize)]
+    active = []
+    while waiting or active:
+        while waiting and len(active) < RING_DEPTH:
+            active.append(waiting.pop(0))
+        for g in list(active):
+            if next(g, _DONE) is _DONE:
+                active.remove(g)
     return result
 
 

@@ -27,14 +27,19 @@ class Transport(ABC):
         received, ``recv_splits[j]`` from rank j, concatenated in rank order."""
 
     @abstractmethod
-    def all_to_all_async(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]):
-        """``all_to_all`` that returns at once: (handle with ``wait()`` or None when nothing moves,
-        receive buffer). ``send`` must stay alive until the handle is waited for."""
+    def isend(self, send: torch.Tensor, dst: int, tag: int = 0):
+        """Start sending ``send`` to rank ``dst``: a handle with ``wait()``. Messages with one
+        tag between two ranks arrive in the order they were sent."""
 
     @abstractmethod
+    def irecv(self, recv: torch.Tensor, src: int, tag: int = 0):
+        """Start receiving into ``recv`` (exactly its size) from rank ``src``: a handle with ``wait()``."""
+
     def send_recv_async(self, send: torch.Tensor, dst: int, recv_bytes: int, src: int):
-        """Send ``send`` to rank ``dst`` and receive ``recv_bytes`` bytes from rank ``src``, at once:
-        (handles with ``wait()``, receive buffer). Messages between two ranks arrive in order."""
+        """Send ``send`` to ``dst`` and receive ``recv_bytes`` bytes from ``src``, at once:
+        (handles, receive buffer)."""
+        recv = torch.empty(recv_bytes, dtype=torch.uint8, device=send.device)
+        return [self.isend(send, dst), self.irecv(recv, src)], recv
 
     @abstractmethod
     def native(self, name: str, *tensors: torch.Tensor, op=None) -> None:

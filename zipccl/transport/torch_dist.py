@@ -30,24 +30,17 @@ class TorchTransport(Transport):
         return out.reshape(self.size, -1).cpu()
 
     def all_to_all(self, send, send_splits, recv_splits):
-        work, recv = self.all_to_all_async(send, send_splits, recv_splits)
-        if work is not None:
-            work.wait()
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
+        if sum(send_splits) or sum(recv_splits):
+            dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
+                                   input_split_sizes=list(send_splits), group=self.group)
         return recv
 
-    def all_to_all_async(self, send, send_splits, recv_splits):
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
-        if not (sum(send_splits) or sum(recv_splits)):
-            return None, recv
-        work = dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
-                                      input_split_sizes=list(send_splits), group=self.group, async_op=True)
-        return work, recv
+    def isend(self, send, dst, tag=0):
+        return dist.isend(send, group=self.group, group_dst=dst, tag=tag)
 
-    def send_recv_async(self, send, dst, recv_bytes, src):
-        recv = torch.empty(recv_bytes, dtype=torch.uint8, device=send.device)
-        works = [dist.isend(send, group=self.group, group_dst=dst),
-                 dist.irecv(recv, group=self.group, group_src=src)]
-        return works, recv
+    def irecv(self, recv, src, tag=0):
+        return dist.irecv(recv, group=self.group, group_src=src, tag=tag)
 
     def native(self, name, *tensors, op=None):
         if name == "all_reduce":
