@@ -24,3 +24,21 @@ def test_trained_gradients_are_real():
     g = bench.train_small_model_grads(steps=2)
     assert g.dtype.is_floating_point and g.numel() > 100_000
     assert (g != 0).float().mean() > 0.5
+
+
+def test_codec_stages_smoke():
+    """bench/codec_stages.py (where the codec's time goes) runs every stage for every dtype."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("codec_stages", Path(__file__).parents[1] / "bench/codec_stages.py")
+    stages_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages_mod)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (torch.randn(20_000, generator=torch.Generator().manual_seed(1)) * 1e-3).to(dtype)
+        stages = stages_mod.stages(x)
+        expected = {"analyse", "plan", "pack", "rest", "encode (all)", "decode (all)"}
+        assert set(stages) == expected | ({"symbols", "join"} if dtype != torch.float16 else set())
+        assert all(stages_mod.best(fn, 2) > 0 for fn in stages.values())

@@ -1,0 +1,100 @@
+"""Time each stage of the numba lossless codec on one tensor (min of N runs, one thread).
+
+    python bench/codec_stages.py [--data FILE.npy] [--dtype bf16|fp16|fp32] [--runs 15]
+
+Where the codec benchmark (python -m zipccl.bench.codec) says how fast, this says
+where the time goes: analyse, plan, pack and rest on the encode side; symbol
+decoding and the join on the decode side (bf16 and fp32; fp16 decodes in one pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from zipccl.codecs import Lossless
+from zipccl.format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, num_blocks
+from zipccl.kernels import cpu as C
+from zipccl.reference import tables as T
+from zipccl.reference.packet import parse_lossless
+from zipccl.reference.plan import plan
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def best(fn, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def stages(x: torch.Tensor) -> dict:
+    """{stage: callable} for one tensor, each ready to run on its own."""
+    layout, bs, n = LAYOUTS[x.dtype], DEFAULT_BLOCK_SIZE, x.numel()
+    bits, nb = C._int_view(x), num_blocks(n, bs)
+    ref, hist, nzero = np.zeros(nb, np.int64), np.zeros((nb, NSYM), np.int64), np.zeros(nb, np.int64)
+    analyse = lambda: C._analyse(bits, bs, layout.mbits, layout.emax, ref, hist, nzero)  # noqa: E731
+    analyse()
+    pl = plan(ref, hist, nzero, n, bs, layout)
+    start = HEADER_SIZE + len(pl.front())
+    buf = np.empty(pl.total_size + 8, np.uint8)
+    shift, width = C._index_bits(layout)
+    codec = Lossless()
+    packet, out = codec.encode(x), torch.empty_like(x)
+    out_stages = {
+        "analyse": analyse,
+        "plan": lambda: plan(ref, hist, nzero, n, bs, layout),
+        "pack": lambda: C._pack(bits, bs, layout.ebits, layout.inline_bits, shift, width, pl.ref, pl.table,
+                                pl.codes, pl.lengths, pl.word_start, buf[start:]),
+        "rest": lambda: C._rest(bits, bs, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize, pl.table,
+                                pl.nzero, pl.rest_start, buf[start + pl.sizes[2]:]),
+        "encode (all)": lambda: codec.encode(x),
+    }
+    if not layout.inline_bits:
+        p = parse_lossless(packet)
+        raw = packet.numpy()
+        nw = int(p.word_start[-1])
+        words = np.zeros(nw + 2 + (MAXLEN + layout.ebits) * bs // 32, np.uint32)
+        words[:nw] = raw[p.stream_offset:p.rest_offset].view(np.uint32)
+        luts = T.decode_luts(p.lengths).astype(np.int64)
+        mluts = np.stack([C._multi_lut(tuple(int(v) for v in lens)) for lens in p.lengths])
+        sym, xexp = np.empty(n + 4, np.uint8), np.empty(n + 4, np.uint8)
+        stats = np.zeros((len(p.ref), 4), np.int64)
+        rest = raw[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
+        symbols = lambda: C._symbols(words.view(np.uint8), bs, n, layout.ebits, p.table, p.word_start,  # noqa: E731
+                                     luts, mluts, sym, xexp, stats)
+        symbols()
+        out_stages["symbols"] = symbols
+        out_stages["join"] = lambda: C._compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits,
+                                                layout.rest_bytes, layout.itemsize, p.ref, p.table, p.nzero,
+                                                p.word_start, p.rest_start, stats, C._int_view(out))
+    out_stages["decode (all)"] = lambda: codec.decode(packet, out=out)
+    return out_stages
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data"
+                    / "grads_step050_bucket0_fp32.npy")
+    ap.add_argument("--dtype", choices=DTYPES, default="bf16")
+    ap.add_argument("--runs", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    x = torch.from_numpy(np.load(args.data)).reshape(-1).to(DTYPES[args.dtype])
+    print(f"# {args.data.name} as {args.dtype}: {x.numel()} elements, min of {args.runs} runs")
+    for name, fn in stages(x).items():
+        fn()  # compile / warm up
+        s = best(fn, args.runs)
+        print(f"{name:14s} {s * 1e3:8.2f} ms {s / x.numel() * 1e9:6.2f} ns/element "
+              f"{x.numel() * x.element_size() / s / 1e9:6.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
