@@ -189,9 +189,9 @@ def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc:
         total = chunks[prv, a:b]
         for s in range(1, n):
             packet = _timed(acc, "codec_seconds", codec.encode, total)
+            size_out = torch.tensor([packet.numel()], dtype=torch.int64, device=chunks.device)
             size_in = torch.empty(1, dtype=torch.int64, device=chunks.device)
-            sends = [t.isend(torch.tensor([packet.numel()], dtype=torch.int64, device=chunks.device), nxt,
-                             _TAG_SIZE), t.isend(packet, nxt, _TAG_DATA)]
+            sends = [t.isend(size_out, nxt, _TAG_SIZE), t.isend(packet, nxt, _TAG_DATA)]  # both alive until waited
             got_size = t.irecv(size_in, prv, _TAG_SIZE)
             acc["wire_bytes"] += packet.numel()
             acc["meta_bytes"] += 8
