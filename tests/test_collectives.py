@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import numpy as np
@@ -30,11 +31,27 @@ def data(rank: int, n: int, dtype, seed: int = 0) -> torch.Tensor:
 
 # ---- tasks: module-level functions run by every rank of the pool ----------------------------------------------
 
-def _every_combination(rank, groups, size, n):
+@contextlib.contextmanager
+def reduce_scatter_algorithm(name: str):
+    """Set ZIPCCL_REDUCE_SCATTER's value for the calls inside, in this worker (the pool lives on)."""
+    old, zipccl.config.REDUCE_SCATTER = zipccl.config.REDUCE_SCATTER, name
+    try:
+        yield
+    finally:
+        zipccl.config.REDUCE_SCATTER = old
+
+
+ALGORITHMS = ["direct", "ring"]
+
+def _every_combination(rank, groups, size, n, algorithm):
     """Run every collective x codec x op x dtype; return digests of the results."""
     if rank >= size:
         return None
-    g = groups[size]
+    with reduce_scatter_algorithm(algorithm):
+        return _combinations(groups[size], rank, size, n)
+
+
+def _combinations(g, rank, size, n):
     out = {}
     for dname, dtype in DTYPES.items():
         for codec in ("raw", "lossless", "auto"):
@@ -54,10 +71,11 @@ def _every_combination(rank, groups, size, n):
     return out
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("n", [1, 257, 4099])
-def test_all_ranks_bit_identical_and_lossless_equals_raw(pool, size, n):
-    res = pool.run(_every_combination, size, n, timeout=240)[:size]
+def test_all_ranks_bit_identical_and_lossless_equals_raw(pool, size, n, algorithm):
+    res = pool.run(_every_combination, size, n, algorithm, timeout=240)[:size]
     for r in res:
         assert not isinstance(r, BaseException), r
     for key in res[0]:
@@ -76,11 +94,15 @@ def test_all_ranks_bit_identical_and_lossless_equals_raw(pool, size, n):
     assert res[0]["int32"] == [i * sum(range(1, size + 1)) for i in range(n)]
 
 
-def _verifiable(rank, groups, size, n):
+def _verifiable(rank, groups, size, n, algorithm):
     """nccl-tests style: integers times powers of two are exact in any summation order."""
     if rank >= size:
         return None
-    g = groups[size]
+    with reduce_scatter_algorithm(algorithm):
+        return _verifiable_in(groups[size], rank, size, n)
+
+
+def _verifiable_in(g, rank, size, n):
     wrong = {}
     for dname, dtype in DTYPES.items():
         base = (torch.arange(n) % 17 - 8).double() * 2.0 ** (torch.arange(n) % 5 - 2)
@@ -98,33 +120,35 @@ def _verifiable(rank, groups, size, n):
     return wrong
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("n", [3001, 4_500_007])  # the large one runs in several pipeline pieces, with padding
-def test_exact_sum_inputs_have_zero_wrong(pool, size, n):
+def test_exact_sum_inputs_have_zero_wrong(pool, size, n, algorithm):
     m = -(-n // size)
     assert n < 10_000 or len(pieces(m, size, 2)) > 1
-    for r in pool.run(_verifiable, size, n, timeout=240)[:size]:
+    for r in pool.run(_verifiable, size, n, algorithm, timeout=240)[:size]:
         assert not isinstance(r, BaseException), r
         assert all(v == 0 for v in r.values()), r
 
 
-def _real_gradients(rank, groups, size, path):
+def _real_gradients(rank, groups, size, path, algorithm):
     if rank >= size:
         return None
     g = groups[size]
     grads = torch.from_numpy(np.load(path)).repeat(2)  # 13 MB of bf16: several pipeline pieces
     x = (grads * (1.0 + 0.25 * rank)).to(torch.bfloat16)
     results, wire = {}, {}
-    for codec in ("raw", "lossless"):
-        y = x.clone()
-        zipccl.reset_stats()
-        zipccl.all_reduce(y, group=g, codec=codec)
-        results[codec] = digest(y)
-        wire[codec] = zipccl.stats()["all_reduce"]
-    # Wire accounting: piece by piece, this rank sent around the reduce-scatter ring its partial
-    # sum of chunk rank-s at step s (the parts of ranks rank-s+1..rank, rounded to bf16 at every
-    # hop), then, around the all-gather ring, every owner's reduced piece but its successor's;
-    # the stats must count exactly those bytes.
+    with reduce_scatter_algorithm(algorithm):
+        for codec in ("raw", "lossless"):
+            y = x.clone()
+            zipccl.reset_stats()
+            zipccl.all_reduce(y, group=g, codec=codec)
+            results[codec] = digest(y)
+            wire[codec] = zipccl.stats()["all_reduce"]
+    # Wire accounting, piece by piece. Reduce-scatter, direct: this rank's packet of every other
+    # owner's chunk; ring: at step s its partial sum of chunk rank-s (the parts of ranks
+    # rank-s+1..rank, rounded to bf16 at every hop). Then, around the all-gather ring, every
+    # owner's reduced piece but its successor's. The stats must count exactly those bytes.
     m = -(-x.numel() // size)
     final = torch.cat([y, y.new_zeros(m * size - y.numel())]).view(size, m)  # every owner's reduced chunk
     codec = Lossless()
@@ -142,15 +166,20 @@ def _real_gradients(rank, groups, size, path):
             total = total.to(torch.bfloat16).float() + part((c + k) % size, c, a, b)
         return total.to(torch.bfloat16)
 
-    expect = sum(codec.encode(partial(s, a, b)).numel() for a, b in cuts for s in range(1, size)) \
+    if algorithm == "ring":
+        sent = [partial(s, a, b) for a, b in cuts for s in range(1, size)]
+    else:
+        sent = [part(rank, j, a, b).to(torch.bfloat16) for a, b in cuts for j in range(size) if j != rank]
+    expect = sum(codec.encode(p).numel() for p in sent) \
         + sum(codec.encode(final[j, a:b]).numel() for a, b in cuts for j in range(size) if j != (rank + 1) % size)
     return results, wire, expect
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("size", [2, 4])
-def test_real_gradients_lossless_is_raw_and_moves_fewer_bytes(pool, real_grads, size):
+def test_real_gradients_lossless_is_raw_and_moves_fewer_bytes(pool, real_grads, size, algorithm):
     from conftest import GRADS
-    res = pool.run(_real_gradients, size, str(GRADS), timeout=240)[:size]
+    res = pool.run(_real_gradients, size, str(GRADS), algorithm, timeout=240)[:size]
     for r in res:
         assert not isinstance(r, BaseException), r
     assert len({r[0]["raw"] for r in res}) == 1
@@ -162,6 +191,37 @@ def test_real_gradients_lossless_is_raw_and_moves_fewer_bytes(pool, real_grads, 
         assert raw["raw_bytes"] == 2 * (size - 1) * (-(-2 * real_grads.numel() // size)) * 2
         assert lossless["wire_bytes"] <= 0.70 * raw["wire_bytes"]
         assert lossless["meta_bytes"] < 1e-3 * lossless["wire_bytes"]
+
+
+def _bf16_sums(rank, groups, size, algorithm, codec):
+    if rank >= size:
+        return None
+    n = 3000
+    with reduce_scatter_algorithm(algorithm):
+        out = torch.empty(n, dtype=torch.bfloat16)
+        zipccl.reduce_scatter(out, data(rank, n * size, torch.bfloat16, seed=3), group=groups[size], codec=codec)
+    return out
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_rounding_of_each_algorithm(pool, algorithm, codec):
+    """direct: the fp32 sum in rank order, rounded once (DESIGN.md invariant 3); ring: each hop's
+    fp32 sum rounded to bf16, in ring order, the owner's own part added last."""
+    size = 4
+    res = pool.run(_bf16_sums, size, algorithm, codec, timeout=120)[:size]
+    parts = [data(q, 3000 * size, torch.bfloat16, seed=3).view(size, 3000) for q in range(size)]
+    for r, got in enumerate(res):
+        assert not isinstance(got, BaseException), got
+        if algorithm == "direct":
+            total = parts[0][r].float()
+            for q in range(1, size):
+                total = total + parts[q][r].float()
+        else:
+            total = parts[(r + 1) % size][r].float()
+            for k in range(2, size + 1):
+                total = total.to(torch.bfloat16).float() + parts[(r + k) % size][r].float()
+        assert torch.equal(got.view(torch.int16), total.to(torch.bfloat16).view(torch.int16))
 
 
 def _mismatch(rank, groups, size, case):
@@ -178,6 +238,13 @@ def _mismatch(rank, groups, size, case):
         kwargs["op"] = dist.ReduceOp.MAX if rank else dist.ReduceOp.SUM
     elif case == "codec":
         kwargs["codec"] = "raw" if rank else "lossless"
+    elif case == "algorithm":
+        with reduce_scatter_algorithm("ring" if rank else "direct"):
+            try:
+                zipccl.all_reduce(x, **kwargs)
+            except Exception as e:
+                return type(e).__name__, str(e)
+        return "ok", ""
     elif case == "rs_size":  # only rank 0 passes a wrong size: it raises ValueError, the others MismatchError
         out = torch.empty(10)
         inp = torch.ones(10 * size + (1 if rank == 0 else 0))
@@ -202,7 +269,7 @@ def _mismatch(rank, groups, size, case):
     return "ok", ""
 
 
-@pytest.mark.parametrize("case", ["numel", "dtype", "op", "codec"])
+@pytest.mark.parametrize("case", ["numel", "dtype", "op", "codec", "algorithm"])
 def test_mismatched_calls_raise_on_every_rank(pool, case):
     res = pool.run(_mismatch, 4, case, timeout=60)
     assert all(r[0] == "MismatchError" for r in res), res

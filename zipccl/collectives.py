@@ -1,9 +1,12 @@
 """Compressed all-reduce, reduce-scatter and all-gather: the only place that knows how bytes move.
 
 Algorithms (DESIGN.md):
-- reduce-scatter: a ring; each rank adds its part of a chunk to the partial sum
-  it received (fp32 for 16-bit types), encodes the sum rounded to the dtype and
-  passes it on; the chunk's owner finishes it (one flow per link, pipelined);
+- reduce-scatter (ZIPCCL_REDUCE_SCATTER): "direct" (default) sends each chunk's
+  packet to its owner by pairwise exchange, and the owner decodes and reduces
+  them in rank order (fp32 accumulation for 16-bit types, rounded once); "ring"
+  passes re-encoded partial sums around a ring, rounded per hop as in NCCL (one
+  flow per link, one direction per pair: faster where a pair's two directions
+  do not overlap);
 - all-gather: the local shard encoded once and forwarded around a ring (exact
   sizes, so no padding crosses the wire; one flow per link), every peer's packet
   decoded;
@@ -44,7 +47,8 @@ AUTO_MIN_BYTES = config.AUTO_MIN_BYTES
 
 _OPS = {dist.ReduceOp.SUM: 1, dist.ReduceOp.AVG: 2, dist.ReduceOp.MAX: 3, dist.ReduceOp.MIN: 4}
 _COLLECTIVES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_reduce/gather": 4}
-_FIELDS = ("collective", "dtype", "numel", "op", "codec")
+_FIELDS = ("collective", "dtype", "numel", "op", "codec", "reduce-scatter algorithm")
+_ALGORITHMS = {"direct": 1, "ring": 2}
 _RAW, _LOSSLESS = Raw(), Lossless()
 
 
@@ -97,7 +101,7 @@ class _Call:
     def __init__(self, name: str, dtype: torch.dtype, numel: int, op, codec):
         self.name = name
         self.values = [_COLLECTIVES[name], F.DTYPE_CODES.get(dtype, 100 + zlib.crc32(str(dtype).encode()) % 1000),
-                       numel, _OPS.get(op, 0), _codec_id(codec)]
+                       numel, _OPS.get(op, 0), _codec_id(codec), _ALGORITHMS[config.REDUCE_SCATTER]]
 
     def exchange(self, t, sizes: list[int], error: Exception | None = None) -> torch.Tensor:
         """Exchange [error, signature, sizes]; raise the same way on every rank if anything is off.
@@ -164,9 +168,87 @@ _DONE = object()
 
 
 def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
-    """chunks: (ranks, m). Returns this rank's reduced chunk (m elements, chunks' dtype).
+    """chunks: (ranks, m). Returns this rank's reduced chunk (m elements, chunks' dtype), by the
+    algorithm ``config.REDUCE_SCATTER`` names; ``on_piece(a, b, reduced)`` hears of each finished
+    range (all-reduce starts gathering it at once)."""
+    run = _reduce_scatter_ring if config.REDUCE_SCATTER == "ring" else _reduce_scatter_direct
+    return run(t, chunks, op, codec, call, acc, on_piece)
 
-    A ring: in step s (1..n-1) rank r sends its partial sum of chunk r-s to rank r+1 and
+
+def _sum_in_rank_order(parts, op_code: int, n: int, dtype) -> torch.Tensor:
+    """Reduce ``parts`` (one per rank, in rank order) with fp32 accumulation for 16-bit types."""
+    total = parts[0].to(_acc_dtype(dtype), copy=True)
+    for part in parts[1:]:
+        _reduce_into(total, part, op_code)
+    if op_code == 2:
+        total.div_(n)
+    return total
+
+
+def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
+    """Each rank's packet of chunk j goes straight to rank j, which decodes all of them and
+    reduces them in rank order, rounded once (the same sum on every owner, whatever arrives
+    first). Piece by piece, by pairwise exchange: in round s (1..n-1) rank r sends to r+s and
+    receives from r-s, one flow into each port. While a round is on the wire the previous
+    round's packet is decoded; the next piece is encoded during the last round, and a piece is
+    reduced during the next piece's first round."""
+    n, r = t.size, t.rank
+    op_code = _OPS[op]
+    m = chunks.shape[1]
+    result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
+    cuts = pieces(m, n, chunks.element_size())
+
+    def encode(k):
+        a, b = cuts[k]
+        packets = _timed(acc, "codec_seconds", lambda: [
+            codec.encode(chunks[j, a:b]) if j != r else chunks[j, :0].view(torch.uint8) for j in range(n)])
+        recv_sizes = _timed(acc, "comm_seconds", lambda: call.exchange(t, [p.numel() for p in packets])[:, r].tolist())
+        acc["raw_bytes"] += (n - 1) * (b - a) * chunks.element_size()
+        acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+        return packets, recv_sizes
+
+    def finish(k, parts, arrived):
+        t0 = time.perf_counter()
+        if arrived is not None:
+            codec.decode(arrived[1], out=parts[arrived[0]])
+        a, b = cuts[k]
+        total = _sum_in_rank_order([chunks[r, a:b] if j == r else parts[j] for j in range(n)], op_code, n,
+                                   chunks.dtype)
+        result[a:b].copy_(total)
+        acc["codec_seconds"] += time.perf_counter() - t0
+        if on_piece is not None:
+            on_piece(a, b, result[a:b])
+
+    pending, upcoming = None, encode(0)
+    for k, (a, b) in enumerate(cuts):
+        (packets, recv_sizes), upcoming = upcoming, None
+        parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
+        arrived = None
+        for s in range(1, n):
+            dst, src = (r + s) % n, (r - s) % n
+            works, recv = _timed(acc, "comm_seconds", t.send_recv_async, packets[dst], dst, recv_sizes[src], src)
+            acc["wire_bytes"] += packets[dst].numel()
+            if arrived is not None:
+                _timed(acc, "codec_seconds", codec.decode, arrived[1], parts[arrived[0]])
+            elif pending is not None:
+                finish(*pending)
+                pending = None
+            if s == n - 1 and k + 1 < len(cuts):
+                upcoming = encode(k + 1)
+            for w in works:
+                _timed(acc, "comm_seconds", w.wait)
+            arrived = (src, recv)
+        if pending is not None:  # a single rank: nothing was on the wire to overlap with
+            finish(*pending)
+        if upcoming is None and k + 1 < len(cuts):
+            upcoming = encode(k + 1)
+        pending = (k, parts, arrived)
+    finish(*pending)
+    return result
+
+
+def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
+    """A ring: in step s (1..n-1) rank r sends its partial sum of chunk r-s to rank r+1 and
     receives rank r-1's partial sum of chunk r-s-1, adds its own part (fp32 for 16-bit
     types), and encodes the sum, rounded to the dtype, for the next step. After n-1 steps it
     holds chunk r summed over every rank (in the order r+1, r+2, ..., r); only the owner
@@ -175,7 +257,8 @@ def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc:
     all-to-all (n-1 flows into each port) or pairwise exchange (both ways on a pair at once)
     ran at half the rate (docs/PERFORMANCE.md). Partial sums are encoded anew at every step,
     so each packet is preceded by its size. RING_DEPTH pieces travel at once, interleaved
-    identically on every rank; ``on_piece(a, b, reduced)`` hears of each finished range."""
+    identically on every rank. Rounding at each hop departs from DESIGN.md's invariant 3
+    (rounded once), which is why this is opt-in (ZIPCCL_REDUCE_SCATTER=ring)."""
     n, r = t.size, t.rank
     _timed(acc, "comm_seconds", call.exchange, t, [])  # every rank's signature and error flag first
     acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)

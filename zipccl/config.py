@@ -22,3 +22,19 @@ def _bytes(name: str, default: int) -> int:
 #: lossless vs raw all-reduce at 1 Gbit/s per rank, 4 ranks on 2 cores (docs/PERFORMANCE.md).
 #: On faster links compression pays later or never.
 AUTO_MIN_BYTES = _bytes("ZIPCCL_AUTO_MIN_BYTES", 8 << 20)
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+    return value
+
+
+#: Reduce-scatter algorithm (every rank must use the same; the metadata exchange checks it):
+#: "direct" sends each rank's packet of each chunk to its owner, which decodes them all and
+#: reduces them in rank order with fp32 accumulation, rounded once (DESIGN.md invariant 3);
+#: "ring" passes re-encoded partial sums around a ring, rounding each hop to the dtype as NCCL
+#: does: one flow per link, faster on links where both directions of a pair do not overlap
+#: (the 1 Gbit/s lab: docs/PERFORMANCE.md).
+REDUCE_SCATTER = _choice("ZIPCCL_REDUCE_SCATTER", "direct", ("direct", "ring"))

@@ -43,9 +43,9 @@ class State:
         or "ln"; names are known when ``model`` is given). ``rules=None`` sends whole
         buckets lossy. ``sampled=True``: top-k by a sampled threshold (zipccl.codecs.TopK).
         ``value_dtype=torch.bfloat16``: lossy values travel as bf16 (zipccl.lossy.Compressor).
-    Gradients are averaged over the group; each element is reduced once, by its
-    owner on the reduce-scatter ring (fp32 adds, rounded per hop, for 16-bit
-    buckets), so every rank gets identical bits. The
+    Gradients are averaged over the group, reduced in rank order with fp32
+    accumulation for 16-bit buckets (per hop under ZIPCCL_REDUCE_SCATTER=ring),
+    so every rank gets identical bits. The
     state pickles for checkpoints: the group is dropped (None on load), the
     counters are kept.
     """
