@@ -1,22 +1,19 @@
 """numba CPU kernels for the lossless format, byte-identical to zipccl/reference.
 
 Encode reads the data three times: analyse (histograms), pack (codes into the
-bit stream) and rest (sign+mantissa bytes). Decode runs two passes: tokens into
-a byte buffer (a token is a symbol joined with float16's 3 inline bits; a
-12-bit lookup yields up to four, stored with one 32-bit write), then a
-branch-free pass joining exponents, inline bits and rest bytes. Huffman
-decoding is serial within a block, so four blocks go in lock step to keep the
-core busy while one waits on a table lookup. Code tables come from
-reference/tables.py, which runs once per packet on the block histograms.
+bit stream) and rest (sign+mantissa bytes). Decode runs two passes: Huffman
+symbols into a byte buffer (a 12-bit lookup yields up to four symbols, stored
+with one 32-bit write), then a branch-free pass joining exponents and rest
+bytes. Huffman decoding is serial within a block, so four blocks go in lock
+step to keep the core busy while one waits on a table lookup. Code tables come
+from reference/tables.py, which runs once per packet on the block histograms.
 
 Numba lessons measured here: index through per-block slices rather than
 ``offset + i`` (offset indexing kept loops from vectorizing: 10x slower); keep
-stores out of branches in hot loops (a conditional store cost 4-7x), and
-choices too (a conditional expression in the join was 4x slower than an
-arithmetic select; a helper branching on the rest width, 4x); one 32-bit
-lookup per element instead of three int64 ones made packing 2.4x faster;
-unaligned 64-bit loads and stores (an LLVM intrinsic) let the bit reader and
-writer move whole bytes (the symbol decoder 2.7x faster)."""
+stores out of branches in hot loops (a conditional store cost 4-7x); one
+32-bit lookup per element instead of three int64 ones made packing 2.4x
+faster; unaligned 64-bit loads and stores (an LLVM intrinsic) let the bit
+reader and writer move whole bytes (the symbol decoder 2.7x faster)."""
 
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ from ..reference.plan import plan
 
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
 LANES = 4          # blocks coded in lock step
-_SPECIAL = -(1 << 63)  # multi-token entry flag: an escape (count 1), an invalid code (count 0) or, with
-_LONG = 1 << 40        # this bit, an element whose code and inline bits overrun the lookup (count 0)
+_SPECIAL = -(1 << 63)  # multi-symbol entry flag: an escape (count 1) or an invalid code (count 0)
 
 
 @njit(**_NOGIL)
@@ -284,43 +280,42 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
 
 
 @lru_cache(maxsize=1024)
-def _multi_lut(lengths: tuple, inline_bits: int) -> np.ndarray:
-    """One table's multi-token lookup, cached by its code lengths (treat as read-only)."""
-    return _multi_luts(T.decode_lut(lengths)[None].astype(np.int64), inline_bits)[0]
+def _multi_lut(lengths: tuple) -> np.ndarray:
+    """One table's multi-symbol lookup, cached by its code lengths (treat as read-only)."""
+    return _multi_luts(T.decode_lut(lengths)[None].astype(np.int64))[0]
 
 
 @njit(**_NOGIL)
-def _multi_luts(luts, inline_bits):
-    """Lookups that resolve up to four elements from the next 12 bits.
+def _multi_luts(luts):
+    """Lookups that resolve up to four symbols from the next 12 bits.
 
-    An element's token is its symbol, shifted left by ``inline_bits`` and joined with
-    the inline bits that follow its code (float16: 3; +0.0 has none), so a token fits
-    a byte. entry = token bytes (bits 0-31, first lowest) | count << 32 | bits << 36;
-    the sign bit flags an escape (alone, count 1: its raw exponent, then its inline
-    bits, follow), an invalid code (count 0) and, with bit 40, an element whose code and
-    inline bits overrun the 12 bits (count 0: decoded alone). A window stops before those."""
+    entry = symbol bytes (bits 0-31, first symbol lowest) | count << 32 | bits << 36,
+    with the sign bit set for an escape (alone, count 1: its raw exponent follows)
+    and for an invalid code (count 0). A window stops before an escape."""
     K = luts.shape[0]
     m = np.zeros((K, 1 << MAXLEN), dtype=np.int64)
     for t in range(K):
         for w in range(1 << MAXLEN):
-            tokens, cnt, used = 0, 0, 0
+            e = luts[t, w]
+            ln = e >> 8
+            s = e & 255
+            if ln == 0:
+                m[t, w] = _SPECIAL
+                continue
+            if s == 1:
+                m[t, w] = _SPECIAL | 1 | (1 << 32) | (ln << 36)
+                continue
+            syms, cnt, used = s, 1, ln
             while cnt < 4:
-                e = luts[t, (w >> used) & ((1 << MAXLEN) - 1)]
-                ln, s = e >> 8, e & 255
-                extra = inline_bits if s != 0 else 0
-                if ln == 0 or s == 1 or used + ln + extra > MAXLEN:
-                    if cnt == 0:  # the window's first element is special
-                        if ln == 0:
-                            tokens = _SPECIAL
-                        elif s == 1:
-                            tokens = _SPECIAL | (1 << inline_bits) | (1 << 32) | (ln << 36)
-                        else:
-                            tokens = _SPECIAL | _LONG
+                e2 = luts[t, (w >> used) & ((1 << MAXLEN) - 1)]
+                ln2 = e2 >> 8
+                s2 = e2 & 255
+                if ln2 == 0 or used + ln2 > MAXLEN or s2 == 1:
                     break
-                tokens |= ((s << inline_bits) | ((w >> (used + ln)) & ((1 << extra) - 1))) << (8 * cnt)
+                syms |= s2 << (8 * cnt)
                 cnt += 1
-                used += ln + extra
-            m[t, w] = tokens | (cnt << 32) | (used << 36) if cnt else tokens
+                used += ln2
+            m[t, w] = syms | (cnt << 32) | (used << 36)
     return m
 
 
@@ -331,53 +326,31 @@ def _peek(stream, p):
 
 
 @njit(inline="always")
-def _multi(stream, mlut, tok, s, p, k):
-    """One lookup: store four token bytes at once (the surplus is overwritten next)."""
+def _multi(stream, mlut, sym, s, p, k):
+    """One lookup: store four symbol bytes at once (the surplus is overwritten next)."""
     e = mlut[_peek(stream, p) & ((1 << MAXLEN) - 1)]
-    _store_u32(tok, s + k, e)
+    _store_u32(sym, s + k, e)
     return p + ((e >> 36) & 15), k + ((e >> 32) & 7), e
 
 
 @njit(inline="always")
-def _one(stream, lut, tok, xexp, i, p, ebits, inline_bits):
-    """Decode one element the plain way into tok[i] (and xexp[i]). Returns (p, escapes, error)."""
-    e = lut[_peek(stream, p) & ((1 << MAXLEN) - 1)]
-    s = e & 255
-    p += e >> 8
-    x = 0
-    if s == 1:
-        xexp[i] = _peek(stream, p) & ((1 << ebits) - 1)
-        p += ebits
-        x = 1
-    extra = inline_bits if s != 0 else 0
-    tok[i] = (s << inline_bits) | (_peek(stream, p) & ((1 << extra) - 1))
-    return p + extra, x, (e >> 8) == 0
-
-
-@njit(inline="always")
-def _special(stream, lut, e, tok, xexp, s, p, k, ebits, inline_bits):
-    """After a flagged lookup: read an escape's exponent and inline bits, or decode a long
-    element alone. Returns (p, k, escapes, error)."""
+def _special(stream, e, p, k, s, ebits, xexp):
+    """After a flagged lookup: read an escape's raw exponent. Returns (p, escapes, error)."""
     if e >= 0:
-        return p, k, 0, False
-    if e & _LONG:
-        p, x, bad = _one(stream, lut, tok, xexp, s + k, p, ebits, inline_bits)
-        return p, k + 1, x, bad
+        return p, 0, False
     if (e >> 32) & 7 == 0:
-        return p, k, 0, True
-    w = _peek(stream, p)
-    xexp[s + k - 1] = w & ((1 << ebits) - 1)
-    tok[s + k - 1] = (1 << inline_bits) | ((w >> ebits) & ((1 << inline_bits) - 1))
-    return p + ebits + inline_bits, k, 1, False
+        return p, 0, True
+    xexp[s + k - 1] = _peek(stream, p) & ((1 << ebits) - 1)
+    return p + ebits, 1, False
 
 
 @njit(**_NOGIL)
-def _symbols(stream, bs, n, ebits, inline_bits, table, word_start, luts, mluts, tok, xexp, stats):
-    """Decode every coded block's tokens. stats[b] = (unused, escapes, end bit, error).
+def _symbols(stream, bs, n, ebits, table, word_start, luts, mluts, sym, xexp, stats):
+    """Decode every coded block's symbols. stats[b] = (unused, escapes, end bit, error).
 
-    The lock-step loop breaks out only for flagged lookups (escapes, long elements and
-    invalid codes), which keeps it free of stores that depend on a branch. A lookup
-    stores four tokens, so each lane stops four short of its block's end."""
+    The lock-step loop breaks out only for escapes and invalid codes (flagged by the
+    sign bit), which keeps it free of stores that depend on a branch. A lookup
+    stores four symbols, so each lane stops four short of its block's end."""
     coded = np.nonzero(table != RAW_BLOCK)[0]
     nc = coded.shape[0]
     P = np.zeros(LANES, np.int64)
@@ -393,7 +366,6 @@ def _symbols(stream, bs, n, ebits, inline_bits, table, word_start, luts, mluts, 
         if m == LANES:
             b0, b1, b2, b3 = coded[g], coded[g + 1], coded[g + 2], coded[g + 3]
             t0, t1, t2, t3 = mluts[table[b0]], mluts[table[b1]], mluts[table[b2]], mluts[table[b3]]
-            l0, l1, l2, l3 = luts[table[b0]], luts[table[b1]], luts[table[b2]], luts[table[b3]]
             s0, s1, s2, s3 = b0 * bs, b1 * bs, b2 * bs, b3 * bs
             p0, p1, p2, p3 = P[0], P[1], P[2], P[3]
             k0 = k1 = k2 = k3 = np.int64(0)
@@ -401,16 +373,16 @@ def _symbols(stream, bs, n, ebits, inline_bits, table, word_start, luts, mluts, 
             while k0 <= lim and k1 <= lim and k2 <= lim and k3 <= lim and not bad:
                 e0 = e1 = e2 = e3 = np.int64(0)
                 while k0 <= lim and k1 <= lim and k2 <= lim and k3 <= lim:
-                    p0, k0, e0 = _multi(stream, t0, tok, s0, p0, k0)
-                    p1, k1, e1 = _multi(stream, t1, tok, s1, p1, k1)
-                    p2, k2, e2 = _multi(stream, t2, tok, s2, p2, k2)
-                    p3, k3, e3 = _multi(stream, t3, tok, s3, p3, k3)
+                    p0, k0, e0 = _multi(stream, t0, sym, s0, p0, k0)
+                    p1, k1, e1 = _multi(stream, t1, sym, s1, p1, k1)
+                    p2, k2, e2 = _multi(stream, t2, sym, s2, p2, k2)
+                    p3, k3, e3 = _multi(stream, t3, sym, s3, p3, k3)
                     if (e0 | e1 | e2 | e3) < 0:
                         break
-                p0, k0, d0, f0 = _special(stream, l0, e0, tok, xexp, s0, p0, k0, ebits, inline_bits)
-                p1, k1, d1, f1 = _special(stream, l1, e1, tok, xexp, s1, p1, k1, ebits, inline_bits)
-                p2, k2, d2, f2 = _special(stream, l2, e2, tok, xexp, s2, p2, k2, ebits, inline_bits)
-                p3, k3, d3, f3 = _special(stream, l3, e3, tok, xexp, s3, p3, k3, ebits, inline_bits)
+                p0, d0, f0 = _special(stream, e0, p0, k0, s0, ebits, xexp)
+                p1, d1, f1 = _special(stream, e1, p1, k1, s1, ebits, xexp)
+                p2, d2, f2 = _special(stream, e2, p2, k2, s2, ebits, xexp)
+                p3, d3, f3 = _special(stream, e3, p3, k3, s3, ebits, xexp)
                 X[0] += d0
                 X[1] += d1
                 X[2] += d2
@@ -425,39 +397,30 @@ def _symbols(stream, bs, n, ebits, inline_bits, table, word_start, luts, mluts, 
             ml, sl = mluts[table[b]], luts[table[b]]
             s = b * bs
             while k + 4 <= nv and not bad:
-                p, k, e = _multi(stream, ml, tok, s, p, k)
-                p, k, d, bad = _special(stream, sl, e, tok, xexp, s, p, k, ebits, inline_bits)
+                p, k, e = _multi(stream, ml, sym, s, p, k)
+                p, d, bad = _special(stream, e, p, k, s, ebits, xexp)
                 x += d
             while k < nv and not bad:
-                p, d, bad = _one(stream, sl, tok, xexp, s + k, p, ebits, inline_bits)
-                x += d
+                e = sl[_peek(stream, p) & ((1 << MAXLEN) - 1)]
+                sym[s + k] = e & 255
+                p += e >> 8
                 k += 1
+                bad = (e >> 8) == 0
+                if (e & 255) == 1:
+                    xexp[s + k - 1] = _peek(stream, p) & ((1 << ebits) - 1)
+                    p += ebits
+                    x += 1
             stats[b, 1] = x
             stats[b, 2] = p
             stats[b, 3] = bad
 
 
-@njit(inline="always")
-def _element(tv, rv, xv, base, mbits, ebits, inline_bits):
-    """One element's bits from its token, rest bytes and escape exponent: (bits, exponent).
-    An escape's exponent is chosen by a select, not a branch, so callers vectorize."""
-    rv |= (tv & ((1 << inline_bits) - 1)) << (8 * ((mbits + 1) // 8))
-    sv = tv >> inline_bits
-    ex = sv + base + (sv == 1) * (xv - sv - base)
-    return (rv & ((1 << mbits) - 1)) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits)), ex
-
-
 @njit(**_NOGIL)
-def _compose(tok, xexp, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, itemsize, ref, table, nzero,
+def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, itemsize, ref, table, nzero,
              word_start, rest_start, stats, out):
-    """Join exponents, inline bits and sign+mantissa bytes into ``out``; returns 0 or an error code.
-
-    Branch-free per element, so the loops vectorize: a block without +0.0 reads its rest
-    bytes in order; a block with +0.0 first counts, serially, where each element's rest
-    bytes are, then gathers them and zeroes the +0.0 elements by a multiply. Exponents out
-    of range (a corrupt packet) are caught by an OR over the block."""
+    """Join exponents and sign+mantissa bytes into ``out``; returns 0 or an error code."""
     emax = (1 << ebits) - 1
-    pos = np.empty(bs, np.int64)
+    mmask = (1 << mbits) - 1
     for b in range(ref.shape[0]):
         lo = b * bs
         nv = min(n, lo + bs) - lo
@@ -471,47 +434,126 @@ def _compose(tok, xexp, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, item
             continue
         if stats[b, 3] or stats[b, 2] > word_start[b + 1] * 32:
             return -1
-        tb, xb, ob = tok[lo:lo + nv], xexp[lo:lo + nv], out[lo:lo + nv]
         zeros = 0
+        sb = sym[lo:lo + nv]
         for i in range(nv):
-            zeros += tb[i] == 0
+            zeros += sb[i] == 0
         if zeros != nzero[b]:
             return -3
-        kept = nv - zeros
-        rb = rest[j:j + kept * rest_bytes]
-        base = np.int64(ref[b]) - 28
-        outside = np.int64(0)
-        if zeros == 0 and rest_bytes == 1:
-            for i in range(nv):
-                v, ex = _element(np.int64(tb[i]), np.int64(rb[i]), np.int64(xb[i]), base, mbits, ebits, inline_bits)
-                outside |= ex | (emax - ex)  # negative if the exponent is out of range
-                ob[i] = v
-        elif zeros == 0:
-            for i in range(nv):
-                rv = np.int64(rb[3 * i]) | (np.int64(rb[3 * i + 1]) << 8) | (np.int64(rb[3 * i + 2]) << 16)
-                v, ex = _element(np.int64(tb[i]), rv, np.int64(xb[i]), base, mbits, ebits, inline_bits)
-                outside |= ex | (emax - ex)
-                ob[i] = v
-        elif kept == 0:
-            for i in range(nv):
-                ob[i] = 0
-        else:
-            q = 0
-            for i in range(nv):
-                pos[i] = rest_bytes * min(q, kept - 1)  # +0.0 elements point at valid bytes they then ignore
-                q += tb[i] != 0
-            for i in range(nv):
-                tv = np.int64(tb[i])
-                keep = np.int64(tv != 0)
-                at = pos[i]
-                rv = np.int64(rb[at])
-                if rest_bytes == 3:
-                    rv |= (np.int64(rb[at + 1]) << 8) | (np.int64(rb[at + 2]) << 16)
-                v, ex = _element(tv, rv, np.int64(xb[i]), base, mbits, ebits, inline_bits)
-                outside |= (ex | (emax - ex)) * keep
-                ob[i] = v * keep
-        if outside < 0:
-            return -2
+        r = np.int64(ref[b])
+        if zeros == 0 and r >= 26 and r + 3 <= emax:
+            # Every symbol is an offset or an escape: a select, no branches, so this vectorizes.
+            base = r - 28
+            ob, sb, xb, rb = out[lo:lo + nv], sym[lo:lo + nv], xexp[lo:lo + nv], rest[j:j + nv * rest_bytes]
+            if rest_bytes == 1:
+                for i in range(nv):
+                    rv = np.int64(rb[i])
+                    sv = np.int64(sb[i])
+                    ex = sv + base + (sv == 1) * (np.int64(xb[i]) - sv - base)  # a select, not a branch
+                    ob[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
+            else:
+                for i in range(nv):
+                    rv = np.int64(rb[3 * i]) | (np.int64(rb[3 * i + 1]) << 8) | (np.int64(rb[3 * i + 2]) << 16)
+                    sv = np.int64(sb[i])
+                    ex = sv + base + (sv == 1) * (np.int64(xb[i]) - sv - base)  # a select, not a branch
+                    ob[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
+            continue
+        for i in range(lo, lo + nv):
+            s = sym[i]
+            if s == 0:
+                out[i] = 0
+                continue
+            if s == 1:
+                ex = np.int64(xexp[i])
+            else:
+                ex = r + s - 28
+                if ex < 0 or ex > emax:
+                    return -2
+            rv = np.int64(0)
+            for k in range(rest_bytes):
+                rv |= np.int64(rest[j]) << (8 * k)
+                j += 1
+            out[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
+    return 0
+
+
+@njit(**_NOGIL)
+def _decode_inline(stream, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, itemsize, ref, table, nzero,
+            word_start, rest_start, luts, out):
+    """fp16 decoder (codes interleave with inline bits): one symbol per lookup; 0 or an error code.
+
+    The bit reader refills 32 bits at a time, which keeps at least 32 bits
+    buffered: enough for the longest element (12-bit code, escape, inline bits).
+    """
+    emax = (1 << ebits) - 1
+    mask = (1 << 12) - 1
+    imask = (1 << inline_bits) - 1
+    mmask = (1 << mbits) - 1
+    dtab = np.zeros(32, dtype=np.int64)
+    for b in range(ref.shape[0]):
+        lo = b * bs
+        hi = min(n, lo + bs)
+        t = table[b]
+        j = rest_start[b]
+        if t == 255:
+            for i in range(lo, hi):
+                v = np.int64(0)
+                for k in range(itemsize):
+                    v |= np.int64(rest[j]) << (8 * k)
+                    j += 1
+                out[i] = v
+            continue
+        r = np.int64(ref[b])
+        for sym in range(2, 32):
+            e = r + sym - 28
+            dtab[sym] = e << mbits if 0 <= e <= emax else -1
+        pos = word_start[b] * 4          # next stream byte to load
+        end = word_start[b + 1] * 4
+        acc = np.int64(0)
+        have = np.int64(0)
+        zeros = 0
+        rest_end = rest_start[b + 1]
+        for i in range(lo, hi):
+            if have < 32 and pos < end:
+                acc |= (np.int64(stream[pos]) | (np.int64(stream[pos + 1]) << 8) | (np.int64(stream[pos + 2]) << 16)
+                        | (np.int64(stream[pos + 3]) << 24)) << have
+                pos += 4
+                have += 32
+            entry = luts[t, acc & mask]
+            ln = entry >> 8
+            s = entry & 255
+            acc >>= ln
+            have -= ln
+            if s >= 2:
+                ebits_val = dtab[s]
+                if ebits_val < 0:
+                    return -2
+            elif s == 0:
+                if ln == 0:
+                    return -1
+                out[i] = 0
+                zeros += 1
+                continue
+            else:
+                ebits_val = (acc & emax) << mbits
+                acc >>= ebits
+                have -= ebits
+            if j >= rest_end:
+                return -3
+            if rest_bytes == 1:
+                rv = np.int64(rest[j])
+            else:
+                rv = np.int64(rest[j]) | (np.int64(rest[j + 1]) << 8) | (np.int64(rest[j + 2]) << 16)
+            j += rest_bytes
+            if inline_bits:
+                rv |= (acc & imask) << (8 * rest_bytes)
+                acc >>= inline_bits
+                have -= inline_bits
+            out[i] = (rv & mmask) | ebits_val | ((rv >> mbits) << (mbits + ebits))
+            if have < 0:
+                return -1
+        if zeros != nzero[b] or have < 0:
+            return -3 if have >= 0 else -1
     return 0
 
 
@@ -527,20 +569,24 @@ def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     rest = buf[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
     luts = T.decode_luts(p.lengths).astype(np.int64) if len(p.lengths) else np.zeros((1, 1 << MAXLEN), np.int64)
     view = _int_view(out)
-    # Aligned copy of the streams with zero padding: a corrupt stream may read past its
-    # block by at most one element's worth of lookups per element, never past the padding.
-    nw = int(p.word_start[-1])
-    words = np.zeros(nw + 2 + (MAXLEN + layout.ebits + layout.inline_bits) * bs // 32, np.uint32)
-    words[:nw] = buf[p.stream_offset:p.rest_offset].view(np.uint8).copy().view(np.uint32) if nw else 0
-    tok = np.empty(n + 4, np.uint8)
-    xexp = np.empty(n + 4, np.uint8)  # read only where a token is an escape
-    stats = np.zeros((len(p.ref), 4), np.int64)
-    mluts = np.stack([_multi_lut(tuple(int(v) for v in lens), layout.inline_bits) for lens in p.lengths]) \
-        if len(p.lengths) else np.zeros((1, 1 << MAXLEN), np.int64)
-    _symbols(words.view(np.uint8), bs, n, layout.ebits, layout.inline_bits, p.table, p.word_start, luts, mluts,
-             tok, xexp, stats)
-    err = _compose(tok, xexp, rest, bs, n, layout.mbits, layout.ebits, layout.rest_bytes, layout.inline_bits,
-                   layout.itemsize, p.ref, p.table, p.nzero, p.word_start, p.rest_start, stats, view)
+    if layout.inline_bits:
+        err = _decode_inline(buf[p.stream_offset:p.rest_offset], rest, bs, n, layout.mbits, layout.ebits,
+                             layout.rest_bytes, layout.inline_bits, layout.itemsize, p.ref, p.table, p.nzero,
+                             p.word_start, p.rest_start, luts, view)
+    else:
+        # Aligned copy of the streams with zero padding: a corrupt stream may read past its
+        # block by at most one element's worth of lookups per symbol, never past the padding.
+        nw = int(p.word_start[-1])
+        words = np.zeros(nw + 2 + (MAXLEN + layout.ebits) * bs // 32, np.uint32)
+        words[:nw] = buf[p.stream_offset:p.rest_offset].view(np.uint8).copy().view(np.uint32) if nw else 0
+        sym = np.empty(n + 4, np.uint8)
+        xexp = np.empty(n + 4, np.uint8)  # read only where a symbol is an escape
+        stats = np.zeros((len(p.ref), 4), np.int64)
+        mluts = np.stack([_multi_lut(tuple(int(v) for v in lens)) for lens in p.lengths]) if len(p.lengths) \
+            else np.zeros((1, 1 << MAXLEN), np.int64)
+        _symbols(words.view(np.uint8), bs, n, layout.ebits, p.table, p.word_start, luts, mluts, sym, xexp, stats)
+        err = _compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize,
+                       p.ref, p.table, p.nzero, p.word_start, p.rest_start, stats, view)
     if err:
         raise FormatError(_ERRORS[err])
     return out
