@@ -52,7 +52,7 @@ def stages(x: torch.Tensor) -> dict:
         "analyse": analyse,
         "plan": lambda: plan(ref, hist, nzero, n, bs, layout),
         "pack": lambda: C._pack(bits, bs, layout.ebits, layout.inline_bits, shift, width, pl.ref, pl.table,
-                                pl.codes, pl.lengths, pl.word_start, buf[start:]),
+                                pl.nzero, pl.codes, pl.lengths, pl.word_start, buf[start:]),
         "rest": lambda: C._rest(bits, bs, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize, pl.table,
                                 pl.nzero, pl.rest_start, buf[start + pl.sizes[2]:]),
         "encode (all)": lambda: codec.encode(x),

@@ -46,6 +46,15 @@ def make(kind: str, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     elif kind == "mixed":  # wide exponent range, exact zeros, tiny values: escapes everywhere
         x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-40, 4, (n,), generator=g).float()
         x[torch.rand(n, generator=g) < 0.2] = 0.0
+    elif kind == "subnormal":  # exponent 0 without +0.0 (which fast paths tell apart by a second look)
+        layout = F.LAYOUTS[dtype]
+        mant = torch.randint(1, 1 << layout.mbits, (n,), generator=g, dtype=torch.int64)
+        sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.int64) << (layout.itemsize * 8 - 1)
+        tiny = (mant | sign).to(torch.int32 if dtype == torch.float32 else torch.int16)
+        x = torch.randn(n, generator=g).to(dtype)
+        pick = torch.rand(n, generator=g) < 0.3
+        x[pick] = tiny.view(dtype)[pick]
+        return x
     elif kind == "random_bits":  # incompressible: every bit pattern
         ib = torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int32)
         if dtype == torch.float32:
@@ -57,7 +66,7 @@ def make(kind: str, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return x.to(dtype)
 
 
-KINDS = ["gauss", "laplace", "zeros", "equal", "mixed", "random_bits"]
+KINDS = ["gauss", "laplace", "zeros", "equal", "mixed", "subnormal", "random_bits"]
 SIZES = [0, 1, BS - 1, BS, BS + 1, 5 * BS + 77]
 
 

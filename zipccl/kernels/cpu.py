@@ -13,7 +13,10 @@ Numba lessons measured here: index through per-block slices rather than
 stores out of branches in hot loops (a conditional store cost 4-7x); one
 32-bit lookup per element instead of three int64 ones made packing 2.4x
 faster; unaligned 64-bit loads and stores (an LLVM intrinsic) let the bit
-reader and writer move whole bytes (the symbol decoder 2.7x faster)."""
+reader and writer move whole bytes (the symbol decoder 2.7x faster); blocks
+without +0.0 (known from the histogram pass) skip the test that tells it apart
+from other zero exponents (packing 1.35x faster); the sign+mantissa section is
+written with overlapping 32-bit stores and no branches (fp32 encode 2.1x)."""
 
 from __future__ import annotations
 
@@ -43,30 +46,31 @@ def _analyse(bits, bs, mbits, emax, ref, hist, nzero):
     symbol histogram and count of +0.0 elements."""
     n = bits.shape[0]
     nb = ref.shape[0]
-    cnt = np.zeros((4, emax + 1), dtype=np.int64)
+    cnt = np.zeros((4, 2 * emax + 2), dtype=np.int32)  # by sign and exponent
     for b in range(nb):
         lo = b * bs
         hi = min(n, lo + bs)
         cnt[:] = 0
-        z = 0
         vb = bits[lo:hi]
         m = hi - lo
         i = 0
         while i + 4 <= m:  # four histograms: repeated exponents don't wait on each other
             for k in range(4):
-                v = np.int64(vb[i + k])
-                cnt[k, (v >> mbits) & emax] += 1
-                z += v == 0
+                cnt[k, vb[i + k] >> mbits] += 1
             i += 4
         while i < m:
-            v = np.int64(vb[i])
-            cnt[0, (v >> mbits) & emax] += 1
-            z += v == 0
+            cnt[0, vb[i] >> mbits] += 1
             i += 1
+        z = 0
+        if cnt[0, 0] + cnt[1, 0] + cnt[2, 0] + cnt[3, 0]:  # +0.0 hides among exponent 0: count it apart
+            for i in range(m):
+                z += vb[i] == 0
         best = 0
         bestc = -1
         for e in range(emax + 1):
-            c = cnt[0, e] + cnt[1, e] + cnt[2, e] + cnt[3, e] - (z if e == 0 else 0)
+            c = np.int64(cnt[0, e] + cnt[1, e] + cnt[2, e] + cnt[3, e]) - (z if e == 0 else 0)
+            s = emax + 1 + e
+            c += cnt[0, s] + cnt[1, s] + cnt[2, s] + cnt[3, s]
             cnt[0, e] = c
             if c > bestc:
                 bestc = c
@@ -155,8 +159,15 @@ def _element_table(r, t, codes, lens, ebits, inline_bits, width, tab):
     tab[1 << width] = codes[t, 0] | (lens[t, 0] << 24)
 
 
+@njit(inline="always")
+def _join(e0, e1, code, size, i):
+    """Two elements' table entries (code | length << 24) into one code of the pair."""
+    code[i] = (e0 & _CODE) | ((e1 & _CODE) << (e0 >> _U24))
+    size[i] = (e0 >> _U24) + (e1 >> _U24)
+
+
 @njit(**_NOGIL)
-def _pack(bits, bs, ebits, inline_bits, shift, width, ref, table, codes, lens, word_start, out):
+def _pack(bits, bs, ebits, inline_bits, shift, width, ref, table, nzero, codes, lens, word_start, out):
     """Huffman-code the exponents of every coded block into the byte array ``out``
     (section 2, with at least 8 bytes of slack after it).
 
@@ -179,13 +190,16 @@ def _pack(bits, bs, ebits, inline_bits, shift, width, ref, table, codes, lens, w
         vb = bits[b * bs:min(n, b * bs + bs)]
         nv = vb.shape[0]
         h = nv // 2
+        if nzero[b] == 0:  # no +0.0 to tell from the other zero exponents: half the work per lookup
+            for i in range(h):
+                _join(np.uint64(tab[vb[2 * i] >> shift]), np.uint64(tab[vb[2 * i + 1] >> shift]), code, size, i)
+        else:
+            for i in range(h):
+                v0, v1 = vb[2 * i], vb[2 * i + 1]
+                _join(np.uint64(tab[(v0 >> shift) + (np.uint32(v0 == 0) << width)]),
+                      np.uint64(tab[(v1 >> shift) + (np.uint32(v1 == 0) << width)]), code, size, i)
         longest = np.uint64(0)
         for i in range(h):
-            v0, v1 = vb[2 * i], vb[2 * i + 1]
-            e0 = np.uint64(tab[(v0 >> shift) + (np.uint32(v0 == 0) << width)])
-            e1 = np.uint64(tab[(v1 >> shift) + (np.uint32(v1 == 0) << width)])
-            code[i] = (e0 & _CODE) | ((e1 & _CODE) << (e0 >> _U24))
-            size[i] = (e0 >> _U24) + (e1 >> _U24)
             longest = max(longest, size[i])
         if nv & 1:
             e0 = np.uint64(tab[(vb[nv - 1] >> shift) + (np.uint32(vb[nv - 1] == 0) << width)])
@@ -219,31 +233,35 @@ def _pack(bits, bs, ebits, inline_bits, shift, width, ref, table, codes, lens, w
 
 @njit(**_NOGIL)
 def _rest(bits, bs, mbits, ebits, rest_bytes, itemsize, table, nzero, rest_start, rest):
-    """Section 3: sign+mantissa bytes of non-zero elements; whole raw blocks."""
+    """Section 3: sign+mantissa bytes of non-zero elements; whole raw blocks.
+
+    Each element is one unaligned 32-bit store whose surplus bytes the next element
+    overwrites (or the next block, or the 8 bytes of slack after the section), and
+    +0.0 is dropped by not advancing, so no loop branches per element."""
     n = bits.shape[0]
     mmask = (1 << mbits) - 1
     for b in range(table.shape[0]):
         lo = b * bs
         nv = min(n, lo + bs) - lo
         j = rest_start[b]
+        vb = bits[lo:lo + nv]
         if table[b] == RAW_BLOCK:
             for i in range(nv):
-                v = np.int64(bits[lo + i])
-                for k in range(itemsize):
-                    rest[j + itemsize * i + k] = (v >> (8 * k)) & 255
+                _store_u32(rest, j + itemsize * i, vb[i])
         elif nzero[b] == 0 and rest_bytes == 1:
-            vb, rb = bits[lo:lo + nv], rest[j:j + nv]  # slices, not offsets: the loop vectorizes
+            rb = rest[j:j + nv]  # a slice, not offsets: the loop vectorizes
             for i in range(nv):
                 v = np.int64(vb[i])
                 rb[i] = (v & mmask) | ((v >> (mbits + ebits)) << mbits)
+        elif nzero[b] == 0:
+            for i in range(nv):
+                v = np.int64(vb[i])
+                _store_u32(rest, j + rest_bytes * i, (v & mmask) | ((v >> (mbits + ebits)) << mbits))
         else:
-            for i in range(lo, lo + nv):
-                v = np.int64(bits[i])
-                if v != 0:
-                    rv = (v & mmask) | ((v >> (mbits + ebits)) << mbits)
-                    for k in range(rest_bytes):
-                        rest[j + k] = (rv >> (8 * k)) & 255
-                    j += rest_bytes
+            for i in range(nv):
+                v = np.int64(vb[i])
+                _store_u32(rest, j, (v & mmask) | ((v >> (mbits + ebits)) << mbits))
+                j += rest_bytes * (v != 0)
 
 
 def _int_view(x: torch.Tensor) -> np.ndarray:
@@ -267,8 +285,8 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     buf[HEADER_SIZE:p] = front
     if nb:
         shift, width = _index_bits(layout)
-        _pack(bits, block_size, layout.ebits, layout.inline_bits, shift, width, pl.ref, pl.table, pl.codes,
-              pl.lengths, pl.word_start, buf[p:])
+        _pack(bits, block_size, layout.ebits, layout.inline_bits, shift, width, pl.ref, pl.table, pl.nzero,
+              pl.codes, pl.lengths, pl.word_start, buf[p:])
         _rest(bits, block_size, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize, pl.table, pl.nzero,
               pl.rest_start, buf[p + pl.sizes[2]:])
     buf = buf[:pl.total_size]
