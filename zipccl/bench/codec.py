@@ -5,7 +5,9 @@
 Every codec sees the same bytes: bf16, fp16 and fp32 views of the real
 gradient bucket in ../shared/data, gradients of a small model this script
 trains for a few steps, and Gaussian and Laplace data. Throughput is the
-median of R runs on one thread, in GB/s of uncompressed bytes (GB = 1e9).
+median of R runs on one thread, in GB/s of uncompressed bytes (GB = 1e9); the
+single-threaded codecs take turns within each run, so that the load of a shared
+machine falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -71,21 +73,17 @@ def datasets(size: int | None, data_file: Path | None, seed: int = 0) -> dict[st
     return out
 
 
-def _median_time(fn, repeat: int, setup=None) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(repeat):
-        arg = setup() if setup else None
-        t = time.perf_counter()
-        result = fn(arg) if setup else fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)), result
+def _timed(fn, arg):
+    t = time.perf_counter()
+    result = fn(arg)
+    return time.perf_counter() - t, result
 
 
 def codecs(dtype_name: str, include_zipnn: bool, include_zstd: bool) -> list:
     """[(name, encode, decode, needs_fresh_copy)], ZipNN's multi-threaded default last: its worker
     threads outlive a call and would slow whatever is measured after them."""
     z = Lossless()
-    out = [("zipccl-lossless", (lambda x: z.encode(x)), (lambda p: z.decode(p)), False),
+    out = [("zipccl-lossless", z.encode, (lambda p, out=None: z.decode(p, out=out)), False),
            ("memcpy", (lambda b: bytearray(b)), (lambda p: bytearray(p)), False)]
     if include_zstd:
         try:
@@ -108,35 +106,60 @@ def codecs(dtype_name: str, include_zipnn: bool, include_zstd: bool) -> list:
     return out
 
 
+def _case(x: torch.Tensor, entries: list, repeat: int) -> list[tuple]:
+    """Time ``entries`` (codecs from ``codecs``) on one tensor, round-robin: each round runs
+    one encode and one decode of every codec in turn, so a noisy neighbour slows them
+    alike and the ratios between codecs hold. Returns (name, packet size, median encode
+    seconds, median decode seconds, round trip ok) per codec."""
+    raw = x.view(torch.uint8).numpy().tobytes()
+    state = []
+    for name, enc, dec, fresh in entries:
+        if name == "zipccl-lossless":
+            # Into a caller's buffer, as the collectives decode (ZipNN's API has no such
+            # option): a fresh 10 MB output per call cost 1-4 ms of page faults here, by run.
+            arg, dec = x, (lambda p, out=torch.empty_like(x), dec=dec: dec(p, out))
+            check = (lambda y: torch.equal(y.view(torch.uint8), x.view(torch.uint8)))
+        else:
+            arg, check = raw, (lambda y: bytes(y) == raw)
+        dec(enc(bytearray(raw) if fresh else arg))  # warm-up: JIT compilation, allocator
+        state.append((name, enc, dec, fresh, arg, check, [], []))
+    results = {}
+    for _ in range(repeat):
+        for name, enc, dec, fresh, arg, check, t_enc, t_dec in state:
+            # ZipNN modifies a bytes input in place for bf16/fp32: a fresh copy per run, untimed.
+            t, packet = _timed(enc, bytearray(raw) if fresh else arg)
+            t_enc.append(t)
+            t, decoded = _timed(dec, packet)
+            t_dec.append(t)
+            results[name] = (packet, decoded)
+    out = []
+    for name, enc, dec, fresh, arg, check, t_enc, t_dec in state:
+        packet, decoded = results[name]
+        size = packet.numel() if isinstance(packet, torch.Tensor) else len(packet)
+        out.append((name, size, float(np.median(t_enc)), float(np.median(t_dec)), bool(check(decoded))))
+    return out
+
+
 def run(size: int | None, repeat: int, data_file: Path | None, dtypes: list[str], zipnn: bool = True,
         zstd: bool = True) -> list[dict]:
-    """Codec-major order (every codec over all data before the next), rows sorted for display."""
+    """Single-threaded codecs round-robin per tensor (see _case); ZipNN's multi-threaded
+    default after all of them. Rows sorted for display."""
     torch.set_num_threads(1)
     cases = [(name, dt, base.to(DTYPES[dt]).contiguous())
              for name, base in datasets(size, data_file).items() for dt in dtypes]
     table = {dt: codecs(dt, zipnn, zstd) for dt in dtypes}
     rows = []
-    for slot in range(max(len(v) for v in table.values())):
+    for last in (False, True):
         for data_name, dt, x in cases:
-            if slot >= len(table[dt]):
+            entries = [e for e in table[dt] if (e[0] == "zipnn-default") == last]
+            if not entries:
                 continue
-            name, enc, dec, fresh = table[dt][slot]
-            raw = x.view(torch.uint8).numpy().tobytes()
-            nbytes = len(raw)
-            print(f"# {data_name} {dt} {name} ...", file=sys.stderr, flush=True)
-            if name == "zipccl-lossless":
-                enc_arg, check = x, (lambda y: torch.equal(y.view(torch.uint8), x.view(torch.uint8)))
-            else:
-                enc_arg, check = raw, (lambda y: bytes(y) == raw)
-            # ZipNN modifies a bytes input in place for bf16/fp32: a fresh copy per run, untimed.
-            setup = (lambda: bytearray(raw)) if fresh else None
-            dec(enc(bytearray(raw) if fresh else enc_arg))  # warm-up: JIT compilation, allocator
-            t_enc, packet = _median_time((lambda a=None: enc(a if fresh else enc_arg)), repeat, setup)
-            t_dec, decoded = _median_time(lambda: dec(packet), repeat)
-            size_out = packet.numel() if isinstance(packet, torch.Tensor) else len(packet)
-            rows.append(dict(data=data_name, dtype=dt, codec=name, bytes=nbytes, ratio=size_out / nbytes,
-                             encode_GBps=nbytes / t_enc / 1e9, decode_GBps=nbytes / t_dec / 1e9,
-                             roundtrip_ok=bool(check(decoded))))
+            print(f"# {data_name} {dt} {', '.join(e[0] for e in entries)} ...", file=sys.stderr, flush=True)
+            nbytes = x.numel() * x.element_size()
+            for name, size_out, t_enc, t_dec, ok in _case(x, entries, repeat):
+                rows.append(dict(data=data_name, dtype=dt, codec=name, bytes=nbytes, ratio=size_out / nbytes,
+                                 encode_GBps=nbytes / t_enc / 1e9, decode_GBps=nbytes / t_dec / 1e9,
+                                 roundtrip_ok=ok))
     order = {name: i for i, (name, *_rest) in enumerate(table[dtypes[0]])}
     data_order = {name: i for i, (name, _, _) in enumerate(cases)}
     return sorted(rows, key=lambda r: (data_order[r["data"]], dtypes.index(r["dtype"]), order.get(r["codec"], 99)))
