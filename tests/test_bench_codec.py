@@ -42,3 +42,22 @@ def test_codec_stages_smoke():
         expected = {"analyse", "plan", "pack", "rest", "encode (all)", "decode (all)"}
         assert set(stages) == expected | ({"symbols", "join"} if dtype != torch.float16 else set())
         assert all(stages_mod.best(fn, 2) > 0 for fn in stages.values())
+
+
+def test_collective_cpu_smoke():
+    """bench/collective_cpu.py (CPU time per rank of gloo, raw and lossless all-reduce) runs."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parents[1] / "bench/collective_cpu.py"
+    out = subprocess.run([sys.executable, str(script), "--nranks", "2", "--numel", "5000", "--iters", "1",
+                          "--port", str(port)], capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in out.splitlines()
+            if line.split() and line.split()[0] in ("gloo", "raw", "lossless")}
+    assert set(rows) == {"gloo", "raw", "lossless"}
+    assert all(len(v) == 3 and v[0] > 0 and v[1] > 0 for v in rows.values()), out
