@@ -15,11 +15,13 @@ Algorithms (DESIGN.md):
 - top-k (lossy) all-reduce: every rank's (index, value) packet to everyone, or
   to the owner of each chunk and back (sparse_algorithm), added in rank order.
 
-Before any payload moves, the ranks exchange one small int64 vector per phase:
-an error flag, the call's signature (collective, dtype, numel, op, codec) and
-the packet sizes. A rank whose call is invalid, or ranks that disagree, make
-every rank raise (MismatchError, or the local error on the offending rank)
-instead of hanging in a mismatched collective.
+Before any payload moves, the ranks all-gather one small int64 vector: an error
+flag, the call's signature (collective, dtype, numel, op, codec, algorithm) and
+the first piece's packet sizes. A rank whose call is invalid, or ranks that
+disagree, make every rank raise (MismatchError, or the local error on the
+offending rank) instead of hanging in a mismatched collective. Later pipeline
+pieces send their sizes pairwise (_SizeMail): an all-gather in mid-pipeline
+waits for the slowest rank and, on a shaped link, behind queued bulk data.
 """
 
 from __future__ import annotations
@@ -126,6 +128,66 @@ class _Call:
         return rows[:, 1 + len(_FIELDS):]
 
 
+class _SizeMail:
+    """One int64 from this rank to every other rank and one back from each, pairwise on
+    ``tag``: the packet sizes of a pipeline piece after a call's first metadata exchange
+    (which checked every rank's signature). Unlike that exchange it waits on no third
+    rank, so it adds no barrier mid-pipeline (the 64 MiB all-reduce in the 1 Gbit/s lab:
+    1.13-1.16 s -> 1.00-1.01 s). A negative value says the sender's encoder failed: a peer
+    raises when it next needs that sender's data. A peer that is sending to the failed
+    rank instead can block until the process group's timeout; waiting for every peer's
+    value before each piece would prevent that, but cost 0.2 s on that all-reduce."""
+
+    def __init__(self, t, values: list[int], tag: int, acc: dict):
+        n, r = t.size, t.rank
+        self.out = torch.tensor(values, dtype=torch.int64)  # values[j] goes to rank j (alive until sent)
+        self.got = torch.zeros(n, dtype=torch.int64)
+        peers = [j for j in range(n) if j != r]
+        self.sends = [t.isend(self.out[j:j + 1], j, tag) for j in peers]
+        self.recvs = {j: t.irecv(self.got[j:j + 1], j, tag) for j in peers}
+        self.acc = acc
+        acc["meta_bytes"] += 8 * len(peers)
+
+    def get(self, src: int) -> int:
+        work = self.recvs.pop(src, None)
+        if work is not None:
+            _timed(self.acc, "comm_seconds", work.wait)
+        value = int(self.got[src])
+        if value < 0:
+            self.close()  # our own values still reach the peers that wait for them
+            raise MismatchError(f"rank {src} failed during the call (see its error)")
+        return value
+
+    def close(self) -> None:
+        for w in self.sends:
+            _timed(self.acc, "comm_seconds", w.wait)
+        self.sends = []
+
+
+class _Known:
+    """Sizes already known from the metadata exchange, with _SizeMail's interface."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+
+    def get(self, src: int) -> int:
+        return self.sizes[src]
+
+    def close(self) -> None:
+        pass
+
+
+def _sizes_or_failure(t, tag: int, acc: dict, encode):
+    """(encode(), its sizes by destination in a _SizeMail). If encoding raises, every peer
+    hears a negative size before this rank re-raises."""
+    try:
+        packets, sizes = encode()
+    except BaseException:
+        _SizeMail(t, [-1] * t.size, tag, acc).close()
+        raise
+    return packets, _SizeMail(t, sizes, tag, acc)
+
+
 # ---- the algorithms ------------------------------------------------------------------------------------------
 
 def _acc_dtype(dtype):
@@ -164,6 +226,7 @@ def _timed(acc: dict, key: str, fn, *args):
 #: Reduce-scatter pieces on the ring at once: one piece's codec work overlaps another's transfer.
 RING_DEPTH = 2
 _TAG_SIZE, _TAG_DATA = 1, 2  # a partial sum's packet follows its size, each in order on its own tag
+_TAG_RS_SIZES, _TAG_AG_SIZES = 3, 4  # _SizeMail of the direct reduce-scatter's and the all-gather's later pieces
 _DONE = object()
 
 
@@ -199,13 +262,22 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
     cuts = pieces(m, n, chunks.element_size())
 
     def encode(k):
+        """This rank's packets of piece k and how to learn each source's size: the call's
+        metadata exchange for the first piece, a _SizeMail for the others."""
         a, b = cuts[k]
-        packets = _timed(acc, "codec_seconds", lambda: [
-            codec.encode(chunks[j, a:b]) if j != r else chunks[j, :0].view(torch.uint8) for j in range(n)])
-        recv_sizes = _timed(acc, "comm_seconds", lambda: call.exchange(t, [p.numel() for p in packets])[:, r].tolist())
+
+        def packets():
+            out = _timed(acc, "codec_seconds", lambda: [
+                codec.encode(chunks[j, a:b]) if j != r else chunks[j, :0].view(torch.uint8) for j in range(n)])
+            return out, [p.numel() for p in out]
+
         acc["raw_bytes"] += (n - 1) * (b - a) * chunks.element_size()
+        if k:
+            return _sizes_or_failure(t, _TAG_RS_SIZES, acc, packets)
+        out, sizes = packets()
+        recv_sizes = _timed(acc, "comm_seconds", lambda: call.exchange(t, sizes)[:, r].tolist())
         acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
-        return packets, recv_sizes
+        return out, _Known(recv_sizes)
 
     def finish(k, parts, arrived):
         t0 = time.perf_counter()
@@ -221,12 +293,12 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
 
     pending, upcoming = None, encode(0)
     for k, (a, b) in enumerate(cuts):
-        (packets, recv_sizes), upcoming = upcoming, None
+        (packets, sizes), upcoming = upcoming, None
         parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
         arrived = None
         for s in range(1, n):
             dst, src = (r + s) % n, (r - s) % n
-            works, recv = _timed(acc, "comm_seconds", t.send_recv_async, packets[dst], dst, recv_sizes[src], src)
+            works, recv = _timed(acc, "comm_seconds", t.send_recv_async, packets[dst], dst, sizes.get(src), src)
             acc["wire_bytes"] += packets[dst].numel()
             if arrived is not None:
                 _timed(acc, "codec_seconds", codec.decode, arrived[1], parts[arrived[0]])
@@ -238,6 +310,7 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
             for w in works:
                 _timed(acc, "comm_seconds", w.wait)
             arrived = (src, recv)
+        sizes.close()
         if pending is not None:  # a single rank: nothing was on the wire to overlap with
             finish(*pending)
         if upcoming is None and k + 1 < len(cuts):
@@ -324,7 +397,9 @@ class _Gather:
     step is on the wire. A ring rather than an all-to-all: on the 1 Gbit/s lab, n-1 flows into
     each shaped port were slower (docs/PERFORMANCE.md)."""
 
-    def __init__(self, t, codec, call: _Call, acc: dict, dest):
+    def __init__(self, t, codec, call: _Call | None, acc: dict, dest):
+        """``call``: the signature its first piece's metadata exchange checks; None where the
+        caller's reduce-scatter has checked it already (all-reduce)."""
         self.t, self.codec, self.call, self.acc, self.dest = t, codec, call, acc, dest
         self.scratch = None
         self.ring = None  # the previous piece's ring, its first step on the wire
@@ -333,11 +408,21 @@ class _Gather:
         """Encode this piece while the previous piece's first step is on the wire, finish the
         previous piece, then start this one and return with its first step in flight."""
         t, n, r, acc = self.t, self.t.size, self.t.rank, self.acc
-        packet = _timed(acc, "codec_seconds", self.codec.encode, mine)
-        self.finish()
-        sizes = _timed(acc, "comm_seconds", lambda: self.call.exchange(t, [packet.numel()])[:, 0].tolist())
+
+        def encode():
+            packet = _timed(acc, "codec_seconds", self.codec.encode, mine)
+            return packet, [packet.numel()] * n
+
+        if self.call is None:
+            packet, sizes = _sizes_or_failure(t, _TAG_AG_SIZES, acc, encode)
+            self.finish()
+        else:
+            packet, mine_sizes = encode()
+            self.finish()
+            sizes = _Known(_timed(acc, "comm_seconds", lambda: self.call.exchange(t, mine_sizes[:1])[:, 0].tolist()))
+            acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+            self.call = None  # checked: later pieces mail their sizes
         acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
-        acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
         own = self.dest(r, a, b)
         own.copy_(mine[:own.numel()])
         self.ring = self._ring(a, b, mine, packet, sizes)
@@ -350,7 +435,7 @@ class _Gather:
                 pass
             self.ring = None
 
-    def _ring(self, a: int, b: int, mine: torch.Tensor, packet: torch.Tensor, sizes: list[int]):
+    def _ring(self, a: int, b: int, mine: torch.Tensor, packet: torch.Tensor, sizes):
         """n-1 steps; each decodes the packet received last while the next transfer runs. Yields
         once, after posting the first step."""
         t, n, r, acc = self.t, self.t.size, self.t.rank, self.acc
@@ -358,7 +443,7 @@ class _Gather:
         send, arrived = packet, None
         for step in range(1, n):
             origin = (r - step) % n  # whose packet arrives at this step
-            works, recv = _timed(acc, "comm_seconds", t.send_recv_async, send, nxt, sizes[origin], prv)
+            works, recv = _timed(acc, "comm_seconds", t.send_recv_async, send, nxt, sizes.get(origin), prv)
             acc["wire_bytes"] += send.numel()
             if step == 1:
                 yield
@@ -367,6 +452,7 @@ class _Gather:
             for w in works:
                 _timed(acc, "comm_seconds", w.wait)
             send, arrived = recv, (origin, recv)
+        sizes.close()
         if arrived is not None:
             self._decode(*arrived, a, b, mine)
 
@@ -690,8 +776,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
                 return _finish("all_reduce", c, acc)
             m = -(-numel // n)
             padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
-            gather = _Gather(t, c, _Call("all_reduce/gather", tensor.dtype, m, op, c), acc,
-                             lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
+            gather = _Gather(t, c, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
 
             _reduce_scatter_chunks(t, padded.view(n, m), op, c, _Call("all_reduce", tensor.dtype, numel, op, c),
                                    acc, on_piece=gather.push)  # gather each reduced piece as soon as it exists
