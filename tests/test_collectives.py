@@ -332,22 +332,24 @@ def _fails_mid_call(rank, groups, size, collective, fail_at):
     return "ok", ""
 
 
-@pytest.mark.parametrize("collective,fail_at", [("all_reduce", 2), ("all_reduce", 3), ("all_reduce", 4),
-                                                ("all_gather", 2)])
-def test_encoder_failure_mid_pipeline_raises_on_both_ranks(pool, collective, fail_at):
-    """A rank whose encoder fails after the call's metadata exchange sends its peers a
-    negative size: it raises its own error, its peer MismatchError, and neither hangs. Two
-    ranks, so the peer is always the one it next receives from (with more ranks a peer that
-    is sending to the failed rank can block: see _SizeMail). All-reduce in 2 pieces encodes
-    one packet per reduce-scatter piece (calls 1, 2), then one per all-gather piece (3, 4);
-    all-gather (3 pieces) one per piece. Undelivered messages may remain in the group
-    afterwards, so the pool is restarted."""
+@pytest.mark.parametrize("collective,fail_at", [("all_reduce", 1), ("all_reduce", 2), ("all_reduce", 3),
+                                                ("all_reduce", 4), ("all_gather", 1), ("all_gather", 2)])
+def test_encoder_failure_raises_on_both_ranks(pool, collective, fail_at):
+    """A rank whose encoder fails tells its peers, in the metadata exchange (first piece) or
+    by a negative size (later pieces): it raises its own error, its peer MismatchError, and
+    neither hangs. Two ranks, so the peer is always the one it next receives from (with more
+    ranks a peer that is sending to the failed rank can block: see _SizeMail). All-reduce in
+    2 pieces encodes one packet per reduce-scatter piece (calls 1, 2), then one per
+    all-gather piece (3, 4); all-gather (3 pieces) one per piece. Undelivered messages may
+    remain in the group afterwards, so the pool is restarted."""
     try:
         res = pool.run(_fails_mid_call, 2, collective, fail_at, timeout=60)
     finally:
         pool.close(kill=True)
     assert res[1] == ("RuntimeError", "encoder failed"), res
-    assert res[0] == ("MismatchError", "rank 1 failed during the call (see its error)"), res
+    peer = ("MismatchError", f"zipccl.{collective}: rank(s) [1] made an invalid call (see their error)") \
+        if fail_at == 1 else ("MismatchError", "rank 1 failed during the call (see its error)")
+    assert res[0] == peer, res
 
 
 def _async(rank, groups, size):

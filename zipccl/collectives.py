@@ -133,7 +133,7 @@ class _SizeMail:
     ``tag``: the packet sizes of a pipeline piece after a call's first metadata exchange
     (which checked every rank's signature). Unlike that exchange it waits on no third
     rank, so it adds no barrier mid-pipeline (the 64 MiB all-reduce in the 1 Gbit/s lab:
-    1.13-1.16 s -> 1.00-1.01 s). A negative value says the sender's encoder failed: a peer
+    1.09-1.22 s -> 1.00-1.03 s). A negative value says the sender's encoder failed: a peer
     raises when it next needs that sender's data. A peer that is sending to the failed
     rank instead can block until the process group's timeout; waiting for every peer's
     value before each piece would prevent that, but cost 0.2 s on that all-reduce."""
@@ -175,6 +175,16 @@ class _Known:
 
     def close(self) -> None:
         pass
+
+
+def _first(t, call: _Call, encode):
+    """encode() for a call's first piece. If it raises, every rank hears it in the metadata
+    exchange (and raises MismatchError) before this rank re-raises."""
+    try:
+        return encode()
+    except Exception as e:
+        call.exchange(t, [], e)
+        raise
 
 
 def _sizes_or_failure(t, tag: int, acc: dict, encode):
@@ -274,7 +284,7 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
         acc["raw_bytes"] += (n - 1) * (b - a) * chunks.element_size()
         if k:
             return _sizes_or_failure(t, _TAG_RS_SIZES, acc, packets)
-        out, sizes = packets()
+        out, sizes = _first(t, call, packets)
         recv_sizes = _timed(acc, "comm_seconds", lambda: call.exchange(t, sizes)[:, r].tolist())
         acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
         return out, _Known(recv_sizes)
@@ -417,7 +427,7 @@ class _Gather:
             packet, sizes = _sizes_or_failure(t, _TAG_AG_SIZES, acc, encode)
             self.finish()
         else:
-            packet, mine_sizes = encode()
+            packet, mine_sizes = _first(t, self.call, encode)
             self.finish()
             sizes = _Known(_timed(acc, "comm_seconds", lambda: self.call.exchange(t, mine_sizes[:1])[:, 0].tolist()))
             acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
