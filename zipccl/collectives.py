@@ -95,7 +95,7 @@ def _op_code(op) -> int:
         raise UnsupportedError(f"reduce op {op} is not supported; zipccl reduces with SUM, AVG, MAX, MIN") from None
 
 
-# ---- one rank-consistent metadata exchange per phase --------------------------------------------------------
+# ---- rank-consistent metadata: one exchange per call, then pairwise sizes ------------------------------------
 
 class _Call:
     """The signature of one phase of a call, checked against every rank's."""
