@@ -177,25 +177,24 @@ class _Known:
         pass
 
 
-def _first(t, call: _Call, encode):
-    """encode() for a call's first piece. If it raises, every rank hears it in the metadata
-    exchange (and raises MismatchError) before this rank re-raises."""
-    try:
-        return encode()
-    except Exception as e:
-        call.exchange(t, [], e)
-        raise
-
-
-def _sizes_or_failure(t, tag: int, acc: dict, encode):
-    """(encode(), its sizes by destination in a _SizeMail). If encoding raises, every peer
-    hears a negative size before this rank re-raises."""
+def _sizes(t, call: _Call | None, tag: int, acc: dict, encode):
+    """(packets, sizes) from ``encode()``, which returns the packets and their sizes by
+    destination, and how this rank learns each source's size: the call's metadata exchange
+    when ``call`` is given (a call's first piece), a _SizeMail on ``tag`` otherwise. If
+    encoding raises, every peer hears of it (the exchange's error flag, or a negative size)
+    before this rank re-raises."""
     try:
         packets, sizes = encode()
-    except BaseException:
+    except BaseException as e:
+        if call is not None:
+            call.exchange(t, [], e)  # raises e here, the others MismatchError
         _SizeMail(t, [-1] * t.size, tag, acc).close()
         raise
-    return packets, _SizeMail(t, sizes, tag, acc)
+    if call is None:
+        return packets, _SizeMail(t, sizes, tag, acc)
+    known = _timed(acc, "comm_seconds", lambda: call.exchange(t, sizes)[:, t.rank].tolist())
+    acc["meta_bytes"] += (t.size - 1) * 8 * (1 + len(_FIELDS) + t.size)
+    return packets, _Known(known)
 
 
 # ---- the algorithms ------------------------------------------------------------------------------------------
@@ -282,12 +281,7 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
             return out, [p.numel() for p in out]
 
         acc["raw_bytes"] += (n - 1) * (b - a) * chunks.element_size()
-        if k:
-            return _sizes_or_failure(t, _TAG_RS_SIZES, acc, packets)
-        out, sizes = _first(t, call, packets)
-        recv_sizes = _timed(acc, "comm_seconds", lambda: call.exchange(t, sizes)[:, r].tolist())
-        acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
-        return out, _Known(recv_sizes)
+        return _sizes(t, None if k else call, _TAG_RS_SIZES, acc, packets)
 
     def finish(k, parts, arrived):
         t0 = time.perf_counter()
@@ -423,15 +417,9 @@ class _Gather:
             packet = _timed(acc, "codec_seconds", self.codec.encode, mine)
             return packet, [packet.numel()] * n
 
-        if self.call is None:
-            packet, sizes = _sizes_or_failure(t, _TAG_AG_SIZES, acc, encode)
-            self.finish()
-        else:
-            packet, mine_sizes = _first(t, self.call, encode)
-            self.finish()
-            sizes = _Known(_timed(acc, "comm_seconds", lambda: self.call.exchange(t, mine_sizes[:1])[:, 0].tolist()))
-            acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
-            self.call = None  # checked: later pieces mail their sizes
+        packet, sizes = _sizes(t, self.call, _TAG_AG_SIZES, acc, encode)
+        self.call = None  # checked: later pieces mail their sizes
+        self.finish()
         acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
         own = self.dest(r, a, b)
         own.copy_(mine[:own.numel()])

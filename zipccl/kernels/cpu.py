@@ -596,7 +596,7 @@ def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # block by at most one element's worth of lookups per symbol, never past the padding.
         nw = int(p.word_start[-1])
         words = np.zeros(nw + 2 + (MAXLEN + layout.ebits) * bs // 32, np.uint32)
-        words[:nw] = buf[p.stream_offset:p.rest_offset].view(np.uint8).copy().view(np.uint32) if nw else 0
+        words.view(np.uint8)[:4 * nw] = buf[p.stream_offset:p.rest_offset]
         sym = np.empty(n + 4, np.uint8)
         xexp = np.empty(n + 4, np.uint8)  # read only where a symbol is an escape
         stats = np.zeros((len(p.ref), 4), np.int64)
