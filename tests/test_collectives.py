@@ -147,8 +147,8 @@ def _real_gradients(rank, groups, size, path, algorithm):
             wire[codec] = zipccl.stats()["all_reduce"]
     # Wire accounting, piece by piece. Reduce-scatter, direct: this rank's packet of every other
     # owner's chunk; ring: at step s its partial sum of chunk rank-s (the parts of ranks
-    # rank-s+1..rank, rounded to bf16 at every hop). Then, around the all-gather ring, every
-    # owner's reduced piece but its successor's. The stats must count exactly those bytes.
+    # rank-s+1..rank, rounded to bf16 at every hop). Then, in the all-gather, its own reduced
+    # piece to each of the other ranks. The stats must count exactly those bytes.
     m = -(-x.numel() // size)
     final = torch.cat([y, y.new_zeros(m * size - y.numel())]).view(size, m)  # every owner's reduced chunk
     codec = Lossless()
@@ -171,7 +171,7 @@ def _real_gradients(rank, groups, size, path, algorithm):
     else:
         sent = [part(rank, j, a, b).to(torch.bfloat16) for a, b in cuts for j in range(size) if j != rank]
     expect = sum(codec.encode(p).numel() for p in sent) \
-        + sum(codec.encode(final[j, a:b]).numel() for a, b in cuts for j in range(size) if j != (rank + 1) % size)
+        + (size - 1) * sum(codec.encode(final[rank, a:b]).numel() for a, b in cuts)
     return results, wire, expect
 
 
@@ -365,3 +365,31 @@ def _async(rank, groups, size):
 
 def test_async_handles(pool):
     assert all(pool.run(_async, 4))
+
+
+def _directions(rank, groups):
+    from zipccl.transport import TorchTransport
+    split_world = TorchTransport(groups[4])._upward is not None
+    split_sub = TorchTransport(groups[2])._upward is not None if rank < 2 else False
+    x = data(rank, 3_000_001, torch.bfloat16)  # several pipeline pieces, in flight together
+    digests = {}
+    old = zipccl.config.SPLIT_DIRECTIONS
+    try:
+        for split in (True, False):
+            zipccl.config.SPLIT_DIRECTIONS = split
+            y = x.clone()
+            zipccl.all_reduce(y, group=groups[4], codec="lossless")
+            digests[split] = digest(y)
+    finally:
+        zipccl.config.SPLIT_DIRECTIONS = old
+    return split_world, split_sub, digests
+
+
+def test_one_connection_per_direction_on_whole_job_groups(pool):
+    """gloo payloads to higher ranks take a second group over the whole job (a subgroup keeps its
+    own connections: making a group needs every rank); the bits are the same either way."""
+    res = pool.run(_directions, timeout=120)
+    for r in res:
+        assert not isinstance(r, BaseException), r
+    assert all(split_world and not split_sub for split_world, split_sub, _ in res)
+    assert len({d for _, _, digests in res for d in digests.values()}) == 1

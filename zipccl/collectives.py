@@ -2,18 +2,19 @@
 
 Algorithms (DESIGN.md):
 - reduce-scatter (ZIPCCL_REDUCE_SCATTER): "direct" (default) sends each chunk's
-  packet to its owner by pairwise exchange, and the owner decodes and reduces
+  packet to its owner, to every peer at once, and the owner decodes and reduces
   them in rank order (fp32 accumulation for 16-bit types, rounded once); "ring"
-  passes re-encoded partial sums around a ring, rounded per hop as in NCCL (one
-  flow per link, one direction per pair: faster where a pair's two directions
-  do not overlap);
-- all-gather: the local shard encoded once and forwarded around a ring (exact
-  sizes, so no padding crosses the wire; one flow per link), every peer's packet
-  decoded;
+  passes re-encoded partial sums around a ring, rounded per hop as in NCCL;
+- all-gather: the local shard encoded once and sent to every peer, every peer's
+  packet decoded;
 - all-reduce = reduce-scatter + all-gather of each owner's reduced chunk,
   encoded once by its owner, so every rank ends with the owner's exact bits;
 - top-k (lossy) all-reduce: every rank's (index, value) packet to everyone, or
   to the owner of each chunk and back (sparse_algorithm), added in rank order.
+
+Each phase moves in pipeline pieces, several in flight: a piece's packets are
+posted before the previous piece is awaited, so the links never wait for a
+piece boundary, and the codec works on one piece while others are on the wire.
 
 Before any payload moves, the ranks all-gather one small int64 vector: an error
 flag, the call's signature (collective, dtype, numel, op, codec, algorithm) and
@@ -234,8 +235,9 @@ def _timed(acc: dict, key: str, fn, *args):
 
 #: Reduce-scatter pieces on the ring at once: one piece's codec work overlaps another's transfer.
 RING_DEPTH = 2
-_TAG_SIZE, _TAG_DATA = 1, 2  # a partial sum's packet follows its size, each in order on its own tag
+_TAG_SIZE, _TAG_DATA = 1, 2  # the ring: a partial sum's packet follows its size, each in order on its own tag
 _TAG_RS_SIZES, _TAG_AG_SIZES = 3, 4  # _SizeMail of the direct reduce-scatter's and the all-gather's later pieces
+_TAG_RS_DATA, _TAG_AG_DATA = 5, 6  # their packets
 _DONE = object()
 
 
@@ -260,15 +262,17 @@ def _sum_in_rank_order(parts, op_code: int, n: int, dtype) -> torch.Tensor:
 def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
     """Each rank's packet of chunk j goes straight to rank j, which decodes all of them and
     reduces them in rank order, rounded once (the same sum on every owner, whatever arrives
-    first). Piece by piece, by pairwise exchange: in round s (1..n-1) rank r sends to r+s and
-    receives from r-s, one flow into each port. While a round is on the wire the previous
-    round's packet is decoded; the next piece is encoded during the last round, and a piece is
-    reduced during the next piece's first round."""
+    first). Piece by piece, to every peer at once, two pieces deep: piece k+1's packets are
+    posted before piece k is awaited, decoded and reduced, and piece k+2 is encoded while
+    piece k+1 is on the wire. Waiting for a whole piece before posting the next left the
+    links idle at every piece boundary: 48 MiB per rank in 2 MiB messages took 690 ms in the
+    1 Gbit/s lab one piece at a time and 438 ms two deep (line rate 403 ms)."""
     n, r = t.size, t.rank
     op_code = _OPS[op]
     m = chunks.shape[1]
     result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
     cuts = pieces(m, n, chunks.element_size())
+    peers = [(r + s) % n for s in range(1, n)]
 
     def encode(k):
         """This rank's packets of piece k and how to learn each source's size: the call's
@@ -283,11 +287,23 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
         acc["raw_bytes"] += (n - 1) * (b - a) * chunks.element_size()
         return _sizes(t, None if k else call, _TAG_RS_SIZES, acc, packets)
 
-    def finish(k, parts, arrived):
-        t0 = time.perf_counter()
-        if arrived is not None:
-            codec.decode(arrived[1], out=parts[arrived[0]])
+    def post(k, encoded):
+        packets, sizes = encoded
+        sends = [t.isend(packets[j], j, _TAG_RS_DATA) for j in peers]
+        acc["wire_bytes"] += sum(packets[j].numel() for j in peers)
+        recvs = {j: _post_recv(t, sizes.get(j), j, _TAG_RS_DATA, chunks.device) for j in peers}
+        return k, sends, recvs, sizes
+
+    def finish(k, sends, recvs, sizes):
         a, b = cuts[k]
+        parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
+        for j, (buf, work) in recvs.items():
+            _timed(acc, "comm_seconds", work.wait)
+            _timed(acc, "codec_seconds", codec.decode, buf, parts[j])
+        for w in sends:
+            _timed(acc, "comm_seconds", w.wait)
+        sizes.close()
+        t0 = time.perf_counter()
         total = _sum_in_rank_order([chunks[r, a:b] if j == r else parts[j] for j in range(n)], op_code, n,
                                    chunks.dtype)
         result[a:b].copy_(total)
@@ -295,33 +311,21 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
         if on_piece is not None:
             on_piece(a, b, result[a:b])
 
-    pending, upcoming = None, encode(0)
-    for k, (a, b) in enumerate(cuts):
-        (packets, sizes), upcoming = upcoming, None
-        parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
-        arrived = None
-        for s in range(1, n):
-            dst, src = (r + s) % n, (r - s) % n
-            works, recv = _timed(acc, "comm_seconds", t.send_recv_async, packets[dst], dst, sizes.get(src), src)
-            acc["wire_bytes"] += packets[dst].numel()
-            if arrived is not None:
-                _timed(acc, "codec_seconds", codec.decode, arrived[1], parts[arrived[0]])
-            elif pending is not None:
-                finish(*pending)
-                pending = None
-            if s == n - 1 and k + 1 < len(cuts):
-                upcoming = encode(k + 1)
-            for w in works:
-                _timed(acc, "comm_seconds", w.wait)
-            arrived = (src, recv)
-        sizes.close()
-        if pending is not None:  # a single rank: nothing was on the wire to overlap with
-            finish(*pending)
-        if upcoming is None and k + 1 < len(cuts):
-            upcoming = encode(k + 1)
-        pending = (k, parts, arrived)
-    finish(*pending)
+    flight, upcoming = None, encode(0)
+    for k in range(len(cuts)):
+        current = post(k, upcoming)
+        if flight is not None:
+            finish(*flight)
+        upcoming = encode(k + 1) if k + 1 < len(cuts) else None
+        flight = current
+    finish(*flight)
     return result
+
+
+def _post_recv(t, size: int, src: int, tag: int, device):
+    """(buffer, work) of a receive of ``size`` bytes from ``src``."""
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    return buf, t.irecv(buf, src, tag)
 
 
 def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
@@ -329,10 +333,8 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=
     receives rank r-1's partial sum of chunk r-s-1, adds its own part (fp32 for 16-bit
     types), and encodes the sum, rounded to the dtype, for the next step. After n-1 steps it
     holds chunk r summed over every rank (in the order r+1, r+2, ..., r); only the owner
-    finishes a chunk, so all-gather hands every rank the same bits. A ring because each link
-    then carries one flow and each pair of ranks talks one way: on the 1 Gbit/s lab, an
-    all-to-all (n-1 flows into each port) or pairwise exchange (both ways on a pair at once)
-    ran at half the rate (docs/PERFORMANCE.md). Partial sums are encoded anew at every step,
+    finishes a chunk, so all-gather hands every rank the same bits. A ring as in NCCL: each
+    link carries one flow and each pair of ranks talks one way. Partial sums are encoded anew at every step,
     so each packet is preceded by its size. RING_DEPTH pieces travel at once, interleaved
     identically on every rank. Rounding at each hop departs from DESIGN.md's invariant 3
     (rounded once), which is why this is opt-in (ZIPCCL_REDUCE_SCATTER=ring)."""
@@ -394,24 +396,24 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=
 
 
 class _Gather:
-    """All-gather pipeline on a ring: ``push`` this rank's piece [a, b); its packet and every other
-    rank's travel around the ring (n-1 steps, each rank forwarding what it just received, so each
-    packet is encoded once and each link carries one flow), and each received packet is decoded
-    into ``dest(j, a, b)`` (a view that may be shorter: the padding of all-reduce) while the next
-    step is on the wire. A ring rather than an all-to-all: on the 1 Gbit/s lab, n-1 flows into
-    each shaped port were slower (docs/PERFORMANCE.md)."""
+    """All-gather pipeline: ``push`` this rank's piece [a, b); its packet goes to every peer at
+    once, and every peer's packet of the piece is decoded into ``dest(j, a, b)`` (a view that
+    may be shorter: the padding of all-reduce). Three pieces deep: pushing piece k sends it,
+    posts the receives of piece k-1 (whose sizes the peers mailed when they pushed it, so no
+    rank waits for a slower one's current piece) and completes piece k-2. Direct rather than
+    a ring: each packet crosses one link, not n-1 one after another, and no step waits for
+    the previous one's arrival (the same bytes leave each rank either way)."""
 
     def __init__(self, t, codec, call: _Call | None, acc: dict, dest):
         """``call``: the signature its first piece's metadata exchange checks; None where the
         caller's reduce-scatter has checked it already (all-reduce)."""
         self.t, self.codec, self.call, self.acc, self.dest = t, codec, call, acc, dest
+        self.peers = [(t.rank + s) % t.size for s in range(1, t.size)]
         self.scratch = None
-        self.ring = None  # the previous piece's ring, its first step on the wire
+        self.flights = []  # oldest first: [a, b, mine, sends, sizes, receives (None until posted)]
 
     def push(self, a: int, b: int, mine: torch.Tensor) -> None:
-        """Encode this piece while the previous piece's first step is on the wire, finish the
-        previous piece, then start this one and return with its first step in flight."""
-        t, n, r, acc = self.t, self.t.size, self.t.rank, self.acc
+        t, n, acc = self.t, self.t.size, self.acc
 
         def encode():
             packet = _timed(acc, "codec_seconds", self.codec.encode, mine)
@@ -419,40 +421,36 @@ class _Gather:
 
         packet, sizes = _sizes(t, self.call, _TAG_AG_SIZES, acc, encode)
         self.call = None  # checked: later pieces mail their sizes
-        self.finish()
+        sends = [t.isend(packet, j, _TAG_AG_DATA) for j in self.peers]
+        acc["wire_bytes"] += (n - 1) * packet.numel()
         acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
-        own = self.dest(r, a, b)
+        own = self.dest(t.rank, a, b)
         own.copy_(mine[:own.numel()])
-        self.ring = self._ring(a, b, mine, packet, sizes)
-        next(self.ring, None)
+        self.flights.append([a, b, mine, sends, sizes, None])
+        if len(self.flights) >= 2:
+            self._receive(self.flights[-2])
+        if len(self.flights) >= 3:
+            self._complete(self.flights.pop(0))
 
     def finish(self) -> None:
-        """Complete the piece in flight."""
-        if self.ring is not None:
-            for _ in self.ring:
-                pass
-            self.ring = None
+        """Complete every piece in flight."""
+        for f in self.flights:
+            self._receive(f)
+        while self.flights:
+            self._complete(self.flights.pop(0))
 
-    def _ring(self, a: int, b: int, mine: torch.Tensor, packet: torch.Tensor, sizes):
-        """n-1 steps; each decodes the packet received last while the next transfer runs. Yields
-        once, after posting the first step."""
-        t, n, r, acc = self.t, self.t.size, self.t.rank, self.acc
-        nxt, prv = (r + 1) % n, (r - 1) % n
-        send, arrived = packet, None
-        for step in range(1, n):
-            origin = (r - step) % n  # whose packet arrives at this step
-            works, recv = _timed(acc, "comm_seconds", t.send_recv_async, send, nxt, sizes.get(origin), prv)
-            acc["wire_bytes"] += send.numel()
-            if step == 1:
-                yield
-            if arrived is not None:
-                self._decode(*arrived, a, b, mine)
-            for w in works:
-                _timed(acc, "comm_seconds", w.wait)
-            send, arrived = recv, (origin, recv)
+    def _receive(self, f) -> None:
+        if f[5] is None:
+            f[5] = {j: _post_recv(self.t, f[4].get(j), j, _TAG_AG_DATA, f[2].device) for j in self.peers}
+
+    def _complete(self, f) -> None:
+        a, b, mine, sends, sizes, recvs = f
+        for j, (buf, work) in recvs.items():
+            _timed(self.acc, "comm_seconds", work.wait)
+            self._decode(j, buf, a, b, mine)
+        for w in sends:
+            _timed(self.acc, "comm_seconds", w.wait)
         sizes.close()
-        if arrived is not None:
-            self._decode(*arrived, a, b, mine)
 
     def _decode(self, j: int, part: torch.Tensor, a: int, b: int, mine: torch.Tensor) -> None:
         t0 = time.perf_counter()

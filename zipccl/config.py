@@ -35,6 +35,14 @@ def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
 #: "direct" sends each rank's packet of each chunk to its owner, which decodes them all and
 #: reduces them in rank order with fp32 accumulation, rounded once (DESIGN.md invariant 3);
 #: "ring" passes re-encoded partial sums around a ring, rounding each hop to the dtype as NCCL
-#: does: one flow per link, faster on links where both directions of a pair do not overlap
-#: (the 1 Gbit/s lab: docs/PERFORMANCE.md).
+#: does: one flow per link and one direction per pair of ranks, for 3 encodes per chunk instead of 1.
 REDUCE_SCATTER = _choice("ZIPCCL_REDUCE_SCATTER", "direct", ("direct", "ring"))
+
+
+#: Gloo point-to-point payloads travel on two connections per pair of ranks, one per direction
+#: (a second gloo group over the same ranks, made on first use: every rank of the job must be in
+#: the group). gloo sends a payload only when the receiver's "ready" note arrives, and that note
+#: waits behind whatever payload the receiver is itself sending on the shared connection; the
+#: 64 MiB all-reduce in the 1 Gbit/s lab: raw 1.17-1.33 s -> 0.90-0.96 s (docs/PERFORMANCE.md).
+#: "0" keeps one connection per pair (the group's own).
+SPLIT_DIRECTIONS = _choice("ZIPCCL_SPLIT_DIRECTIONS", "1", ("0", "1")) == "1"

@@ -35,12 +35,6 @@ class Transport(ABC):
     def irecv(self, recv: torch.Tensor, src: int, tag: int = 0):
         """Start receiving into ``recv`` (exactly its size) from rank ``src``: a handle with ``wait()``."""
 
-    def send_recv_async(self, send: torch.Tensor, dst: int, recv_bytes: int, src: int):
-        """Send ``send`` to ``dst`` and receive ``recv_bytes`` bytes from ``src``, at once:
-        (handles, receive buffer)."""
-        recv = torch.empty(recv_bytes, dtype=torch.uint8, device=send.device)
-        return [self.isend(send, dst), self.irecv(recv, src)], recv
-
     @abstractmethod
     def native(self, name: str, *tensors: torch.Tensor, op=None) -> None:
         """The backend's own collective (for dtypes no codec handles): ``all_reduce``,

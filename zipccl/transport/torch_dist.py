@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
+from .. import config
 from .base import Transport
+
+_twins: dict = {}
+_twins_lock = threading.Lock()
+
+
+def _twin(group):
+    """For a gloo group that spans the whole job: a second gloo group over the same ranks that
+    carries the payloads sent to higher ranks, so that each connection carries payloads one way
+    only (config.SPLIT_DIRECTIONS says why). None where that does not apply. Made on first use,
+    which is a collective call on ``group``, so every rank makes it at the same point; creating
+    a group needs every rank of the job, hence the whole-job condition."""
+    if not config.SPLIT_DIRECTIONS or dist.get_backend(group) != "gloo" \
+            or dist.get_world_size(group) != dist.get_world_size():
+        return None
+    key = group if group is not None else dist.GroupMember.WORLD
+    with _twins_lock:
+        if key not in _twins:
+            ranks = dist.get_process_group_ranks(key)
+            twin = dist.new_group(ranks, backend="gloo")
+            _twins[key] = twin if dist.get_process_group_ranks(twin) == ranks else None  # same rank order
+        return _twins[key]
 
 
 class TorchTransport(Transport):
@@ -22,6 +46,11 @@ class TorchTransport(Transport):
             raise ValueError("this process is not a member of the given process group")
         self.meta_device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        self._upward = None if self.size == 1 else _twin(group)
+
+    def _lane(self, src: int, dst: int):
+        """The group that carries payloads from group rank ``src`` to ``dst``."""
+        return self._upward if self._upward is not None and src < dst else self.group
 
     def exchange(self, meta: torch.Tensor) -> torch.Tensor:
         meta = meta.to(self.meta_device, torch.int64)
@@ -37,10 +66,10 @@ class TorchTransport(Transport):
         return recv
 
     def isend(self, send, dst, tag=0):
-        return dist.isend(send, group=self.group, group_dst=dst, tag=tag)
+        return dist.isend(send, group=self._lane(self.rank, dst), group_dst=dst, tag=tag)
 
     def irecv(self, recv, src, tag=0):
-        return dist.irecv(recv, group=self.group, group_src=src, tag=tag)
+        return dist.irecv(recv, group=self._lane(src, self.rank), group_src=src, tag=tag)
 
     def native(self, name, *tensors, op=None):
         if name == "all_reduce":
