@@ -20,6 +20,7 @@ written with overlapping 32-bit stores and no branches (fp32 encode 2.1x)."""
 
 from __future__ import annotations
 
+import threading
 import zlib
 from functools import lru_cache
 
@@ -297,10 +298,23 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     return torch.from_numpy(buf)
 
 
+@lru_cache(maxsize=64)
+def _decoder_tables(key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(single-symbol, multi-symbol) int64 lookups of every table of a packet, keyed by the
+    int64 code lengths' bytes (treat as read-only). Packets of one tensor often repeat all
+    their tables; where they do not, each table's lookups come from the caches below."""
+    lengths = np.frombuffer(key, dtype=np.int64).reshape(-1, NSYM)
+    if not len(lengths):
+        empty = np.zeros((1, 1 << MAXLEN), np.int64)
+        return empty, empty
+    return (T.decode_luts(lengths).astype(np.int64),
+            np.stack([_multi_lut(row.tobytes()) for row in lengths]))
+
+
 @lru_cache(maxsize=1024)
-def _multi_lut(lengths: tuple) -> np.ndarray:
-    """One table's multi-symbol lookup, cached by its code lengths (treat as read-only)."""
-    return _multi_luts(T.decode_lut(lengths)[None].astype(np.int64))[0]
+def _multi_lut(key: bytes) -> np.ndarray:
+    """One table's multi-symbol lookup, cached by its code lengths' bytes (treat as read-only)."""
+    return _multi_luts(T.decode_lut(np.frombuffer(key, dtype=np.int64))[None].astype(np.int64))[0]
 
 
 @njit(**_NOGIL)
@@ -575,6 +589,22 @@ def _decode_inline(stream, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, i
     return 0
 
 
+_local = threading.local()
+SCRATCH_MAX = 8 << 20  # elements: larger buffers are allocated per call rather than kept
+
+
+def _scratch(name: str, size: int, dtype) -> np.ndarray:
+    """A buffer of ``size`` elements that this thread reuses from call to call (up to SCRATCH_MAX):
+    the decoder's intermediate streams, which a fresh allocation would fault in page by page."""
+    if size > SCRATCH_MAX:
+        return np.empty(size, dtype)
+    buf = getattr(_local, name, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, 1 << 20), dtype)
+        setattr(_local, name, buf)
+    return buf[:size]
+
+
 _ERRORS = {-1: "invalid or truncated code in an exponent stream", -2: "decoded exponent out of range",
            -3: "zero count of a block does not match its index entry"}
 
@@ -585,7 +615,7 @@ def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     n, bs = h.numel, h.block_size
     buf = packet.numpy()
     rest = buf[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
-    luts = T.decode_luts(p.lengths).astype(np.int64) if len(p.lengths) else np.zeros((1, 1 << MAXLEN), np.int64)
+    luts, mluts = _decoder_tables(p.lengths.tobytes())
     view = _int_view(out)
     if layout.inline_bits:
         err = _decode_inline(buf[p.stream_offset:p.rest_offset], rest, bs, n, layout.mbits, layout.ebits,
@@ -595,13 +625,12 @@ def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # Aligned copy of the streams with zero padding: a corrupt stream may read past its
         # block by at most one element's worth of lookups per symbol, never past the padding.
         nw = int(p.word_start[-1])
-        words = np.zeros(nw + 2 + (MAXLEN + layout.ebits) * bs // 32, np.uint32)
+        words = _scratch("words", nw + 2 + (MAXLEN + layout.ebits) * bs // 32, np.uint32)
+        words[nw:] = 0
         words.view(np.uint8)[:4 * nw] = buf[p.stream_offset:p.rest_offset]
-        sym = np.empty(n + 4, np.uint8)
-        xexp = np.empty(n + 4, np.uint8)  # read only where a symbol is an escape
+        sym = _scratch("sym", n + 4, np.uint8)
+        xexp = _scratch("xexp", n + 4, np.uint8)  # read only where a symbol is an escape
         stats = np.zeros((len(p.ref), 4), np.int64)
-        mluts = np.stack([_multi_lut(tuple(int(v) for v in lens)) for lens in p.lengths]) if len(p.lengths) \
-            else np.zeros((1, 1 << MAXLEN), np.int64)
         _symbols(words.view(np.uint8), bs, n, layout.ebits, p.table, p.word_start, luts, mluts, sym, xexp, stats)
         err = _compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize,
                        p.ref, p.table, p.nzero, p.word_start, p.rest_start, stats, view)

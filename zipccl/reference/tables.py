@@ -89,12 +89,13 @@ def _package_merge(freqs, maxlen):
 
 def canonical_codes(lengths) -> np.ndarray:
     """Canonical prefix codes, bit-reversed so that they are written LSB first."""
-    return _canonical_codes(tuple(int(v) for v in lengths)).copy()
+    return _canonical_codes(np.asarray(lengths, dtype=np.int64).tobytes()).copy()
 
 
 @lru_cache(maxsize=1024)  # tables repeat from packet to packet: data of one shape gives the same lengths
-def _canonical_codes(lengths: tuple) -> np.ndarray:
-    lengths = np.asarray(lengths, dtype=np.int64)
+def _canonical_codes(key: bytes) -> np.ndarray:
+    """Keyed by the int64 lengths' bytes: hashing them is 20x cheaper than a tuple of ints."""
+    lengths = np.frombuffer(key, dtype=np.int64)
     codes = np.zeros(len(lengths), dtype=np.int64)
     code, prev = 0, 0
     for s in sorted((s for s in range(len(lengths)) if lengths[s]), key=lambda s: (lengths[s], s)):
@@ -169,30 +170,48 @@ def pack_tables(lengths: np.ndarray) -> np.ndarray:
 
 
 def unpack_tables(data: np.ndarray, ntables: int) -> np.ndarray:
-    data = data.reshape(ntables, TABLE_BYTES)
-    lengths = np.stack([data & 15, data >> 4], axis=-1).reshape(ntables, NSYM).astype(np.int64)
+    """(ntables, NSYM) code lengths from section 0, each table checked to be a prefix code."""
+    data = np.ascontiguousarray(data).reshape(ntables, TABLE_BYTES)
+    rows = []
     for t in range(ntables):
-        used = lengths[t][lengths[t] > 0]
-        if used.size == 0 or used.max() > MAXLEN:
-            raise FormatError(f"code table {t} is empty or has a code longer than {MAXLEN} bits")
-        if int((1 << (MAXLEN - used)).sum()) > (1 << MAXLEN):
-            raise FormatError(f"code table {t} is over-subscribed (not a prefix code)")
+        try:
+            rows.append(_unpack_table(data[t].tobytes()))
+        except FormatError as e:
+            raise FormatError(f"code table {t} {e}") from None
+    return np.stack(rows)
+
+
+@lru_cache(maxsize=1024)
+def _unpack_table(raw: bytes) -> np.ndarray:
+    """One table's lengths (cached by its bytes, checked once; treat as read-only)."""
+    nib = np.frombuffer(raw, dtype=np.uint8)
+    lengths = np.stack([nib & 15, nib >> 4], axis=-1).reshape(NSYM).astype(np.int64)
+    used = lengths[lengths > 0]
+    if used.size == 0 or used.max() > MAXLEN:
+        raise FormatError(f"is empty or has a code longer than {MAXLEN} bits")
+    if int((1 << (MAXLEN - used)).sum()) > (1 << MAXLEN):
+        raise FormatError("is over-subscribed (not a prefix code)")
     return lengths
 
 
 def decode_luts(lengths: np.ndarray) -> np.ndarray:
     """(ntables, 2**MAXLEN) int32 lookup: symbol | length << 8 for the next MAXLEN bits; 0 = invalid."""
-    return np.stack([decode_lut(tuple(int(v) for v in lens)) for lens in lengths]) if len(lengths) \
+    return np.stack([decode_lut(lens) for lens in lengths]) if len(lengths) \
         else np.zeros((0, 1 << MAXLEN), np.int32)
 
 
-@lru_cache(maxsize=1024)
-def decode_lut(lengths: tuple) -> np.ndarray:
+def decode_lut(lengths) -> np.ndarray:
     """One table's lookup (cached: treat as read-only)."""
+    return _decode_lut(np.asarray(lengths, dtype=np.int64).tobytes())
+
+
+@lru_cache(maxsize=1024)
+def _decode_lut(key: bytes) -> np.ndarray:
+    lengths = np.frombuffer(key, dtype=np.int64)
     lut = np.zeros(1 << MAXLEN, dtype=np.int32)
-    codes = _canonical_codes(lengths)
+    codes = _canonical_codes(key)
     for s in range(NSYM):
-        n = lengths[s]
+        n = int(lengths[s])
         if n:
             lut[int(codes[s])::1 << n] = s | (n << 8)
     return lut
