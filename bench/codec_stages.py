@@ -63,8 +63,7 @@ def stages(x: torch.Tensor) -> dict:
         nw = int(p.word_start[-1])
         words = np.zeros(nw + 2 + (MAXLEN + layout.ebits) * bs // 32, np.uint32)
         words[:nw] = raw[p.stream_offset:p.rest_offset].view(np.uint32)
-        luts = T.decode_luts(p.lengths).astype(np.int64)
-        mluts = np.stack([C._multi_lut(tuple(int(v) for v in lens)) for lens in p.lengths])
+        luts, mluts = C._decoder_tables(p.lengths.tobytes())
         sym, xexp = np.empty(n + 4, np.uint8), np.empty(n + 4, np.uint8)
         stats = np.zeros((len(p.ref), 4), np.int64)
         rest = raw[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
