@@ -46,6 +46,10 @@ def make(kind: str, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     elif kind == "mixed":  # wide exponent range, exact zeros, tiny values: escapes everywhere
         x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-40, 4, (n,), generator=g).float()
         x[torch.rand(n, generator=g) < 0.2] = 0.0
+    elif kind == "few_zeros":  # a few +0.0 per block, at its edges too: the run-by-run fast paths
+        x = torch.distributions.Laplace(0.0, 1e-3).sample((n,))
+        x[::97] = 0.0
+        x[BS - 1::BS] = 0.0
     elif kind == "subnormal":  # exponent 0 without +0.0 (which fast paths tell apart by a second look)
         layout = F.LAYOUTS[dtype]
         mant = torch.randint(1, 1 << layout.mbits, (n,), generator=g, dtype=torch.int64)
@@ -66,7 +70,7 @@ def make(kind: str, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return x.to(dtype)
 
 
-KINDS = ["gauss", "laplace", "zeros", "equal", "mixed", "subnormal", "random_bits"]
+KINDS = ["gauss", "laplace", "zeros", "equal", "mixed", "few_zeros", "subnormal", "random_bits"]
 SIZES = [0, 1, BS - 1, BS, BS + 1, 5 * BS + 77]
 
 
