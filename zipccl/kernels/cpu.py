@@ -233,6 +233,18 @@ def _pack(bits, bs, ebits, inline_bits, shift, width, ref, table, nzero, codes, 
 
 
 @njit(inline="always")
+def _zero_positions(values, count, zpos):
+    """zpos[:count] = the indices of the ``count`` zeros of ``values`` (branch-free), and
+    zpos[count] = len(values): the ends of the runs between them."""
+    if count:
+        z = 0
+        for i in range(values.shape[0]):
+            zpos[z] = i
+            z += values[i] == 0
+    zpos[count] = values.shape[0]
+
+
+@njit(inline="always")
 def _rest_run(vb, rest, j, mmask, mbits, ebits, rest_bytes):
     """Sign+mantissa bytes of a run without +0.0, from byte ``j`` of section 3."""
     if rest_bytes == 1:
@@ -269,12 +281,7 @@ def _rest(bits, bs, mbits, ebits, rest_bytes, itemsize, table, nzero, rest_start
                 _store_u32(rest, j + itemsize * i, vb[i])
         elif nzero[b] == 0 or (rest_bytes == 1 and nzero[b] * 16 <= nv):  # runs between the few +0.0
             nz = nzero[b]
-            if nz:
-                z = 0
-                for i in range(nv):  # positions of the +0.0, branch-free
-                    zpos[z] = i
-                    z += vb[i] == 0
-            zpos[nz] = nv
+            _zero_positions(vb, nz, zpos)
             a = 0
             for z in range(nz + 1):
                 e = zpos[z]
@@ -518,12 +525,7 @@ def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, itemsize, ref, ta
         if r >= 26 and r + 3 <= emax and zeros * 16 <= nv:
             # Every symbol but the few zeros is an offset or an escape: between zeros, the
             # runs join without branches (they vectorize); the zeros take no rest bytes.
-            if zeros:
-                z = 0
-                for i in range(nv):  # positions of the zeros, branch-free
-                    zpos[z] = i
-                    z += sb[i] == 0
-            zpos[zeros] = nv
+            _zero_positions(sb, zeros, zpos)
             a = 0
             for z in range(zeros + 1):
                 e = zpos[z]
