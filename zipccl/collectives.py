@@ -334,9 +334,9 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=
     types), and encodes the sum, rounded to the dtype, for the next step. After n-1 steps it
     holds chunk r summed over every rank (in the order r+1, r+2, ..., r); only the owner
     finishes a chunk, so all-gather hands every rank the same bits. A ring as in NCCL: each
-    link carries one flow and each pair of ranks talks one way. Partial sums are encoded anew at every step,
-    so each packet is preceded by its size. RING_DEPTH pieces travel at once, interleaved
-    identically on every rank. Rounding at each hop departs from DESIGN.md's invariant 3
+    link carries one flow and each pair of ranks talks one way. Partial sums are encoded anew
+    at every step, so each packet is preceded by its size. RING_DEPTH pieces travel at once,
+    interleaved identically on every rank. Rounding at each hop departs from DESIGN.md's invariant 3
     (rounded once), which is why this is opt-in (ZIPCCL_REDUCE_SCATTER=ring)."""
     n, r = t.size, t.rank
     _timed(acc, "comm_seconds", call.exchange, t, [])  # every rank's signature and error flag first
@@ -395,6 +395,15 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=
     return result
 
 
+class _Piece:
+    """An all-gather piece in flight: its range, this rank's data, its sends, how to learn the
+    peers' sizes, and the receives (None until posted)."""
+    __slots__ = ("a", "b", "mine", "sends", "sizes", "recvs")
+
+    def __init__(self, a: int, b: int, mine: torch.Tensor, sends: list, sizes):
+        self.a, self.b, self.mine, self.sends, self.sizes, self.recvs = a, b, mine, sends, sizes, None
+
+
 class _Gather:
     """All-gather pipeline: ``push`` this rank's piece [a, b); its packet goes to every peer at
     once, and every peer's packet of the piece is decoded into ``dest(j, a, b)`` (a view that
@@ -410,7 +419,7 @@ class _Gather:
         self.t, self.codec, self.call, self.acc, self.dest = t, codec, call, acc, dest
         self.peers = [(t.rank + s) % t.size for s in range(1, t.size)]
         self.scratch = None
-        self.flights = []  # oldest first: [a, b, mine, sends, sizes, receives (None until posted)]
+        self.flights: list[_Piece] = []  # oldest first
 
     def push(self, a: int, b: int, mine: torch.Tensor) -> None:
         t, n, acc = self.t, self.t.size, self.acc
@@ -426,7 +435,7 @@ class _Gather:
         acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
         own = self.dest(t.rank, a, b)
         own.copy_(mine[:own.numel()])
-        self.flights.append([a, b, mine, sends, sizes, None])
+        self.flights.append(_Piece(a, b, mine, sends, sizes))
         if len(self.flights) >= 2:
             self._receive(self.flights[-2])
         if len(self.flights) >= 3:
@@ -439,18 +448,17 @@ class _Gather:
         while self.flights:
             self._complete(self.flights.pop(0))
 
-    def _receive(self, f) -> None:
-        if f[5] is None:
-            f[5] = {j: _post_recv(self.t, f[4].get(j), j, _TAG_AG_DATA, f[2].device) for j in self.peers}
+    def _receive(self, f: _Piece) -> None:
+        if f.recvs is None:
+            f.recvs = {j: _post_recv(self.t, f.sizes.get(j), j, _TAG_AG_DATA, f.mine.device) for j in self.peers}
 
-    def _complete(self, f) -> None:
-        a, b, mine, sends, sizes, recvs = f
-        for j, (buf, work) in recvs.items():
+    def _complete(self, f: _Piece) -> None:
+        for j, (buf, work) in f.recvs.items():
             _timed(self.acc, "comm_seconds", work.wait)
-            self._decode(j, buf, a, b, mine)
-        for w in sends:
+            self._decode(j, buf, f.a, f.b, f.mine)
+        for w in f.sends:
             _timed(self.acc, "comm_seconds", w.wait)
-        sizes.close()
+        f.sizes.close()
 
     def _decode(self, j: int, part: torch.Tensor, a: int, b: int, mine: torch.Tensor) -> None:
         t0 = time.perf_counter()

@@ -43,6 +43,6 @@ REDUCE_SCATTER = _choice("ZIPCCL_REDUCE_SCATTER", "direct", ("direct", "ring"))
 #: (a second gloo group over the same ranks, made on first use: every rank of the job must be in
 #: the group). gloo sends a payload only when the receiver's "ready" note arrives, and that note
 #: waits behind whatever payload the receiver is itself sending on the shared connection; the
-#: 64 MiB all-reduce in the 1 Gbit/s lab: raw 1.17-1.33 s -> 0.90-0.96 s (docs/PERFORMANCE.md).
+#: 64 MiB all-reduce in the 1 Gbit/s lab: raw 1.17-1.33 s -> 0.88-0.93 s (docs/PERFORMANCE.md).
 #: "0" keeps one connection per pair (the group's own).
 SPLIT_DIRECTIONS = _choice("ZIPCCL_SPLIT_DIRECTIONS", "1", ("0", "1")) == "1"
