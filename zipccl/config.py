@@ -35,7 +35,7 @@ def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
 #: "direct" sends each rank's packet of each chunk to its owner, which decodes them all and
 #: reduces them in rank order with fp32 accumulation, rounded once (DESIGN.md invariant 3);
 #: "ring" passes re-encoded partial sums around a ring, rounding each hop to the dtype as NCCL
-#: does: one flow per link and one direction per pair of ranks, for 3 encodes per chunk instead of 1.
+#: does: one flow per link and one direction per pair of ranks, for n-1 encodes per chunk instead of 1.
 REDUCE_SCATTER = _choice("ZIPCCL_REDUCE_SCATTER", "direct", ("direct", "ring"))
 
 
