@@ -35,6 +35,6 @@ if __name__ == "__main__":
     if launch.detect():
         world = launch.init()
         main(world.rank, world.size)
-        dist.destroy_process_group()
+        launch.shutdown()
     else:
         launch.spawn(main, args.nranks)

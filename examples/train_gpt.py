@@ -234,7 +234,7 @@ def main(argv=None) -> int:
         result = train(world.rank, world.size, args)
         if world.rank == 0:
             finish(result, args)
-        dist.destroy_process_group()
+        launch.shutdown()
         return 0
     results = launch.spawn(_spawned, args.nranks, args)
     finish(results[0], args)

@@ -57,6 +57,17 @@ def init(backend: str = "gloo", timeout: float = 600.0) -> World:
     return world
 
 
+def shutdown() -> None:
+    """Wait until every rank is here, then destroy the process groups (zipccl's own included).
+
+    A rank's sends complete once its bytes are in the socket, and its receives once it has
+    them: without the barrier, a fast rank could close its connections while a slower peer
+    is still reading the end of the last collective (seen once as an abort at exit)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,8 +82,10 @@ def _child(rank, fn, nranks, port, backend, timeout, results, args):
     try:
         out = fn(rank, nranks, *args)
         results.put((rank, out))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other ranks may never get there
+        raise
+    shutdown()
 
 
 def spawn(fn, nranks: int, *args, backend: str = "gloo", timeout: float = 600.0) -> list:

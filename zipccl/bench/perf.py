@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if world is not None:
         launch.init()
         rows = run_rank(world.rank, world.size, args, args.how or world.launcher)
-        dist.destroy_process_group()
+        launch.shutdown()
         return 1 if any((r["wrong"] or 0) > 0 for r in rows) else 0
     wrong = launch.spawn(_spawned, args.nranks, args)
     return 1 if any(w for w in wrong) else 0
