@@ -140,10 +140,9 @@ class _SizeMail:
     value before each piece would prevent that, but cost 0.2 s on that all-reduce."""
 
     def __init__(self, t, values: list[int], tag: int, acc: dict):
-        n, r = t.size, t.rank
         self.out = torch.tensor(values, dtype=torch.int64)  # values[j] goes to rank j (alive until sent)
-        self.got = torch.zeros(n, dtype=torch.int64)
-        peers = [j for j in range(n) if j != r]
+        self.got = torch.zeros(t.size, dtype=torch.int64)
+        peers = _peers(t)
         self.sends = [t.isend(self.out[j:j + 1], j, tag) for j in peers]
         self.recvs = {j: t.irecv(self.got[j:j + 1], j, tag) for j in peers}
         self.acc = acc
@@ -272,7 +271,7 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
     m = chunks.shape[1]
     result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
     cuts = pieces(m, n, chunks.element_size())
-    peers = [(r + s) % n for s in range(1, n)]
+    peers = _peers(t)
 
     def encode(k):
         """This rank's packets of piece k and how to learn each source's size: the call's
@@ -291,18 +290,12 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
         packets, sizes = encoded
         sends = [t.isend(packets[j], j, _TAG_RS_DATA) for j in peers]
         acc["wire_bytes"] += sum(packets[j].numel() for j in peers)
-        recvs = {j: _post_recv(t, sizes.get(j), j, _TAG_RS_DATA, chunks.device) for j in peers}
-        return k, sends, recvs, sizes
+        return k, sends, _post_recvs(t, peers, sizes, _TAG_RS_DATA, chunks.device), sizes
 
     def finish(k, sends, recvs, sizes):
         a, b = cuts[k]
         parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
-        for j, (buf, work) in recvs.items():
-            _timed(acc, "comm_seconds", work.wait)
-            _timed(acc, "codec_seconds", codec.decode, buf, parts[j])
-        for w in sends:
-            _timed(acc, "comm_seconds", w.wait)
-        sizes.close()
+        _land(acc, sends, recvs, sizes, lambda j, buf: _timed(acc, "codec_seconds", codec.decode, buf, parts[j]))
         t0 = time.perf_counter()
         total = _sum_in_rank_order([chunks[r, a:b] if j == r else parts[j] for j in range(n)], op_code, n,
                                    chunks.dtype)
@@ -322,10 +315,29 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
     return result
 
 
-def _post_recv(t, size: int, src: int, tag: int, device):
-    """(buffer, work) of a receive of ``size`` bytes from ``src``."""
-    buf = torch.empty(size, dtype=torch.uint8, device=device)
-    return buf, t.irecv(buf, src, tag)
+def _peers(t) -> list[int]:
+    """Every other rank, nearest successor first."""
+    return [(t.rank + s) % t.size for s in range(1, t.size)]
+
+
+def _post_recvs(t, peers: list[int], sizes, tag: int, device) -> dict:
+    """{peer: (buffer, work)}: a receive of each peer's packet, of the size ``sizes`` gives."""
+    recvs = {}
+    for j in peers:
+        buf = torch.empty(sizes.get(j), dtype=torch.uint8, device=device)
+        recvs[j] = buf, t.irecv(buf, j, tag)
+    return recvs
+
+
+def _land(acc: dict, sends: list, recvs: dict, sizes, decode) -> None:
+    """Finish a piece: ``decode(peer, buffer)`` each packet as it is waited for, then wait for
+    this rank's sends and size mails."""
+    for j, (buf, work) in recvs.items():
+        _timed(acc, "comm_seconds", work.wait)
+        decode(j, buf)
+    for w in sends:
+        _timed(acc, "comm_seconds", w.wait)
+    sizes.close()
 
 
 def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
@@ -417,7 +429,7 @@ class _Gather:
         """``call``: the signature its first piece's metadata exchange checks; None where the
         caller's reduce-scatter has checked it already (all-reduce)."""
         self.t, self.codec, self.call, self.acc, self.dest = t, codec, call, acc, dest
-        self.peers = [(t.rank + s) % t.size for s in range(1, t.size)]
+        self.peers = _peers(t)
         self.scratch = None
         self.flights: list[_Piece] = []  # oldest first
 
@@ -450,15 +462,10 @@ class _Gather:
 
     def _receive(self, f: _Piece) -> None:
         if f.recvs is None:
-            f.recvs = {j: _post_recv(self.t, f.sizes.get(j), j, _TAG_AG_DATA, f.mine.device) for j in self.peers}
+            f.recvs = _post_recvs(self.t, self.peers, f.sizes, _TAG_AG_DATA, f.mine.device)
 
     def _complete(self, f: _Piece) -> None:
-        for j, (buf, work) in f.recvs.items():
-            _timed(self.acc, "comm_seconds", work.wait)
-            self._decode(j, buf, f.a, f.b, f.mine)
-        for w in f.sends:
-            _timed(self.acc, "comm_seconds", w.wait)
-        f.sizes.close()
+        _land(self.acc, f.sends, f.recvs, f.sizes, lambda j, buf: self._decode(j, buf, f.a, f.b, f.mine))
 
     def _decode(self, j: int, part: torch.Tensor, a: int, b: int, mine: torch.Tensor) -> None:
         t0 = time.perf_counter()
