@@ -123,7 +123,7 @@ class Lossless:
         out = _output(h, out, packet.device)
         if out.device != packet.device:
             raise UnsupportedError(f"out is on {out.device}, the packet on {packet.device}")
-        return resolve(self.impl, packet.device).decode(packet, out)
+        return resolve(self.impl, packet.device).decode(packet, out, h)
 
     def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
         nb = F.num_blocks(numel, self.block_size or F.MIN_DEFAULT_BLOCK_SIZE)

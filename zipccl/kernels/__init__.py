@@ -1,7 +1,8 @@
 """Implementation registry: the reference is the specification, kernels override it per device.
 
 An implementation is a module with ``encode(x, block_size, checksum) -> uint8
-tensor`` and ``decode(packet, out) -> out`` for the lossless format.
+tensor`` and ``decode(packet, out, header=None) -> out`` for the lossless format (``header``:
+the packet's parsed header, where the caller has it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..errors import UnsupportedError
 
 IMPLS = ("auto", "reference", "numba", "triton")
 _MODULES = {"reference": "zipccl.reference.lossless", "numba": "zipccl.kernels.cpu", "triton": "zipccl.kernels.gpu"}
+_loaded: dict = {}  # impl -> module, once imported (encoders and decoders resolve on every call)
 
 
 def _check_available(impl: str, device: torch.device) -> None:
@@ -33,7 +35,10 @@ def resolve(impl: str, device: torch.device):
     if impl == "auto":
         impl = {"cpu": "numba", "cuda": "triton"}.get(device.type, "reference")
     _check_available(impl, device)
-    try:
-        return importlib.import_module(_MODULES[impl])
-    except ImportError as e:
-        raise UnsupportedError(f"impl={impl!r} is not available: {e}") from e
+    module = _loaded.get(impl)
+    if module is None:
+        try:
+            module = _loaded[impl] = importlib.import_module(_MODULES[impl])
+        except ImportError as e:
+            raise UnsupportedError(f"impl={impl!r} is not available: {e}") from e
+    return module

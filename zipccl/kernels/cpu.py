@@ -655,8 +655,8 @@ _ERRORS = {-1: "invalid or truncated code in an exponent stream", -2: "decoded e
            -3: "zero count of a block does not match its index entry"}
 
 
-def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    p = parse_lossless(packet)
+def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | None = None) -> torch.Tensor:
+    p = parse_lossless(packet, header)
     layout, h = p.layout, p.header
     n, bs = h.numel, h.block_size
     buf = packet.numpy()
@@ -668,16 +668,21 @@ def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
                              layout.rest_bytes, layout.inline_bits, layout.itemsize, p.ref, p.table, p.nzero,
                              p.word_start, p.rest_start, luts, view)
     else:
-        # Aligned copy of the streams with zero padding: a corrupt stream may read past its
-        # block by at most one element's worth of lookups per symbol, never past the padding.
+        # A corrupt stream may read past its block by at most one element's worth of lookups
+        # per symbol: the streams are read in place where the packet's rest bytes cover that
+        # much, else from a copy with zero padding.
         nw = int(p.word_start[-1])
-        words = _scratch("words", nw + 2 + (MAXLEN + layout.ebits) * bs // 32, np.uint32)
-        words[nw:] = 0
-        words.view(np.uint8)[:4 * nw] = buf[p.stream_offset:p.rest_offset]
+        reach = 4 * nw + 8 + (MAXLEN + layout.ebits) * bs // 8
+        if buf.shape[0] - p.stream_offset >= reach:
+            stream = buf[p.stream_offset:]
+        else:
+            stream = _scratch("words", reach, np.uint8)
+            stream[4 * nw:] = 0
+            stream[:4 * nw] = buf[p.stream_offset:p.rest_offset]
         sym = _scratch("sym", n + 4, np.uint8)
         xexp = _scratch("xexp", n + 4, np.uint8)  # read only where a symbol is an escape
         stats = np.zeros((len(p.ref), 4), np.int64)
-        _symbols(words.view(np.uint8), bs, n, layout.ebits, p.table, p.word_start, luts, mluts, sym, xexp, stats)
+        _symbols(stream, bs, n, layout.ebits, p.table, p.word_start, luts, mluts, sym, xexp, stats)
         err = _compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize,
                        p.ref, p.table, p.nzero, p.word_start, p.rest_start, stats, view)
     if err:

@@ -268,8 +268,8 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     return packet
 
 
-def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    p = parse_lossless(packet)  # host validation of header, tables and index before any launch
+def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | None = None) -> torch.Tensor:
+    p = parse_lossless(packet, header)  # host validation of header, tables and index before any launch
     layout, h = p.layout, p.header
     n, bs, dev = h.numel, h.block_size, packet.device
     if n == 0:

@@ -121,9 +121,9 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     return assemble(header, sections)
 
 
-def decode(packet: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | None = None) -> torch.Tensor:
     """Decode into ``out`` (1-D, the packet's dtype and numel). Blocks decode in lock step."""
-    p = parse_lossless(packet)
+    p = parse_lossless(packet, header)
     layout, h = p.layout, p.header
     n, bs, nb = h.numel, h.block_size, len(p.ref)
     dev = packet.device

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
 from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_BLOCK_SIZE, MAX_TABLES,
@@ -61,8 +62,9 @@ class LosslessPacket:
     rest_offset: int        # byte offset of section 3 in the packet
 
 
-def parse_lossless(packet: torch.Tensor) -> LosslessPacket:
-    h = parse_header(host_bytes(packet, 0, HEADER_SIZE).tobytes(), CODEC_LOSSLESS, packet.numel())
+def parse_lossless(packet: torch.Tensor, header: Header | None = None) -> LosslessPacket:
+    """Validate a lossless packet; ``header``: its header if the caller has parsed it already."""
+    h = header or parse_header(host_bytes(packet, 0, HEADER_SIZE).tobytes(), CODEC_LOSSLESS, packet.numel())
     layout = LAYOUTS[h.dtype]
     n, bs = h.numel, h.block_size
     if bs < MIN_BLOCK_SIZE or bs > MAX_BLOCK_SIZE or bs & (bs - 1):
@@ -78,22 +80,43 @@ def parse_lossless(packet: torch.Tensor) -> LosslessPacket:
     pos = HEADER_SIZE
     lengths = unpack_tables(host_bytes(packet, pos, pos + s0), h.ntables) if nb else np.zeros((0, NSYM), np.int64)
     pos += s0
-    index = host_bytes(packet, pos, pos + s1).copy().view(np.uint16).reshape(nb, 4).astype(np.int64)
+    fields, bad = _read_index(host_bytes(packet, pos, pos + s1), n, bs, h.ntables, layout.emax, layout.itemsize,
+                              layout.rest_bytes)
     pos += s1
-    ref, table = index[:, 0] & 255, index[:, 0] >> 8
-    nwords, nzero = index[:, 1], index[:, 2]
-    nvalid = np.minimum(bs, n - np.arange(nb) * bs)
-    raw = table == RAW_BLOCK
-    bad = (index[:, 3] != 0) | (~raw & (table >= h.ntables)) | (ref > layout.emax) | (nzero > nvalid)
-    bad |= raw & ((nwords != 0) | (nzero != 0) | (ref != 0))
-    if bad.any():
-        raise FormatError(f"block index entry {int(np.argmax(bad))} is invalid")
-    rest = np.where(raw, nvalid * layout.itemsize, (nvalid - nzero) * layout.rest_bytes)
-    word_start = np.concatenate([[0], np.cumsum(nwords)])
-    rest_start = np.concatenate([[0], np.cumsum(rest)])
+    if bad >= 0:
+        raise FormatError(f"block index entry {bad} is invalid")
+    ref, table, nwords, nzero, nvalid, word_start, rest_start = fields
     if word_start[-1] * 4 != s2 or rest_start[-1] != s3:
         raise FormatError("block index does not add up to the section sizes")
     if h.flags & FLAG_CRC:
         check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
-    return LosslessPacket(h, layout, lengths, ref, table, nwords, nzero, nvalid, word_start, rest_start,
-                          pos, pos + s2)
+    return LosslessPacket(h, layout, lengths, ref[:nb], table[:nb], nwords[:nb], nzero[:nb], nvalid[:nb],
+                          word_start, rest_start, pos, pos + s2)
+
+
+@njit(cache=True)
+def _read_index(entries, n, bs, ntables, emax, itemsize, rest_bytes):
+    """The block index (section 1, INDEX_ENTRY bytes per block: u16 ref | table << 8, u16 nwords,
+    u16 nzero, u16 0) as rows ref, table, nwords, nzero, nvalid, word_start, rest_start (the
+    last two are prefix sums, one longer than the block count), and the first invalid entry's
+    number (-1 if none). Compiled: a packet of a few hundred blocks took 50 us in numpy."""
+    nb = entries.shape[0] // INDEX_ENTRY
+    f = np.zeros((7, nb + 1), np.int64)
+    for b in range(nb):
+        e = entries[b * INDEX_ENTRY:(b + 1) * INDEX_ENTRY]
+        ref, table = np.int64(e[0]), np.int64(e[1])
+        nwords = np.int64(e[2]) | (np.int64(e[3]) << 8)
+        nzero = np.int64(e[4]) | (np.int64(e[5]) << 8)
+        nvalid = min(bs, n - b * bs)
+        if table == RAW_BLOCK:
+            ok = nwords == 0 and nzero == 0 and ref == 0
+            rest = nvalid * itemsize
+        else:
+            ok = table < ntables and ref <= emax and nzero <= nvalid
+            rest = (nvalid - nzero) * rest_bytes
+        if not ok or e[6] != 0 or e[7] != 0:
+            return f, b
+        f[0, b], f[1, b], f[2, b], f[3, b], f[4, b] = ref, table, nwords, nzero, nvalid
+        f[5, b + 1] = f[5, b] + nwords
+        f[6, b + 1] = f[6, b] + rest
+    return f, -1

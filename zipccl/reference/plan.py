@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from functools import lru_cache
+
 import numpy as np
+from numba import njit
 
 from ..format import HEADER_SIZE, INDEX_ENTRY, NSYM, RAW_BLOCK, TABLE_BYTES, FloatLayout, num_tables
 from . import tables as T
@@ -23,6 +26,7 @@ from . import tables as T
 class Plan:
     lengths: np.ndarray     # (ntables, NSYM) code lengths
     codes: np.ndarray       # (ntables, NSYM) canonical codes, LSB first
+    packed: np.ndarray      # section 0: the code lengths as nibbles
     ref: np.ndarray         # (nblocks,) reference exponent (0 for raw blocks)
     table: np.ndarray       # (nblocks,) table id, RAW_BLOCK for raw blocks
     nwords: np.ndarray      # (nblocks,) 32-bit words of exponent stream
@@ -37,11 +41,7 @@ class Plan:
 
     def front(self) -> np.ndarray:
         """Sections 0 and 1 (code tables and block index) as bytes."""
-        index = np.zeros((len(self.ref), 4), np.uint16)
-        index[:, 0] = self.ref | (self.table << 8)
-        index[:, 1] = self.nwords
-        index[:, 2] = self.nzero
-        return np.concatenate([T.pack_tables(self.lengths), index.view(np.uint8).reshape(-1)])
+        return np.concatenate([self.packed, _index_bytes(self.ref, self.table, self.nwords, self.nzero)])
 
 
 def plan(ref: np.ndarray, hist: np.ndarray, nzero: np.ndarray, numel: int, block_size: int,
@@ -51,17 +51,59 @@ def plan(ref: np.ndarray, hist: np.ndarray, nzero: np.ndarray, numel: int, block
     K = num_tables(nb)
     if nb:
         lengths, assign, cost = T.choose_tables(hist, K, layout)
+        codes, packed = _encoder_tables(lengths.tobytes())
     else:
-        lengths, assign, cost = np.zeros((0, NSYM), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    nvalid = np.minimum(block_size, numel - np.arange(nb) * block_size)
-    nw = -(-cost // 32)
-    raw = 4 * nw + (nvalid - nzero) * layout.rest_bytes >= nvalid * layout.itemsize
-    nwords = np.where(raw, 0, nw).astype(np.int64)
-    rest_len = np.where(raw, nvalid * layout.itemsize, (nvalid - nzero) * layout.rest_bytes)
-    word_start = np.concatenate([[0], np.cumsum(nwords)]).astype(np.int64)
-    rest_start = np.concatenate([[0], np.cumsum(rest_len)]).astype(np.int64)
-    codes = np.stack([T.canonical_codes(l) for l in lengths]).astype(np.int64) if K else np.zeros((0, NSYM), np.int64)
+        lengths = codes = np.zeros((0, NSYM), np.int64)
+        packed = np.zeros(0, np.uint8)
+        assign = cost = np.zeros(0, np.int64)
+    f = _layout(np.asarray(ref, np.int64), np.asarray(nzero, np.int64), cost, assign, numel, block_size,
+                layout.itemsize, layout.rest_bytes)
+    word_start, rest_start = f[4], f[5]
     sizes = (K * TABLE_BYTES, nb * INDEX_ENTRY, int(word_start[-1]) * 4, int(rest_start[-1]))
-    return Plan(lengths.astype(np.int64), codes, np.where(raw, 0, ref).astype(np.int64),
-                np.where(raw, RAW_BLOCK, assign).astype(np.int64), nwords,
-                np.where(raw, 0, nzero).astype(np.int64), word_start, rest_start, sizes)
+    return Plan(lengths, codes, packed, f[0, :nb], f[1, :nb], f[2, :nb], f[3, :nb], word_start, rest_start, sizes)
+
+
+@lru_cache(maxsize=256)
+def _encoder_tables(key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Every table's canonical codes and section 0, keyed by the int64 lengths' bytes (read-only:
+    packets of one tensor repeat their tables)."""
+    lengths = np.frombuffer(key, dtype=np.int64).reshape(-1, NSYM)
+    codes = np.stack([T.canonical_codes(row) for row in lengths]).astype(np.int64)
+    packed = T.pack_tables(lengths)
+    codes.flags.writeable = packed.flags.writeable = False
+    return codes, packed
+
+
+@njit(cache=True)
+def _layout(ref, nzero, cost, assign, numel, block_size, itemsize, rest_bytes):
+    """Rows ref, table, nwords, nzero (0 for raw blocks, whose table is RAW_BLOCK), then the
+    prefix sums word_start and rest_start (one longer than the block count). A block stays raw
+    when coding it would not make it smaller. Compiled: in numpy this bookkeeping cost as much
+    as packing a 64-block piece's codes."""
+    nb = ref.shape[0]
+    f = np.zeros((6, nb + 1), np.int64)
+    for b in range(nb):
+        nvalid = min(block_size, numel - b * block_size)
+        nw = (cost[b] + 31) // 32
+        rest = (nvalid - nzero[b]) * rest_bytes
+        if 4 * nw + rest >= nvalid * itemsize:
+            f[1, b] = RAW_BLOCK
+            nw, rest = 0, nvalid * itemsize
+        else:
+            f[0, b], f[1, b], f[3, b] = ref[b], assign[b], nzero[b]
+        f[2, b] = nw
+        f[4, b + 1] = f[4, b] + nw
+        f[5, b + 1] = f[5, b] + rest
+    return f
+
+
+@njit(cache=True)
+def _index_bytes(ref, table, nwords, nzero):
+    """Section 1: per block u16 ref | table << 8, u16 nwords, u16 nzero, u16 0, little-endian."""
+    out = np.zeros(ref.shape[0] * INDEX_ENTRY, np.uint8)
+    for b in range(ref.shape[0]):
+        e = out[b * INDEX_ENTRY:(b + 1) * INDEX_ENTRY]
+        e[0], e[1] = ref[b], table[b]
+        e[2], e[3] = nwords[b] & 255, nwords[b] >> 8
+        e[4], e[5] = nzero[b] & 255, nzero[b] >> 8
+    return out

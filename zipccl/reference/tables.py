@@ -106,11 +106,14 @@ def _canonical_codes(key: bytes) -> np.ndarray:
     return codes
 
 
+@lru_cache(maxsize=None)
 def extra_bits(layout: FloatLayout) -> np.ndarray:
-    """Raw bits written after each symbol's code: the exponent after ESC, fp16's top rest bits."""
+    """Raw bits written after each symbol's code: the exponent after ESC, fp16's top rest bits
+    (read-only)."""
     extra = np.full(NSYM, layout.inline_bits, dtype=np.int64)
     extra[SYM_ZERO] = 0
     extra[SYM_ESC] += layout.ebits
+    extra.flags.writeable = False
     return extra
 
 
@@ -170,15 +173,23 @@ def pack_tables(lengths: np.ndarray) -> np.ndarray:
 
 
 def unpack_tables(data: np.ndarray, ntables: int) -> np.ndarray:
-    """(ntables, NSYM) code lengths from section 0, each table checked to be a prefix code."""
-    data = np.ascontiguousarray(data).reshape(ntables, TABLE_BYTES)
+    """(ntables, NSYM) code lengths from section 0, each table checked to be a prefix code
+    (read-only: cached by the section's bytes, which repeat from packet to packet)."""
+    return _unpack_section(np.ascontiguousarray(data).tobytes(), ntables)
+
+
+@lru_cache(maxsize=256)
+def _unpack_section(raw: bytes, ntables: int) -> np.ndarray:
+    data = np.frombuffer(raw, dtype=np.uint8).reshape(ntables, TABLE_BYTES)
     rows = []
     for t in range(ntables):
         try:
             rows.append(_unpack_table(data[t].tobytes()))
         except FormatError as e:
             raise FormatError(f"code table {t} {e}") from None
-    return np.stack(rows)
+    lengths = np.stack(rows)
+    lengths.flags.writeable = False
+    return lengths
 
 
 @lru_cache(maxsize=1024)
