@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 import zipccl
 from zipccl import format as F
 from zipccl.codecs import Lossless, Raw, packet_size
+from zipccl.reference.packet import parse_lossless
 
 try:
     import triton  # noqa: F401
@@ -88,6 +89,23 @@ def test_fast_impls_match_reference(impl, dtype, kind, n):
     assert p_fast.numel() <= fast.max_encoded_size(n, dtype)
     for impl in (ref, fast):
         assert_same_bits(impl.decode(p_ref), x)
+
+
+@pytest.mark.parametrize("impl", FAST)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_longest_codes_match_reference(impl, dtype):
+    """Exponents halving in frequency one step down give codes up to MAXLEN bits: float16's
+    inline bits then overflow the decoder's 12-bit window and take its slow path."""
+    n = 1 << 16
+    g = torch.Generator().manual_seed(0)
+    k = torch.floor(-torch.log2(torch.rand(n, generator=g).clamp_min(1e-30)))  # geometric, p = 1/2
+    sign = (torch.rand(n, generator=g) < 0.5).float().mul(2).sub(1)
+    x = ((1 + torch.rand(n, generator=g)) * 2.0 ** (-k) * sign).to(dtype)
+    ref, fast = Lossless("reference", block_size=F.DEFAULT_BLOCK_SIZE), Lossless(impl, block_size=F.DEFAULT_BLOCK_SIZE)
+    p = ref.encode(x)
+    assert int(parse_lossless(p).lengths.max()) == F.MAXLEN
+    assert torch.equal(fast.encode(x), p)
+    assert_same_bits(fast.decode(p), x)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -3,8 +3,8 @@
 Encode reads the data three times: analyse (histograms), pack (codes into the
 bit stream) and rest (sign+mantissa bytes). Decode runs two passes: Huffman
 symbols into a byte buffer (a 12-bit lookup yields up to four symbols, stored
-with one 32-bit write), then a branch-free pass joining exponents and rest
-bytes. Huffman decoding is serial within a block, so four blocks go in lock
+with one 32-bit write; float16's three inline bits ride in the same bytes,
+above the symbol), then a branch-free pass joining exponents and rest bytes. Huffman decoding is serial within a block, so four blocks go in lock
 step to keep the core busy while one waits on a table lookup. Code tables come
 from reference/tables.py, which runs once per packet on the block histograms.
 
@@ -329,7 +329,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _decoder_tables(key: bytes) -> tuple[np.ndarray, np.ndarray]:
+def _decoder_tables(key: bytes, inline_bits: int) -> tuple[np.ndarray, np.ndarray]:
     """(single-symbol, multi-symbol) int64 lookups of every table of a packet, keyed by the
     int64 code lengths' bytes (treat as read-only). Packets of one tensor often repeat all
     their tables; where they do not, each table's lookups come from the caches below."""
@@ -338,46 +338,49 @@ def _decoder_tables(key: bytes) -> tuple[np.ndarray, np.ndarray]:
         empty = np.zeros((1, 1 << MAXLEN), np.int64)
         return empty, empty
     return (T.decode_luts(lengths).astype(np.int64),
-            np.stack([_multi_lut(row.tobytes()) for row in lengths]))
+            np.stack([_multi_lut(row.tobytes(), inline_bits) for row in lengths]))
 
 
 @lru_cache(maxsize=1024)
-def _multi_lut(key: bytes) -> np.ndarray:
+def _multi_lut(key: bytes, inline_bits: int) -> np.ndarray:
     """One table's multi-symbol lookup, cached by its code lengths' bytes (treat as read-only)."""
-    return _multi_luts(T.decode_lut(np.frombuffer(key, dtype=np.int64))[None].astype(np.int64))[0]
+    lut = T.decode_lut(np.frombuffer(key, dtype=np.int64)).astype(np.int64)
+    return _multi_luts(lut, inline_bits)
 
 
 @njit(**_NOGIL)
-def _multi_luts(luts):
-    """Lookups that resolve up to four symbols from the next 12 bits.
+def _multi_luts(lut, inline_bits):
+    """A lookup that resolves up to four elements from the next 12 bits.
 
-    entry = symbol bytes (bits 0-31, first symbol lowest) | count << 32 | bits << 36,
-    with the sign bit set for an escape (alone, count 1: its raw exponent follows)
-    and for an invalid code (count 0). A window stops before an escape."""
-    K = luts.shape[0]
-    m = np.zeros((K, 1 << MAXLEN), dtype=np.int64)
-    for t in range(K):
-        for w in range(1 << MAXLEN):
-            e = luts[t, w]
-            ln = e >> 8
-            s = e & 255
-            if ln == 0:
-                m[t, w] = _SPECIAL
-                continue
-            if s == 1:
-                m[t, w] = _SPECIAL | 1 | (1 << 32) | (ln << 36)
-                continue
-            syms, cnt, used = s, 1, ln
-            while cnt < 4:
-                e2 = luts[t, (w >> used) & ((1 << MAXLEN) - 1)]
-                ln2 = e2 >> 8
-                s2 = e2 & 255
-                if ln2 == 0 or used + ln2 > MAXLEN or s2 == 1:
-                    break
-                syms |= s2 << (8 * cnt)
-                cnt += 1
-                used += ln2
-            m[t, w] = syms | (cnt << 32) | (used << 36)
+    entry = token bytes (bits 0-31, first element lowest) | count << 32 | bits << 36.
+    A token is the symbol, with float16's inline bits (the ``inline_bits`` that follow
+    a nonzero symbol's code) above its five bits. The sign bit flags an escape (alone,
+    count 1: its raw exponent and inline bits follow), a code whose inline bits do not
+    fit the window (alone, count 1: they follow) and an invalid code (count 0). A window
+    stops before an escape or such a code."""
+    m = np.zeros(1 << MAXLEN, dtype=np.int64)
+    for w in range(1 << MAXLEN):
+        e = lut[w]
+        ln = e >> 8
+        s = e & 255
+        if ln == 0:
+            m[w] = _SPECIAL
+            continue
+        if s == 1 or (s != 0 and ln + inline_bits > MAXLEN):
+            m[w] = _SPECIAL | s | (1 << 32) | (ln << 36)
+            continue
+        toks, cnt, used = np.int64(0), 0, 0
+        while cnt < 4:
+            e2 = lut[(w >> used) & ((1 << MAXLEN) - 1)]
+            ln2 = e2 >> 8
+            s2 = e2 & 255
+            extra = inline_bits if s2 != 0 else 0
+            if ln2 == 0 or used + ln2 + extra > MAXLEN or s2 == 1:
+                break
+            toks |= (s2 | (((w >> (used + ln2)) & ((1 << extra) - 1)) << 5)) << (8 * cnt)
+            cnt += 1
+            used += ln2 + extra
+        m[w] = toks | (cnt << 32) | (used << 36)
     return m
 
 
@@ -396,25 +399,31 @@ def _multi(stream, mlut, sym, s, p, k):
 
 
 @njit(inline="always")
-def _special(stream, e, p, k, s, ebits, xexp):
-    """After a flagged lookup: read an escape's raw exponent. Returns (p, escapes, error)."""
+def _special(stream, e, p, k, s, xbits, inline_bits, sym, xexp):
+    """After a flagged lookup: read an escape's raw exponent and inline bits (``xbits`` in
+    all) into xexp, or a long code's inline bits into its token. Returns (p, escapes, error)."""
     if e >= 0:
         return p, 0, False
     if (e >> 32) & 7 == 0:
         return p, 0, True
-    xexp[s + k - 1] = _peek(stream, p) & ((1 << ebits) - 1)
-    return p + ebits, 1, False
+    if e & 255 == 1:
+        xexp[s + k - 1] = _peek(stream, p) & ((1 << xbits) - 1)
+        return p + xbits, 1, False
+    sym[s + k - 1] = (e & 255) | ((_peek(stream, p) & ((1 << inline_bits) - 1)) << 5)
+    return p + inline_bits, 0, False
 
 
 @njit(**_NOGIL)
-def _symbols(stream, bs, n, ebits, table, word_start, luts, mluts, sym, xexp, stats):
-    """Decode every coded block's symbols. stats[b] = (unused, escapes, end bit, error).
+def _symbols(stream, bs, n, ebits, inline_bits, table, word_start, luts, mluts, sym, xexp, stats):
+    """Decode every coded block's tokens (see _multi_luts) into ``sym``, and each escape's
+    exponent and inline bits into ``xexp``. stats[b] = (unused, escapes, end bit, error).
 
     The lock-step loop breaks out only for escapes and invalid codes (flagged by the
     sign bit), which keeps it free of stores that depend on a branch. A lookup
     stores four symbols, so each lane stops four short of its block's end."""
     coded = np.nonzero(table != RAW_BLOCK)[0]
     nc = coded.shape[0]
+    xbits = ebits + inline_bits
     P = np.zeros(LANES, np.int64)
     Kk = np.zeros(LANES, np.int64)
     X = np.zeros(LANES, np.int64)
@@ -441,10 +450,10 @@ def _symbols(stream, bs, n, ebits, table, word_start, luts, mluts, sym, xexp, st
                     p3, k3, e3 = _multi(stream, t3, sym, s3, p3, k3)
                     if (e0 | e1 | e2 | e3) < 0:
                         break
-                p0, d0, f0 = _special(stream, e0, p0, k0, s0, ebits, xexp)
-                p1, d1, f1 = _special(stream, e1, p1, k1, s1, ebits, xexp)
-                p2, d2, f2 = _special(stream, e2, p2, k2, s2, ebits, xexp)
-                p3, d3, f3 = _special(stream, e3, p3, k3, s3, ebits, xexp)
+                p0, d0, f0 = _special(stream, e0, p0, k0, s0, xbits, inline_bits, sym, xexp)
+                p1, d1, f1 = _special(stream, e1, p1, k1, s1, xbits, inline_bits, sym, xexp)
+                p2, d2, f2 = _special(stream, e2, p2, k2, s2, xbits, inline_bits, sym, xexp)
+                p3, d3, f3 = _special(stream, e3, p3, k3, s3, xbits, inline_bits, sym, xexp)
                 X[0] += d0
                 X[1] += d1
                 X[2] += d2
@@ -460,18 +469,22 @@ def _symbols(stream, bs, n, ebits, table, word_start, luts, mluts, sym, xexp, st
             s = b * bs
             while k + 4 <= nv and not bad:
                 p, k, e = _multi(stream, ml, sym, s, p, k)
-                p, d, bad = _special(stream, e, p, k, s, ebits, xexp)
+                p, d, bad = _special(stream, e, p, k, s, xbits, inline_bits, sym, xexp)
                 x += d
             while k < nv and not bad:
                 e = sl[_peek(stream, p) & ((1 << MAXLEN) - 1)]
-                sym[s + k] = e & 255
+                tok = e & 255
                 p += e >> 8
-                k += 1
                 bad = (e >> 8) == 0
-                if (e & 255) == 1:
-                    xexp[s + k - 1] = _peek(stream, p) & ((1 << ebits) - 1)
-                    p += ebits
+                if tok == 1:
+                    xexp[s + k] = _peek(stream, p) & ((1 << xbits) - 1)
+                    p += xbits
                     x += 1
+                elif tok != 0 and inline_bits:
+                    tok |= (_peek(stream, p) & ((1 << inline_bits) - 1)) << 5
+                    p += inline_bits
+                sym[s + k] = tok
+                k += 1
             stats[b, 1] = x
             stats[b, 2] = p
             stats[b, 3] = bad
@@ -495,10 +508,31 @@ def _join_run(ob, sb, xb, rb, base, mmask, mbits, ebits, rest_bytes):
             ob[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
 
 
+@njit(inline="always")
+def _join_run_inline(ob, sb, xb, rb, base, mmask, mbits, ebits):
+    """_join_run for float16, whose tokens and escapes carry the top rest bits (bits 5-7 of
+    a token, above the exponent of an escape). Offsets may fall outside the exponent range
+    here (float16 references sit low): returns nonzero if any did."""
+    emax = (1 << ebits) - 1
+    bad = 0
+    for i in range(ob.shape[0]):
+        tv = np.int64(sb[i])
+        xv = np.int64(xb[i])
+        sv = tv & 31
+        esc = sv == 1
+        ex = sv + base + esc * ((xv & emax) - sv - base)
+        top = (tv >> 5) + esc * ((xv >> ebits) - (tv >> 5))
+        bad |= (ex < 0) | (ex > emax)
+        rv = np.int64(rb[i]) | (top << 8)
+        ob[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
+    return bad
+
+
 @njit(**_NOGIL)
-def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, itemsize, ref, table, nzero,
+def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, itemsize, ref, table, nzero,
              word_start, rest_start, stats, out):
-    """Join exponents and sign+mantissa bytes into ``out``; returns 0 or an error code."""
+    """Join exponents and sign+mantissa bytes (float16: and the tokens' inline bits) into
+    ``out``; returns 0 or an error code."""
     emax = (1 << ebits) - 1
     mmask = (1 << mbits) - 1
     zpos = np.empty(bs // 16 + 2, np.int64)
@@ -522,7 +556,20 @@ def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, itemsize, ref, ta
         if zeros != nzero[b]:
             return -3
         r = np.int64(ref[b])
-        if r >= 26 and r + 3 <= emax and zeros * 16 <= nv:
+        if inline_bits and zeros * 16 <= nv:
+            _zero_positions(sb, zeros, zpos)
+            a = 0
+            for z in range(zeros + 1):
+                e = zpos[z]
+                if _join_run_inline(out[lo + a:lo + e], sym[lo + a:lo + e], xexp[lo + a:lo + e],
+                                    rest[j:j + e - a], r - 28, mmask, mbits, ebits):
+                    return -2
+                j += e - a
+                if e < nv:
+                    out[lo + e] = 0
+                a = e + 1
+            continue
+        if not inline_bits and r >= 26 and r + 3 <= emax and zeros * 16 <= nv:
             # Every symbol but the few zeros is an offset or an escape: between zeros, the
             # runs join without branches (they vectorize); the zeros take no rest bytes.
             _zero_positions(sb, zeros, zpos)
@@ -537,101 +584,22 @@ def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, itemsize, ref, ta
                 a = e + 1
             continue
         for i in range(lo, lo + nv):
-            s = sym[i]
-            if s == 0:
+            tok = np.int64(sym[i])
+            if tok == 0:
                 out[i] = 0
                 continue
+            s, top = tok & 31, tok >> 5
             if s == 1:
-                ex = np.int64(xexp[i])
+                ex, top = np.int64(xexp[i]) & emax, np.int64(xexp[i]) >> ebits
             else:
                 ex = r + s - 28
                 if ex < 0 or ex > emax:
                     return -2
-            rv = np.int64(0)
+            rv = top << (8 * rest_bytes)
             for k in range(rest_bytes):
                 rv |= np.int64(rest[j]) << (8 * k)
                 j += 1
             out[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
-    return 0
-
-
-@njit(**_NOGIL)
-def _decode_inline(stream, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, itemsize, ref, table, nzero,
-            word_start, rest_start, luts, out):
-    """fp16 decoder (codes interleave with inline bits): one symbol per lookup; 0 or an error code.
-
-    The bit reader refills 32 bits at a time, which keeps at least 32 bits
-    buffered: enough for the longest element (12-bit code, escape, inline bits).
-    """
-    emax = (1 << ebits) - 1
-    mask = (1 << 12) - 1
-    imask = (1 << inline_bits) - 1
-    mmask = (1 << mbits) - 1
-    dtab = np.zeros(32, dtype=np.int64)
-    for b in range(ref.shape[0]):
-        lo = b * bs
-        hi = min(n, lo + bs)
-        t = table[b]
-        j = rest_start[b]
-        if t == 255:
-            for i in range(lo, hi):
-                v = np.int64(0)
-                for k in range(itemsize):
-                    v |= np.int64(rest[j]) << (8 * k)
-                    j += 1
-                out[i] = v
-            continue
-        r = np.int64(ref[b])
-        for sym in range(2, 32):
-            e = r + sym - 28
-            dtab[sym] = e << mbits if 0 <= e <= emax else -1
-        pos = word_start[b] * 4          # next stream byte to load
-        end = word_start[b + 1] * 4
-        acc = np.int64(0)
-        have = np.int64(0)
-        zeros = 0
-        rest_end = rest_start[b + 1]
-        for i in range(lo, hi):
-            if have < 32 and pos < end:
-                acc |= (np.int64(stream[pos]) | (np.int64(stream[pos + 1]) << 8) | (np.int64(stream[pos + 2]) << 16)
-                        | (np.int64(stream[pos + 3]) << 24)) << have
-                pos += 4
-                have += 32
-            entry = luts[t, acc & mask]
-            ln = entry >> 8
-            s = entry & 255
-            acc >>= ln
-            have -= ln
-            if s >= 2:
-                ebits_val = dtab[s]
-                if ebits_val < 0:
-                    return -2
-            elif s == 0:
-                if ln == 0:
-                    return -1
-                out[i] = 0
-                zeros += 1
-                continue
-            else:
-                ebits_val = (acc & emax) << mbits
-                acc >>= ebits
-                have -= ebits
-            if j >= rest_end:
-                return -3
-            if rest_bytes == 1:
-                rv = np.int64(rest[j])
-            else:
-                rv = np.int64(rest[j]) | (np.int64(rest[j + 1]) << 8) | (np.int64(rest[j + 2]) << 16)
-            j += rest_bytes
-            if inline_bits:
-                rv |= (acc & imask) << (8 * rest_bytes)
-                acc >>= inline_bits
-                have -= inline_bits
-            out[i] = (rv & mmask) | ebits_val | ((rv >> mbits) << (mbits + ebits))
-            if have < 0:
-                return -1
-        if zeros != nzero[b] or have < 0:
-            return -3 if have >= 0 else -1
     return 0
 
 
@@ -661,30 +629,25 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | None = None
     n, bs = h.numel, h.block_size
     buf = packet.numpy()
     rest = buf[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
-    luts, mluts = _decoder_tables(p.lengths.tobytes())
+    luts, mluts = _decoder_tables(p.lengths.tobytes(), layout.inline_bits)
     view = _int_view(out)
-    if layout.inline_bits:
-        err = _decode_inline(buf[p.stream_offset:p.rest_offset], rest, bs, n, layout.mbits, layout.ebits,
-                             layout.rest_bytes, layout.inline_bits, layout.itemsize, p.ref, p.table, p.nzero,
-                             p.word_start, p.rest_start, luts, view)
+    # A corrupt stream may read past its block by at most one element's worth of lookups per
+    # element: the streams are read in place where the packet's rest bytes cover that much,
+    # else from a copy with zero padding.
+    nw = int(p.word_start[-1])
+    reach = 4 * nw + 8 + (MAXLEN + layout.ebits + layout.inline_bits) * bs // 8
+    if buf.shape[0] - p.stream_offset >= reach:
+        stream = buf[p.stream_offset:]
     else:
-        # A corrupt stream may read past its block by at most one element's worth of lookups
-        # per symbol: the streams are read in place where the packet's rest bytes cover that
-        # much, else from a copy with zero padding.
-        nw = int(p.word_start[-1])
-        reach = 4 * nw + 8 + (MAXLEN + layout.ebits) * bs // 8
-        if buf.shape[0] - p.stream_offset >= reach:
-            stream = buf[p.stream_offset:]
-        else:
-            stream = _scratch("words", reach, np.uint8)
-            stream[4 * nw:] = 0
-            stream[:4 * nw] = buf[p.stream_offset:p.rest_offset]
-        sym = _scratch("sym", n + 4, np.uint8)
-        xexp = _scratch("xexp", n + 4, np.uint8)  # read only where a symbol is an escape
-        stats = np.zeros((len(p.ref), 4), np.int64)
-        _symbols(stream, bs, n, layout.ebits, p.table, p.word_start, luts, mluts, sym, xexp, stats)
-        err = _compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize,
-                       p.ref, p.table, p.nzero, p.word_start, p.rest_start, stats, view)
+        stream = _scratch("words", reach, np.uint8)
+        stream[4 * nw:] = 0
+        stream[:4 * nw] = buf[p.stream_offset:p.rest_offset]
+    sym = _scratch("sym", n + 4, np.uint8)
+    xexp = _scratch("xexp", n + 4, np.uint8)  # read only where a symbol is an escape
+    stats = np.zeros((len(p.ref), 4), np.int64)
+    _symbols(stream, bs, n, layout.ebits, layout.inline_bits, p.table, p.word_start, luts, mluts, sym, xexp, stats)
+    err = _compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits, layout.rest_bytes, layout.inline_bits,
+                   layout.itemsize, p.ref, p.table, p.nzero, p.word_start, p.rest_start, stats, view)
     if err:
         raise FormatError(_ERRORS[err])
     return out
