@@ -57,23 +57,22 @@ def stages(x: torch.Tensor) -> dict:
                                 pl.nzero, pl.rest_start, buf[start + pl.sizes[2]:]),
         "encode (all)": lambda: codec.encode(x),
     }
-    if not layout.inline_bits:
-        p = parse_lossless(packet)
-        raw = packet.numpy()
-        nw = int(p.word_start[-1])
-        words = np.zeros(nw + 2 + (MAXLEN + layout.ebits) * bs // 32, np.uint32)
-        words[:nw] = raw[p.stream_offset:p.rest_offset].view(np.uint32)
-        luts, mluts = C._decoder_tables(p.lengths.tobytes())
-        sym, xexp = np.empty(n + 4, np.uint8), np.empty(n + 4, np.uint8)
-        stats = np.zeros((len(p.ref), 4), np.int64)
-        rest = raw[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
-        symbols = lambda: C._symbols(words.view(np.uint8), bs, n, layout.ebits, p.table, p.word_start,  # noqa: E731
-                                     luts, mluts, sym, xexp, stats)
-        symbols()
-        out_stages["symbols"] = symbols
-        out_stages["join"] = lambda: C._compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits,
-                                                layout.rest_bytes, layout.itemsize, p.ref, p.table, p.nzero,
-                                                p.word_start, p.rest_start, stats, C._int_view(out))
+    p = parse_lossless(packet)
+    raw = packet.numpy()
+    nw = int(p.word_start[-1])
+    stream = np.zeros(4 * nw + 8 + (MAXLEN + layout.ebits + layout.inline_bits) * bs // 8, np.uint8)
+    stream[:4 * nw] = raw[p.stream_offset:p.rest_offset]
+    luts, mluts = C._decoder_tables(p.lengths.tobytes(), layout.inline_bits)
+    sym, xexp = np.empty(n + 4, np.uint8), np.empty(n + 4, np.uint8)
+    stats = np.zeros((len(p.ref), 4), np.int64)
+    rest = raw[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
+    symbols = lambda: C._symbols(stream, bs, n, layout.ebits, layout.inline_bits, p.table,  # noqa: E731
+                                 p.word_start, luts, mluts, sym, xexp, stats)
+    symbols()
+    out_stages["symbols"] = symbols
+    out_stages["join"] = lambda: C._compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits, layout.rest_bytes,
+                                            layout.inline_bits, layout.itemsize, p.ref, p.table, p.nzero,
+                                            p.word_start, p.rest_start, stats, C._int_view(out))
     out_stages["decode (all)"] = lambda: codec.decode(packet, out=out)
     return out_stages
 
