@@ -631,9 +631,9 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | None = None
     rest = buf[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
     luts, mluts = _decoder_tables(p.lengths.tobytes(), layout.inline_bits)
     view = _int_view(out)
-    # A corrupt stream may read past its block by at most one element's worth of lookups per
-    # element: the streams are read in place where the packet's rest bytes cover that much,
-    # else from a copy with zero padding.
+    # A corrupt block's stream can make its decoder read up to the longest element (code,
+    # escaped exponent, inline bits) per element from the block's start: the streams are read
+    # in place where the packet's rest bytes cover that reach, else from a zero-padded copy.
     nw = int(p.word_start[-1])
     reach = 4 * nw + 8 + (MAXLEN + layout.ebits + layout.inline_bits) * bs // 8
     if buf.shape[0] - p.stream_offset >= reach:

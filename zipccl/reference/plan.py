@@ -12,7 +12,6 @@ same rules out with whole-tensor operations.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from functools import lru_cache
 
 import numpy as np
