@@ -415,3 +415,32 @@ def test_lab_schedules_smoke(pool):
     for r in res:
         assert not isinstance(r, BaseException), r
     assert all(len(r) == 7 for r in res)
+
+
+def _auto_learns(rank, groups):
+    if rank >= 2:
+        return None
+    g = groups[2]
+    x0 = data(rank, 1 << 20, torch.bfloat16)  # 2 MiB: above the probe floor, below the prior threshold
+    expect = x0.clone()
+    zipccl.all_reduce(expect, group=g, codec="raw")
+    used, same = [], True
+    for _ in range(6):
+        x = x0.clone()
+        zipccl.all_reduce(x, group=g)
+        used.append(zipccl.stats()["last"]["codec"])
+        same &= torch.equal(x.view(torch.int16), expect.view(torch.int16))
+    table = zipccl.collectives.auto_policy(g).table()
+    return used, same, {k: sorted(v) for k, v in table.items()}
+
+
+def test_auto_probes_both_codecs_the_same_way_on_every_rank(pool):
+    """codec="auto" tries raw and lossless on a new size class, learns both times through the
+    metadata exchanges, and every rank makes the same choices (else the signature check raises)."""
+    res = pool.run(_auto_learns, timeout=120)
+    for r in res:
+        assert not isinstance(r, BaseException), r
+    (used0, same0, table0), (used1, same1, table1) = res[:2]
+    assert used0 == used1 and used0[:2] == ["raw", "lossless"]
+    assert same0 and same1
+    assert table0 == table1 and ["lossless", "raw"] in table0.values()

@@ -17,8 +17,9 @@ posted before the previous piece is awaited, so the links never wait for a
 piece boundary, and the codec works on one piece while others are on the wire.
 
 Before any payload moves, the ranks all-gather one small int64 vector: an error
-flag, the call's signature (collective, dtype, numel, op, codec, algorithm) and
-the first piece's packet sizes. A rank whose call is invalid, or ranks that
+flag, the call's signature (collective, dtype, numel, op, codec, algorithm),
+this rank's time of the group's previous "auto" call (which zipccl.auto learns
+from, the same way on every rank) and the first piece's packet sizes. A rank whose call is invalid, or ranks that
 disagree, make every rank raise (MismatchError, or the local error on the
 offending rank) instead of hanging in a mismatched collective. Later pipeline
 pieces send their sizes pairwise (_SizeMail): an all-gather in mid-pipeline
@@ -37,14 +38,15 @@ import torch.distributed as dist
 
 from . import config
 from . import format as F
+from .auto import Policy
 from .stats import record as _record
 from .codecs import Lossless, Raw, TopK
 from .errors import MismatchError, UnsupportedError
 from .reference.packet import host_bytes
 from .transport import TorchTransport
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "sparse_algorithm", "submit",
-           "AUTO_MIN_BYTES", "Handle"]
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "auto_policy", "sparse_algorithm",
+           "submit", "AUTO_MIN_BYTES", "Handle"]
 
 AUTO_MIN_BYTES = config.AUTO_MIN_BYTES
 
@@ -53,6 +55,7 @@ _COLLECTIVES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_redu
 _FIELDS = ("collective", "dtype", "numel", "op", "codec", "reduce-scatter algorithm")
 _ALGORITHMS = {"direct": 1, "ring": 2}
 _RAW, _LOSSLESS = Raw(), Lossless()
+_AUTO = object()  # codec "auto" on float data: raw or lossless, decided when the call runs (zipccl.auto)
 
 
 def resolve_codec(codec, dtype: torch.dtype, nbytes: int):
@@ -96,6 +99,49 @@ def _op_code(op) -> int:
         raise UnsupportedError(f"reduce op {op} is not supported; zipccl reduces with SUM, AVG, MAX, MIN") from None
 
 
+# ---- codec "auto": a policy per group, fed by the metadata exchanges ------------------------------------------
+
+class _AutoGroup:
+    """A group's auto policy, and (class, codec, microseconds) of its last finished auto call on
+    this rank, until the next metadata exchange reports it."""
+    __slots__ = ("policy", "pending")
+
+    def __init__(self):
+        self.policy, self.pending = Policy(config.AUTO_MIN_BYTES), None
+
+
+_autos: dict = {}
+_autos_lock = threading.Lock()
+
+
+def _auto_group(t) -> _AutoGroup:
+    key = getattr(t, "group", None) or dist.GroupMember.WORLD
+    with _autos_lock:
+        return _autos.setdefault(key, _AutoGroup())
+
+
+def auto_policy(group=None) -> Policy:
+    """The policy behind codec="auto" on ``group`` (None: the default group): ``table()`` shows
+    what it has measured."""
+    with _autos_lock:
+        return _autos.setdefault(group or dist.GroupMember.WORLD, _AutoGroup()).policy
+
+
+def _decide(t, name: str, dtype, nbytes: int, c):
+    """(codec, auto class or None) of a call about to run: "auto" is decided here, in call order
+    on every rank, from what the group's earlier calls reported."""
+    if c is not _AUTO:
+        return c, None
+    key = Policy.key(name, dtype, nbytes)
+    return (_RAW if _auto_group(t).policy.choose(key, nbytes) == "raw" else _LOSSLESS), key
+
+
+def _done(t, key, codec, t0: float) -> None:
+    """An auto call finished on this rank: its time goes out with the group's next exchange."""
+    if key is not None:
+        _auto_group(t).pending = (key, codec.name, int((time.perf_counter() - t0) * 1e6))
+
+
 # ---- rank-consistent metadata: one exchange per call, then pairwise sizes ------------------------------------
 
 class _Call:
@@ -107,12 +153,20 @@ class _Call:
                        numel, _OPS.get(op, 0), _codec_id(codec), _ALGORITHMS[config.REDUCE_SCATTER]]
 
     def exchange(self, t, sizes: list[int], error: Exception | None = None) -> torch.Tensor:
-        """Exchange [error, signature, sizes]; raise the same way on every rank if anything is off.
-        Returns the (ranks, ranks) sizes every rank announced (padded with zeros: every rank's
-        vector has the same length, whatever phase it is in)."""
+        """Exchange [error, signature, auto report, sizes]; raise the same way on every rank if
+        anything is off. Returns the (ranks, ranks) sizes every rank announced (padded with
+        zeros: every rank's vector has the same length, whatever phase it is in). The auto
+        report is this rank's time of the group's last auto call (zipccl.auto), learned from
+        once every rank has reported it."""
         sizes = list(sizes) + [0] * (t.size - len(sizes))
-        mine = torch.tensor([1 if error else 0, *self.values, *sizes], dtype=torch.int64)
+        auto = _auto_group(t)
+        report, auto.pending = auto.pending, None
+        mine = torch.tensor([1 if error else 0, *self.values, report[2] if report else -1, *sizes],
+                            dtype=torch.int64)
         rows = t.exchange(mine)
+        times = rows[:, 1 + len(_FIELDS)]
+        if report is not None and bool((times >= 0).all()):
+            auto.policy.learn(report[0], report[1], int(times.max()) / 1e6)
         bad = [r for r in range(t.size) if rows[r, 0]]
         if error is not None:
             raise error
@@ -126,7 +180,12 @@ class _Call:
                     groups.setdefault(int(col[r]), []).append(r)
                 shown = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
                 raise MismatchError(f"zipccl.{self.name}: ranks disagree on {field} ({shown})")
-        return rows[:, 1 + len(_FIELDS):]
+        return rows[:, 2 + len(_FIELDS):]
+
+
+def _meta_bytes(n: int) -> int:
+    """Bytes this rank sends in one metadata exchange of ``n`` ranks."""
+    return (n - 1) * 8 * (2 + len(_FIELDS) + n)
 
 
 class _SizeMail:
@@ -193,7 +252,7 @@ def _sizes(t, call: _Call | None, tag: int, acc: dict, encode):
     if call is None:
         return packets, _SizeMail(t, sizes, tag, acc)
     known = _timed(acc, "comm_seconds", lambda: call.exchange(t, sizes)[:, t.rank].tolist())
-    acc["meta_bytes"] += (t.size - 1) * 8 * (1 + len(_FIELDS) + t.size)
+    acc["meta_bytes"] += _meta_bytes(t.size)
     return packets, _Known(known)
 
 
@@ -352,7 +411,7 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=
     (rounded once), which is why this is opt-in (ZIPCCL_REDUCE_SCATTER=ring)."""
     n, r = t.size, t.rank
     _timed(acc, "comm_seconds", call.exchange, t, [])  # every rank's signature and error flag first
-    acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+    acc["meta_bytes"] += _meta_bytes(n)
     op_code = _OPS[op]
     m, itemsize = chunks.shape[1], chunks.element_size()
     result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
@@ -521,7 +580,7 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict)
     send = torch.cat([parts[j] for j in range(n) if j != r])
     recv = _timed(acc, "comm_seconds", t.all_to_all, send, send_splits, recv_splits)
     acc["wire_bytes"] += int(send.numel())
-    acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+    acc["meta_bytes"] += _meta_bytes(n)
     t0 = time.perf_counter()
     mine = flat[bounds[r]:bounds[r + 1]]
     total, sent = _sum_pairs(_in_rank_order(recv, recv_splits, parts[r], r), codec, mine, op, n)
@@ -547,7 +606,7 @@ def _sparse_all_gather(t, packet: torch.Tensor, call: _Call, acc: dict) -> list[
     recv_splits = [0 if j == r else sizes[j] for j in range(n)]
     recv = _timed(acc, "comm_seconds", t.all_to_all, packet.repeat(n - 1), send_splits, recv_splits)
     acc["wire_bytes"] += (n - 1) * packet.numel()
-    acc["meta_bytes"] += (n - 1) * 8 * (1 + len(_FIELDS) + n)
+    acc["meta_bytes"] += _meta_bytes(n)
     return _in_rank_order(recv, recv_splits, packet, r)
 
 
@@ -622,6 +681,8 @@ def _prepare(name, group, tensors, op, codec, numel, nbytes, check):
         if op is not None:
             _op_code(op)
         resolved = resolve_codec(codec, dtype, nbytes)
+        if codec == "auto" and resolved is not None and config.AUTO_LEARN:
+            resolved = _AUTO
         if not getattr(resolved, "exact", True):
             if name != "all_reduce":
                 raise UnsupportedError(f"lossy codec {resolved!r} works with all_reduce only, not {name}")
@@ -714,17 +775,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.S
                     _world_multiple("reduce_scatter", "input", input, "output", output))
 
     def run():
-        acc = _new_acc()
-        if c is None:
-            t0 = time.perf_counter()
+        acc, t0 = _new_acc(), time.perf_counter()
+        codec, key = _decide(t, "reduce_scatter", input.dtype, nbytes, c)
+        if codec is None:
             _Call("reduce_scatter", input.dtype, numel, op, None).exchange(t, [])
             t.native("reduce_scatter", output.view(-1), input.view(-1), op=op)
             acc["comm_seconds"] += time.perf_counter() - t0
         else:
-            call = _Call("reduce_scatter", input.dtype, numel, op, c)
-            reduced = _reduce_scatter_chunks(t, input.view(t.size, -1), op, c, call, acc)
+            call = _Call("reduce_scatter", input.dtype, numel, op, codec)
+            reduced = _reduce_scatter_chunks(t, input.view(t.size, -1), op, codec, call, acc)
             output.view(-1).copy_(reduced)
-        return _finish("reduce_scatter", c, acc)
+        _done(t, key, codec, t0)
+        return _finish("reduce_scatter", codec, acc)
 
     return _run(run, async_op)
 
@@ -736,20 +798,21 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
                     _world_multiple("all_gather", "output", output, "input", input))
 
     def run():
-        acc = _new_acc()
-        call = _Call("all_gather", input.dtype, numel, None, c)
-        if c is None:
-            t0 = time.perf_counter()
+        acc, t0 = _new_acc(), time.perf_counter()
+        codec, key = _decide(t, "all_gather", input.dtype, nbytes, c)
+        call = _Call("all_gather", input.dtype, numel, None, codec)
+        if codec is None:
             call.exchange(t, [])
             t.native("all_gather", output.view(-1), input.view(-1))
             acc["comm_seconds"] += time.perf_counter() - t0
         else:
             mine, outs = input.view(-1), output.view(t.size, -1)
-            gather = _Gather(t, c, call, acc, lambda j, a, b: outs[j, a:b])
+            gather = _Gather(t, codec, call, acc, lambda j, a, b: outs[j, a:b])
             for a, b in pieces(numel, t.size, input.element_size()):
                 gather.push(a, b, mine[a:b])
             gather.finish()
-        return _finish("all_gather", c, acc)
+        _done(t, key, codec, t0)
+        return _finish("all_gather", codec, acc)
 
     return _run(run, async_op)
 
@@ -758,7 +821,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
                codec="auto", name: str | None = None):
     """Like ``dist.all_reduce``, in place; every rank ends with bit-identical results.
 
-    codec: "auto" (raw for small tensors, else lossless; never lossy), "raw", "lossless", or
+    codec: "auto" (raw or lossless, learned per group: zipccl.auto; never lossy), "raw", "lossless", or
     opt-in lossy: "topk" (TopK(0.01)) or a TopK instance. With ``name`` (the tensor's name, the
     same on every rank), "topk" and "entropy" keep error feedback and, for "entropy", the
     entropy-driven density across calls (zipccl.lossy.default(codec)); the layer rules send
@@ -768,13 +831,13 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
         compressor = lossy.default(codec)
         return _run(lambda: compressor.all_reduce(tensor, name, op=op, group=group), async_op)
     numel, nbytes = _size(tensor)
-    t, c = _prepare("all_reduce", group, (tensor,), op, codec, numel, nbytes, lambda t: None)
+    t, c0 = _prepare("all_reduce", group, (tensor,), op, codec, numel, nbytes, lambda t: None)
 
     def run():
-        acc = _new_acc()
+        acc, t0 = _new_acc(), time.perf_counter()
+        c, key = _decide(t, "all_reduce", tensor.dtype, nbytes, c0)
         flat = tensor.view(-1)
         if c is None:
-            t0 = time.perf_counter()
             _Call("all_reduce", tensor.dtype, numel, op, None).exchange(t, [])
             if _OPS[op] == 2:
                 raise UnsupportedError("AVG of integer tensors is not supported; use SUM and divide")
@@ -792,6 +855,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
             _reduce_scatter_chunks(t, padded.view(n, m), op, c, _Call("all_reduce", tensor.dtype, numel, op, c),
                                    acc, on_piece=gather.push)  # gather each reduced piece as soon as it exists
             gather.finish()
+        _done(t, key, c, t0)
         return _finish("all_reduce", c, acc)
 
     return _run(run, async_op)

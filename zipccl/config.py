@@ -18,9 +18,10 @@ def _bytes(name: str, default: int) -> int:
     return value
 
 
-#: codec="auto" sends messages smaller than this raw (bytes of the input): the measured break-even of
-#: lossless vs raw all-reduce at 1 Gbit/s per rank, 4 ranks on 2 cores (docs/PERFORMANCE.md).
-#: On faster links compression pays later or never.
+#: codec="auto" starts messages smaller than this raw and larger ones lossless (bytes of the input):
+#: the measured break-even of lossless vs raw all-reduce at 1 Gbit/s per rank, 4 ranks on 2 cores
+#: (docs/PERFORMANCE.md). On faster links compression pays later or never, which is why "auto" then
+#: learns from the calls' times (zipccl.auto) unless ZIPCCL_AUTO_LEARN=0 keeps this threshold fixed.
 AUTO_MIN_BYTES = _bytes("ZIPCCL_AUTO_MIN_BYTES", 8 << 20)
 
 
@@ -29,6 +30,11 @@ def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} must be one of {', '.join(allowed)}")
     return value
+
+
+#: "1": codec="auto" measures raw and lossless per group and size class and keeps the faster
+#: (zipccl.auto); "0": the fixed AUTO_MIN_BYTES threshold. The same on every rank.
+AUTO_LEARN = _choice("ZIPCCL_AUTO_LEARN", "1", ("0", "1")) == "1"
 
 
 #: Reduce-scatter algorithm (every rank must use the same; the metadata exchange checks it):

@@ -33,7 +33,8 @@ class State:
     group: process group to reduce over (None: the default group; the process
         must be a member).
     codec: "lossless" (default: bit-exact, bf16 gradients shrink to ~0.67),
-        "raw", "auto" (raw below ``zipccl.collectives.AUTO_MIN_BYTES``; never lossy),
+        "raw", "auto" (raw or lossless, whichever the group's calls measured faster:
+        zipccl.auto; never lossy),
         a codec instance, or the lossy, opt-in "topk" (fixed ``density``) and
         "entropy" (density from the gradient-entropy trend, ``rate``), both with
         error feedback: what a step does not send is added to the next step's
