@@ -19,9 +19,10 @@ piece boundary, and the codec works on one piece while others are on the wire.
 Before any payload moves, the ranks all-gather one small int64 vector: an error
 flag, the call's signature (collective, dtype, numel, op, codec, algorithm),
 this rank's time of the group's previous "auto" call (which zipccl.auto learns
-from, the same way on every rank) and the first piece's packet sizes. A rank whose call is invalid, or ranks that
-disagree, make every rank raise (MismatchError, or the local error on the
-offending rank) instead of hanging in a mismatched collective. Later pipeline
+from, the same way on every rank) and the first piece's packet sizes. A rank
+whose call is invalid, or ranks that disagree, make every rank raise
+(MismatchError, or the local error on the offending rank) instead of hanging in
+a mismatched collective. Later pipeline
 pieces send their sizes pairwise (_SizeMail): an all-gather in mid-pipeline
 waits for the slowest rank and, on a shaped link, behind queued bulk data.
 """
