@@ -90,3 +90,14 @@ def test_sizes_and_verifiable_data():
         exact = sum(x.double() for x in xs)
         assert torch.equal(exact.to(dtype).double(), exact)  # the sum is representable: order cannot matter
         assert (xs[0] != 0).float().mean() > 0.9 and xs[0].double().std() > 0.5
+
+
+@pytest.mark.timeout(300)
+def test_auto_reports_what_it_learned():
+    """Past its probing calls, the auto rows' codec is the faster one, and the footer says so."""
+    res = run_perf("-b", "2M", "-e", "2M", "-n", "2", "-w", "5", "--nranks", "2", "--codec", "auto")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "# auto learned" in res.stdout
+    learned = [line for line in res.stdout.splitlines() if line.startswith("#   all_reduce bfloat16 2097152-")]
+    assert len(learned) == 1 and "raw" in learned[0] and "lossless" in learned[0], res.stdout
+    assert learned[0].rstrip().endswith(("-> raw", "-> lossless"))

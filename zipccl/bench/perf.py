@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import launch
+from ..collectives import auto_policy
 from . import all_gather, all_reduce, reduce_scatter
 from .common import (CODECS, DTYPES, OPS, footer_lines, header_lines, load_data, measure, parser, plot, progress,
                      real, row_line, sizes, validate, verifiable, write_json)
@@ -71,11 +72,28 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn") -> list[dic
             say(row_line(row), flush=True)
     for line in footer_lines(rows):
         say(line, flush=True)
+    if "auto" in codecs:
+        for line in auto_lines():
+            say(line, flush=True)
     if rank == 0 and args.output_file:
         write_json(rows, args.output_file, dict(args={k: str(v) for k, v in vars(args).items()}, how=how))
     if rank == 0 and args.plot:
         plot(rows, args.plot, f"zipccl-perf {spec.name}, {nranks} ranks ({how})")
     return rows
+
+
+def auto_lines() -> list[str]:
+    """What codec="auto" measured on the default group, per size class: the fastest of each
+    codec's last two calls (the slowest rank's time) and what it sends now."""
+    table = auto_policy().table()
+    lines = ["# auto learned (per size class: the better of each codec's last two times, slowest rank):"] \
+        if table else []
+    for (collective, dtype, bits), times in sorted(table.items()):
+        shown = ", ".join(f"{c} {s * 1e3:.1f} ms" for c, s in sorted(times.items()))
+        best = min(times, key=times.get) if len(times) == 2 else "(still probing)"
+        lines.append(f"#   {collective} {dtype.replace('torch.', '')} {1 << (bits - 1)}-{(1 << bits) - 1} B: "
+                     f"{shown} -> {best}")
+    return lines
 
 
 def _raw_result(spec, inp, numel_out, op):
