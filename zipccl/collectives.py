@@ -115,17 +115,15 @@ _autos: dict = {}
 _autos_lock = threading.Lock()
 
 
-def _auto_group(t) -> _AutoGroup:
-    key = getattr(t, "group", None) or dist.GroupMember.WORLD
+def _auto_group(group) -> _AutoGroup:
     with _autos_lock:
-        return _autos.setdefault(key, _AutoGroup())
+        return _autos.setdefault(group or dist.GroupMember.WORLD, _AutoGroup())
 
 
 def auto_policy(group=None) -> Policy:
     """The policy behind codec="auto" on ``group`` (None: the default group): ``table()`` shows
     what it has measured."""
-    with _autos_lock:
-        return _autos.setdefault(group or dist.GroupMember.WORLD, _AutoGroup()).policy
+    return _auto_group(group).policy
 
 
 def _decide(t, name: str, dtype, nbytes: int, c):
@@ -134,13 +132,13 @@ def _decide(t, name: str, dtype, nbytes: int, c):
     if c is not _AUTO:
         return c, None
     key = Policy.key(name, dtype, nbytes)
-    return (_RAW if _auto_group(t).policy.choose(key, nbytes) == "raw" else _LOSSLESS), key
+    return (_RAW if _auto_group(t.group).policy.choose(key, nbytes) == "raw" else _LOSSLESS), key
 
 
 def _done(t, key, codec, t0: float) -> None:
     """An auto call finished on this rank: its time goes out with the group's next exchange."""
     if key is not None:
-        _auto_group(t).pending = (key, codec.name, int((time.perf_counter() - t0) * 1e6))
+        _auto_group(t.group).pending = (key, codec.name, int((time.perf_counter() - t0) * 1e6))
 
 
 # ---- rank-consistent metadata: one exchange per call, then pairwise sizes ------------------------------------
@@ -160,7 +158,7 @@ class _Call:
         report is this rank's time of the group's last auto call (zipccl.auto), learned from
         once every rank has reported it."""
         sizes = list(sizes) + [0] * (t.size - len(sizes))
-        auto = _auto_group(t)
+        auto = _auto_group(t.group)
         report, auto.pending = auto.pending, None
         mine = torch.tensor([1 if error else 0, *self.values, report[2] if report else -1, *sizes],
                             dtype=torch.int64)
@@ -832,13 +830,13 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
         compressor = lossy.default(codec)
         return _run(lambda: compressor.all_reduce(tensor, name, op=op, group=group), async_op)
     numel, nbytes = _size(tensor)
-    t, c0 = _prepare("all_reduce", group, (tensor,), op, codec, numel, nbytes, lambda t: None)
+    t, c = _prepare("all_reduce", group, (tensor,), op, codec, numel, nbytes, lambda t: None)
 
     def run():
         acc, t0 = _new_acc(), time.perf_counter()
-        c, key = _decide(t, "all_reduce", tensor.dtype, nbytes, c0)
+        codec, key = _decide(t, "all_reduce", tensor.dtype, nbytes, c)
         flat = tensor.view(-1)
-        if c is None:
+        if codec is None:
             _Call("all_reduce", tensor.dtype, numel, op, None).exchange(t, [])
             if _OPS[op] == 2:
                 raise UnsupportedError("AVG of integer tensors is not supported; use SUM and divide")
@@ -846,17 +844,18 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
             acc["comm_seconds"] += time.perf_counter() - t0
         else:
             n = t.size
-            if not getattr(c, "exact", True):
-                _sparse_all_reduce(t, flat, op, c, _Call("all_reduce", tensor.dtype, numel, op, c), acc)
-                return _finish("all_reduce", c, acc)
+            if not getattr(codec, "exact", True):
+                _sparse_all_reduce(t, flat, op, codec, _Call("all_reduce", tensor.dtype, numel, op, codec), acc)
+                return _finish("all_reduce", codec, acc)
             m = -(-numel // n)
             padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
-            gather = _Gather(t, c, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
+            gather = _Gather(t, codec, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
 
-            _reduce_scatter_chunks(t, padded.view(n, m), op, c, _Call("all_reduce", tensor.dtype, numel, op, c),
-                                   acc, on_piece=gather.push)  # gather each reduced piece as soon as it exists
+            call = _Call("all_reduce", tensor.dtype, numel, op, codec)
+            _reduce_scatter_chunks(t, padded.view(n, m), op, codec, call, acc,
+                                   on_piece=gather.push)  # gather each reduced piece as soon as it exists
             gather.finish()
-        _done(t, key, c, t0)
-        return _finish("all_reduce", c, acc)
+        _done(t, key, codec, t0)
+        return _finish("all_reduce", codec, acc)
 
     return _run(run, async_op)

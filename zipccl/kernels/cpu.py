@@ -560,28 +560,22 @@ def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, item
         if zeros != nzero[b]:
             return -3
         r = np.int64(ref[b])
-        if inline_bits and zeros * 16 <= nv:
-            _zero_positions(sb, zeros, zpos)
-            a = 0
-            for z in range(zeros + 1):
-                e = zpos[z]
-                if _join_run_inline(out[lo + a:lo + e], sym[lo + a:lo + e], xexp[lo + a:lo + e],
-                                    rest[j:j + e - a], r - 28, mmask, mbits, ebits):
-                    return -2
-                j += e - a
-                if e < nv:
-                    out[lo + e] = 0
-                a = e + 1
-            continue
-        if not inline_bits and r >= 26 and r + 3 <= emax and zeros * 16 <= nv:
+        if zeros * 16 <= nv and (inline_bits or (r >= 26 and r + 3 <= emax)):
             # Every symbol but the few zeros is an offset or an escape: between zeros, the
             # runs join without branches (they vectorize); the zeros take no rest bytes.
+            # Offsets stay inside the exponent range for such references; float16's join
+            # checks them instead (its references sit low).
             _zero_positions(sb, zeros, zpos)
             a = 0
             for z in range(zeros + 1):
                 e = zpos[z]
-                _join_run(out[lo + a:lo + e], sym[lo + a:lo + e], xexp[lo + a:lo + e],
-                          rest[j:j + (e - a) * rest_bytes], r - 28, mmask, mbits, ebits, rest_bytes)
+                ob, tb, xb = out[lo + a:lo + e], sym[lo + a:lo + e], xexp[lo + a:lo + e]
+                rb = rest[j:j + (e - a) * rest_bytes]
+                if inline_bits:
+                    if _join_run_inline(ob, tb, xb, rb, r - 28, mmask, mbits, ebits):
+                        return -2
+                else:
+                    _join_run(ob, tb, xb, rb, r - 28, mmask, mbits, ebits, rest_bytes)
                 j += (e - a) * rest_bytes
                 if e < nv:
                     out[lo + e] = 0
