@@ -70,8 +70,7 @@ def stages(x: torch.Tensor) -> dict:
                                  p.word_start, luts, mluts, sym, xexp, stats)
     symbols()
     out_stages["symbols"] = symbols
-    out_stages["join"] = lambda: C._compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits, layout.rest_bytes,
-                                            layout.inline_bits, layout.itemsize, p.ref, p.table, p.nzero,
+    out_stages["join"] = lambda: C._compose(sym, xexp, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero,
                                             p.word_start, p.rest_start, stats, C._int_view(out))
     out_stages["decode (all)"] = lambda: codec.decode(packet, out=out)
     return out_stages

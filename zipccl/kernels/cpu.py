@@ -131,6 +131,7 @@ _store_u64 = _unaligned(64, load=False)
 _store_u32 = _unaligned(32, load=False)
 _U3, _U7, _U24, _U56 = np.uint64(3), np.uint64(7), np.uint64(24), np.uint64(56)
 _CODE = np.uint64((1 << 24) - 1)
+_LOW7, _ONES = np.uint64(0x7F7F7F7F7F7F7F7F), np.uint64(0x0101010101010101)
 
 
 def _index_bits(layout) -> tuple[int, int]:
@@ -495,21 +496,48 @@ def _symbols(stream, bs, n, ebits, inline_bits, table, word_start, luts, mluts, 
 
 
 @njit(inline="always")
-def _join_run(ob, sb, xb, rb, base, mmask, mbits, ebits, rest_bytes):
-    """Elements of a run without +0.0: exponent ``base`` + symbol, or an escape's raw exponent
-    (a select, not a branch, so the loop vectorizes), joined with their rest bytes."""
+def _count_zeros(sb):
+    """The number of zero bytes in ``sb``, eight at a time (twice as fast as byte by byte)."""
+    w = sb.shape[0] // 8
+    words = sb[:8 * w].view(np.uint64)
+    nonzero = np.uint64(0)
+    for i in range(w):
+        v = words[i]
+        flags = (((v & _LOW7) + _LOW7) | v) >> _U7 & _ONES  # 1 in each byte that is nonzero
+        nonzero += (flags * _ONES) >> _U56
+    zeros = np.int64(8 * w) - np.int64(nonzero)
+    for i in range(8 * w, sb.shape[0]):
+        zeros += sb[i] == 0
+    return zeros
+
+
+@njit(inline="always")
+def _join_run(ob, sb, xb, rb, base, escapes, mmask, mbits, ebits, rest_bytes):
+    """Elements of a run without +0.0: exponent ``base`` + symbol, or an escape's raw exponent,
+    joined with their rest bytes.
+
+    Three loops that vectorize: symbol, sign and mantissa with the layout's constants only,
+    then ``base`` added to every exponent (with the run-time ``base`` in the first loop,
+    LLVM kept 64-bit lanes: 4x slower), then, if the block has escapes, their exponents."""
+    for i in range(ob.shape[0]):
+        rv = _rest_value(rb, i, rest_bytes)
+        ob[i] = (rv & mmask) | (np.int64(sb[i]) << mbits) | ((rv >> mbits) << (mbits + ebits))
+    shifted = base << mbits
+    for i in range(ob.shape[0]):
+        ob[i] += shifted
+    if escapes:
+        for i in range(ob.shape[0]):
+            rv = _rest_value(rb, i, rest_bytes)
+            esc = (rv & mmask) | (np.int64(xb[i]) << mbits) | ((rv >> mbits) << (mbits + ebits))
+            ob[i] = esc if sb[i] == 1 else ob[i]
+
+
+@njit(inline="always")
+def _rest_value(rb, i, rest_bytes):
+    """Element ``i``'s sign and mantissa from its ``rest_bytes`` little-endian bytes."""
     if rest_bytes == 1:
-        for i in range(ob.shape[0]):
-            rv = np.int64(rb[i])
-            sv = np.int64(sb[i])
-            ex = sv + base + (sv == 1) * (np.int64(xb[i]) - sv - base)
-            ob[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
-    else:
-        for i in range(ob.shape[0]):
-            rv = np.int64(rb[3 * i]) | (np.int64(rb[3 * i + 1]) << 8) | (np.int64(rb[3 * i + 2]) << 16)
-            sv = np.int64(sb[i])
-            ex = sv + base + (sv == 1) * (np.int64(xb[i]) - sv - base)
-            ob[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
+        return np.int64(rb[i])
+    return np.int64(rb[3 * i]) | (np.int64(rb[3 * i + 1]) << 8) | (np.int64(rb[3 * i + 2]) << 16)
 
 
 @njit(inline="always")
@@ -533,10 +561,23 @@ def _join_run_inline(ob, sb, xb, rb, base, mmask, mbits, ebits):
 
 
 @njit(**_NOGIL)
-def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, itemsize, ref, table, nzero,
-             word_start, rest_start, stats, out):
+def _compose(sym, xexp, rest, bs, n, mbits, ref, table, nzero, word_start, rest_start, stats, out):
     """Join exponents and sign+mantissa bytes (float16: and the tokens' inline bits) into
-    ``out``; returns 0 or an error code."""
+    ``out``; returns 0 or an error code. The dtype's layout (told by ``mbits``) reaches
+    the loops as constants: as run-time values they kept the shifts from vectorizing."""
+    if mbits == 7:
+        return _compose_layout(sym, xexp, rest, bs, n, 7, 8, 1, 0, 2, ref, table, nzero, word_start, rest_start,
+                               stats, out)
+    if mbits == 10:
+        return _compose_layout(sym, xexp, rest, bs, n, 10, 5, 1, 3, 2, ref, table, nzero, word_start, rest_start,
+                               stats, out)
+    return _compose_layout(sym, xexp, rest, bs, n, 23, 8, 3, 0, 4, ref, table, nzero, word_start, rest_start,
+                           stats, out)
+
+
+@njit(inline="always")
+def _compose_layout(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, itemsize, ref, table, nzero,
+                    word_start, rest_start, stats, out):
     emax = (1 << ebits) - 1
     mmask = (1 << mbits) - 1
     zpos = np.empty(bs // 16 + 2, np.int64)
@@ -553,10 +594,8 @@ def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, item
             continue
         if stats[b, 3] or stats[b, 2] > word_start[b + 1] * 32:
             return -1
-        zeros = 0
         sb = sym[lo:lo + nv]
-        for i in range(nv):
-            zeros += sb[i] == 0
+        zeros = _count_zeros(sb)
         if zeros != nzero[b]:
             return -3
         r = np.int64(ref[b])
@@ -575,7 +614,7 @@ def _compose(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, item
                     if _join_run_inline(ob, tb, xb, rb, r - 28, mmask, mbits, ebits):
                         return -2
                 else:
-                    _join_run(ob, tb, xb, rb, r - 28, mmask, mbits, ebits, rest_bytes)
+                    _join_run(ob, tb, xb, rb, r - 28, stats[b, 1], mmask, mbits, ebits, rest_bytes)
                 j += (e - a) * rest_bytes
                 if e < nv:
                     out[lo + e] = 0
@@ -644,8 +683,8 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | None = None
     xexp = _scratch("xexp", n + 4, np.uint8)  # read only where a symbol is an escape
     stats = np.zeros((len(p.ref), 4), np.int64)
     _symbols(stream, bs, n, layout.ebits, layout.inline_bits, p.table, p.word_start, luts, mluts, sym, xexp, stats)
-    err = _compose(sym, xexp, rest, bs, n, layout.mbits, layout.ebits, layout.rest_bytes, layout.inline_bits,
-                   layout.itemsize, p.ref, p.table, p.nzero, p.word_start, p.rest_start, stats, view)
+    err = _compose(sym, xexp, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero, p.word_start, p.rest_start,
+                   stats, view)
     if err:
         raise FormatError(_ERRORS[err])
     return out
