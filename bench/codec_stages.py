@@ -40,21 +40,20 @@ def stages(x: torch.Tensor) -> dict:
     layout, bs, n = LAYOUTS[x.dtype], DEFAULT_BLOCK_SIZE, x.numel()
     bits, nb = C._int_view(x), num_blocks(n, bs)
     ref, hist, nzero = np.zeros(nb, np.int64), np.zeros((nb, NSYM), np.int64), np.zeros(nb, np.int64)
-    analyse = lambda: C._analyse(bits, bs, layout.mbits, layout.emax, ref, hist, nzero)  # noqa: E731
+    analyse = lambda: C._analyse(bits, bs, layout.mbits, ref, hist, nzero)  # noqa: E731
     analyse()
     pl = plan(ref, hist, nzero, n, bs, layout)
     start = HEADER_SIZE + len(pl.front())
     buf = np.empty(pl.total_size + 8, np.uint8)
-    shift, width = C._index_bits(layout)
     codec = Lossless()
     packet, out = codec.encode(x), torch.empty_like(x)
     out_stages = {
         "analyse": analyse,
         "plan": lambda: plan(ref, hist, nzero, n, bs, layout),
-        "pack": lambda: C._pack(bits, bs, layout.ebits, layout.inline_bits, shift, width, pl.ref, pl.table,
-                                pl.nzero, pl.codes, pl.lengths, pl.word_start, buf[start:]),
-        "rest": lambda: C._rest(bits, bs, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize, pl.table,
-                                pl.nzero, pl.rest_start, buf[start + pl.sizes[2]:]),
+        "pack": lambda: C._pack(bits, bs, layout.mbits, pl.ref, pl.table, pl.nzero, pl.codes, pl.lengths,
+                                pl.word_start, buf[start:]),
+        "rest": lambda: C._rest(bits, bs, layout.mbits, pl.table, pl.nzero, pl.rest_start,
+                                buf[start + pl.sizes[2]:]),
         "encode (all)": lambda: codec.encode(x),
     }
     p = parse_lossless(packet)

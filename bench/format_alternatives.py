@@ -18,7 +18,7 @@ bits = C._int_view(x).astype(np.int64)
 def per_block(bs):
     nb = -(-n // bs)
     ref = np.zeros(nb, np.int64); hist = np.zeros((nb, 32), np.int64); nz = np.zeros(nb, np.int64)
-    C._analyse(C._int_view(x), bs, lay.mbits, lay.emax, ref, hist, nz)
+    C._analyse(C._int_view(x), bs, lay.mbits, ref, hist, nz)
     return nb, ref, hist, nz
 e = (bits >> 7) & 255
 def H(c):

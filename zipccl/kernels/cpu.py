@@ -45,10 +45,41 @@ LANES = 4          # blocks coded in lock step
 _SPECIAL = -(1 << 63)  # multi-symbol entry flag: an escape (count 1) or an invalid code (count 0)
 
 
+def _index_bits(layout) -> tuple[int, int]:
+    """(shift, width): ``bits >> shift`` is the sign, the exponent and the mantissa bits
+    that travel inline (float16: two), ``width`` bits in all; +0.0 gets index 1 << width."""
+    low = max(0, layout.inline_bits - 1)
+    return layout.mbits - low, 1 + layout.ebits + low
+
+
+def _constants(dtype) -> tuple:
+    """``dtype``'s layout as a global tuple, which numba compiles in as constants: the
+    kernels' loops take it through their ``*_layout`` bodies, one copy per dtype, because
+    with the same numbers as run-time values LLVM kept the shifts in 64-bit lanes or
+    did not vectorize (the join 4x slower, the sign+mantissa section 4x)."""
+    lay = LAYOUTS[dtype]
+    return (lay.mbits, lay.ebits, lay.emax, lay.rest_bytes, lay.inline_bits, lay.itemsize) + _index_bits(lay)
+
+
+_BF16, _FP16, _FP32 = _constants(torch.bfloat16), _constants(torch.float16), _constants(torch.float32)
+
+
 @njit(**_NOGIL)
-def _analyse(bits, bs, mbits, emax, ref, hist, nzero):
+def _analyse(bits, bs, mbits, ref, hist, nzero):
+    """_analyse_layout for the dtype that ``mbits`` tells (see _constants)."""
+    if mbits == _BF16[0]:
+        _analyse_layout(bits, bs, _BF16, ref, hist, nzero)
+    elif mbits == _FP16[0]:
+        _analyse_layout(bits, bs, _FP16, ref, hist, nzero)
+    else:
+        _analyse_layout(bits, bs, _FP32, ref, hist, nzero)
+
+
+@njit(inline="always")
+def _analyse_layout(bits, bs, layout, ref, hist, nzero):
     """Per block: reference exponent (mode of non-zero exponents, ties to the smallest),
     symbol histogram and count of +0.0 elements."""
+    mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
     n = bits.shape[0]
     nb = ref.shape[0]
     cnt = np.zeros((4, 2 * emax + 2), dtype=np.int32)  # by sign and exponent
@@ -134,13 +165,6 @@ _CODE = np.uint64((1 << 24) - 1)
 _LOW7, _ONES = np.uint64(0x7F7F7F7F7F7F7F7F), np.uint64(0x0101010101010101)
 
 
-def _index_bits(layout) -> tuple[int, int]:
-    """(shift, width): ``bits >> shift`` is the sign, the exponent and the mantissa bits
-    that travel inline (float16: two), ``width`` bits in all; +0.0 gets index 1 << width."""
-    low = max(0, layout.inline_bits - 1)
-    return layout.mbits - low, 1 + layout.ebits + low
-
-
 @njit(**_NOGIL)
 def _element_table(r, t, codes, lens, ebits, inline_bits, width, tab):
     """One block's code per element index (see _index_bits): code | length << 24.
@@ -173,7 +197,18 @@ def _join(e0, e1, code, size, i):
 
 
 @njit(**_NOGIL)
-def _pack(bits, bs, ebits, inline_bits, shift, width, ref, table, nzero, codes, lens, word_start, out):
+def _pack(bits, bs, mbits, ref, table, nzero, codes, lens, word_start, out):
+    """_pack_layout for the dtype that ``mbits`` tells (see _constants)."""
+    if mbits == _BF16[0]:
+        _pack_layout(bits, bs, _BF16, ref, table, nzero, codes, lens, word_start, out)
+    elif mbits == _FP16[0]:
+        _pack_layout(bits, bs, _FP16, ref, table, nzero, codes, lens, word_start, out)
+    else:
+        _pack_layout(bits, bs, _FP32, ref, table, nzero, codes, lens, word_start, out)
+
+
+@njit(inline="always")
+def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, word_start, out):
     """Huffman-code the exponents of every coded block into the byte array ``out``
     (section 2, with at least 8 bytes of slack after it).
 
@@ -182,6 +217,7 @@ def _pack(bits, bs, ebits, inline_bits, shift, width, ref, table, nzero, codes, 
     to a 64-bit accumulator and stores it unaligned, advancing by whole bytes.
     The store spills zeros past the stream's end, which the next block (and
     section 3, written afterwards) overwrite; the last one is the padding."""
+    mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
     n = bits.shape[0]
     tab = np.zeros((1 << width) + 1, np.uint32)
     code = np.zeros(bs // 2 + 1, np.uint64)
@@ -264,7 +300,18 @@ def _rest_run(vb, rest, j, mmask, mbits, ebits, rest_bytes):
 
 
 @njit(**_NOGIL)
-def _rest(bits, bs, mbits, ebits, rest_bytes, itemsize, table, nzero, rest_start, rest):
+def _rest(bits, bs, mbits, table, nzero, rest_start, rest):
+    """_rest_layout for the dtype that ``mbits`` tells (see _constants)."""
+    if mbits == _BF16[0]:
+        _rest_layout(bits, bs, _BF16, table, nzero, rest_start, rest)
+    elif mbits == _FP16[0]:
+        _rest_layout(bits, bs, _FP16, table, nzero, rest_start, rest)
+    else:
+        _rest_layout(bits, bs, _FP32, table, nzero, rest_start, rest)
+
+
+@njit(inline="always")
+def _rest_layout(bits, bs, layout, table, nzero, rest_start, rest):
     """Section 3: sign+mantissa bytes of non-zero elements; whole raw blocks.
 
     Single rest bytes of blocks with few +0.0 (which have no rest bytes) go out in
@@ -273,6 +320,7 @@ def _rest(bits, bs, mbits, ebits, rest_bytes, itemsize, table, nzero, rest_start
     whose surplus bytes the next element overwrites (or the next block, or the 8
     bytes of slack after the section); zeros there are dropped by not advancing,
     without a branch (runs were slower for them)."""
+    mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
     n = bits.shape[0]
     mmask = (1 << mbits) - 1
     zpos = np.empty(bs // 16 + 2, np.int64)
@@ -313,18 +361,16 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     ref = np.zeros(nb, np.int64)
     hist = np.zeros((nb, NSYM), np.int64)
     nzero = np.zeros(nb, np.int64)
-    _analyse(bits, block_size, layout.mbits, layout.emax, ref, hist, nzero)
+    _analyse(bits, block_size, layout.mbits, ref, hist, nzero)
     pl = plan(ref, hist, nzero, n, block_size, layout)
     buf = np.empty(pl.total_size + 8, dtype=np.uint8)  # the packer's stores spill up to 8 bytes
     front = pl.front()
     p = HEADER_SIZE + len(front)
     buf[HEADER_SIZE:p] = front
     if nb:
-        shift, width = _index_bits(layout)
-        _pack(bits, block_size, layout.ebits, layout.inline_bits, shift, width, pl.ref, pl.table, pl.nzero,
-              pl.codes, pl.lengths, pl.word_start, buf[p:])
-        _rest(bits, block_size, layout.mbits, layout.ebits, layout.rest_bytes, layout.itemsize, pl.table, pl.nzero,
-              pl.rest_start, buf[p + pl.sizes[2]:])
+        _pack(bits, block_size, layout.mbits, pl.ref, pl.table, pl.nzero, pl.codes, pl.lengths, pl.word_start,
+              buf[p:])
+        _rest(bits, block_size, layout.mbits, pl.table, pl.nzero, pl.rest_start, buf[p + pl.sizes[2]:])
     buf = buf[:pl.total_size]
     crc = zlib.crc32(memoryview(buf)[HEADER_SIZE:]) if checksum else 0
     h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, len(pl.lengths), NSYM, MAXLEN,
@@ -562,22 +608,17 @@ def _join_run_inline(ob, sb, xb, rb, base, mmask, mbits, ebits):
 
 @njit(**_NOGIL)
 def _compose(sym, xexp, rest, bs, n, mbits, ref, table, nzero, word_start, rest_start, stats, out):
-    """Join exponents and sign+mantissa bytes (float16: and the tokens' inline bits) into
-    ``out``; returns 0 or an error code. The dtype's layout (told by ``mbits``) reaches
-    the loops as constants: as run-time values they kept the shifts from vectorizing."""
-    if mbits == 7:
-        return _compose_layout(sym, xexp, rest, bs, n, 7, 8, 1, 0, 2, ref, table, nzero, word_start, rest_start,
-                               stats, out)
-    if mbits == 10:
-        return _compose_layout(sym, xexp, rest, bs, n, 10, 5, 1, 3, 2, ref, table, nzero, word_start, rest_start,
-                               stats, out)
-    return _compose_layout(sym, xexp, rest, bs, n, 23, 8, 3, 0, 4, ref, table, nzero, word_start, rest_start,
-                           stats, out)
+    """_compose_layout for the dtype that ``mbits`` tells (see _constants)."""
+    if mbits == _BF16[0]:
+        return _compose_layout(sym, xexp, rest, bs, n, _BF16, ref, table, nzero, word_start, rest_start, stats, out)
+    if mbits == _FP16[0]:
+        return _compose_layout(sym, xexp, rest, bs, n, _FP16, ref, table, nzero, word_start, rest_start, stats, out)
+    return _compose_layout(sym, xexp, rest, bs, n, _FP32, ref, table, nzero, word_start, rest_start, stats, out)
 
 
 @njit(inline="always")
-def _compose_layout(sym, xexp, rest, bs, n, mbits, ebits, rest_bytes, inline_bits, itemsize, ref, table, nzero,
-                    word_start, rest_start, stats, out):
+def _compose_layout(sym, xexp, rest, bs, n, layout, ref, table, nzero, word_start, rest_start, stats, out):
+    mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
     emax = (1 << ebits) - 1
     mmask = (1 << mbits) - 1
     zpos = np.empty(bs // 16 + 2, np.int64)
