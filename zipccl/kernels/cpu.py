@@ -43,6 +43,8 @@ from ..reference.plan import plan
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
 LANES = 4          # blocks coded in lock step
 _SPECIAL = -(1 << 63)  # multi-symbol entry flag: an escape (count 1) or an invalid code (count 0)
+_HISTS = 8  # interleaved histograms, so that repeated exponents don't wait on each other's
+            # counts: with four the bf16 bucket took 3-11 ms from run to run, with eight 2.8-3.0
 
 
 def _index_bits(layout) -> tuple[int, int]:
@@ -82,7 +84,7 @@ def _analyse_layout(bits, bs, layout, ref, hist, nzero):
     mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
     n = bits.shape[0]
     nb = ref.shape[0]
-    cnt = np.zeros((4, 2 * emax + 2), dtype=np.int32)  # by sign and exponent
+    cnt = np.zeros((_HISTS, 2 * emax + 2), dtype=np.int32)  # by sign and exponent
     for b in range(nb):
         lo = b * bs
         hi = min(n, lo + bs)
@@ -90,39 +92,39 @@ def _analyse_layout(bits, bs, layout, ref, hist, nzero):
         vb = bits[lo:hi]
         m = hi - lo
         i = 0
-        while i + 4 <= m:  # four histograms: repeated exponents don't wait on each other
-            for k in range(4):
+        while i + _HISTS <= m:
+            for k in range(_HISTS):
                 cnt[k, vb[i + k] >> mbits] += 1
-            i += 4
+            i += _HISTS
         while i < m:
             cnt[0, vb[i] >> mbits] += 1
             i += 1
+        tot = cnt[0, :emax + 1]  # merged into the first row: by exponent, both signs
+        for e in range(emax + 1):
+            c = np.int32(0)
+            for k in range(_HISTS):
+                c += cnt[k, e] + cnt[k, emax + 1 + e]
+            tot[e] = c
         z = 0
-        if cnt[0, 0] + cnt[1, 0] + cnt[2, 0] + cnt[3, 0]:  # +0.0 hides among exponent 0: count it apart
+        if tot[0]:  # +0.0 hides among exponent 0: count it apart
             for i in range(m):
                 z += vb[i] == 0
+        tot[0] -= z
         best = 0
-        bestc = -1
+        bestc = 0
         for e in range(emax + 1):
-            c = np.int64(cnt[0, e] + cnt[1, e] + cnt[2, e] + cnt[3, e]) - (z if e == 0 else 0)
-            s = emax + 1 + e
-            c += cnt[0, s] + cnt[1, s] + cnt[2, s] + cnt[3, s]
-            cnt[0, e] = c
-            if c > bestc:
-                bestc = c
+            if tot[e] > bestc:
+                bestc = tot[e]
                 best = e
-        if bestc == 0:
-            best = 0
         ref[b] = best
         nzero[b] = z
         hist[b, :] = 0
         hist[b, 0] = z
-        for e in range(emax + 1):
-            d = e - best
-            if d >= -26 and d <= 3:
-                hist[b, d + 28] += cnt[0, e]
-            else:
-                hist[b, 1] += cnt[0, e]
+        escapes = m - z
+        for d in range(max(-26, -best), min(3, emax - best) + 1):
+            hist[b, d + 28] = tot[best + d]
+            escapes -= tot[best + d]
+        hist[b, 1] = escapes
 
 
 def _unaligned(nbits: int, load: bool):
