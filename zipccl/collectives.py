@@ -43,6 +43,7 @@ from .auto import Policy
 from .stats import record as _record
 from .codecs import Lossless, Raw, TopK
 from .errors import MismatchError, UnsupportedError
+from .kernels import reduce
 from .reference.packet import host_bytes
 from .transport import TorchTransport
 
@@ -355,9 +356,12 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
         parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
         _land(acc, sends, recvs, sizes, lambda j, buf: _timed(acc, "codec_seconds", codec.decode, buf, parts[j]))
         t0 = time.perf_counter()
-        total = _sum_in_rank_order([chunks[r, a:b] if j == r else parts[j] for j in range(n)], op_code, n,
-                                   chunks.dtype)
-        result[a:b].copy_(total)
+        if op_code in (1, 2) and chunks.dtype in reduce.DTYPES and chunks.device.type == "cpu":
+            reduce.sum_in_rank_order(parts, chunks[r, a:b], r, op_code == 2, result[a:b])
+        else:
+            total = _sum_in_rank_order([chunks[r, a:b] if j == r else parts[j] for j in range(n)], op_code, n,
+                                       chunks.dtype)
+            result[a:b].copy_(total)
         acc["codec_seconds"] += time.perf_counter() - t0
         if on_piece is not None:
             on_piece(a, b, result[a:b])
