@@ -2,7 +2,7 @@
 
 Encode reads the data three times: analyse (histograms), pack (codes into the
 bit stream) and rest (sign+mantissa bytes). Decode runs two passes: Huffman
-symbols into a byte buffer (a 12-bit lookup yields up to four symbols, stored
+symbols into a byte buffer (a 10-bit lookup yields up to four symbols, stored
 with one 32-bit write; float16's three inline bits ride in the same bytes,
 above the symbol), then a branch-free pass joining exponents and rest bytes.
 Huffman decoding is serial within a block, so four blocks go in lock step to
@@ -45,8 +45,11 @@ from ..reference.packet import parse_lossless
 from ..reference.plan import plan
 
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
-LANES = 4          # blocks coded in lock step
-_SPECIAL = -(1 << 63)  # multi-symbol entry flag: an escape (count 1) or an invalid code (count 0)
+LANES = 4          # blocks decoded in lock step
+WINDOW = 10        # bits a multi-symbol lookup resolves: 8 KB of table per code, which stays in
+                   # cache while the collectives decode peers' packets in turn (12 bits: 1.3x slower)
+ROUND = 4          # lookups per refill of a lane's bit container (4 x WINDOW <= 57 bits)
+_SPECIAL = -(1 << 63)  # multi-symbol entry for an element that takes the single-symbol path
 _HISTS = 8  # interleaved histograms, so that repeated exponents don't wait on each other's
             # counts: with four the bf16 bucket took 3-11 ms from run to run, with eight 2.8-3.0
 
@@ -390,8 +393,7 @@ def _decoder_tables(key: bytes, inline_bits: int) -> tuple[np.ndarray, np.ndarra
     their tables; where they do not, each table's lookups come from the caches below."""
     lengths = np.frombuffer(key, dtype=np.int64).reshape(-1, NSYM)
     if not len(lengths):
-        empty = np.zeros((1, 1 << MAXLEN), np.int64)
-        return empty, empty
+        return np.zeros((1, 1 << MAXLEN), np.int64), np.zeros((1, 1 << WINDOW), np.int64)
     return (T.decode_luts(lengths).astype(np.int64),
             np.stack([_multi_lut(row.tobytes(), inline_bits) for row in lengths]))
 
@@ -405,67 +407,62 @@ def _multi_lut(key: bytes, inline_bits: int) -> np.ndarray:
 
 @njit(**_NOGIL)
 def _multi_luts(lut, inline_bits):
-    """A lookup that resolves up to four elements from the next 12 bits.
+    """A lookup that resolves up to four elements from the next WINDOW bits.
 
-    entry = token bytes (bits 0-31, first element lowest) | count << 32 | bits << 36.
-    A token is the symbol, with float16's inline bits (the ``inline_bits`` that follow
-    a nonzero symbol's code) above its five bits. The sign bit flags an escape (alone,
-    count 1: its raw exponent and inline bits follow), a code whose inline bits do not
-    fit the window (alone, count 1: they follow) and an invalid code (count 0). A window
-    stops before an escape or such a code."""
-    m = np.zeros(1 << MAXLEN, dtype=np.int64)
-    for w in range(1 << MAXLEN):
-        e = lut[w]
-        ln = e >> 8
-        s = e & 255
-        if ln == 0:
-            m[w] = _SPECIAL
-            continue
-        if s == 1 or (s != 0 and ln + inline_bits > MAXLEN):
-            m[w] = _SPECIAL | s | (1 << 32) | (ln << 36)
-            continue
+    entry = bits used (bits 0-5) | token bytes << 8 (first element lowest) | count << 40,
+    with the bits used lowest so that the bit reader shifts by the entry itself. A token
+    is the symbol, with float16's inline bits (the ``inline_bits`` that follow a nonzero
+    symbol's code) above its five bits. _SPECIAL (nothing used, count 0) sends the element
+    to the single-symbol path: an escape, an invalid code, or a code that with its inline
+    bits is longer than the window. A window stops before such an element."""
+    m = np.zeros(1 << WINDOW, dtype=np.int64)
+    for w in range(1 << WINDOW):
         toks, cnt, used = np.int64(0), 0, 0
         while cnt < 4:
-            e2 = lut[(w >> used) & ((1 << MAXLEN) - 1)]
-            ln2 = e2 >> 8
-            s2 = e2 & 255
-            extra = inline_bits if s2 != 0 else 0
-            if ln2 == 0 or used + ln2 + extra > MAXLEN or s2 == 1:
+            e = lut[w >> used]  # the window's remaining bits, zeros above: a code that fits them is found
+            ln = e >> 8
+            s = e & 255
+            extra = inline_bits if s != 0 else 0
+            if ln == 0 or used + ln + extra > WINDOW or s == 1:
                 break
-            toks |= (s2 | (((w >> (used + ln2)) & ((1 << extra) - 1)) << 5)) << (8 * cnt)
+            toks |= (s | (((w >> (used + ln)) & ((1 << extra) - 1)) << 5)) << (8 * cnt)
             cnt += 1
-            used += ln2 + extra
-        m[w] = toks | (cnt << 32) | (used << 36)
+            used += ln + extra
+        m[w] = used | (toks << 8) | (np.int64(cnt) << 40) if cnt else _SPECIAL
     return m
 
 
 @njit(inline="always")
-def _peek(stream, p):
+def _reader(stream, p):
     """At least 57 bits of the stream from bit ``p`` (``stream`` carries 8 bytes of zero padding)."""
     return _load_u64(stream, p >> 3) >> (p & 7)
 
 
 @njit(inline="always")
-def _multi(stream, mlut, sym, s, p, k):
-    """One lookup: store four symbol bytes at once (the surplus is overwritten next)."""
-    e = mlut[_peek(stream, p) & ((1 << MAXLEN) - 1)]
-    _store_u32(sym, s + k, e)
-    return p + ((e >> 36) & 15), k + ((e >> 32) & 7), e
+def _multi(mlut, c, p, sym, s, k):
+    """One lookup on the bit container ``c`` (bit ``p`` of the stream): four token bytes stored
+    at once (the surplus is overwritten next). Returns (c, p, k, entry), all advanced."""
+    e = mlut[c & ((1 << WINDOW) - 1)]
+    _store_u32(sym, s + k, e >> 8)
+    return c >> (e & 63), p + (e & 63), k + ((e >> 40) & 7), e
 
 
 @njit(inline="always")
-def _special(stream, e, p, k, s, xbits, inline_bits, sym, xexp):
-    """After a flagged lookup: read an escape's raw exponent and inline bits (``xbits`` in
-    all) into xexp, or a long code's inline bits into its token. Returns (p, escapes, error)."""
-    if e >= 0:
-        return p, 0, False
-    if (e >> 32) & 7 == 0:
-        return p, 0, True
-    if e & 255 == 1:
-        xexp[s + k - 1] = _peek(stream, p) & ((1 << xbits) - 1)
-        return p + xbits, 1, False
-    sym[s + k - 1] = (e & 255) | ((_peek(stream, p) & ((1 << inline_bits) - 1)) << 5)
-    return p + inline_bits, 0, False
+def _single(stream, lut, p, k, s, x, xbits, inline_bits, sym, xexp):
+    """One element by the single-symbol lookup: its token into sym, an escape's raw exponent
+    and inline bits into xexp. Returns (p, k, escapes, error), advanced."""
+    e = lut[_reader(stream, p) & ((1 << MAXLEN) - 1)]
+    tok = e & 255
+    p += e >> 8
+    if tok == 1:
+        xexp[s + k] = _reader(stream, p) & ((1 << xbits) - 1)
+        p += xbits
+        x += 1
+    elif tok != 0 and inline_bits:
+        tok |= (_reader(stream, p) & ((1 << inline_bits) - 1)) << 5
+        p += inline_bits
+    sym[s + k] = tok
+    return p, k + 1, x, (e >> 8) == 0
 
 
 @njit(**_NOGIL)
@@ -473,9 +470,11 @@ def _symbols(stream, bs, n, ebits, inline_bits, table, word_start, luts, mluts, 
     """Decode every coded block's tokens (see _multi_luts) into ``sym``, and each escape's
     exponent and inline bits into ``xexp``. stats[b] = (unused, escapes, end bit, error).
 
-    The lock-step loop breaks out only for escapes and invalid codes (flagged by the
-    sign bit), which keeps it free of stores that depend on a branch. A lookup
-    stores four symbols, so each lane stops four short of its block's end."""
+    Four blocks go in lock step. Each lane refills a 64-bit bit container once per round
+    and makes ROUND lookups on it without touching memory but the table, so the loop
+    carries no branch: a lane that meets an element for the single-symbol path (a
+    _SPECIAL entry uses no bits) repeats it until the round ends, then decodes it alone.
+    A lookup stores four symbols, so a round stays 4 * ROUND short of a block's end."""
     coded = np.nonzero(table != RAW_BLOCK)[0]
     nc = coded.shape[0]
     xbits = ebits + inline_bits
@@ -492,54 +491,46 @@ def _symbols(stream, bs, n, ebits, inline_bits, table, word_start, luts, mluts, 
         if m == LANES:
             b0, b1, b2, b3 = coded[g], coded[g + 1], coded[g + 2], coded[g + 3]
             t0, t1, t2, t3 = mluts[table[b0]], mluts[table[b1]], mluts[table[b2]], mluts[table[b3]]
+            l0, l1, l2, l3 = luts[table[b0]], luts[table[b1]], luts[table[b2]], luts[table[b3]]
             s0, s1, s2, s3 = b0 * bs, b1 * bs, b2 * bs, b3 * bs
             p0, p1, p2, p3 = P[0], P[1], P[2], P[3]
-            k0 = k1 = k2 = k3 = np.int64(0)
-            lim = min(bs, n - b3 * bs) - 4
+            k0 = k1 = k2 = k3 = x0 = x1 = x2 = x3 = np.int64(0)
+            lim = min(bs, n - b3 * bs) - 4 * ROUND
             while k0 <= lim and k1 <= lim and k2 <= lim and k3 <= lim and not bad:
-                e0 = e1 = e2 = e3 = np.int64(0)
-                while k0 <= lim and k1 <= lim and k2 <= lim and k3 <= lim:
-                    p0, k0, e0 = _multi(stream, t0, sym, s0, p0, k0)
-                    p1, k1, e1 = _multi(stream, t1, sym, s1, p1, k1)
-                    p2, k2, e2 = _multi(stream, t2, sym, s2, p2, k2)
-                    p3, k3, e3 = _multi(stream, t3, sym, s3, p3, k3)
-                    if (e0 | e1 | e2 | e3) < 0:
-                        break
-                p0, d0, f0 = _special(stream, e0, p0, k0, s0, xbits, inline_bits, sym, xexp)
-                p1, d1, f1 = _special(stream, e1, p1, k1, s1, xbits, inline_bits, sym, xexp)
-                p2, d2, f2 = _special(stream, e2, p2, k2, s2, xbits, inline_bits, sym, xexp)
-                p3, d3, f3 = _special(stream, e3, p3, k3, s3, xbits, inline_bits, sym, xexp)
-                X[0] += d0
-                X[1] += d1
-                X[2] += d2
-                X[3] += d3
-                bad = f0 or f1 or f2 or f3
+                c0, c1, c2, c3 = _reader(stream, p0), _reader(stream, p1), _reader(stream, p2), _reader(stream, p3)
+                for _ in range(ROUND):
+                    c0, p0, k0, e0 = _multi(t0, c0, p0, sym, s0, k0)
+                    c1, p1, k1, e1 = _multi(t1, c1, p1, sym, s1, k1)
+                    c2, p2, k2, e2 = _multi(t2, c2, p2, sym, s2, k2)
+                    c3, p3, k3, e3 = _multi(t3, c3, p3, sym, s3, k3)
+                if (e0 | e1 | e2 | e3) < 0:
+                    if e0 < 0:
+                        p0, k0, x0, f0 = _single(stream, l0, p0, k0, s0, x0, xbits, inline_bits, sym, xexp)
+                        bad |= f0
+                    if e1 < 0:
+                        p1, k1, x1, f1 = _single(stream, l1, p1, k1, s1, x1, xbits, inline_bits, sym, xexp)
+                        bad |= f1
+                    if e2 < 0:
+                        p2, k2, x2, f2 = _single(stream, l2, p2, k2, s2, x2, xbits, inline_bits, sym, xexp)
+                        bad |= f2
+                    if e3 < 0:
+                        p3, k3, x3, f3 = _single(stream, l3, p3, k3, s3, x3, xbits, inline_bits, sym, xexp)
+                        bad |= f3
             P[0], P[1], P[2], P[3] = p0, p1, p2, p3
             Kk[0], Kk[1], Kk[2], Kk[3] = k0, k1, k2, k3
-        for q in range(m):
+            X[0], X[1], X[2], X[3] = x0, x1, x2, x3
+        for q in range(m):  # each lane's tail, and groups of fewer than LANES blocks
             b = coded[g + q]
             nv = min(bs, n - b * bs)
             p, k, x = P[q], Kk[q], X[q]
             ml, sl = mluts[table[b]], luts[table[b]]
             s = b * bs
             while k + 4 <= nv and not bad:
-                p, k, e = _multi(stream, ml, sym, s, p, k)
-                p, d, bad = _special(stream, e, p, k, s, xbits, inline_bits, sym, xexp)
-                x += d
+                _, p, k, e = _multi(ml, _reader(stream, p), p, sym, s, k)
+                if e < 0:
+                    p, k, x, bad = _single(stream, sl, p, k, s, x, xbits, inline_bits, sym, xexp)
             while k < nv and not bad:
-                e = sl[_peek(stream, p) & ((1 << MAXLEN) - 1)]
-                tok = e & 255
-                p += e >> 8
-                bad = (e >> 8) == 0
-                if tok == 1:
-                    xexp[s + k] = _peek(stream, p) & ((1 << xbits) - 1)
-                    p += xbits
-                    x += 1
-                elif tok != 0 and inline_bits:
-                    tok |= (_peek(stream, p) & ((1 << inline_bits) - 1)) << 5
-                    p += inline_bits
-                sym[s + k] = tok
-                k += 1
+                p, k, x, bad = _single(stream, sl, p, k, s, x, xbits, inline_bits, sym, xexp)
             stats[b, 1] = x
             stats[b, 2] = p
             stats[b, 3] = bad
