@@ -3,7 +3,7 @@
     python bench/codec_stages.py [--data FILE.npy] [--dtype bf16|fp16|fp32] [--runs 15]
 
 Where the codec benchmark (python -m zipccl.bench.codec) says how fast, this says
-where the time goes: analyse, plan, pack and rest on the encode side; symbol
+where the time goes: analyse, tables, pack, plan and rest on the encode side; symbol
 decoding and the join on the decode side (bf16 and fp32; fp16 decodes in one pass).
 """
 
@@ -21,7 +21,7 @@ from zipccl.format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM
 from zipccl.kernels import cpu as C
 from zipccl.reference import tables as T
 from zipccl.reference.packet import parse_lossless
-from zipccl.reference.plan import plan
+from zipccl.reference.plan import choose, plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -42,16 +42,22 @@ def stages(x: torch.Tensor) -> dict:
     ref, hist, nzero = np.zeros(nb, np.int64), np.zeros((nb, NSYM), np.int64), np.zeros(nb, np.int64)
     analyse = lambda: C._analyse(bits, bs, layout.mbits, ref, hist, nzero)  # noqa: E731
     analyse()
-    pl = plan(ref, hist, nzero, n, bs, layout)
+    tables = choose(hist, layout)
+    cost = np.zeros(nb, np.int64)
+    streams = np.empty(4 * nb * bs + 8, np.uint8)
+    pack = lambda: C._pack(bits, bs, layout.mbits, ref, tables.assign, nzero, tables.codes,  # noqa: E731
+                           tables.lengths, streams, cost)
+    pack()
+    pl = plan(tables, ref, cost, nzero, n, bs, layout)
     start = HEADER_SIZE + len(pl.front())
     buf = np.empty(pl.total_size + 8, np.uint8)
     codec = Lossless()
     packet, out = codec.encode(x), torch.empty_like(x)
     out_stages = {
         "analyse": analyse,
-        "plan": lambda: plan(ref, hist, nzero, n, bs, layout),
-        "pack": lambda: C._pack(bits, bs, layout.mbits, pl.ref, pl.table, pl.nzero, pl.codes, pl.lengths,
-                                pl.word_start, buf[start:]),
+        "tables": lambda: choose(hist, layout),
+        "pack": pack,
+        "plan": lambda: plan(tables, ref, cost, nzero, n, bs, layout),
         "rest": lambda: C._rest(bits, bs, layout.mbits, pl.table, pl.nzero, pl.rest_start,
                                 buf[start + pl.sizes[2]:]),
         "encode (all)": lambda: codec.encode(x),

@@ -25,7 +25,7 @@ from zipccl.kernels import aot, gpu
 GPUS = {"H100 SXM": 3.35e12, "H200": 4.8e12}  # HBM bytes/s
 SMS, CLOCK, ISSUE = 132, 1.98e9, 4           # both: 132 SMs, 1.98 GHz boost, 4 warp-instructions/clock/SM
 DECODE_LATENCY = 100                          # assumed cycles per iteration of one lane's dependent chain
-STATS_BYTES = 4 + 4 * 32                      # ref + histogram per block
+STATS_BYTES = 4 + 2 * 2 * 32                  # ref + two 16-bit histograms per block
 
 
 def sass(name: str, dtype: str) -> tuple[int, int, int]:

@@ -39,7 +39,8 @@ def test_codec_stages_smoke():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = (torch.randn(20_000, generator=torch.Generator().manual_seed(1)) * 1e-3).to(dtype)
         stages = stages_mod.stages(x)
-        assert set(stages) == {"analyse", "plan", "pack", "rest", "encode (all)", "symbols", "join", "decode (all)"}
+        assert set(stages) == {"analyse", "tables", "pack", "plan", "rest", "encode (all)", "symbols", "join",
+                               "decode (all)"}
         assert all(stages_mod.best(fn, 2) > 0 for fn in stages.values())
 
 
@@ -60,3 +61,21 @@ def test_collective_cpu_smoke():
             if line.split() and line.split()[0] in ("gloo", "raw", "lossless")}
     assert set(rows) == {"gloo", "raw", "lossless"}
     assert all(len(v) == 3 and v[0] > 0 and v[1] > 0 for v in rows.values()), out
+
+
+def test_format_alternatives_smoke(tmp_path):
+    """bench/format_alternatives.py (the ratio table of docs/FORMAT.md) runs, and its model of the
+    chosen coding gives the encoder's exact packet size (the script asserts it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    data = tmp_path / "grads.npy"
+    np.save(data, (np.random.default_rng(0).standard_normal(50_000) * 1e-3).astype(np.float32))
+    script = Path(__file__).parents[1] / "bench/format_alternatives.py"
+    out = subprocess.run([sys.executable, str(script), str(data)], capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    ratios = [float(line.split("|")[-2]) for line in out.splitlines() if line.startswith("|")]
+    assert len(ratios) == 17 and all(0.5 < r < 1.0 for r in ratios), out

@@ -290,3 +290,21 @@ def test_raw_codec_roundtrip_and_bound():
         p = Raw().encode(x)
         assert p.numel() == Raw().max_encoded_size(1001, dtype)
         assert_same_bits(Raw().decode(p), x)
+
+
+def test_format_doc_worked_example():
+    """docs/FORMAT.md's worked example is the packet every implementation produces, byte for byte."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "FORMAT.md").read_text()
+    block = doc.split("## Worked example", 1)[1].split("```", 2)[1]
+    data = bytearray()
+    for line in block.splitlines():
+        for token in line.split()[1 if line[:1].isalpha() else 0:]:
+            if len(token) != 2 or any(c not in "0123456789abcdef" for c in token):
+                break
+            data.append(int(token, 16))
+    x = torch.tensor([1.0, -2.0, 0.0, 0.5, 3.0, 1.5, 0.0, 1e-30]).to(torch.bfloat16)
+    for impl in ("reference", "numba", *(["triton"] if HAVE_TRITON else [])):
+        assert bytes(Lossless(impl=impl, block_size=256).encode(x).numpy()) == bytes(data), impl
+    assert len(data) == 94

@@ -32,6 +32,13 @@ def test_real_gradients_match_reference(real_grads, dtype, block_size):
     assert_same_bits(gpu.decode(p), x)
 
 
+def test_largest_block_of_one_symbol():
+    """A 32768-element block of one value: 32768 of one symbol, the largest count the analysis
+    sends to the host (as 16 bits). Encode only: the interpreter decodes a block that long slowly."""
+    x = torch.full((32768,), 0.375, dtype=torch.bfloat16)
+    assert torch.equal(Lossless("triton", block_size=32768).encode(x), Lossless("reference", block_size=32768).encode(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_every_16bit_pattern(dtype):
     x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)

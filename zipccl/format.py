@@ -124,6 +124,8 @@ SYM_ESC = 1          # exponent stored inline as raw bits right after the code
 OFFSET_BIAS = 28     # symbol = (exponent - block reference) + OFFSET_BIAS, for offsets -26..+3
 MIN_OFFSET, MAX_OFFSET = 2 - OFFSET_BIAS, NSYM - 1 - OFFSET_BIAS
 MAXLEN = 12          # longest Huffman code, bits (decoders peek MAXLEN bits)
+SAMPLE_STRIDE = 8    # encoders choose reference exponents and tables from every 8th element of a
+                     # block (its elements 0, 8, 16, ...); exact sizes come from all of them
 MAX_TABLES = 8
 RAW_BLOCK = 0xFF     # block index table id of a block stored raw
 INDEX_ENTRY = 8      # bytes per block index entry: u8 ref, u8 table, u16 nwords, u16 nzero, u16 0

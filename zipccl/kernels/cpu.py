@@ -39,10 +39,11 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from ..errors import FormatError
-from ..format import CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK, Header, num_blocks
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK, SAMPLE_STRIDE,
+                      Header, num_blocks)
 from ..reference import tables as T
 from ..reference.packet import parse_lossless
-from ..reference.plan import plan
+from ..reference.plan import choose, plan
 
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
 LANES = 4          # blocks decoded in lock step
@@ -50,8 +51,8 @@ WINDOW = 10        # bits a multi-symbol lookup resolves: 8 KB of table per code
                    # cache while the collectives decode peers' packets in turn (12 bits: 1.3x slower)
 ROUND = 4          # lookups per refill of a lane's bit container (4 x WINDOW <= 57 bits)
 _SPECIAL = -(1 << 63)  # multi-symbol entry for an element that takes the single-symbol path
-_HISTS = 8  # interleaved histograms, so that repeated exponents don't wait on each other's
-            # counts: with four the bf16 bucket took 3-11 ms from run to run, with eight 2.8-3.0
+_HISTS = 4  # interleaved histograms of the sample, so that repeated exponents don't wait on each
+            # other's counts (bf16 bucket: 2, 4 and 8 histograms 0.51, 0.49 and 0.52 ms)
 
 
 def _index_bits(layout) -> tuple[int, int]:
@@ -86,37 +87,37 @@ def _analyse(bits, bs, mbits, ref, hist, nzero):
 
 @njit(inline="always")
 def _analyse_layout(bits, bs, layout, ref, hist, nzero):
-    """Per block: reference exponent (mode of non-zero exponents, ties to the smallest),
-    symbol histogram and count of +0.0 elements."""
+    """Per block: reference exponent (mode of the non-zero exponents of its sample, every
+    SAMPLE_STRIDE-th element, ties to the smallest), the sample's symbol histogram, and the
+    count of +0.0 elements in the whole block."""
     mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
     n = bits.shape[0]
     nb = ref.shape[0]
-    cnt = np.zeros((_HISTS, 2 * emax + 2), dtype=np.int32)  # by sign and exponent
+    cnt = np.zeros((_HISTS, emax + 1), dtype=np.int16)  # by exponent; a block has at most 4096 samples
+    tot = np.zeros(emax + 1, dtype=np.int32)
     for b in range(nb):
         lo = b * bs
         hi = min(n, lo + bs)
         cnt[:] = 0
         vb = bits[lo:hi]
-        m = hi - lo
-        i = 0
-        while i + _HISTS <= m:
+        m = -(-(hi - lo) // SAMPLE_STRIDE)  # samples
+        j = 0
+        while j + _HISTS <= m:
             for k in range(_HISTS):
-                cnt[k, vb[i + k] >> mbits] += 1
-            i += _HISTS
-        while i < m:
-            cnt[0, vb[i] >> mbits] += 1
-            i += 1
-        tot = cnt[0, :emax + 1]  # merged into the first row: by exponent, both signs
-        for e in range(emax + 1):
-            c = np.int32(0)
-            for k in range(_HISTS):
-                c += cnt[k, e] + cnt[k, emax + 1 + e]
-            tot[e] = c
-        z = 0
+                cnt[k, (vb[(j + k) * SAMPLE_STRIDE] >> mbits) & emax] += 1
+            j += _HISTS
+        while j < m:
+            cnt[0, (vb[j * SAMPLE_STRIDE] >> mbits) & emax] += 1
+            j += 1
+        tot[:] = 0
+        for k in range(_HISTS):
+            for e in range(emax + 1):
+                tot[e] += cnt[k, e]
+        zs = 0
         if tot[0]:  # +0.0 hides among exponent 0: count it apart
-            for i in range(m):
-                z += vb[i] == 0
-        tot[0] -= z
+            for j in range(m):
+                zs += vb[j * SAMPLE_STRIDE] == 0
+        tot[0] -= zs
         best = 0
         bestc = 0
         for e in range(emax + 1):
@@ -124,14 +125,17 @@ def _analyse_layout(bits, bs, layout, ref, hist, nzero):
                 bestc = tot[e]
                 best = e
         ref[b] = best
-        nzero[b] = z
         hist[b, :] = 0
-        hist[b, 0] = z
-        escapes = m - z
+        hist[b, 0] = zs
+        escapes = m - zs
         for d in range(max(-26, -best), min(3, emax - best) + 1):
             hist[b, d + 28] = tot[best + d]
             escapes -= tot[best + d]
         hist[b, 1] = escapes
+        z = 0
+        for i in range(hi - lo):  # vectorizes
+            z += vb[i] == 0
+        nzero[b] = z
 
 
 def _unaligned(nbits: int, load: bool):
@@ -206,34 +210,34 @@ def _join(e0, e1):
 
 
 @njit(**_NOGIL)
-def _pack(bits, bs, mbits, ref, table, nzero, codes, lens, word_start, out):
+def _pack(bits, bs, mbits, ref, table, nzero, codes, lens, out, cost):
     """_pack_layout for the dtype that ``mbits`` tells (see _constants)."""
     if mbits == _BF16[0]:
-        _pack_layout(bits, bs, _BF16, ref, table, nzero, codes, lens, word_start, out)
+        _pack_layout(bits, bs, _BF16, ref, table, nzero, codes, lens, out, cost)
     elif mbits == _FP16[0]:
-        _pack_layout(bits, bs, _FP16, ref, table, nzero, codes, lens, word_start, out)
+        _pack_layout(bits, bs, _FP16, ref, table, nzero, codes, lens, out, cost)
     else:
-        _pack_layout(bits, bs, _FP32, ref, table, nzero, codes, lens, word_start, out)
+        _pack_layout(bits, bs, _FP32, ref, table, nzero, codes, lens, out, cost)
 
 
 @njit(inline="always")
-def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, word_start, out):
-    """Huffman-code the exponents of every coded block into the byte array ``out``
-    (section 2, with at least 8 bytes of slack after it).
+def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost):
+    """Huffman-code the exponents of every block into the byte array ``out``, one block's
+    stream after the other, each starting at a 32-bit word; cost[b] = block b's bits.
+    ``out`` needs 8 bytes of slack after the streams.
 
     Per block, a branch-free pass looks up each pair of elements and joins their
     codes; then a serial pass appends one or two pairs at a time
     to a 64-bit accumulator and stores it unaligned, advancing by whole bytes.
-    The store spills zeros past the stream's end, which the next block (and
-    section 3, written afterwards) overwrite; the last one is the padding."""
+    The store spills zeros past the stream's end, which the next block overwrites;
+    the last store always runs, so a block's last word is padded with zeros."""
     mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
     n = bits.shape[0]
     tab = np.zeros((1 << width) + 1, np.uint32)
     pairs = np.zeros(bs // 2 + 1, np.uint64)
     last_ref = last_table = -1
+    word = 0
     for b in range(table.shape[0]):
-        if table[b] == RAW_BLOCK:
-            continue
         if ref[b] != last_ref or table[b] != last_table:  # neighbouring blocks often share both
             _element_table(np.int64(ref[b]), table[b], codes, lens, ebits, inline_bits, width, tab)
             last_ref, last_table = ref[b], table[b]
@@ -248,15 +252,17 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, word_start, o
                 v0, v1 = vb[2 * i], vb[2 * i + 1]
                 pairs[i] = _join(np.uint64(tab[(v0 >> shift) + (np.uint32(v0 == 0) << width)]),
                                  np.uint64(tab[(v1 >> shift) + (np.uint32(v1 == 0) << width)]))
-        longest = np.uint64(0)
-        for i in range(h):
-            longest = max(longest, pairs[i] & _U255)
         if nv & 1:
             pairs[h] = np.uint64(tab[(vb[nv - 1] >> shift) + (np.uint32(vb[nv - 1] == 0) << width)])
             h += 1
+        longest = np.uint64(0)
+        total = np.uint64(0)
+        for i in range(h):
+            longest = max(longest, pairs[i] & _U255)
+            total += pairs[i] & _U255
         acc = np.uint64(0)
         pending = np.uint64(0)  # bits in acc, < 8 after each flush
-        pos = word_start[b] * 4
+        pos = word * 4
         i = 0
         if longest <= 28:  # two pairs fit: 7 + 2 * 28 < 64
             while i + 2 <= h:
@@ -276,8 +282,21 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, word_start, o
             acc >>= pending & _U56
             pending &= _U7
             i += 1
-        if pending:
-            _store_u64(out, pos, acc)
+        _store_u64(out, pos, acc)
+        cost[b] = total
+        word += (np.int64(total) + 31) // 32
+
+
+@njit(**_NOGIL)
+def _place_streams(streams, cost, table, word_start, out):
+    """Copy each coded block's stream from where _pack wrote it (every block, one after the
+    other) to its place in section 2 (``out``), skipping the blocks stored raw."""
+    src = 0
+    for b in range(table.shape[0]):
+        nw = (cost[b] + 31) // 32
+        if table[b] != RAW_BLOCK:
+            out[4 * word_start[b]:4 * (word_start[b] + nw)] = streams[4 * src:4 * (src + nw)]
+        src += nw
 
 
 @njit(inline="always")
@@ -368,15 +387,25 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     ref = np.zeros(nb, np.int64)
     hist = np.zeros((nb, NSYM), np.int64)
     nzero = np.zeros(nb, np.int64)
+    cost = np.zeros(nb, np.int64)
     _analyse(bits, block_size, layout.mbits, ref, hist, nzero)
-    pl = plan(ref, hist, nzero, n, block_size, layout)
-    buf = np.empty(pl.total_size + 8, dtype=np.uint8)  # the packer's stores spill up to 8 bytes
+    tables = choose(hist, layout)
+    # Every block's stream first, into a buffer this thread reuses: the packet's size, and so
+    # where section 3 starts, is known only once the blocks' exact sizes are.
+    longest = MAXLEN + layout.ebits + layout.inline_bits
+    streams = _scratch("streams", 4 * nb * -(-block_size * longest // 32) + 8, np.uint8)
+    if nb:
+        _pack(bits, block_size, layout.mbits, ref, tables.assign, nzero, tables.codes, tables.lengths, streams, cost)
+    pl = plan(tables, ref, cost, nzero, n, block_size, layout)
+    buf = np.empty(pl.total_size + 8, dtype=np.uint8)  # the rest section's stores spill up to 8 bytes
     front = pl.front()
     p = HEADER_SIZE + len(front)
     buf[HEADER_SIZE:p] = front
     if nb:
-        _pack(bits, block_size, layout.mbits, pl.ref, pl.table, pl.nzero, pl.codes, pl.lengths, pl.word_start,
-              buf[p:])
+        if (pl.table == RAW_BLOCK).any():
+            _place_streams(streams, cost, pl.table, pl.word_start, buf[p:])
+        else:
+            buf[p:p + pl.sizes[2]] = streams[:pl.sizes[2]]
         _rest(bits, block_size, layout.mbits, pl.table, pl.nzero, pl.rest_start, buf[p + pl.sizes[2]:])
     buf = buf[:pl.total_size]
     crc = zlib.crc32(memoryview(buf)[HEADER_SIZE:]) if checksum else 0

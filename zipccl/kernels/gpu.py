@@ -6,7 +6,8 @@ sm_90 without a GPU. docs/GPU.md explains the design; in short:
 
 encode, two passes over the input and one round trip to the host:
   1. ``_analyse``: one program per block reads it once and writes the block's
-     reference exponent and 32-bin symbol histogram (132 bytes per block).
+     reference exponent and two 32-bin symbol histograms of 16-bit counts, of
+     its sample and of all its elements (132 bytes per block).
   2. The host reads those statistics (the one device-to-host copy), builds the
      code tables and every block's offsets (reference/plan.py), and sends
      tables, per-block offsets and the packet's front back (host-to-device).
@@ -33,18 +34,18 @@ import triton.language as tl
 
 from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, OFFSET_BIAS,
-                      RAW_BLOCK, SYM_ESC, SYM_ZERO, Header, num_blocks)
+                      RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
 from ..reference import tables as T
 from ..reference.packet import parse_lossless
-from ..reference.plan import plan
+from ..reference.plan import choose, plan
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 LANES = 32  # blocks decoded in lock step by one program
 DECODE_WARPS = 1  # LANES lanes fill one warp
 
 # Format constants as Triton compile-time constants (kernels may read only constexpr globals).
-_NSYM, _BIAS, _ESC, _ZERO, _RAW, _LUT = (tl.constexpr(v) for v in (NSYM, OFFSET_BIAS, SYM_ESC, SYM_ZERO,
-                                                                     RAW_BLOCK, 1 << MAXLEN))
+_NSYM, _BIAS, _ESC, _ZERO, _RAW, _LUT, _STRIDE = (tl.constexpr(v) for v in (
+    NSYM, OFFSET_BIAS, SYM_ESC, SYM_ZERO, RAW_BLOCK, 1 << MAXLEN, SAMPLE_STRIDE))
 
 _ERR_CODE, _ERR_RANGE, _ERR_ZEROS, _ERR_REST = (tl.constexpr(1 << k) for k in range(4))
 _ERRORS = {1: "invalid or truncated code in an exponent stream", 2: "decoded exponent out of range",
@@ -69,17 +70,22 @@ def _symbols(v, valid, ref, MBITS: tl.constexpr, EMAX: tl.constexpr):
 @triton.jit
 def _analyse(x_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.constexpr, MBITS: tl.constexpr,
              EMAX: tl.constexpr):
-    """Per block: reference exponent (most common among non-zero elements, ties to the smallest) and
-    the histogram of its symbols."""
+    """Per block: reference exponent (most common among the sample's non-zero elements, ties to the
+    smallest), then the histograms of its symbols: the sample's (the tables' input) and the whole
+    block's (its exact size)."""
     b = tl.program_id(0)
-    offs = b.to(tl.int64) * BS + tl.arange(0, BS)
+    i = tl.arange(0, BS)
+    offs = b.to(tl.int64) * BS + i
     valid = offs < n
+    sampled = valid & (i % _STRIDE == 0)
     v = _bits(x_ptr, offs, valid, VMASK)
-    counts = tl.histogram((v >> MBITS) & EMAX, EMAX + 1, mask=valid & (v != 0))
+    counts = tl.histogram((v >> MBITS) & EMAX, EMAX + 1, mask=sampled & (v != 0))
     ref = tl.argmax(counts, axis=0, tie_break_left=True).to(tl.int32)
     _, sym = _symbols(v, valid, ref, MBITS, EMAX)
     tl.store(ref_ptr + b, ref)
-    tl.store(hist_ptr + b * _NSYM + tl.arange(0, _NSYM), tl.histogram(sym, _NSYM, mask=valid))
+    bins = hist_ptr + b * 2 * _NSYM + tl.arange(0, _NSYM)  # 16-bit counts: a block has at most 32768
+    tl.store(bins, tl.histogram(sym, _NSYM, mask=sampled).to(tl.int16))
+    tl.store(bins + _NSYM, tl.histogram(sym, _NSYM, mask=valid).to(tl.int16))
 
 
 @triton.jit
@@ -239,13 +245,16 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     nb = num_blocks(n, block_size)
     bits = _ints(x)
     ref = torch.zeros(nb, dtype=torch.int32, device=dev)
-    hist = torch.zeros(nb, NSYM, dtype=torch.int32, device=dev)
+    hist = torch.zeros(nb, 2, NSYM, dtype=torch.int16, device=dev)  # read as uint16
     if nb:
         _analyse[(nb,)](bits, n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=block_warps(block_size),
                         **_shape_args(layout))
     # The encoder's one device-to-host copy: 132 bytes per block, needed for the tables and sizes.
-    hist_h = hist.cpu().numpy().astype(np.int64)
-    pl = plan(ref.cpu().numpy().astype(np.int64), hist_h, hist_h[:, SYM_ZERO].copy(), n, block_size, layout)
+    hist_h = hist.cpu().numpy().view(np.uint16).astype(np.int64)
+    tables = choose(np.ascontiguousarray(hist_h[:, 0]), layout)
+    exact = hist_h[:, 1]
+    pl = plan(tables, ref.cpu().numpy().astype(np.int64), tables.cost(exact, layout), exact[:, SYM_ZERO].copy(), n,
+              block_size, layout)
     packet = torch.empty(pl.total_size, dtype=torch.uint8, device=dev)
     front = pl.front()
     p = HEADER_SIZE + len(front)

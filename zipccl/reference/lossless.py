@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, LAYOUTS, MAX_OFFSET, MAXLEN, MIN_OFFSET,
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, LAYOUTS, MAX_OFFSET, MAXLEN, MIN_OFFSET, SAMPLE_STRIDE,
                       OFFSET_BIAS, RAW_BLOCK, SYM_ESC, SYM_ZERO, Header, num_blocks, num_tables)
 from . import tables as T
 from .packet import assemble, parse_lossless
@@ -35,8 +35,14 @@ def from_bytes(data: torch.Tensor, nbytes: int) -> torch.Tensor:
     return (data.reshape(-1, nbytes).to(torch.int64) << shifts).sum(dim=1)
 
 
+def sample_mask(block_size: int, device) -> torch.Tensor:
+    """The elements of a block that the encoder's choices look at: every SAMPLE_STRIDE-th."""
+    return torch.arange(block_size, device=device) % SAMPLE_STRIDE == 0
+
+
 def block_symbols(bits: torch.Tensor, layout, block_size: int):
-    """Per block: reference exponent, symbols, exponents, zero mask (padded to whole blocks)."""
+    """Per block: reference exponent (from the sample), symbols, exponents, zero mask (padded to
+    whole blocks)."""
     n = bits.numel()
     nb = num_blocks(n, block_size)
     padded = torch.zeros(nb * block_size, dtype=torch.int64, device=bits.device)
@@ -46,7 +52,7 @@ def block_symbols(bits: torch.Tensor, layout, block_size: int):
     exp = (bits2 >> layout.mbits) & layout.emax
     zero = bits2 == 0
     counts = torch.zeros(nb, layout.emax + 1, dtype=torch.int64, device=bits.device)
-    counts.scatter_add_(1, exp, (valid & ~zero).to(torch.int64))
+    counts.scatter_add_(1, exp, (valid & ~zero & sample_mask(block_size, bits.device)).to(torch.int64))
     ref = counts.argmax(dim=1)  # ties -> smallest exponent; all-zero block -> 0
     d = exp - ref[:, None]
     sym = torch.where((d >= MIN_OFFSET) & (d <= MAX_OFFSET), d + OFFSET_BIAS, torch.full_like(d, SYM_ESC))
@@ -67,8 +73,11 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     ref, sym, exp, zero, valid, bits2 = block_symbols(bits, layout, block_size)
     hist = torch.zeros(nb, T.NSYM, dtype=torch.int64, device=dev)
     hist.scatter_add_(1, sym, valid.to(torch.int64))
+    sampled = torch.zeros_like(hist)
+    sampled.scatter_add_(1, sym, (valid & sample_mask(block_size, dev)).to(torch.int64))
     K = num_tables(nb)
-    lengths, assign, cost = T.choose_tables(hist.cpu().numpy(), K, layout)
+    lengths, assign, _ = T.choose_tables(sampled.cpu().numpy(), K, layout)  # tables from the sample,
+    cost = (hist.cpu().numpy() * (lengths + T.extra_bits(layout))[assign]).sum(axis=1)  # sizes from all
     nvalid = valid.sum(dim=1).cpu().numpy()
     nzero = (zero & valid).sum(dim=1).cpu().numpy()
     coded_bytes = 4 * (-(-cost // 32)) + (nvalid - nzero) * layout.rest_bytes

@@ -1,12 +1,15 @@
 """From per-block statistics to a packet's layout: shared by the fast encoders.
 
-An encoder's first pass yields, per block, the reference exponent, the symbol
-histogram and the count of +0.0 elements. That is all the host needs to build
-the code tables, decide which blocks stay raw, and compute every block's
-offset in the exponent streams and the sign+mantissa section, so the second
-pass can write each block independently (one CPU loop iteration or one GPU
-program per block). The reference encoder (reference/lossless.py) spells the
-same rules out with whole-tensor operations.
+An encoder's first pass yields, per block, the reference exponent and the symbol
+histogram of a sample (every SAMPLE_STRIDE-th element), and the count of +0.0
+elements. ``choose`` builds the code tables from the samples and picks each
+block's table; ``plan`` then decides which blocks stay raw and computes every
+block's offset in the exponent streams and the sign+mantissa section from the
+blocks' exact coded sizes, which an encoder gets from the whole histogram
+(``Tables.cost``: the Triton encoder, whose second pass writes each block
+independently) or from packing the blocks (the numba encoder). The reference
+encoder (reference/lossless.py) spells the same rules out with whole-tensor
+operations.
 """
 
 from __future__ import annotations
@@ -19,6 +22,32 @@ from numba import njit
 
 from ..format import HEADER_SIZE, INDEX_ENTRY, NSYM, RAW_BLOCK, TABLE_BYTES, FloatLayout, num_tables
 from . import tables as T
+
+
+@dataclass
+class Tables:
+    """A packet's code tables and each block's choice among them."""
+    lengths: np.ndarray     # (ntables, NSYM) code lengths
+    codes: np.ndarray       # (ntables, NSYM) canonical codes, LSB first
+    packed: np.ndarray      # section 0: the code lengths as nibbles
+    assign: np.ndarray      # (nblocks,) table id per block
+
+    def cost(self, hist: np.ndarray, layout: FloatLayout) -> np.ndarray:
+        """Coded bits of each block, from its whole (not sampled) symbol histogram."""
+        if not len(self.assign):
+            return np.zeros(0, np.int64)
+        return (hist * (self.lengths + T.extra_bits(layout))[self.assign]).sum(axis=1)
+
+
+def choose(sampled: np.ndarray, layout: FloatLayout) -> Tables:
+    """Code tables and each block's table from the blocks' sampled symbol histograms."""
+    nb = len(sampled)
+    if not nb:
+        empty = np.zeros((0, NSYM), np.int64)
+        return Tables(empty, empty, np.zeros(0, np.uint8), np.zeros(0, np.int64))
+    lengths, assign, _ = T.choose_tables(sampled, num_tables(nb), layout)
+    codes, packed = _encoder_tables(lengths.tobytes())
+    return Tables(lengths, codes, packed, assign)
 
 
 @dataclass
@@ -43,23 +72,16 @@ class Plan:
         return np.concatenate([self.packed, _index_bytes(self.ref, self.table, self.nwords, self.nzero)])
 
 
-def plan(ref: np.ndarray, hist: np.ndarray, nzero: np.ndarray, numel: int, block_size: int,
+def plan(tables: Tables, ref: np.ndarray, cost: np.ndarray, nzero: np.ndarray, numel: int, block_size: int,
          layout: FloatLayout) -> Plan:
-    """Tables, raw-block decisions and offsets of a packet from its blocks' statistics."""
+    """Raw-block decisions and offsets of a packet from its tables and its blocks' exact coded bits."""
     nb = len(ref)
-    K = num_tables(nb)
-    if nb:
-        lengths, assign, cost = T.choose_tables(hist, K, layout)
-        codes, packed = _encoder_tables(lengths.tobytes())
-    else:
-        lengths = codes = np.zeros((0, NSYM), np.int64)
-        packed = np.zeros(0, np.uint8)
-        assign = cost = np.zeros(0, np.int64)
-    f = _layout(np.asarray(ref, np.int64), np.asarray(nzero, np.int64), cost, assign, numel, block_size,
-                layout.itemsize, layout.rest_bytes)
+    f = _layout(np.asarray(ref, np.int64), np.asarray(nzero, np.int64), np.asarray(cost, np.int64), tables.assign,
+                numel, block_size, layout.itemsize, layout.rest_bytes)
     word_start, rest_start = f[4], f[5]
-    sizes = (K * TABLE_BYTES, nb * INDEX_ENTRY, int(word_start[-1]) * 4, int(rest_start[-1]))
-    return Plan(lengths, codes, packed, f[0, :nb], f[1, :nb], f[2, :nb], f[3, :nb], word_start, rest_start, sizes)
+    sizes = (len(tables.lengths) * TABLE_BYTES, nb * INDEX_ENTRY, int(word_start[-1]) * 4, int(rest_start[-1]))
+    return Plan(tables.lengths, tables.codes, tables.packed, f[0, :nb], f[1, :nb], f[2, :nb], f[3, :nb], word_start,
+                rest_start, sizes)
 
 
 @lru_cache(maxsize=256)
