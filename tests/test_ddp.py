@@ -137,8 +137,9 @@ def test_segments_of_a_bucket():
               torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(5, 5))]
     names = {id(params[3]): "blocks.0.ln_f.weight"}
     lossy, exact = zipccl.rules.segments(rules, params, names, 52)
-    assert lossy.tolist() == list(range(20))
-    assert exact.tolist() == list(range(20, 52))
+    assert lossy == [(0, 20)] and exact == [(20, 52)]  # neighbours merged
+    params.append(torch.nn.Parameter(torch.zeros(3, 4)))
+    assert zipccl.rules.segments(rules, params, names, 64) == ([(0, 20), (52, 64)], [(20, 52)])
     assert zipccl.rules.segments(rules, params, names, 53) is None  # parameters do not tile the bucket
     with pytest.raises(ValueError):
         zipccl.rules.LayerRules(min_numel=-1)

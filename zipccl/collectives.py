@@ -43,7 +43,7 @@ from .auto import Policy
 from .stats import record as _record
 from .codecs import Lossless, Raw, TopK
 from .errors import MismatchError, UnsupportedError
-from .kernels import reduce
+from .kernels import reduce, sparse
 from .reference.packet import host_bytes
 from .transport import TorchTransport
 
@@ -565,8 +565,16 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict)
     idx, values = _timed(acc, "codec_seconds", codec.select, flat)
     if algorithm == "gather":
         packet = _timed(acc, "codec_seconds", codec.encode_selected, idx, values, flat.numel())
-        total, _ = _sum_pairs(_sparse_all_gather(t, packet, call, acc), codec, flat, op, t.size)
-        flat.copy_(total)
+        parts = _sparse_all_gather(t, packet, call, acc)
+        t0 = time.perf_counter()
+        if flat.device.type == "cpu" and flat.dtype in sparse.DTYPES and values.dtype in sparse.DTYPES:
+            if any((h.dtype, h.numel) != (values.dtype, flat.numel()) for h in map(codec.header, parts)):
+                raise MismatchError("top-k packets of the ranks differ in dtype or element count")
+            sparse.sum_pairs_into(parts, values.dtype, _OPS[op] == 2, t.size, flat)  # one pass, no fp32 copy
+        else:
+            total, _ = _sum_pairs(parts, codec, flat, op, t.size)
+            flat.copy_(total)
+        acc["codec_seconds"] += time.perf_counter() - t0
         return
     # scatter: each owner reduces its chunk, then everyone gathers the reduced chunks
     n, r, numel = t.size, t.rank, flat.numel()
@@ -589,8 +597,8 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict)
     total, sent = _sum_pairs(_in_rank_order(recv, recv_splits, parts[r], r), codec, mine, op, n)
     reduced = total.to(flat.dtype)
     where = torch.nonzero(sent).reshape(-1).to(torch.int32)
-    sparse = where.numel() * (4 + flat.element_size()) < mine.numel() * flat.element_size()
-    packet = codec.encode_selected(where, reduced[where.long()], mine.numel()) if sparse else _RAW.encode(reduced)
+    as_pairs = where.numel() * (4 + flat.element_size()) < mine.numel() * flat.element_size()
+    packet = codec.encode_selected(where, reduced[where.long()], mine.numel()) if as_pairs else _RAW.encode(reduced)
     acc["codec_seconds"] += time.perf_counter() - t0
     gather = _Call("all_reduce/gather", flat.dtype, numel, op, codec)
     for j, part in enumerate(_sparse_all_gather(t, packet, gather, acc)):

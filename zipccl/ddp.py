@@ -141,21 +141,39 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
 
 def _split(state: State, step: int, key, buffer: torch.Tensor, layout) -> dict:
     """On zipccl's thread (so the entropy estimate's small all-reduces cannot race the traffic):
-    the lossy part of the bucket through top-k, the rest lossless, counters summed."""
+    the lossy ranges of the bucket through top-k, the exact ones lossless (in the same packet
+    where zipccl.lossy can: one collective per bucket instead of two), counters summed."""
     if layout is None:
         return _lossy(state, step, key, buffer)
-    lossy_idx, exact_idx = layout
-    total = dict(raw_bytes=0, wire_bytes=0, codec_seconds=0.0, comm_seconds=0.0)
-    for idx, run in ((lossy_idx, lambda part: _lossy(state, step, key, part)),
-                     (exact_idx, lambda part: _exact(state, part))):
-        if not idx.numel():  # the same model on every rank: the same parts are empty everywhere
-            continue
-        part = buffer[idx]
-        call = run(part)
-        buffer[idx] = part
-        for k in total:
-            total[k] += call[k]
+    lossy_ranges, exact_ranges = layout
+    if not lossy_ranges:  # the same model on every rank: the same parts are empty everywhere
+        return _exact(state, buffer)
+    # One range is a view of the bucket, reduced in place; several are copied out (slices:
+    # gathering by an index tensor cost several ms per bucket).
+    one = len(lossy_ranges) == 1
+    lossy = buffer[lossy_ranges[0][0]:lossy_ranges[0][1]] if one else torch.cat([buffer[a:b] for a, b in lossy_ranges])
+    call = state.compressor.reduce(lossy.view(-1), key, step, key[0] == 0, state.group,
+                                   exact=(buffer, lossy_ranges, exact_ranges) if exact_ranges else None)
+    if call is not None and exact_ranges:  # the whole bucket is reduced
+        return call
+    total = dict(call or _snapshot()["last"])
+    if not one:
+        _scatter(lossy, buffer, lossy_ranges)
+    if exact_ranges:
+        exact = torch.cat([buffer[a:b] for a, b in exact_ranges])
+        more = _exact(state, exact)
+        _scatter(exact, buffer, exact_ranges)
+        for k in ("raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds"):
+            total[k] += more[k]
     return total
+
+
+def _scatter(part: torch.Tensor, buffer: torch.Tensor, ranges: list) -> None:
+    """The inverse of concatenating ``buffer``'s ranges into ``part``."""
+    done = 0
+    for a, b in ranges:
+        buffer[a:b].copy_(part[done:done + b - a])
+        done += b - a
 
 
 def _exact(state: State, part: torch.Tensor) -> dict:

@@ -22,6 +22,11 @@ class Residuals:
         self.dtype = dtype
         self.store: dict = {}
 
+    def get(self, key, numel: int) -> torch.Tensor | None:
+        """The residual kept for ``key`` if it has ``numel`` elements, else None (start afresh)."""
+        old = self.store.get(key)
+        return old if old is not None and old.numel() == numel else None
+
     def compensate(self, key, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` in fp32 (a new tensor; ``grad`` is not modified)."""
         out = grad.reshape(-1).to(torch.float32, copy=True)

@@ -34,13 +34,15 @@ class LayerRules:
 
 
 def segments(rules: LayerRules, params, names: dict, numel: int):
-    """(lossy element index, exact element index) of a bucket holding ``params`` back to back,
-    or None when the parameters do not tile ``numel`` elements (then the whole bucket is lossy)."""
+    """(lossy ranges, exact ranges) of a bucket holding ``params`` back to back, each a list of
+    (start, end) element ranges with neighbours merged, or None when the parameters do not tile
+    ``numel`` elements (then the whole bucket is lossy)."""
     lossy, exact, offset = [], [], 0
     for p in params:
-        (lossy if rules.lossy(names.get(id(p), ""), p) else exact).append(torch.arange(offset, offset + p.numel()))
+        ranges = lossy if rules.lossy(names.get(id(p), ""), p) else exact
+        if ranges and ranges[-1][1] == offset:
+            ranges[-1] = (ranges[-1][0], offset + p.numel())
+        else:
+            ranges.append((offset, offset + p.numel()))
         offset += p.numel()
-    if offset != numel:
-        return None
-    cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)  # noqa: E731
-    return cat(lossy), cat(exact)
+    return (lossy, exact) if offset == numel else None

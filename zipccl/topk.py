@@ -47,6 +47,10 @@ class TopK:
     def k(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(self.density * numel))) if numel else 0
 
+    def sample_k(self) -> int:
+        """How many of the sample's largest magnitudes the sampled threshold keeps."""
+        return min(SAMPLE, max(1, math.ceil(self.density * SAMPLE)))
+
     def select(self, x: torch.Tensor, remember: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices int32 ascending, values) of the k largest |x|, ties to the lower index.
 
@@ -65,6 +69,18 @@ class TopK:
             self._last = (x, x._version, result)
         return result
 
+    def remember(self, x: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+        """Make (idx, values), chosen elsewhere (zipccl.kernels.sparse), the next ``select`` of the
+        unmodified ``x``, as ``select(x, remember=True)`` would."""
+        self._last = (x, x._version, (idx, values))
+
+    def sample_positions(self, numel: int) -> torch.Tensor | None:
+        """The positions a sampled selection estimates its threshold from (the same for every
+        tensor of ``numel`` elements), or None where it selects exactly."""
+        if not self.sampled or numel <= 4 * SAMPLE:
+            return None
+        return torch.randint(0, numel, (SAMPLE,), generator=torch.Generator().manual_seed(numel))
+
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_last"}
 
@@ -77,10 +93,10 @@ class TopK:
             idx = torch.arange(n, device=flat.device)
             return idx.to(torch.int32), flat[idx]
         mag = torch.nan_to_num(flat.float().abs(), nan=-1.0)  # NaN ranks last
-        if self.sampled and n > 4 * SAMPLE:
-            pos = torch.randint(0, n, (SAMPLE,), generator=torch.Generator().manual_seed(n), device=flat.device)
-            kth = SAMPLE - min(SAMPLE, max(1, math.ceil(self.density * SAMPLE))) + 1
-            idx = torch.nonzero(mag >= torch.kthvalue(mag[pos], kth).values).reshape(-1)
+        pos = self.sample_positions(n)
+        if pos is not None:
+            kth = SAMPLE - self.sample_k() + 1
+            idx = torch.nonzero(mag >= torch.kthvalue(mag[pos.to(flat.device)], kth).values).reshape(-1)
             if 0 < idx.numel() <= 2 * k:
                 return idx.to(torch.int32), flat[idx]
         # O(n): the k-th largest magnitude, everything above it, then ties by index.
@@ -101,8 +117,8 @@ class TopK:
         return assemble(header, [empty, empty, idx.contiguous().view(torch.uint8),
                                  values.contiguous().view(torch.uint8)])
 
-    def parse(self, packet: torch.Tensor) -> tuple[F.Header, torch.Tensor, torch.Tensor]:
-        """Validate a packet: (header, indices int64, values)."""
+    def header(self, packet: torch.Tensor) -> F.Header:
+        """Validate a packet's header and section sizes (not its indices: ``parse`` does)."""
         if not isinstance(packet, torch.Tensor) or packet.dtype != torch.uint8 or packet.dim() != 1:
             raise FormatError("a packet is a 1-D torch.uint8 tensor")
         h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_TOPK, packet.numel())
@@ -112,6 +128,12 @@ class TopK:
             raise FormatError("top-k sections do not match: indices and values must pair up")
         if h.flags:
             F.check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
+        return h
+
+    def parse(self, packet: torch.Tensor) -> tuple[F.Header, torch.Tensor, torch.Tensor]:
+        """Validate a packet: (header, indices int64, values)."""
+        h = self.header(packet)
+        s2, s3 = h.sections[2], h.sections[3]
         k = s2 // 4
         start = F.HEADER_SIZE
         idx = packet[start:start + s2].clone().view(torch.int32).to(torch.int64)
