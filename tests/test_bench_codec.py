@@ -79,3 +79,21 @@ def test_format_alternatives_smoke(tmp_path):
                          check=True).stdout
     ratios = [float(line.split("|")[-2]) for line in out.splitlines() if line.startswith("|")]
     assert len(ratios) == 17 and all(0.5 < r < 1.0 for r in ratios), out
+
+
+def test_codec_replay_smoke():
+    """bench/codec_replay.py (a rank's codec calls in an all-reduce, replayed) runs and times every stage."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parents[1] / "bench/codec_replay.py"
+    out = subprocess.run([sys.executable, str(script), "--nranks", "2", "--numel", "300000", "--runs", "1",
+                          "--port", str(port)], capture_output=True, text=True, timeout=300, check=True).stdout
+    times = {line.split()[0]: float(line.split()[-4]) for line in out.splitlines() if "ns/element" in line}
+    assert {"_analyse", "_pack", "_rest", "_symbols", "_compose"} <= set(times), out
+    assert all(t > 0 for t in times.values()), out
