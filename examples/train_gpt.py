@@ -6,7 +6,8 @@
 
 --comm torch is DDP's own all-reduce; raw and lossless use zipccl's DDP hook; topk
 (--density) and entropy (density from the gradient-entropy trend) are zipccl's
-lossy, error-feedback codecs.
+lossy, error-feedback codecs; none skips the averaging (the ranks drift apart) to
+time the step's compute alone.
 --dtype bf16 sends bf16 gradients (zipccl.ddp.bf16_hook; PyTorch's bf16 wrapper
 for torch). The text is the Python standard library's own source, which exists
 on every machine. The JSON summary holds the losses, the evaluation loss on 32
@@ -105,6 +106,14 @@ def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: floa
                                        start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
         return None
+    if comm == "none":  # no averaging at all (the ranks drift apart): the step's compute floor
+
+        def skip(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+        ddp.register_comm_hook(None, skip)
+        return None
     if comm == "torch":
         base = default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook) if dtype == "bf16" \
             else default_hooks.allreduce_hook
@@ -193,8 +202,8 @@ def finish(result: dict, args) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--comm", choices=["torch", "raw", "lossless", "topk", "entropy", "powersgd1", "powersgd4"],
-                    default="lossless")
+    ap.add_argument("--comm", default="lossless",
+                    choices=["torch", "raw", "lossless", "topk", "entropy", "powersgd1", "powersgd4", "none"])
     ap.add_argument("--density", type=float, default=0.01, help="top-k density for --comm topk")
     ap.add_argument("--start-density", dest="start_density", type=float,
                     help="--comm entropy: density after warm-up (default 0.1)")

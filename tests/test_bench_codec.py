@@ -97,3 +97,16 @@ def test_codec_replay_smoke():
     times = {line.split()[0]: float(line.split()[-4]) for line in out.splitlines() if "ns/element" in line}
     assert {"_analyse", "_pack", "_rest", "_symbols", "_compose"} <= set(times), out
     assert all(t > 0 for t in times.values()), out
+
+
+def test_lossy_cpu_smoke():
+    """bench/lossy_cpu.py (the lossy path's CPU time, torch against numba) runs every row."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "bench/lossy_cpu.py"
+    out = subprocess.run([sys.executable, str(script), "--numel", "300000", "--runs", "1", "--ranks", "2"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = [line for line in out.splitlines() if line.endswith("x")]
+    assert len(rows) == 6 and all(float(r.split()[-3]) > 0 and float(r.split()[-2]) > 0 for r in rows), out
