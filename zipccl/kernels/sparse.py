@@ -18,6 +18,8 @@ path. Rounding to bfloat16 is to nearest even, as torch's scalar conversion (NaN
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 from numba import njit
@@ -273,61 +275,95 @@ def compensated_topk(grad: torch.Tensor, residual: torch.Tensor | None, k: int, 
 
 
 @njit(**_NOGIL)
-def _sum_into(packets, offsets, counts, itemsize, numel, avg, nranks, out):
-    """Merge the ranks' (index, value) lists (at packets[offsets[r]:], counts[r] pairs each) in
-    index order and write, at every index some rank named, the float32 sum of its values in
-    rank order (divided by ``nranks`` if ``avg``), rounded to the values' dtype, into ``out``
-    (float32 bits as uint32, or bfloat16 bits as uint16). Returns 0, or -1 for an index out of
-    range or not strictly ascending within its packet."""
-    n = counts.shape[0]
-    head = np.zeros(n, np.int64)
-    last = np.full(n, -1, np.int64)
-    one = np.empty(1, np.uint32)
-    onef = one.view(np.float32)
-    while True:
-        m = numel
-        for r in range(n):
-            if head[r] < counts[r]:
-                i = np.int64(_load_u32(packets, offsets[r] + 4 * head[r]))
-                if i <= last[r] or i >= numel:
-                    return -1
-                m = min(m, i)
-        if m == numel:
-            return 0
-        s = np.float32(0.0)
-        for r in range(n):
-            if head[r] < counts[r] and np.int64(_load_u32(packets, offsets[r] + 4 * head[r])) == m:
-                at = offsets[r] + 4 * counts[r] + itemsize * head[r]
-                one[0] = np.uint32(_load_u16(packets, at)) << np.uint32(16) if itemsize == 2 else \
-                    np.uint32(_load_u32(packets, at))
-                s += onef[0]
-                last[r] = m
-                head[r] += 1
-        if avg:
-            s /= np.float32(nranks)
-        onef[0] = s
-        bits = _round_bf16(one[0]) if itemsize == 2 else one[0]
-        if out.itemsize == 2:
-            out[m] = bits
+def _unpack(packets, offsets, counts, itemsize, numel, idx, val):
+    """Each rank's pairs as arrays: idx[r, :counts[r]] and val[r, :counts[r]] as float32.
+    Returns 0, or -1 for an index out of range or not strictly ascending."""
+    for r in range(counts.shape[0]):
+        last = -1
+        for j in range(counts[r]):
+            i = np.int64(_load_u32(packets, offsets[r] + 4 * j))
+            if i <= last or i >= numel:
+                return -1
+            idx[r, j] = i
+            last = i
+        at = offsets[r] + 4 * counts[r]
+        bits = val[r].view(np.uint32)
+        if itemsize == 2:
+            for j in range(counts[r]):
+                bits[j] = np.uint32(_load_u16(packets, at + 2 * j)) << np.uint32(16)
         else:
-            out[m] = bits << np.uint32(16) if itemsize == 2 else bits
+            for j in range(counts[r]):
+                bits[j] = np.uint32(_load_u32(packets, at + 4 * j))
+    return 0
+
+
+@njit(**_NOGIL)
+def _add_pairs(idx, val, counts, acc):
+    """acc[idx[r, j]] += val[r, j], rank by rank: each position's values in rank order. (A merge
+    of the sorted lists, which would write the output in order, ran 2-4x slower: which ranks
+    hold the next index is random, so its loop either branched at random or carried its
+    positions through memory.)"""
+    for r in range(idx.shape[0]):
+        for j in range(counts[r]):
+            acc[idx[r, j]] += val[r, j]
+
+
+@njit(**_NOGIL)
+def _average(acc, nranks):
+    for i in range(acc.shape[0]):
+        acc[i] /= np.float32(nranks)
+
+
+@njit(**_NOGIL)
+def _round_into(acc, bf16_values, out):
+    """out = acc rounded to bfloat16 if the values are, as float32 bits (uint32) or bfloat16 bits."""
+    bits = acc.view(np.uint32)
+    if out.itemsize == 2:
+        for i in range(acc.shape[0]):
+            out[i] = _round_bf16(bits[i])
+    elif bf16_values:
+        for i in range(acc.shape[0]):
+            out[i] = _round_bf16(bits[i]) << np.uint32(16)
+    else:
+        for i in range(acc.shape[0]):
+            out[i] = bits[i]
 
 
 def sum_pairs_into(parts: list[torch.Tensor], value_dtype: torch.dtype, average: bool, nranks: int,
                    out: torch.Tensor) -> None:
     """out (float32 or bfloat16) = the dense sum of the ranks' top-k packets (``parts``, in rank
-    order, headers already validated by the caller), in rank order in float32, rounded to the
-    values' dtype, and zero where no rank sent a value. Out-of-range or unordered indices raise
-    FormatError."""
+    order, headers already validated by the caller), in rank order in float32 from +0.0,
+    averaged if ``average``, rounded to the values' dtype, and zero where no rank sent a value.
+    Out-of-range or unordered indices raise FormatError."""
     buf = torch.cat([p.reshape(-1) for p in parts]).numpy()
     sizes = [p.numel() for p in parts]
     offsets = np.cumsum([0] + sizes[:-1]).astype(np.int64) + HEADER_SIZE
     itemsize = 2 if value_dtype == torch.bfloat16 else 4
     counts = np.array([(s - HEADER_SIZE) // (4 + itemsize) for s in sizes], np.int64)
     flat = out.reshape(-1)
-    flat.zero_()
-    view = _bits(flat)
-    if _sum_into(buf, offsets, counts, itemsize, flat.numel(), average, nranks,
-                 view if view.dtype == np.uint16 else view.view(np.uint32)):
+    idx = np.empty((len(parts), int(counts.max(initial=0))), np.int64)
+    val = np.empty((len(parts), int(counts.max(initial=0))), np.float32)
+    if _unpack(buf, offsets, counts, itemsize, flat.numel(), idx, val):
         raise FormatError("top-k indices must be in range and strictly ascending (no duplicates)")
+    view = _bits(flat)
+    if flat.dtype == torch.float32 and itemsize == 4:
+        acc = view  # sums in place: no rounding to do
+    else:
+        acc = _scratch_f32(flat.numel())
+    acc[:] = 0
+    _add_pairs(idx, val, counts, acc)
+    if average:
+        _average(acc, nranks)
+    if acc is not view:
+        _round_into(acc, itemsize == 2, view if view.dtype == np.uint16 else view.view(np.uint32))
 
+
+_local = threading.local()
+
+
+def _scratch_f32(n: int) -> np.ndarray:
+    """A float32 buffer of ``n`` elements this thread reuses (a fresh one faults in page by page)."""
+    buf = getattr(_local, "acc", None)
+    if buf is None or buf.size < n:
+        buf = _local.acc = np.empty(n, np.float32)
+    return buf[:n]
