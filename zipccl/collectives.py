@@ -193,10 +193,13 @@ class _SizeMail:
     ``tag``: the packet sizes of a pipeline piece after a call's first metadata exchange
     (which checked every rank's signature). Unlike that exchange it waits on no third
     rank, so it adds no barrier mid-pipeline (the 64 MiB all-reduce in the 1 Gbit/s lab:
-    1.09-1.22 s -> 1.00-1.03 s). A negative value says the sender's encoder failed: a peer
-    raises when it next needs that sender's data. A peer that is sending to the failed
-    rank instead can block until the process group's timeout; waiting for every peer's
-    value before each piece would prevent that, but cost 0.2 s on that all-reduce."""
+    1.09-1.22 s -> 1.00-1.03 s). Receives do not wait for it (see _post_recvs); a piece is
+    landed only once every peer's value has come, which checks each packet's size, and a
+    negative value, which says the sender's encoder failed, makes the peer raise before
+    it waits for data that will not come (its receive stays posted: the group is not
+    fit for further use). A peer that is still sending to the failed rank elsewhere can
+    block until the process group's timeout; waiting for every peer's value before each
+    piece would prevent that, but cost 0.2 s on that all-reduce."""
 
     def __init__(self, t, values: list[int], tag: int, acc: dict):
         self.out = torch.tensor(values, dtype=torch.int64)  # values[j] goes to rank j (alive until sent)
@@ -349,7 +352,9 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
         packets, sizes = encoded
         sends = [t.isend(packets[j], j, _TAG_RS_DATA) for j in peers]
         acc["wire_bytes"] += sum(packets[j].numel() for j in peers)
-        return k, sends, _post_recvs(t, peers, sizes, _TAG_RS_DATA, chunks.device), sizes
+        a, b = cuts[k]
+        return k, sends, _post_recvs(t, peers, codec.max_encoded_size(b - a, chunks.dtype), _TAG_RS_DATA,
+                                     chunks.device), sizes
 
     def finish(k, sends, recvs, sizes):
         a, b = cuts[k]
@@ -382,21 +387,27 @@ def _peers(t) -> list[int]:
     return [(t.rank + s) % t.size for s in range(1, t.size)]
 
 
-def _post_recvs(t, peers: list[int], sizes, tag: int, device) -> dict:
-    """{peer: (buffer, work)}: a receive of each peer's packet, of the size ``sizes`` gives."""
+def _post_recvs(t, peers: list[int], nbytes: int, tag: int, device) -> dict:
+    """{peer: (buffer, work)}: a receive of each peer's packet into a buffer of ``nbytes``, the
+    codec's bound, posted at once: gloo takes a message shorter than the buffer, and a
+    packet says its own size. Posting only once a peer's size had come (behind the peer's
+    previous piece on the same connection) held its data back: the 64 MiB all-reduce in
+    the 1 Gbit/s lab, alternating five times, 675-762 ms -> 625-693 ms (median 712 -> 653)."""
     recvs = {}
     for j in peers:
-        buf = torch.empty(sizes.get(j), dtype=torch.uint8, device=device)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         recvs[j] = buf, t.irecv(buf, j, tag)
     return recvs
 
 
 def _land(acc: dict, sends: list, recvs: dict, sizes, decode) -> None:
-    """Finish a piece: ``decode(peer, buffer)`` each packet as it is waited for, then wait for
-    this rank's sends and size mails."""
+    """Finish a piece: every peer's size first (a failed peer's makes this rank raise here),
+    then ``decode(peer, packet)`` each packet as it is waited for, then wait for this rank's
+    sends and size mails."""
+    expected = {j: sizes.get(j) for j in recvs}
     for j, (buf, work) in recvs.items():
         _timed(acc, "comm_seconds", work.wait)
-        decode(j, buf)
+        decode(j, buf[:expected[j]])  # a packet whose header says otherwise fails to decode
     for w in sends:
         _timed(acc, "comm_seconds", w.wait)
     sizes.close()
@@ -471,19 +482,18 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=
 
 class _Piece:
     """An all-gather piece in flight: its range, this rank's data, its sends, how to learn the
-    peers' sizes, and the receives (None until posted)."""
+    peers' sizes, and the receives."""
     __slots__ = ("a", "b", "mine", "sends", "sizes", "recvs")
 
-    def __init__(self, a: int, b: int, mine: torch.Tensor, sends: list, sizes):
-        self.a, self.b, self.mine, self.sends, self.sizes, self.recvs = a, b, mine, sends, sizes, None
+    def __init__(self, a: int, b: int, mine: torch.Tensor, sends: list, sizes, recvs: dict):
+        self.a, self.b, self.mine, self.sends, self.sizes, self.recvs = a, b, mine, sends, sizes, recvs
 
 
 class _Gather:
     """All-gather pipeline: ``push`` this rank's piece [a, b); its packet goes to every peer at
     once, and every peer's packet of the piece is decoded into ``dest(j, a, b)`` (a view that
     may be shorter: the padding of all-reduce). Three pieces deep: pushing piece k sends it,
-    posts the receives of piece k-1 (whose sizes the peers mailed when they pushed it, so no
-    rank waits for a slower one's current piece) and completes piece k-2. Direct rather than
+    posts its receives (see _post_recvs) and completes piece k-2. Direct rather than
     a ring: each packet crosses one link, not n-1 one after another, and no step waits for
     the previous one's arrival (the same bytes leave each rank either way)."""
 
@@ -509,22 +519,15 @@ class _Gather:
         acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
         own = self.dest(t.rank, a, b)
         own.copy_(mine[:own.numel()])
-        self.flights.append(_Piece(a, b, mine, sends, sizes))
-        if len(self.flights) >= 2:
-            self._receive(self.flights[-2])
+        recvs = _post_recvs(t, self.peers, self.codec.max_encoded_size(b - a, mine.dtype), _TAG_AG_DATA, mine.device)
+        self.flights.append(_Piece(a, b, mine, sends, sizes, recvs))
         if len(self.flights) >= 3:
             self._complete(self.flights.pop(0))
 
     def finish(self) -> None:
         """Complete every piece in flight."""
-        for f in self.flights:
-            self._receive(f)
         while self.flights:
             self._complete(self.flights.pop(0))
-
-    def _receive(self, f: _Piece) -> None:
-        if f.recvs is None:
-            f.recvs = _post_recvs(self.t, self.peers, f.sizes, _TAG_AG_DATA, f.mine.device)
 
     def _complete(self, f: _Piece) -> None:
         _land(self.acc, f.sends, f.recvs, f.sizes, lambda j, buf: self._decode(j, buf, f.a, f.b, f.mine))
