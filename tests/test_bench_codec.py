@@ -46,14 +46,13 @@ def test_codec_stages_smoke():
 
 def test_collective_cpu_smoke():
     """bench/collective_cpu.py (CPU time per rank of gloo, raw and lossless all-reduce) runs."""
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from zipccl.launch import free_port
+
+    port = free_port()
     script = Path(__file__).parents[1] / "bench/collective_cpu.py"
     out = subprocess.run([sys.executable, str(script), "--nranks", "2", "--numel", "5000", "--iters", "1",
                           "--port", str(port)], capture_output=True, text=True, timeout=120, check=True).stdout
@@ -83,14 +82,13 @@ def test_format_alternatives_smoke(tmp_path):
 
 def test_codec_replay_smoke():
     """bench/codec_replay.py (a rank's codec calls in an all-reduce, replayed) runs and times every stage."""
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from zipccl.launch import free_port
+
+    port = free_port()
     script = Path(__file__).parents[1] / "bench/codec_replay.py"
     out = subprocess.run([sys.executable, str(script), "--nranks", "2", "--numel", "300000", "--runs", "1",
                           "--port", str(port)], capture_output=True, text=True, timeout=300, check=True).stdout

@@ -7,7 +7,7 @@ with one 32-bit write; float16's three inline bits ride in the same bytes,
 above the symbol), then a branch-free pass joining exponents and rest bytes.
 Huffman decoding is serial within a block, so four blocks go in lock step to
 keep the core busy while one waits on a table lookup. Code tables come
-from reference/tables.py, which runs once per packet on the block histograms.
+from reference/tables.py, which runs once per packet on the blocks' sampled histograms.
 
 Numba lessons measured here: index through per-block slices rather than
 ``offset + i`` (offset indexing kept loops from vectorizing: 10x slower); keep
@@ -379,6 +379,22 @@ def _int_view(x: torch.Tensor) -> np.ndarray:
         np.uint32 if x.element_size() == 4 else np.uint16)
 
 
+_local = threading.local()
+SCRATCH_MAX = 8 << 20  # elements: larger buffers are allocated per call rather than kept
+
+
+def _scratch(name: str, size: int, dtype) -> np.ndarray:
+    """A buffer of ``size`` elements that this thread reuses from call to call (up to SCRATCH_MAX):
+    the decoder's intermediate streams, which a fresh allocation would fault in page by page."""
+    if size > SCRATCH_MAX:
+        return np.empty(size, dtype)
+    buf = getattr(_local, name, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, 1 << 20), dtype)
+        setattr(_local, name, buf)
+    return buf[:size]
+
+
 def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     layout = LAYOUTS[x.dtype]
     n = x.numel()
@@ -704,22 +720,6 @@ def _compose_layout(sym, xexp, rest, bs, n, layout, ref, table, nzero, word_star
                 j += 1
             out[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
     return 0
-
-
-_local = threading.local()
-SCRATCH_MAX = 8 << 20  # elements: larger buffers are allocated per call rather than kept
-
-
-def _scratch(name: str, size: int, dtype) -> np.ndarray:
-    """A buffer of ``size`` elements that this thread reuses from call to call (up to SCRATCH_MAX):
-    the decoder's intermediate streams, which a fresh allocation would fault in page by page."""
-    if size > SCRATCH_MAX:
-        return np.empty(size, dtype)
-    buf = getattr(_local, name, None)
-    if buf is None or buf.size < size:
-        buf = np.empty(max(size, 1 << 20), dtype)
-        setattr(_local, name, buf)
-    return buf[:size]
 
 
 _ERRORS = {-1: "invalid or truncated code in an exponent stream", -2: "decoded exponent out of range",
