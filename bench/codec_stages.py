@@ -19,7 +19,6 @@ import torch
 from zipccl.codecs import Lossless
 from zipccl.format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, num_blocks
 from zipccl.kernels import cpu as C
-from zipccl.reference import tables as T
 from zipccl.reference.packet import parse_lossless
 from zipccl.reference.plan import choose, plan
 
