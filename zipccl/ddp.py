@@ -151,7 +151,7 @@ def _split(state: State, step: int, key, buffer: torch.Tensor, layout) -> dict:
     # One range is a view of the bucket, reduced in place; several are copied out (slices:
     # gathering by an index tensor cost several ms per bucket).
     one = len(lossy_ranges) == 1
-    lossy = buffer[lossy_ranges[0][0]:lossy_ranges[0][1]] if one else torch.cat([buffer[a:b] for a, b in lossy_ranges])
+    lossy = buffer[lossy_ranges[0][0]:lossy_ranges[0][1]] if one else _gather(buffer, lossy_ranges)
     call = state.compressor.reduce(lossy.view(-1), key, step, key[0] == 0, state.group,
                                    exact=(buffer, lossy_ranges, exact_ranges) if exact_ranges else None)
     if call is not None and exact_ranges:  # the whole bucket is reduced
@@ -160,7 +160,7 @@ def _split(state: State, step: int, key, buffer: torch.Tensor, layout) -> dict:
     if not one:
         _scatter(lossy, buffer, lossy_ranges)
     if exact_ranges:
-        exact = torch.cat([buffer[a:b] for a, b in exact_ranges])
+        exact = _gather(buffer, exact_ranges)
         more = _exact(state, exact)
         _scatter(exact, buffer, exact_ranges)
         for k in ("raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds"):
@@ -168,8 +168,13 @@ def _split(state: State, step: int, key, buffer: torch.Tensor, layout) -> dict:
     return total
 
 
+def _gather(buffer: torch.Tensor, ranges: list) -> torch.Tensor:
+    """``buffer``'s ranges back to back, in a new tensor."""
+    return torch.cat([buffer[a:b] for a, b in ranges])
+
+
 def _scatter(part: torch.Tensor, buffer: torch.Tensor, ranges: list) -> None:
-    """The inverse of concatenating ``buffer``'s ranges into ``part``."""
+    """The inverse of _gather: ``part`` back into ``buffer``'s ranges."""
     done = 0
     for a, b in ranges:
         buffer[a:b].copy_(part[done:done + b - a])
