@@ -70,6 +70,26 @@ def test_sampled_threshold_is_used_when_it_fits():
     assert torch.equal(values, g[idx.long()])
 
 
+@pytest.mark.parametrize("grad_dtype,value_dtype,residual_dtype", COMBOS, ids=str)
+def test_a_misjudging_sample_falls_back_to_the_exact_selection(grad_dtype, value_dtype, residual_dtype):
+    """Tiny values at the sampled positions put the threshold so low that nearly every entry
+    passes it: the kernels, like the torch path, select exactly k instead, and the residual
+    written in place (float32: in the same pass) comes out as if nothing had been sent first."""
+    n = 5 * SAMPLE
+    codec = TopK(0.01, sampled=True)
+    pos = codec.sample_positions(n)
+    g = _gradient(n, torch.float32, 5)
+    g[pos] *= 1e-6
+    g = g.to(grad_dtype)
+    residual = (torch.randn(n, generator=torch.Generator().manual_seed(2)) * 1e-4).to(residual_dtype)
+    want = _torch_path(g, residual, codec, value_dtype, residual_dtype)
+    got = sparse.compensated_topk(g, residual.clone(), codec.k(n), value_dtype, residual_dtype, pos,
+                                  codec.sample_k())
+    assert got[0].numel() == codec.k(n) and torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_nan_is_never_selected_before_numbers():
     g = _gradient(1000, torch.float32, 4)
     g[10:20] = float("nan")

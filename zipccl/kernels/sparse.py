@@ -225,6 +225,48 @@ def _select(grad, res, has_res, bf16_values, threshold, ties, idx, values, out):
     return j
 
 
+@njit(**_NOGIL)
+def _select_at_least(grad, res, has_res, bf16_values, threshold, idx, values, kept, out):
+    """A sampled threshold's selection in one pass (no count first): the positions whose key
+    is at least ``threshold`` into idx, with the values sent into ``values`` (as _select) and
+    their compensated values' bits into ``kept``; out = compensated - sent, float32. Returns
+    how many, or -1 if more than idx holds: out then holds every compensated value (those
+    already replaced are restored from ``kept``), for the exact selection to start from."""
+    c, tmp, w, key = _buffers()
+    take = np.empty(SPAN, np.uint8)
+    o = out.view(np.uint32)
+    j = 0
+    n = grad.shape[0]
+    for lo in range(0, n, SPAN):
+        k = min(SPAN, n - lo)
+        _span(grad, res, has_res, bf16_values, lo, k, c, tmp, w, key)
+        taken = 0
+        for i in range(k):
+            take[i] = key[i] >= threshold
+            taken += take[i]
+        if j + taken > idx.shape[0]:
+            for q in range(j):
+                o[idx[q]] = kept[q]
+            for rest in range(lo, n, SPAN):  # out[lo:] is still the old residual where res is out
+                m = min(SPAN, n - rest)
+                _span(grad, res, has_res, bf16_values, rest, m, c, tmp, w, key)
+                for i in range(m):
+                    o[rest + i] = c[i]
+            return -1
+        for i in range(k):
+            if take[i]:
+                idx[j] = lo + i
+                values[j] = w[i] >> np.uint32(16) if values.itemsize == 2 else w[i]
+                kept[j] = c[i]
+                j += 1
+        cf, wf = c.view(np.float32), w.view(np.float32)
+        for i in range(k):
+            cf[i] -= wf[i] if take[i] else np.float32(0.0)  # c - 0.0 is c, -0.0 included
+        for i in range(k):
+            o[lo + i] = c[i]
+    return j
+
+
 def _bits(x: torch.Tensor) -> np.ndarray:
     """A tensor's memory as numpy: float32, or bfloat16 as uint16 bits."""
     return x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
@@ -256,10 +298,20 @@ def compensated_topk(grad: torch.Tensor, residual: torch.Tensor | None, k: int, 
         _keys_at(g, res, has_res, bf16_values, sample.numpy(), mags)
         kth = float(torch.kthvalue(torch.from_numpy(mags), sample.numel() - sample_k + 1).values)
         threshold = -1 if kth < 0 else int(np.array(kth, np.float32).view(np.uint32))
-        count = _count_from(g, res, has_res, bf16_values, threshold)
-        if not 0 < count <= 2 * k:  # the sample misjudged: exact selection
-            threshold = None
-        ties = count
+        if out.dtype == torch.float32:  # one pass; out can hold the compensated values if it misjudged
+            cap = min(n, 2 * k)
+            idx, values = np.empty(cap, np.int32), torch.empty(cap, dtype=value_dtype)
+            count = _select_at_least(g, res, has_res, bf16_values, threshold, idx, _bits(values).view(
+                np.uint16 if bf16_values else np.uint32), np.empty(cap, np.uint32), _bits(out))
+            if count > 0:
+                return torch.from_numpy(idx[:count]), values[:count], out
+            g = res = _bits(out)  # the sample misjudged: exact selection, from the compensated values
+            has_res, threshold = False, None
+        else:
+            count = _count_from(g, res, has_res, bf16_values, threshold)
+            if not 0 < count <= 2 * k:  # the sample misjudged: exact selection
+                threshold = None
+            ties = count
     if threshold is None:
         if k:
             threshold, above = _kth_key(g, res, has_res, bf16_values, k)
