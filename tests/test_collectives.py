@@ -417,6 +417,27 @@ def test_lab_schedules_smoke(pool):
     assert all(len(r) == 7 for r in res)
 
 
+def _transport_bound(rank, groups):
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("transport_bound", Path(__file__).parents[1] / "bench/transport_bound.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.measure(data(rank, 50_000, torch.bfloat16), 2)
+
+
+def test_transport_bound_smoke(pool):
+    """bench/transport_bound.py's rounds run (tiny tensor, loopback): gloo, lossless and the free
+    codec, each timed in every round, so the script cannot rot."""
+    res = pool.run(_transport_bound, timeout=120)
+    for r in res:
+        assert not isinstance(r, BaseException), r
+    ratio, times = res[0]
+    assert 0.5 < ratio < 0.9  # bf16 data: the lossless codec shrinks it
+    assert set(times) == {"gloo", "lossless", "free codec"}
+    assert all(len(ts) == 2 and min(ts) > 0 for ts in times.values())
+
+
 def _auto_learns(rank, groups):
     if rank >= 2:
         return None
