@@ -7,6 +7,7 @@ paths, gloo rejects float8); metadata are small int64 vectors.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -18,8 +19,12 @@ class Transport(ABC):
     size: int
 
     @abstractmethod
+    def start_exchange(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start all-gathering a small int64 vector; the returned function waits and returns
+        (size, len(meta)), row r from rank r."""
+
     def exchange(self, meta: torch.Tensor) -> torch.Tensor:
-        """All-gather a small int64 vector: returns (size, len(meta)), row r from rank r."""
+        return self.start_exchange(meta)()
 
     @abstractmethod
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:

@@ -52,11 +52,15 @@ class TorchTransport(Transport):
         """The group that carries payloads from group rank ``src`` to ``dst``."""
         return self._upward if self._upward is not None and src < dst else self.group
 
-    def exchange(self, meta: torch.Tensor) -> torch.Tensor:
+    def start_exchange(self, meta: torch.Tensor):
         meta = meta.to(self.meta_device, torch.int64)
         out = torch.empty(self.size * meta.numel(), dtype=torch.int64, device=self.meta_device)
-        dist.all_gather_single(out, meta, group=self.group)
-        return out.reshape(self.size, -1).cpu()
+        work = dist.all_gather_single(out, meta, group=self.group, async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return out.reshape(self.size, -1).cpu()
+        return wait
 
     def all_to_all(self, send, send_splits, recv_splits):
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
