@@ -206,9 +206,11 @@ class _SizeMail:
     landed only once every peer's value has come, which checks each packet's size, and a
     negative value, which says the sender's encoder failed, makes the peer raise before
     it waits for data that will not come (its receive stays posted: the group is not
-    fit for further use). A peer that is still sending to the failed rank elsewhere can
-    block until the process group's timeout; waiting for every peer's value before each
-    piece would prevent that, but cost 0.2 s on that all-reduce."""
+    fit for further use). A peer can still block until the process group's timeout if it
+    is sending to the failed rank elsewhere, or, in an all-reduce whose all-gather piece
+    failed, if it waits for reduce-scatter data that the failed rank will not send (the
+    negative value is on the all-gather's tag); waiting for every peer's value before each
+    piece would prevent the first, but cost 0.2 s on that all-reduce."""
 
     def __init__(self, t, values: list[int], tag: int, acc: dict):
         self.out = torch.tensor(values, dtype=torch.int64)  # values[j] goes to rank j (alive until sent)
