@@ -343,10 +343,11 @@ def test_encoder_failure_raises_on_both_ranks(pool, collective, fail_at):
     rank can block: see _SizeMail). All-reduce in 6 pieces encodes, in order, reduce-scatter
     pieces 0 and 1 (calls 1, 2), then all-gather piece k and reduce-scatter piece k+2 in turn
     (calls 3-10), then all-gather pieces 4 and 5 (11, 12): the cases are the first piece, a
-    middle reduce-scatter piece (6) and the last two all-gather pieces. (An all-gather piece that fails
-    while the reduce-scatter still runs blocks the peer, which waits for reduce-scatter data
-    before it reads that piece's size: the same limitation.) All-gather encodes one packet per
-    piece. Undelivered messages may remain in the group afterwards, so the pool is restarted."""
+    middle reduce-scatter piece (6) and the last two all-gather pieces. (An all-gather piece
+    that fails while the reduce-scatter still runs blocks the peer, which waits for
+    reduce-scatter data before it reads that piece's size: see _SizeMail.) All-gather
+    encodes one packet per piece. Undelivered messages may remain in the group afterwards,
+    so the pool is restarted."""
     try:
         res = pool.run(_fails_mid_call, 2, collective, fail_at, timeout=60)
     finally:
@@ -423,7 +424,8 @@ def test_lab_schedules_smoke(pool):
 def _transport_bound(rank, groups):
     import importlib.util
     from pathlib import Path
-    spec = importlib.util.spec_from_file_location("transport_bound", Path(__file__).parents[1] / "bench/transport_bound.py")
+    script = Path(__file__).parents[1] / "bench/transport_bound.py"
+    spec = importlib.util.spec_from_file_location("transport_bound", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.measure(data(rank, 50_000, torch.bfloat16), 2)
