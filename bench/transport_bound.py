@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,7 @@ def measure(x: torch.Tensor, reps: int) -> tuple[float, dict]:
 def rank_main(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    x = real(load_data(args.data), NUMEL, torch.bfloat16, dist.get_rank())
+    x = real(load_data(Path(args.data)), NUMEL, torch.bfloat16, dist.get_rank())
     ratio, times = measure(x, args.reps)
     if dist.get_rank() == 0:
         base = statistics.median(times["gloo"])
@@ -122,8 +123,6 @@ def main() -> int:
     if args.reps < 2:
         ap.error("--reps must be at least 2")
     if args.rank:
-        from pathlib import Path
-        args.data = Path(args.data)
         rank_main(args)
         return 0
     if not os.path.exists(args.data):
