@@ -245,13 +245,16 @@ def _mismatch(rank, groups, size, case):
             except Exception as e:
                 return type(e).__name__, str(e)
         return "ok", ""
-    elif case == "rs_size":  # only rank 0 passes a wrong size: it raises ValueError, the others MismatchError
+    elif case in ("rs_size", "rs_size_checked"):  # only rank 0 passes a wrong size: ValueError, others MismatchError
         out = torch.empty(10)
         inp = torch.ones(10 * size + (1 if rank == 0 else 0))
-        try:
-            zipccl.reduce_scatter(out, inp, group=g)
+        old, zipccl.config.CHECK_NATIVE = zipccl.config.CHECK_NATIVE, case == "rs_size_checked"
+        try:  # "auto" sends so small a call to the backend: checked only with ZIPCCL_CHECK_NATIVE=1
+            zipccl.reduce_scatter(out, inp, group=g, codec="raw" if case == "rs_size" else "auto")
         except Exception as e:
             return type(e).__name__, str(e)
+        finally:
+            zipccl.config.CHECK_NATIVE = old
         return "ok", ""
     elif case == "int_lossless":
         x = torch.ones(10, dtype=torch.int32)
@@ -447,9 +450,10 @@ def _auto_learns(rank, groups):
     if rank >= 2:
         return None
     g = groups[2]
-    x0 = data(rank, 1 << 20, torch.bfloat16)  # 2 MiB: above the probe floor, below the prior threshold
-    expect = x0.clone()
-    zipccl.all_reduce(expect, group=g, codec="raw")
+    x0 = data(rank, 1 << 20, torch.bfloat16)  # 2 MiB: above the probe floor
+    both = torch.empty(2 * x0.numel(), dtype=x0.dtype)
+    dist.all_gather_into_tensor(both, x0, group=g)
+    expect = (both[:x0.numel()].float() + both[x0.numel():].float()).to(torch.bfloat16)  # one rounding
     used, same = [], True
     for _ in range(6):
         x = x0.clone()
@@ -461,12 +465,13 @@ def _auto_learns(rank, groups):
 
 
 def test_auto_probes_both_codecs_the_same_way_on_every_rank(pool):
-    """codec="auto" tries raw and lossless on a new size class, learns both times through the
-    metadata exchanges, and every rank makes the same choices (else the signature check raises)."""
+    """codec="auto" tries the backend's collective, raw and lossless on a new size class, learns
+    their times through the metadata exchanges (native calls' times wait for the next one), and
+    every rank makes the same choices (else the signature check raises)."""
     res = pool.run(_auto_learns, timeout=120)
     for r in res:
         assert not isinstance(r, BaseException), r
     (used0, same0, table0), (used1, same1, table1) = res[:2]
-    assert used0 == used1 and used0[:2] == ["raw", "lossless"]
+    assert used0 == used1 == ["native", "raw", "lossless"] * 2
     assert same0 and same1
-    assert table0 == table1 and ["lossless", "raw"] in table0.values()
+    assert table0 == table1 and ["lossless", "native", "raw"] in table0.values()

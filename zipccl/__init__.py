@@ -2,9 +2,10 @@
 
 from .errors import FormatError, MismatchError, UnsupportedError, ZipcclError
 from . import codecs
-from .collectives import all_gather, all_reduce, reduce_scatter
+from .api import all_gather, all_reduce, reduce_scatter
+from . import topology
 from .stats import reset_stats, stats
 
 __version__ = "0.1.0"
-__all__ = ["ZipcclError", "FormatError", "MismatchError", "UnsupportedError", "codecs",
+__all__ = ["ZipcclError", "FormatError", "MismatchError", "UnsupportedError", "codecs", "topology",
            "all_reduce", "reduce_scatter", "all_gather", "stats", "reset_stats"]

@@ -1,76 +1,110 @@
-"""codec="auto": raw or lossless for each call, learned per process group from the calls' own times.
+"""codec="auto": the plan of each call, learned per process group from the calls' own times.
 
-Compression pays only where the link is slower than the codec, and that depends on the link,
+Compression pays only where the link is slower than the codec, and that depends on the links,
 the cores, the dtype and the size: a fixed threshold that is right for a 1 Gbit/s link makes a
-loopback or NVLink call 2-3x slower. So "auto" measures. Every rank of a group must choose the
-same codec for a call (the metadata exchange checks it), so a Policy decides only from what
-every rank knows alike: the order of the group's calls, and the times that come back through
-their metadata exchanges (each call's slowest rank's time). Per class of calls (collective,
-dtype, power of two of the bytes):
+loopback or NVLink call 2-3x slower, and zipccl's own pipeline (even raw) costs more CPU than
+the backend's collective. So "auto" measures, and the backend's own collective ("native") is
+one of the plans it measures. Every rank of a group must choose the same plan for a call, so
+a Policy decides only from what every rank knows alike: the order of the group's calls, and
+the times that come back through the group's metadata exchanges (each call's slowest rank's
+time). Per class of calls (collective, dtype, power of two of the bytes):
 
-- below ``probe_min_bytes`` always raw: latency-bound, where coding never paid in any
-  measurement (docs/PERFORMANCE.md);
-- the first ``explore`` calls alternate, the prior first (lossless from ``prior_min_bytes``
-  up, raw below), so each codec is timed twice (one unlucky time on a shared machine must not
-  decide); from then on the faster of the two by their recent times, and every ``reprobe``
-  calls the slower one once more, so that a changed link or load is noticed.
+- below ``probe_min_bytes`` always the first candidate (native): latency-bound, where coding
+  never paid in any measurement and zipccl's exchange alone would cost as much as the call;
+- the first ``explore`` rounds try every candidate in turn, so each plan is timed twice (one
+  unlucky time on a shared machine must not decide); from then on the fastest by its recent
+  times, and each slower plan once more after a number of calls that grows with how much it
+  lost: what re-trying all losers costs stays near ``budget`` of the class's time (among three
+  plans, one 3x slower is re-tried every 200 calls, one 10% slower every 32), so that a
+  changed link or load is still noticed within a few hundred calls at most.
 
-A call's time reaches the policy with the next call's metadata, so decisions lag one call.
+A call's time reaches the policy with the group's next metadata exchange, so decisions lag.
+Native calls carry no exchange (it would double a small call's time): their times wait on each
+rank and travel with the next call that has one.
 """
 
 from __future__ import annotations
 
+import math
+
 PROBE_MIN_BYTES = 1 << 20
-EXPLORE = 4
+EXPLORE = 2
 REPROBE = 32
-CODECS = ("raw", "lossless")
+MAX_REPROBE = 1024
+BUDGET = 0.02
 
 
 class Policy:
-    """Deterministic codec choice per class of calls; identical inputs give identical choices on
+    """Deterministic plan choice per class of calls; identical inputs give identical choices on
     every rank."""
 
-    def __init__(self, prior_min_bytes: int, probe_min_bytes: int = PROBE_MIN_BYTES, explore: int = EXPLORE,
-                 reprobe: int = REPROBE):
-        self.prior_min_bytes, self.probe_min_bytes = prior_min_bytes, probe_min_bytes
-        self.explore, self.reprobe = explore, reprobe
-        self.calls: dict = {}  # class -> auto calls decided so far
-        self.recent: dict = {}  # (class, codec) -> the last two times of a call
+    def __init__(self, probe_min_bytes: int = PROBE_MIN_BYTES, explore: int = EXPLORE, reprobe: int = REPROBE,
+                 budget: float = BUDGET):
+        if explore < 1 or reprobe < 1 or budget <= 0:
+            raise ValueError("explore and reprobe must be >= 1 and budget > 0")
+        self.probe_min_bytes, self.explore, self.reprobe, self.budget = probe_min_bytes, explore, reprobe, budget
+        self.calls: dict = {}   # class -> calls decided so far
+        self.last: dict = {}    # (class, plan) -> the index of the call that last ran it
+        self.recent: dict = {}  # (class, plan) -> the last two times of a call
+        self.chosen: dict = {}  # class -> the plan of its latest call
 
     @staticmethod
     def key(collective: str, dtype, nbytes: int) -> tuple:
         return collective, str(dtype), nbytes.bit_length()
 
-    def choose(self, key: tuple, nbytes: int) -> str:
-        if nbytes < self.probe_min_bytes:
-            return "raw"
+    def choose(self, key: tuple, nbytes: int, candidates: tuple[str, ...]) -> str:
+        """The plan of the class's next call, among ``candidates`` (the first is the default)."""
+        if nbytes < self.probe_min_bytes or len(candidates) == 1:
+            return candidates[0]
         i = self.calls.get(key, 0)
         self.calls[key] = i + 1
-        prior = "lossless" if nbytes >= self.prior_min_bytes else "raw"
-        other = CODECS[1 - CODECS.index(prior)]
-        if i < self.explore:
-            return (prior, other)[i % 2]
-        times = [self.seconds(key, c) for c in CODECS]
-        if None in times:
-            return prior
-        best = CODECS[times.index(min(times))]
-        if i % self.reprobe == 0:
-            return CODECS[1 - CODECS.index(best)]
+        if i < self.explore * len(candidates):
+            plan = candidates[i % len(candidates)]
+        else:
+            plan = self._exploit(key, i, candidates)
+        self.last[(key, plan)] = i
+        self.chosen[key] = plan
+        return plan
+
+    def _exploit(self, key, i: int, candidates) -> str:
+        times = {c: self.seconds(key, c) for c in candidates}
+        timed = [c for c in candidates if times[c] is not None]
+        best = min(timed, key=times.get) if timed else candidates[0]
+        share = self.budget / (len(candidates) - 1)  # each loser's part of the budget
+        for c in candidates:  # the first loser whose turn has come
+            if c == best:
+                continue
+            loss = 0.0 if times[c] is None else max(0.0, times[c] / max(times[best], 1e-9) - 1)
+            interval = min(MAX_REPROBE, max(self.reprobe, math.ceil(loss / share)))
+            if i - self.last.get((key, c), -MAX_REPROBE) >= interval:
+                return c
         return best
 
-    def learn(self, key: tuple, codec: str, seconds: float) -> None:
+    def learn(self, key: tuple, plan: str, seconds: float) -> None:
         """A finished call's time (the slowest rank's)."""
-        self.recent[(key, codec)] = (self.recent.get((key, codec), ())[-1:] + (seconds,))
+        self.recent[(key, plan)] = (self.recent.get((key, plan), ())[-1:] + (seconds,))
 
-    def seconds(self, key: tuple, codec: str) -> float | None:
-        """The codec's time in this class: the lower of its last two, since whatever else runs on
+    def seconds(self, key: tuple, plan: str) -> float | None:
+        """The plan's time in this class: the lower of its last two, since whatever else runs on
         the machine only ever adds time; None before its first."""
-        times = self.recent.get((key, codec))
+        times = self.recent.get((key, plan))
         return min(times) if times else None
 
     def table(self) -> dict:
-        """{class: {codec: seconds}} learned so far (for users and tests)."""
+        """{class: {plan: seconds}} learned so far (for users and tests)."""
         out: dict = {}
-        for key, codec in self.recent:
-            out.setdefault(key, {})[codec] = self.seconds(key, codec)
+        for key, plan in self.recent:
+            out.setdefault(key, {})[plan] = self.seconds(key, plan)
         return out
+
+    def explain(self) -> list[str]:
+        """One line per class: each plan's time and what the class runs now, and why."""
+        lines = []
+        for key, times in sorted(self.table().items()):
+            collective, dtype, bits = key
+            shown = ", ".join(f"{p} {s * 1e3:.2f} ms" for p, s in sorted(times.items(), key=lambda kv: kv[1]))
+            best = min(times, key=times.get)
+            state = "probing" if self.calls.get(key, 0) <= self.explore * len(times) else f"-> {best} (fastest)"
+            lines.append(f"{collective} {dtype.replace('torch.', '')} {1 << (bits - 1)}-{(1 << bits) - 1} B: "
+                         f"{shown} {state}")
+        return lines

@@ -29,7 +29,6 @@ waits for the slowest rank and, on a shaped link, behind queued bulk data.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import zlib
@@ -42,13 +41,14 @@ from . import format as F
 from .auto import Policy
 from .stats import record as _record
 from .codecs import Lossless, Raw, TopK
+from .executor import Handle, run as _run, submit
 from .errors import MismatchError, UnsupportedError
 from .kernels import reduce, sparse
 from .reference.packet import host_bytes
 from .transport import TorchTransport
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "auto_policy", "sparse_algorithm",
-           "submit", "AUTO_MIN_BYTES", "Handle"]
+           "submit", "AUTO_MIN_BYTES", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned"]
 
 AUTO_MIN_BYTES = config.AUTO_MIN_BYTES
 
@@ -57,28 +57,45 @@ _COLLECTIVES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_redu
 _FIELDS = ("collective", "dtype", "numel", "op", "codec", "reduce-scatter algorithm")
 _ALGORITHMS = {"direct": 1, "ring": 2}
 _RAW, _LOSSLESS = Raw(), Lossless()
-_AUTO = object()  # codec "auto" on float data: raw or lossless, decided when the call runs (zipccl.auto)
+AUTO = object()  # codec "auto" on float data: the plan is decided when the call runs (zipccl.auto)
+
+
+class _Native:
+    """codec="native": the backend's own collective (torch.distributed), with no zipccl metadata:
+    such a call has torch.distributed's semantics, checks and failure modes."""
+    name = "native"
+
+    def __repr__(self) -> str:
+        return "native"
+
+
+NATIVE = _Native()
 
 
 def resolve_codec(codec, dtype: torch.dtype, nbytes: int):
-    """The codec object for a call, or None for the backend's own collective (non-float dtypes)."""
+    """The codec object for a call; NATIVE for the backend's own collective; None for the
+    backend's collective after zipccl's metadata exchange (non-float dtypes with "raw")."""
     if isinstance(codec, str):
         if codec == "topk":
             codec = TopK()
         elif codec == "entropy":
             raise ValueError("codec 'entropy' keeps state per tensor: pass name=... to zipccl.all_reduce "
                              "(or use zipccl.lossy.Compressor / zipccl.ddp.State)")
-        elif codec not in ("auto", "raw", "lossless"):
-            raise ValueError(f"unknown codec {codec!r}: use 'raw', 'lossless', 'auto' (never lossy), the lossy "
-                             "'topk' or 'entropy', or a codec instance")
+        elif codec not in ("auto", "raw", "lossless", "native"):
+            raise ValueError(f"unknown codec {codec!r}: use 'native', 'raw', 'lossless', 'auto' (never lossy), "
+                             "the lossy 'topk' or 'entropy', or a codec instance")
     if isinstance(codec, str):
+        if codec == "native":
+            return NATIVE
         if dtype not in F.DTYPE_CODES:
             if codec == "lossless":
                 raise UnsupportedError(f"codec 'lossless' takes {F.SUPPORTED}, not {dtype}")
-            return None
+            return NATIVE if codec == "auto" else None
         if codec == "raw" or (codec == "auto" and nbytes < AUTO_MIN_BYTES):
             return _RAW
         return _LOSSLESS
+    if isinstance(codec, _Native):
+        return codec
     if not all(hasattr(codec, m) for m in ("encode", "decode", "max_encoded_size")):
         raise ValueError(f"codec {codec!r} lacks encode/decode/max_encoded_size")
     if dtype not in F.DTYPE_CODES:
@@ -103,13 +120,32 @@ def _op_code(op) -> int:
 
 # ---- codec "auto": a policy per group, fed by the metadata exchanges ------------------------------------------
 
+#: Plans that flat codec="auto" measures: the backend's own collective, zipccl's pipeline raw or lossless.
+FLAT_PLANS = ("native", "raw", "lossless")
+#: Times of finished auto calls that one metadata exchange carries (pending ones wait for the next).
+REPORT_SLOTS = 4
+
+
 class _AutoGroup:
-    """A group's auto policy, and (class, codec, microseconds) of its last finished auto call on
-    this rank, until the next metadata exchange reports it."""
+    """A group's auto policy, and this rank's times of its finished auto calls that no metadata
+    exchange has reported yet: {(class, plan): microseconds}, the lowest of a plan's calls
+    since (native calls carry no exchange: several may wait), in first-call order, which is the
+    same on every rank."""
     __slots__ = ("policy", "pending")
 
     def __init__(self):
-        self.policy, self.pending = Policy(config.AUTO_MIN_BYTES), None
+        self.policy, self.pending = Policy(), {}
+
+    def done(self, key, plan: str, seconds: float) -> None:
+        us = int(seconds * 1e6)
+        self.pending[(key, plan)] = min(us, self.pending.get((key, plan), us))
+
+    def take(self) -> list:
+        """Up to REPORT_SLOTS pending reports, oldest first, removed from the queue."""
+        taken = list(self.pending.items())[:REPORT_SLOTS]
+        for entry, _ in taken:
+            del self.pending[entry]
+        return taken
 
 
 _autos: dict = {}
@@ -123,23 +159,24 @@ def _auto_group(group) -> _AutoGroup:
 
 def auto_policy(group=None) -> Policy:
     """The policy behind codec="auto" on ``group`` (None: the default group): ``table()`` shows
-    what it has measured."""
+    what it has measured, ``explain()`` what it chose and why."""
     return _auto_group(group).policy
 
 
-def _decide(t, name: str, dtype, nbytes: int, c):
-    """(codec, auto class or None) of a call about to run: "auto" is decided here, in call order
-    on every rank, from what the group's earlier calls reported."""
-    if c is not _AUTO:
-        return c, None
+def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], run) -> None:
+    """``run(plan)`` with the plan that the group's auto policy chooses for this call among
+    ``candidates``, in call order on every rank; the call's time on this rank goes out with the
+    group's next metadata exchange."""
     key = Policy.key(name, dtype, nbytes)
-    return (_RAW if _auto_group(t.group).policy.choose(key, nbytes) == "raw" else _LOSSLESS), key
+    auto = _auto_group(group)
+    plan = auto.policy.choose(key, nbytes, candidates)
+    t0 = time.perf_counter()
+    run(plan)
+    auto.done(key, plan, time.perf_counter() - t0)
 
 
-def _done(t, key, codec, t0: float) -> None:
-    """An auto call finished on this rank: its time goes out with the group's next exchange."""
-    if key is not None:
-        _auto_group(t.group).pending = (key, codec.name, int((time.perf_counter() - t0) * 1e6))
+def _report_id(entry) -> int:
+    return zlib.crc32(repr(entry).encode()) & 0x7FFFFFFF
 
 
 # ---- rank-consistent metadata: one exchange per call, then pairwise sizes ------------------------------------
@@ -153,11 +190,11 @@ class _Call:
                        numel, _OPS.get(op, 0), _codec_id(codec), _ALGORITHMS[config.REDUCE_SCATTER]]
 
     def exchange(self, t, sizes: list[int], error: Exception | None = None) -> torch.Tensor:
-        """Exchange [error, signature, auto report, sizes]; raise the same way on every rank if
+        """Exchange [error, signature, auto reports, sizes]; raise the same way on every rank if
         anything is off. Returns the (ranks, ranks) sizes every rank announced (padded with
         zeros: every rank's vector has the same length, whatever phase it is in). The auto
-        report is this rank's time of the group's last auto call (zipccl.auto), learned from
-        once every rank has reported it."""
+        reports are this rank's times of the group's earlier auto calls (zipccl.auto), each
+        learned from once every rank has reported it."""
         return self.start(t, sizes, error)()
 
     def start(self, t, sizes: list[int] = (), error: Exception | None = None):
@@ -165,16 +202,19 @@ class _Call:
         (and raises). A pipeline's first piece is encoded in between."""
         sizes = list(sizes) + [0] * (t.size - len(sizes))
         auto = _auto_group(t.group)
-        report, auto.pending = auto.pending, None
-        mine = torch.tensor([1 if error else 0, *self.values, report[2] if report else -1, *sizes],
-                            dtype=torch.int64)
+        reports = auto.take()
+        slots = [v for entry, us in reports for v in (_report_id(entry), us)]
+        slots += [-1] * (2 * REPORT_SLOTS - len(slots))
+        mine = torch.tensor([1 if error else 0, *self.values, *slots, *sizes], dtype=torch.int64)
         wait = t.start_exchange(mine)
 
         def finish() -> torch.Tensor:
             rows = wait()
-            times = rows[:, 1 + len(_FIELDS)]
-            if report is not None and bool((times >= 0).all()):
-                auto.policy.learn(report[0], report[1], int(times.max()) / 1e6)
+            first = 1 + len(_FIELDS)
+            for k, ((key, plan), _) in enumerate(reports):
+                ids, times = rows[:, first + 2 * k], rows[:, first + 2 * k + 1]
+                if bool((ids == ids[0]).all()) and bool((times >= 0).all()):
+                    auto.policy.learn(key, plan, int(times.max()) / 1e6)
             bad = [r for r in range(t.size) if rows[r, 0]]
             if error is not None:
                 raise error
@@ -188,13 +228,13 @@ class _Call:
                         groups.setdefault(int(col[r]), []).append(r)
                     shown = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
                     raise MismatchError(f"zipccl.{self.name}: ranks disagree on {field} ({shown})")
-            return rows[:, 2 + len(_FIELDS):]
+            return rows[:, first + 2 * REPORT_SLOTS:]
         return finish
 
 
 def _meta_bytes(n: int) -> int:
     """Bytes this rank sends in one metadata exchange of ``n`` ranks."""
-    return (n - 1) * 8 * (2 + len(_FIELDS) + n)
+    return (n - 1) * 8 * (1 + len(_FIELDS) + 2 * REPORT_SLOTS + n)
 
 
 class _SizeMail:
@@ -703,8 +743,9 @@ def _world_multiple(name, big_label, big, small_label, small):
     return check
 
 
-def _prepare(name, group, tensors, op, codec, numel, nbytes, check):
-    """Validate locally; any failure still joins the metadata exchange so that no rank hangs."""
+def prepare(name, group, tensors, op, codec, numel, nbytes, check):
+    """Validate locally; any failure still joins the metadata exchange so that no rank hangs.
+    Returns the transport and the resolved codec (AUTO where "auto" learns)."""
     t = TorchTransport(group)
     dtype = tensors[-1].dtype if isinstance(tensors[-1], torch.Tensor) else None
     error, resolved = None, None
@@ -714,9 +755,11 @@ def _prepare(name, group, tensors, op, codec, numel, nbytes, check):
         _check_device(t, *tensors)
         if op is not None:
             _op_code(op)
-        resolved = resolve_codec(codec, dtype, nbytes)
-        if codec == "auto" and resolved is not None and config.AUTO_LEARN:
-            resolved = _AUTO
+            if _OPS[op] == 2 and not dtype.is_floating_point:
+                raise UnsupportedError("AVG of integer tensors is not supported; use SUM and divide")
+        resolved = codec if codec is AUTO else resolve_codec(codec, dtype, nbytes)
+        if codec == "auto" and resolved is not NATIVE and config.AUTO_LEARN:
+            resolved = AUTO
         if not getattr(resolved, "exact", True):
             if name != "all_reduce":
                 raise UnsupportedError(f"lossy codec {resolved!r} works with all_reduce only, not {name}")
@@ -730,167 +773,99 @@ def _prepare(name, group, tensors, op, codec, numel, nbytes, check):
     return t, resolved
 
 
-# ---- async execution -----------------------------------------------------------------------------------------
-
-class Handle:
-    """What ``async_op=True`` returns: ``wait()``, ``is_completed()`` and ``get_future()``
-    (whose value is the call's statistics: raw_bytes, wire_bytes, codec_seconds, ...).
-
-    Async calls run one after another on one background thread per process, in
-    the order they were issued (all ranks must issue them in the same order, as
-    with torch.distributed). Do not issue other collectives on the same group
-    until you have waited for the handle."""
-
-    def __init__(self):
-        self._future = torch.futures.Future()
-
-    def wait(self, timeout=None) -> bool:
-        self._future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
+def check_shapes(name: str, output, input):
+    """The size check of a call: all-reduce has one tensor; reduce-scatter's input and
+    all-gather's output hold world-size x the other."""
+    if name == "all_reduce":
+        return lambda t: None
+    if name == "reduce_scatter":
+        return _world_multiple(name, "input", input, "output", output)
+    return _world_multiple(name, "output", output, "input", input)
 
 
-_queue: queue.Queue | None = None
-_queue_lock = threading.Lock()
-
-
-def _worker(q: queue.Queue) -> None:
-    while True:
-        fn, handle = q.get()
-        try:
-            handle._future.set_result(fn())
-        except BaseException as e:  # surfaced by wait()
-            handle._future.set_exception(e)
-
-
-def submit(fn) -> Handle:
-    """Run ``fn()`` on zipccl's background thread, after every async call issued before it;
-    its return value becomes the handle's future value. For work that issues collectives in
-    the middle of async traffic (the DDP hook's lossy path) without racing it."""
-    return _run(fn, True)
-
-
-def _run(fn, async_op: bool):
-    if not async_op:
-        fn()
-        return None
-    global _queue
-    with _queue_lock:
-        if _queue is None:
-            _queue = queue.Queue()
-            threading.Thread(target=_worker, args=(_queue,), daemon=True, name="zipccl-async").start()
-    handle = Handle()
-    _queue.put((fn, handle))
-    return handle
-
-
-def _finish(name, codec, acc) -> dict:
+def finish(name, codec, acc) -> dict:
     _record(name, getattr(codec, "name", "native") if codec is not None else "native", **acc)
     return acc
 
 
-def _new_acc():
+def new_acc():
     return dict(raw_bytes=0, wire_bytes=0, meta_bytes=0, codec_seconds=0.0, comm_seconds=0.0)
 
 
-# ---- public API ----------------------------------------------------------------------------------------------
+# ---- one flat collective with a decided codec ----------------------------------------------------------------
+
+def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec, acc: dict) -> None:
+    """``name`` on ``t``'s group with ``codec`` (NATIVE, None or a codec object), on this thread.
+    all_reduce works in place on ``input`` (``output`` is the same tensor)."""
+    numel = input.numel()
+    if codec is NATIVE or codec is None:
+        t0 = time.perf_counter()
+        if codec is None or config.CHECK_NATIVE:
+            _Call(name, input.dtype, numel, op, None).exchange(t, [])
+        t.native(name, *((input.view(-1),) if name == "all_reduce" else (output.view(-1), input.view(-1))), op=op)
+        acc["comm_seconds"] += time.perf_counter() - t0
+    elif name == "reduce_scatter":
+        call = _Call(name, input.dtype, numel, op, codec)
+        output.view(-1).copy_(_reduce_scatter_chunks(t, input.view(t.size, -1), op, codec, call, acc))
+    elif name == "all_gather":
+        mine, outs = input.view(-1), output.view(t.size, -1)
+        gather = _Gather(t, codec, _Call(name, input.dtype, numel, None, codec), acc, lambda j, a, b: outs[j, a:b])
+        for a, b in pieces(numel, t.size, input.element_size()):
+            gather.push(a, b, mine[a:b])
+        gather.finish()
+    elif not getattr(codec, "exact", True):
+        _sparse_all_reduce(t, input.view(-1), op, codec, _Call(name, input.dtype, numel, op, codec), acc)
+    else:
+        flat, n = input.view(-1), t.size
+        m = -(-numel // n)
+        padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
+        gather = _Gather(t, codec, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
+        call = _Call(name, input.dtype, numel, op, codec)
+        _reduce_scatter_chunks(t, padded.view(n, m), op, codec, call, acc,
+                               on_piece=gather.push)  # gather each reduced piece as soon as it exists
+        gather.finish()
+
+
+PLAN_CODECS = {"native": NATIVE, "raw": _RAW, "lossless": _LOSSLESS}
+
+
+def _collective(name: str, group, output, input, op, codec, async_op: bool):
+    numel, nbytes = _size(input)
+    t, c = prepare(name, group, (input,) if name == "all_reduce" else (output, input), op, codec, numel, nbytes,
+                   check_shapes(name, output, input))
+
+    def run():
+        acc, used = new_acc(), [c]
+        if c is AUTO:
+            def go(plan):
+                used[0] = PLAN_CODECS[plan]
+                run_flat(name, t, output, input, op, used[0], acc)
+            planned(t.group, name, input.dtype, nbytes, FLAT_PLANS, go)
+        else:
+            run_flat(name, t, output, input, op, c, acc)
+        return finish(name, used[0], acc)
+
+    return _run(run, async_op)
+
+
+# ---- public API: the flat collectives (zipccl.all_reduce & co. add topology and lossy state on top) -----------
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
                    async_op: bool = False, *, codec="auto"):
     """Like ``dist.reduce_scatter_single``: ``input`` holds world-size chunks of ``output.numel()``;
     rank r receives the reduction of every rank's chunk r in ``output``."""
-    numel, nbytes = _size(input)
-    t, c = _prepare("reduce_scatter", group, (output, input), op, codec, numel, nbytes,
-                    _world_multiple("reduce_scatter", "input", input, "output", output))
-
-    def run():
-        acc, t0 = _new_acc(), time.perf_counter()
-        codec, key = _decide(t, "reduce_scatter", input.dtype, nbytes, c)
-        if codec is None:
-            _Call("reduce_scatter", input.dtype, numel, op, None).exchange(t, [])
-            t.native("reduce_scatter", output.view(-1), input.view(-1), op=op)
-            acc["comm_seconds"] += time.perf_counter() - t0
-        else:
-            call = _Call("reduce_scatter", input.dtype, numel, op, codec)
-            reduced = _reduce_scatter_chunks(t, input.view(t.size, -1), op, codec, call, acc)
-            output.view(-1).copy_(reduced)
-        _done(t, key, codec, t0)
-        return _finish("reduce_scatter", codec, acc)
-
-    return _run(run, async_op)
+    return _collective("reduce_scatter", group, output, input, op, codec, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *, codec="auto"):
     """Like ``dist.all_gather_single``: ``output`` receives every rank's ``input`` in rank order."""
-    numel, nbytes = _size(input)
-    t, c = _prepare("all_gather", group, (output, input), None, codec, numel, nbytes,
-                    _world_multiple("all_gather", "output", output, "input", input))
-
-    def run():
-        acc, t0 = _new_acc(), time.perf_counter()
-        codec, key = _decide(t, "all_gather", input.dtype, nbytes, c)
-        call = _Call("all_gather", input.dtype, numel, None, codec)
-        if codec is None:
-            call.exchange(t, [])
-            t.native("all_gather", output.view(-1), input.view(-1))
-            acc["comm_seconds"] += time.perf_counter() - t0
-        else:
-            mine, outs = input.view(-1), output.view(t.size, -1)
-            gather = _Gather(t, codec, call, acc, lambda j, a, b: outs[j, a:b])
-            for a, b in pieces(numel, t.size, input.element_size()):
-                gather.push(a, b, mine[a:b])
-            gather.finish()
-        _done(t, key, codec, t0)
-        return _finish("all_gather", codec, acc)
-
-    return _run(run, async_op)
+    return _collective("all_gather", group, output, input, None, codec, async_op)
 
 
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *,
-               codec="auto", name: str | None = None):
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *, codec="auto"):
     """Like ``dist.all_reduce``, in place; every rank ends with bit-identical results.
 
-    codec: "auto" (raw or lossless, learned per group: zipccl.auto; never lossy), "raw", "lossless", or
-    opt-in lossy: "topk" (TopK(0.01)) or a TopK instance. With ``name`` (the tensor's name, the
-    same on every rank), "topk" and "entropy" keep error feedback and, for "entropy", the
-    entropy-driven density across calls (zipccl.lossy.default(codec)); the layer rules send
-    small tensors, biases and norms lossless."""
-    if name is not None and codec in ("topk", "entropy"):
-        from . import lossy
-        compressor = lossy.default(codec)
-        return _run(lambda: compressor.all_reduce(tensor, name, op=op, group=group), async_op)
-    numel, nbytes = _size(tensor)
-    t, c = _prepare("all_reduce", group, (tensor,), op, codec, numel, nbytes, lambda t: None)
-
-    def run():
-        acc, t0 = _new_acc(), time.perf_counter()
-        codec, key = _decide(t, "all_reduce", tensor.dtype, nbytes, c)
-        flat = tensor.view(-1)
-        if codec is None:
-            _Call("all_reduce", tensor.dtype, numel, op, None).exchange(t, [])
-            if _OPS[op] == 2:
-                raise UnsupportedError("AVG of integer tensors is not supported; use SUM and divide")
-            t.native("all_reduce", flat, op=op)
-            acc["comm_seconds"] += time.perf_counter() - t0
-        else:
-            n = t.size
-            if not getattr(codec, "exact", True):
-                _sparse_all_reduce(t, flat, op, codec, _Call("all_reduce", tensor.dtype, numel, op, codec), acc)
-                return _finish("all_reduce", codec, acc)
-            m = -(-numel // n)
-            padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
-            gather = _Gather(t, codec, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
-
-            call = _Call("all_reduce", tensor.dtype, numel, op, codec)
-            _reduce_scatter_chunks(t, padded.view(n, m), op, codec, call, acc,
-                                   on_piece=gather.push)  # gather each reduced piece as soon as it exists
-            gather.finish()
-        _done(t, key, codec, t0)
-        return _finish("all_reduce", codec, acc)
-
-    return _run(run, async_op)
+    codec: "auto" (the backend's own collective, raw or lossless, learned per group:
+    zipccl.auto; never lossy), "native", "raw", "lossless", or opt-in lossy: "topk"
+    (TopK(0.01)) or a TopK instance."""
+    return _collective("all_reduce", group, tensor, tensor, op, codec, async_op)

@@ -52,3 +52,17 @@ REDUCE_SCATTER = _choice("ZIPCCL_REDUCE_SCATTER", "direct", ("direct", "ring"))
 #: 64 MiB all-reduce in the 1 Gbit/s lab: raw 1.17-1.33 s -> 0.88-0.93 s (docs/PERFORMANCE.md).
 #: "0" keeps one connection per pair (the group's own).
 SPLIT_DIRECTIONS = _choice("ZIPCCL_SPLIT_DIRECTIONS", "1", ("0", "1")) == "1"
+
+
+#: "NxM": the process group is N nodes of M consecutive ranks (zipccl.topology), instead of what
+#: the launcher or the host names say: for an emulated cluster (zipccl-netlab up NxM) or a user
+#: who knows better. The same on every rank (checked). Unset: found from the launcher.
+TOPOLOGY = os.environ.get("ZIPCCL_TOPOLOGY") or None
+
+
+#: "1": calls that go to the backend's own collective (codec "native", or the plan "auto"
+#: chose) first run zipccl's metadata exchange, so that an invalid call or ranks that disagree
+#: raise on every rank instead of hanging; costs one small all-gather per call (4-6 ms on 4
+#: loopback ranks sharing 2 cores, as much as a small all-reduce). "0" (default): such calls
+#: are the backend's collective alone, with torch.distributed's checks and failure modes.
+CHECK_NATIVE = _choice("ZIPCCL_CHECK_NATIVE", "0", ("0", "1")) == "1"

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from . import api, collectives
 from .stats import stats as _snapshot
 from .entropy import EntropyRate
 from .errors import UnsupportedError
@@ -129,7 +129,7 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         layout = state.layouts.get(key)
         handle = collectives.submit(lambda: _split(state, step, key, buffer, layout))
     else:
-        handle = collectives.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, async_op=True,
+        handle = api.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, async_op=True,
                                         codec=state.codec)
 
     def done(fut: torch.futures.Future) -> torch.Tensor:

@@ -76,6 +76,9 @@ class TorchTransport(Transport):
         return dist.irecv(recv, group=self._lane(src, self.rank), group_src=src, tag=tag)
 
     def native(self, name, *tensors, op=None):
+        avg = op == dist.ReduceOp.AVG and dist.get_backend(self.group) == "gloo"
+        if avg:  # gloo has no AVG: its SUM, then one division (rounded once more)
+            op = dist.ReduceOp.SUM
         if name == "all_reduce":
             dist.all_reduce(tensors[0], op=op, group=self.group)
         elif name == "reduce_scatter":
@@ -84,3 +87,5 @@ class TorchTransport(Transport):
             dist.all_gather_single(tensors[0], tensors[1], group=self.group)
         else:
             raise ValueError(f"unknown collective {name!r}")
+        if avg:
+            tensors[0].div_(self.size)

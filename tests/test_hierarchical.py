@@ -1,0 +1,216 @@
+"""Hierarchical collectives and the planner over emulated nodes (ZIPCCL_TOPOLOGY=2x2 on 4 ranks,
+2x3 on 6): every rank's result equals the documented summation order, computed here with plain
+torch on the gathered inputs; lossless equals raw; auto's choices agree on every rank."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zipccl
+from zipccl.bench.common import verifiable
+
+pytestmark = pytest.mark.timeout(600)
+
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def pool6():
+    from workers import Pool
+    p = Pool(6)
+    yield p
+    p.close()
+
+
+@contextlib.contextmanager
+def emulated(shape: str | None):
+    """ZIPCCL_TOPOLOGY in this live worker (its groups are made anew, on every rank alike)."""
+    old, zipccl.config.TOPOLOGY = zipccl.config.TOPOLOGY, shape
+    zipccl.topology.forget()
+    try:
+        yield
+    finally:
+        zipccl.config.TOPOLOGY = old
+        zipccl.topology.forget()
+
+
+def data(rank: int, n: int, dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return (torch.randn(n, generator=g) * 0.02).to(dtype)
+
+
+def gathered(x: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``x`` by plain torch.distributed (the reference's inputs)."""
+    n = dist.get_world_size()
+    out = torch.empty(n * x.numel(), dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x.contiguous().view(-1))
+    return list(out.view(n, -1))
+
+
+def documented(parts: list[torch.Tensor], nodes: int, local: int, op: str) -> torch.Tensor:
+    """The hierarchical order (zipccl/hierarchical.py): each node's ranks in local order with fp32
+    accumulation for 16-bit types, rounded to the dtype; then the nodes in order, rounded once;
+    AVG = that sum divided by the group's size."""
+    dtype = parts[0].dtype
+    acc_t = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    if op in ("max", "min"):
+        f = torch.maximum if op == "max" else torch.minimum
+        out = parts[0]
+        for p in parts[1:]:
+            out = f(out, p)
+        return out
+    node_sums = []
+    for i in range(nodes):
+        acc = parts[i * local].to(acc_t)
+        for j in range(1, local):
+            acc = acc + parts[i * local + j].to(acc_t)
+        node_sums.append(acc.to(dtype))
+    acc = node_sums[0].to(acc_t)
+    for s in node_sums[1:]:
+        acc = acc + s.to(acc_t)
+    total = acc.to(dtype)
+    return total / (nodes * local) if op == "avg" else total
+
+
+def ints(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32 if x.element_size() == 4 else torch.int16)
+
+
+LEVELS = {"raw": {"intra": "raw", "inter": "raw"}, "lossless": {"intra": "lossless", "inter": "lossless"},
+          "mixed": {"intra": "raw", "inter": "lossless"}}
+
+
+def _exact(rank, groups, shape, nodes, local, n):
+    """Every dtype x op x collective with zipccl's own levels, against the documented order."""
+    out = {}
+    with emulated(shape):
+        for dname, dtype in DTYPES.items():
+            for oname, op in OPS.items():
+                x = data(rank, n, dtype)
+                parts = gathered(x)
+                ref = documented(parts, nodes, local, oname)
+                size = nodes * local
+                inp = data(rank + 100, n * size, dtype)
+                rs_ref = documented([p.view(size, n)[rank] for p in gathered(inp)], nodes, local, oname)
+                for lname, codec in LEVELS.items():
+                    y = x.clone()
+                    zipccl.all_reduce(y, op=op, codec=codec, algorithm="hierarchical")
+                    out[("ar", dname, oname, lname)] = bool(torch.equal(ints(y), ints(ref))), ints(y).tolist()
+                    rs = torch.empty(n, dtype=dtype)
+                    zipccl.reduce_scatter(rs, inp, op=op, codec=codec, algorithm="hierarchical")
+                    out[("rs", dname, oname, lname)] = bool(torch.equal(ints(rs), ints(rs_ref))), None
+            for lname, codec in LEVELS.items():
+                x = data(rank, n, dtype)
+                ag = torch.empty(n * nodes * local, dtype=dtype)
+                zipccl.all_gather(ag, x, codec=codec, algorithm="hierarchical")
+                out[("ag", dname, lname)] = bool(torch.equal(ints(ag), ints(torch.cat(gathered(x))))), None
+        out["stats"] = zipccl.stats()["last"]["codec"]
+    return out
+
+
+def check_exact(res):
+    for r in res:
+        assert not isinstance(r, BaseException), r
+    assert res[0]["stats"] == "hierarchical/raw+lossless"  # the last call: "mixed" levels
+    for key in res[0]:
+        if key == "stats":
+            continue
+        bad = [rank for rank, r in enumerate(res) if not r[key][0]]
+        assert not bad, (key, bad)  # the documented order, exactly, on every rank
+        if key[0] == "ar":  # all ranks identical, and lossless == raw (implied by both equal to the reference)
+            assert all(r[key][1] == res[0][key][1] for r in res)
+
+
+@pytest.mark.parametrize("n", [1, 1000, 70001])
+def test_2x2_equals_the_documented_order(pool, n):
+    check_exact(pool.run(_exact, "2x2", 2, 2, n, timeout=500))
+
+
+def test_2x3_equals_the_documented_order(pool6):
+    check_exact(pool6.run(_exact, "2x3", 2, 3, 4099, timeout=500))
+
+
+def _native_levels(rank, groups, shape, nodes, local, n):
+    """Native levels sum in the backend's order: on values whose sums are exact in any order
+    (nccl-tests' verifiable data) the result is still exactly known."""
+    out = {}
+    with emulated(shape):
+        size = nodes * local
+        for dname, dtype in DTYPES.items():
+            x = verifiable(n, dtype, rank, size)
+            parts = gathered(x)
+            exact = torch.stack([p.double() for p in parts]).sum(0).to(dtype)
+            for codec in ("native", {"intra": "native", "inter": "lossless"}):
+                y = x.clone()
+                zipccl.all_reduce(y, codec=codec, algorithm="hierarchical")
+                out[(dname, str(codec))] = bool(torch.equal(ints(y), ints(exact)))
+    return out
+
+
+def test_native_levels_on_verifiable_data(pool):
+    res = pool.run(_native_levels, "2x2", 2, 2, 5000, timeout=300)
+    for r in res:
+        assert not isinstance(r, BaseException), r
+        assert all(r.values()), r
+
+
+def _auto(rank, groups, shape, calls):
+    """codec="auto" on two levels: every plan is tried, the same way on every rank, and every
+    result is exact (verifiable data: all plans give the same bits)."""
+    used, ok = [], True
+    with emulated(shape):
+        x0 = verifiable(1 << 20, torch.bfloat16, rank, 4)  # 2 MiB: above the probe floor
+        exact = torch.stack([p.double() for p in gathered(x0)]).sum(0).to(torch.bfloat16)
+        for _ in range(calls):
+            x = x0.clone()
+            zipccl.all_reduce(x)
+            used.append(zipccl.stats()["last"]["codec"])
+            ok &= bool(torch.equal(ints(x), ints(exact)))
+        lines = zipccl.collectives.auto_policy().explain()
+    return used, ok, lines
+
+
+def test_auto_tries_hierarchical_plans_identically_on_every_rank(pool):
+    res = pool.run(_auto, "2x2", 14, timeout=300)
+    for r in res:
+        assert not isinstance(r, BaseException), r
+    used = res[0][0]
+    assert all(r[0] == used for r in res) and all(r[1] for r in res)
+    assert set(used[:12]) == {"native", "raw", "lossless", "hierarchical/native+native",
+                              "hierarchical/native+raw", "hierarchical/native+lossless"}
+    assert any("hierarchical/lossless" in line for line in res[0][2])
+
+
+def _refusals(rank, groups, case):
+    try:
+        if case == "no_levels":  # one node (no override): nothing to be hierarchical over
+            with emulated(None):
+                zipccl.all_reduce(torch.ones(10), codec="raw", algorithm="hierarchical")
+        elif case == "bad_algorithm":
+            zipccl.all_reduce(torch.ones(10), algorithm="tree")
+        elif case == "bad_levels":
+            zipccl.all_reduce(torch.ones(10), codec={"intra": "raw"}, algorithm="hierarchical")
+        elif case == "single_level_mapping":  # one node: the mapping's "intra" codec runs flat
+            with emulated(None):
+                x = torch.full((10,), float(rank))
+                zipccl.all_reduce(x, codec={"intra": "lossless", "inter": "raw"})
+                return "ok", zipccl.stats()["last"]["codec"], x.tolist()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "ok", None
+
+
+@pytest.mark.parametrize("case,expected", [("no_levels", "UnsupportedError"), ("bad_algorithm", "ValueError"),
+                                           ("bad_levels", "ValueError"), ("single_level_mapping", "ok")])
+def test_refusals_are_clear_and_the_same_on_every_rank(pool, case, expected):
+    res = pool.run(_refusals, case, timeout=120)
+    assert all(r[0] == expected for r in res), res
+    if case == "no_levels":
+        assert "several nodes" in res[0][1]
+    if case == "single_level_mapping":
+        assert all(r[1] == "lossless" and r[2] == [6.0] * 10 for r in res), res

@@ -1,0 +1,149 @@
+"""The front door: zipccl.all_reduce, reduce_scatter and all_gather.
+
+Each call gets a plan: an algorithm (flat, or hierarchical over the group's nodes:
+zipccl.topology) and each level's codec (the backend's own collective, zipccl's pipeline raw
+or lossless, or an opt-in lossy codec), fixed by the caller or, with codec="auto", learned per
+group and size class from the calls' own times (zipccl.auto). A named tensor with a lossy
+codec goes to the lossy layer (zipccl.lossy), which keeps error feedback across calls. This
+module sits above collectives, hierarchical and lossy and dispatches to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from . import collectives as C
+from . import hierarchical, lossy, topology
+from .errors import UnsupportedError
+from .executor import run as _run
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "ALGORITHMS", "HIERARCHICAL_PLANS"]
+
+ALGORITHMS = ("auto", "flat", "hierarchical")
+#: Plans that codec="auto" adds where the group has two levels: the nodes' own links native,
+#: the links between nodes native, raw or lossless.
+HIERARCHICAL_PLANS = ("hierarchical/native", "hierarchical/raw", "hierarchical/lossless")
+LEVELS = ("intra", "inter")
+
+
+class _Plan:
+    """A hierarchical call's codecs, named for the signature check and the statistics."""
+    __slots__ = ("name", "codecs")
+
+    def __init__(self, codecs: tuple):
+        self.codecs = codecs
+        self.name = "hierarchical/" + "+".join(getattr(c, "name", "native") if c is not None else "native"
+                                               for c in codecs)
+
+
+def _level_codecs(codec, dtype, nbytes: int) -> tuple:
+    """(intra, inter) resolved: a mapping names each level; a single codec serves both."""
+    if isinstance(codec, Mapping):
+        unknown = set(codec) - set(LEVELS)
+        if unknown or set(codec) != set(LEVELS):
+            raise ValueError(f"a per-level codec maps both of {LEVELS} (got {sorted(codec)})")
+        wanted = tuple(codec[k] for k in LEVELS)
+    else:
+        wanted = (codec, codec)
+    out = []
+    for c in wanted:
+        if c == "auto":
+            raise ValueError("a hierarchical call's levels take explicit codecs ('native', 'raw', 'lossless' or an "
+                             "exact codec instance); codec='auto' with algorithm='auto' chooses them")
+        r = C.resolve_codec(c, dtype, nbytes)
+        if not getattr(r, "exact", True):
+            raise UnsupportedError(f"lossy codec {r!r} is not available per level; use the flat all_reduce")
+        out.append(r)
+    return tuple(out)
+
+
+def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: bool):
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r}: use one of {ALGORITHMS}")
+    per_level = isinstance(codec, Mapping)
+    if algorithm == "flat" or (algorithm == "auto" and not per_level and codec != "auto"):
+        if per_level:
+            raise ValueError("a per-level codec needs algorithm 'hierarchical' or 'auto'")
+        return C._collective(name, group, output, input, op, codec, async_op)
+    numel, nbytes = C._size(input)
+    tensors = (input,) if name == "all_reduce" else (output, input)
+    t, c = C.prepare(name, group, tensors, op, "raw" if per_level else codec, numel, nbytes,
+                     C.check_shapes(name, output, input))
+    dtype = input.dtype
+    fixed = None if codec == "auto" else _level_codecs(codec, dtype, nbytes)
+
+    def hier(levels, codecs, acc):
+        plan = _Plan(codecs)
+        if any(x is not C.NATIVE for x in codecs):  # signature and auto reports, over the whole group
+            C._Call(name, dtype, numel, op, plan).exchange(t, [])
+        hierarchical.run(name, levels, output, input, op, codecs, acc)
+        return plan
+
+    def flat(codec, acc):
+        C.run_flat(name, t, output, input, op, codec, acc)
+        return codec
+
+    def run():
+        acc, used = C.new_acc(), [None]
+        levels = topology.levels(group)  # a collective call on its first use: in call order on every rank
+        if algorithm == "hierarchical" and levels is None:
+            raise UnsupportedError(f"algorithm 'hierarchical' needs a group of several nodes with several ranks "
+                                   f"each that spans the job; this one is {topology.topology(group)}")
+        if fixed is not None:  # the caller's codecs: hierarchical where there are two levels
+            if levels is not None:
+                used[0] = hier(levels, fixed, acc)
+            else:  # one level: a single node's codec is "intra", single-rank nodes' "inter"
+                used[0] = flat(fixed[0] if len(topology.topology(group).nodes) == 1 else fixed[1], acc)
+        elif c is not C.AUTO:  # not a float type, or ZIPCCL_AUTO_LEARN=0: what "auto" resolved to
+            used[0] = hier(levels, (C.NATIVE, c), acc) if algorithm == "hierarchical" else flat(c, acc)
+        else:
+            plans = HIERARCHICAL_PLANS if algorithm == "hierarchical" else \
+                C.FLAT_PLANS + (HIERARCHICAL_PLANS if levels is not None else ())
+
+            def go(plan: str) -> None:
+                if plan.startswith("hierarchical/"):
+                    used[0] = hier(levels, (C.NATIVE, C.PLAN_CODECS[plan.split("/", 1)[1]]), acc)
+                else:
+                    used[0] = flat(C.PLAN_CODECS[plan], acc)
+
+            C.planned(t.group, name, dtype, nbytes, plans, go)
+        return C.finish(name, used[0], acc)
+
+    return _run(run, async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                   async_op: bool = False, *, codec="auto", algorithm: str = "auto"):
+    """Like ``dist.reduce_scatter_single``: ``input`` holds world-size chunks of ``output.numel()``;
+    rank r receives the reduction of every rank's chunk r in ``output``. ``codec`` and
+    ``algorithm`` as in ``all_reduce``."""
+    return _call("reduce_scatter", group, output, input, op, codec, algorithm, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *, codec="auto",
+               algorithm: str = "auto"):
+    """Like ``dist.all_gather_single``: ``output`` receives every rank's ``input`` in rank order.
+    ``codec`` and ``algorithm`` as in ``all_reduce``."""
+    return _call("all_gather", group, output, input, None, codec, algorithm, async_op)
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *,
+               codec="auto", algorithm: str = "auto", name: str | None = None):
+    """Like ``dist.all_reduce``, in place; every rank ends with bit-identical results.
+
+    codec: "auto" (default: the plan learned per group and size class, zipccl.auto; never
+    lossy), "native" (the backend's own collective), "raw", "lossless", a mapping per level
+    ({"intra": "native", "inter": "lossless"}), or opt-in lossy: "topk" (TopK(0.01)) or a TopK
+    instance. algorithm: "auto" (with codec="auto": flat or hierarchical, learned; with a
+    fixed codec: flat), "flat" or "hierarchical" (zipccl.hierarchical; needs several nodes of
+    several ranks: zipccl.topology). With ``name`` (the tensor's name, the same on every rank),
+    "topk" and "entropy" keep error feedback and, for "entropy", the entropy-driven density
+    across calls (zipccl.lossy.default(codec)); the layer rules send small tensors, biases and
+    norms lossless."""
+    if name is not None and codec in ("topk", "entropy"):
+        compressor = lossy.default(codec)
+        return _run(lambda: compressor.all_reduce(tensor, name, op=op, group=group), async_op)
+    return _call("all_reduce", group, tensor, tensor, op, codec, algorithm, async_op)

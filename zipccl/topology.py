@@ -1,0 +1,244 @@
+"""Nodes: which ranks of a process group share a machine, and the two levels of groups over them.
+
+A cluster has two kinds of link: inside a node (NVLink, shared memory, loopback: hundreds of
+GB/s, where coding never pays) and between nodes (Ethernet or InfiniBand, often the
+bottleneck). ``topology(group)`` finds the nodes once per group, identically on every rank,
+from the first source that applies on this rank:
+
+1. ``ZIPCCL_TOPOLOGY=NxM``: N nodes of M consecutive ranks (emulation, or a user who knows better);
+2. the launcher: torchrun (``GROUP_RANK`` with ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``), Open MPI
+   (``OMPI_COMM_WORLD_NODE_RANK`` where set, else the host name, with
+   ``OMPI_COMM_WORLD_LOCAL_RANK``/``_LOCAL_SIZE``), Slurm (``SLURM_NODEID``, ``SLURM_LOCALID``);
+3. the host name.
+
+Every rank sends its claim in one small all-gather; ranks that disagree (a different override,
+a different source, a launcher's local size that does not match the ranks found on the node)
+raise ``MismatchError`` on every rank. ``levels(group)`` then creates, once and in the same
+order on every rank, one gloo/NCCL group per node ("intra") and one per local index across the
+nodes ("inter"): the groups of the hierarchical algorithms (zipccl.hierarchical). Creating a
+group is a collective over the whole job, so levels exist only for groups that span the job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import config
+from .errors import MismatchError, UnsupportedError
+
+__all__ = ["Topology", "Levels", "topology", "levels", "parse", "claim", "from_claims", "nvml_link", "forget"]
+
+_SOURCES = ("ZIPCCL_TOPOLOGY", "torchrun", "mpirun", "slurm", "hostname")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The nodes of a group: ``nodes[i]`` lists the group ranks on node i, in rank order."""
+    nodes: tuple[tuple[int, ...], ...]
+    source: str
+    link: str = "unknown"  # between this node's GPUs, from NVML: "nvlink", "pcie" or "unknown"
+
+    @property
+    def size(self) -> int:
+        return sum(len(n) for n in self.nodes)
+
+    @property
+    def uniform(self) -> bool:
+        """Every node holds the same number of ranks (the hierarchical algorithms need it)."""
+        return len({len(n) for n in self.nodes}) == 1
+
+    @property
+    def local_size(self) -> int:
+        if not self.uniform:
+            raise UnsupportedError(f"nodes hold different numbers of ranks: {[len(n) for n in self.nodes]}")
+        return len(self.nodes[0])
+
+    @property
+    def hierarchical(self) -> bool:
+        """Two real levels: more than one node, more than one rank per node, every node alike."""
+        return len(self.nodes) > 1 and self.uniform and len(self.nodes[0]) > 1
+
+    def node_of(self, rank: int) -> int:
+        return next(i for i, ranks in enumerate(self.nodes) if rank in ranks)
+
+    def local_rank(self, rank: int) -> int:
+        return self.nodes[self.node_of(rank)].index(rank)
+
+    def __str__(self) -> str:
+        shape = f"{len(self.nodes)}x{len(self.nodes[0])}" if self.uniform else \
+            "+".join(str(len(n)) for n in self.nodes)
+        return f"{shape} ({self.source}{', ' + self.link if self.link != 'unknown' else ''})"
+
+
+def parse(text: str) -> tuple[int, int]:
+    """'2x4' -> (2, 4): N nodes of M consecutive ranks."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"ZIPCCL_TOPOLOGY={text!r}: use NxM, e.g. 2x4 (2 nodes of 4 consecutive ranks)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _key(text: str) -> int:
+    """A stable 62-bit number for a node's name (the same on every rank that names it alike)."""
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") >> 2
+
+
+def claim(env=None) -> tuple[str, int, int, int]:
+    """What this rank knows of its node: (source, node key, local rank, local size); -1 where the
+    source does not say."""
+    env = os.environ if env is None else env
+    if "GROUP_RANK" in env and "LOCAL_RANK" in env:
+        return "torchrun", int(env["GROUP_RANK"]), int(env["LOCAL_RANK"]), int(env.get("LOCAL_WORLD_SIZE", -1))
+    if "OMPI_COMM_WORLD_LOCAL_RANK" in env:
+        node = env.get("OMPI_COMM_WORLD_NODE_RANK")
+        return ("mpirun", int(node) if node is not None else _key(socket.gethostname()),
+                int(env["OMPI_COMM_WORLD_LOCAL_RANK"]), int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", -1)))
+    if "SLURM_NODEID" in env and "SLURM_LOCALID" in env:
+        return "slurm", int(env["SLURM_NODEID"]), int(env["SLURM_LOCALID"]), -1
+    return "hostname", _key(socket.gethostname()), -1, -1
+
+
+def from_claims(rows: list[list[int]]) -> Topology:
+    """The topology from every rank's row [override N, override M, source, node key, local rank,
+    local size] (group rank order); raises MismatchError where the ranks disagree."""
+    n = len(rows)
+    overrides = {(r[0], r[1]) for r in rows}
+    if len(overrides) > 1:
+        raise MismatchError(f"ranks disagree on ZIPCCL_TOPOLOGY: {sorted(overrides)}")
+    (nodes_n, local_m), = overrides
+    if nodes_n > 0:
+        if nodes_n * local_m != n:
+            raise MismatchError(f"ZIPCCL_TOPOLOGY={nodes_n}x{local_m} describes {nodes_n * local_m} ranks, "
+                                f"the group has {n}")
+        return Topology(tuple(tuple(range(i * local_m, (i + 1) * local_m)) for i in range(nodes_n)),
+                        "ZIPCCL_TOPOLOGY")
+    sources = {r[2] for r in rows}
+    if len(sources) > 1:
+        raise MismatchError(f"ranks found their node in different ways: {sorted(_SOURCES[s] for s in sources)} "
+                            "(set ZIPCCL_TOPOLOGY=NxM on every rank)")
+    found: dict[int, list[int]] = {}
+    for rank, row in enumerate(rows):
+        found.setdefault(row[3], []).append(rank)
+    nodes = tuple(tuple(ranks) for ranks in found.values())
+    if len(nodes) == 1 or all(r[4] < 0 for r in rows):
+        return Topology(nodes, _SOURCES[rows[0][2]])
+    for ranks in nodes:
+        locals_ = sorted(rows[r][4] for r in ranks)
+        sizes = {rows[r][5] for r in ranks} - {-1}
+        if len(set(locals_)) != len(locals_) or (sizes and sizes != {len(ranks)} and n == _world()):
+            raise MismatchError(f"the launcher's local ranks {locals_} (local size {sorted(sizes)}) do not match "
+                                f"the {len(ranks)} ranks found on one node ({list(ranks)})")
+    return Topology(nodes, _SOURCES[rows[0][2]])
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else -1
+
+
+def nvml_link() -> str:
+    """"nvlink" where this machine's first GPU has an active NVLink, "pcie" where it has GPUs but
+    none, "unknown" without NVML (the normal case on CPU machines: costs one failed import)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:
+        return "unknown"
+    try:
+        if pynvml.nvmlDeviceGetCount() < 2:
+            return "unknown"
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        for link in range(18):
+            try:
+                if pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                    return "nvlink"
+            except Exception:
+                break
+        return "pcie"
+    except Exception:
+        return "unknown"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+_found: dict = {}
+_levels: dict = {}
+_lock = threading.Lock()
+
+
+def _group_key(group):
+    return group if group is not None else dist.GroupMember.WORLD
+
+
+def topology(group=None) -> Topology:
+    """The nodes of ``group`` (None: the default group), found on the first call (a collective
+    call: every rank of the group must make it at the same point) and kept."""
+    key = _group_key(group)
+    with _lock:
+        if key in _found:
+            return _found[key]
+    override = (-1, -1) if config.TOPOLOGY is None else parse(config.TOPOLOGY)
+    source, node, local, local_size = claim()
+    mine = torch.tensor([*override, _SOURCES.index(source), node, local, local_size], dtype=torch.int64)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+    size = dist.get_world_size(group)
+    rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_single(rows, mine.to(device), group=group)
+    found = from_claims(rows.view(size, -1).cpu().tolist())
+    found = Topology(found.nodes, found.source, nvml_link())
+    with _lock:
+        return _found.setdefault(key, found)
+
+
+@dataclass(frozen=True)
+class Levels:
+    """This rank's two groups of a hierarchical collective: ``intra`` (its node's ranks, in node
+    order) and ``inter`` (the ranks of the same local rank on every node, in node order)."""
+    topology: Topology
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup
+    node: int
+    local_rank: int
+
+
+def levels(group=None) -> Levels | None:
+    """The intra- and inter-node groups of ``group``, created on the first call (every rank of the
+    job, in the same order: each node's group in node order, then each local rank's group), or
+    None where there is no second level or ``group`` does not span the job."""
+    key = _group_key(group)
+    with _lock:
+        if key in _levels:
+            return _levels[key]
+    topo = topology(group)
+    made = None
+    if topo.hierarchical and dist.get_world_size(group) == dist.get_world_size():
+        ranks = dist.get_process_group_ranks(key)  # group rank -> global rank
+        backend = dist.get_backend(group)
+        me = dist.get_rank(group)
+        intra = [dist.new_group([ranks[r] for r in node], backend=backend) for node in topo.nodes]
+        inter = [dist.new_group([ranks[node[j]] for node in topo.nodes], backend=backend)
+                 for j in range(topo.local_size)]
+        node, local = topo.node_of(me), topo.local_rank(me)
+        made = Levels(topo, intra[node], inter[local], node, local)
+    with _lock:
+        return _levels.setdefault(key, made)
+
+
+def forget(group=None) -> None:
+    """Drop what was found for ``group`` (tests that change ZIPCCL_TOPOLOGY in live workers); the
+    groups already created stay alive."""
+    key = _group_key(group)
+    with _lock:
+        _found.pop(key, None)
+        _levels.pop(key, None)
