@@ -82,7 +82,7 @@ def ints(x: torch.Tensor) -> torch.Tensor:
 
 
 LEVELS = {"raw": {"intra": "raw", "inter": "raw"}, "lossless": {"intra": "lossless", "inter": "lossless"},
-          "mixed": {"intra": "raw", "inter": "lossless"}}
+          "mixed": {"intra": "raw", "inter": "lossless"}, "shm": {"intra": "shm", "inter": "lossless"}}
 
 
 def _exact(rank, groups, shape, nodes, local, n):
@@ -116,7 +116,7 @@ def _exact(rank, groups, shape, nodes, local, n):
 def check_exact(res):
     for r in res:
         assert not isinstance(r, BaseException), r
-    assert res[0]["stats"] == "hierarchical/raw+lossless"  # the last call: "mixed" levels
+    assert res[0]["stats"] == "hierarchical/shm+lossless"  # the last call: "shm" levels
     for key in res[0]:
         if key == "stats":
             continue
@@ -181,8 +181,8 @@ def test_auto_tries_hierarchical_plans_identically_on_every_rank(pool):
         assert not isinstance(r, BaseException), r
     used = res[0][0]
     assert all(r[0] == used for r in res) and all(r[1] for r in res)
-    assert set(used[:12]) == {"native", "raw", "lossless", "hierarchical/native+native",
-                              "hierarchical/native+raw", "hierarchical/native+lossless"}
+    assert set(used[:12]) == {"native", "raw", "lossless", "hierarchical/shm+native",
+                              "hierarchical/shm+raw", "hierarchical/shm+lossless"}
     assert any("hierarchical/lossless" in line for line in res[0][2])
 
 

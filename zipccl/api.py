@@ -23,8 +23,8 @@ from .executor import run as _run
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "ALGORITHMS", "HIERARCHICAL_PLANS"]
 
 ALGORITHMS = ("auto", "flat", "hierarchical")
-#: Plans that codec="auto" adds where the group has two levels: the nodes' own links native,
-#: the links between nodes native, raw or lossless.
+#: Plans that codec="auto" adds where the group has two levels: inside the nodes shared memory
+#: (else the backend's collective), between nodes the backend's collective, raw or lossless.
 HIERARCHICAL_PLANS = ("hierarchical/native", "hierarchical/raw", "hierarchical/lossless")
 LEVELS = ("intra", "inter")
 
@@ -49,7 +49,12 @@ def _level_codecs(codec, dtype, nbytes: int) -> tuple:
     else:
         wanted = (codec, codec)
     out = []
-    for c in wanted:
+    for level, c in zip(LEVELS, wanted):
+        if c == "shm" or c is hierarchical.SHM:
+            if level != "intra":
+                raise ValueError("'shm' (shared memory) serves only the intra-node level")
+            out.append(hierarchical.SHM)
+            continue
         if c == "auto":
             raise ValueError("a hierarchical call's levels take explicit codecs ('native', 'raw', 'lossless' or an "
                              "exact codec instance); codec='auto' with algorithm='auto' chooses them")
@@ -58,6 +63,12 @@ def _level_codecs(codec, dtype, nbytes: int) -> tuple:
             raise UnsupportedError(f"lossy codec {r!r} is not available per level; use the flat all_reduce")
         out.append(r)
     return tuple(out)
+
+
+def _intra(levels) -> object:
+    """The intra-node level of auto's hierarchical plans: the node's shared memory where it has
+    one, else the backend's collective."""
+    return hierarchical.SHM if levels.memory is not None else C.NATIVE
 
 
 def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: bool):
@@ -77,7 +88,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
 
     def hier(levels, codecs, acc):
         plan = _Plan(codecs)
-        if any(x is not C.NATIVE for x in codecs):  # signature and auto reports, over the whole group
+        if codecs[1] is not C.NATIVE:  # signature and auto reports, over the whole group
             C._Call(name, dtype, numel, op, plan).exchange(t, [])
         hierarchical.run(name, levels, output, input, op, codecs, acc)
         return plan
@@ -98,14 +109,14 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             else:  # one level: a single node's codec is "intra", single-rank nodes' "inter"
                 used[0] = flat(fixed[0] if len(topology.topology(group).nodes) == 1 else fixed[1], acc)
         elif c is not C.AUTO:  # not a float type, or ZIPCCL_AUTO_LEARN=0: what "auto" resolved to
-            used[0] = hier(levels, (C.NATIVE, c), acc) if algorithm == "hierarchical" else flat(c, acc)
+            used[0] = hier(levels, (_intra(levels), c), acc) if algorithm == "hierarchical" else flat(c, acc)
         else:
             plans = HIERARCHICAL_PLANS if algorithm == "hierarchical" else \
                 C.FLAT_PLANS + (HIERARCHICAL_PLANS if levels is not None else ())
 
             def go(plan: str) -> None:
                 if plan.startswith("hierarchical/"):
-                    used[0] = hier(levels, (C.NATIVE, C.PLAN_CODECS[plan.split("/", 1)[1]]), acc)
+                    used[0] = hier(levels, (_intra(levels), C.PLAN_CODECS[plan.split("/", 1)[1]]), acc)
                 else:
                     used[0] = flat(C.PLAN_CODECS[plan], acc)
 

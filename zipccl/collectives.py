@@ -362,12 +362,18 @@ _TAG_RS_DATA, _TAG_AG_DATA = 5, 6  # their packets
 _DONE = object()
 
 
-def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
+def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc: dict, on_piece=None,
+                           ready=None) -> torch.Tensor:
     """chunks: (ranks, m). Returns this rank's reduced chunk (m elements, chunks' dtype), by the
     algorithm ``config.REDUCE_SCATTER`` names; ``on_piece(a, b, reduced)`` hears of each finished
-    range (all-reduce starts gathering it at once)."""
-    run = _reduce_scatter_ring if config.REDUCE_SCATTER == "ring" else _reduce_scatter_direct
-    return run(t, chunks, op, codec, call, acc, on_piece)
+    range (all-reduce starts gathering it at once); ``ready(a, b)``, where given, fills columns
+    [a, b) of every chunk just before they are first needed (the hierarchical all-reduce sums
+    them within the node there, while earlier pieces are on the wire)."""
+    if config.REDUCE_SCATTER == "ring":
+        if ready is not None:
+            ready(0, chunks.shape[1])
+        return _reduce_scatter_ring(t, chunks, op, codec, call, acc, on_piece)
+    return _reduce_scatter_direct(t, chunks, op, codec, call, acc, on_piece, ready)
 
 
 def _sum_in_rank_order(parts, op_code: int, n: int, dtype) -> torch.Tensor:
@@ -380,7 +386,7 @@ def _sum_in_rank_order(parts, op_code: int, n: int, dtype) -> torch.Tensor:
     return total
 
 
-def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
+def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piece=None, ready=None) -> torch.Tensor:
     """Each rank's packet of chunk j goes straight to rank j, which decodes all of them and
     reduces them in rank order, rounded once (the same sum on every owner, whatever arrives
     first). Piece by piece, to every peer at once, two pieces deep: piece k+1's packets are
@@ -399,6 +405,8 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
         """This rank's packets of piece k and a _SizeMail of their sizes (the first piece's
         encoding overlaps the call's metadata exchange: _sizes)."""
         a, b = cuts[k]
+        if ready is not None:
+            ready(a, b)
 
         def packets():
             out = _timed(acc, "codec_seconds", lambda: [
@@ -794,10 +802,18 @@ def new_acc():
 
 # ---- one flat collective with a decided codec ----------------------------------------------------------------
 
-def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec, acc: dict) -> None:
+def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec, acc: dict, ready=None) -> None:
     """``name`` on ``t``'s group with ``codec`` (NATIVE, None or a codec object), on this thread.
-    all_reduce works in place on ``input`` (``output`` is the same tensor)."""
+    all_reduce works in place on ``input`` (``output`` is the same tensor); there ``ready(a, b)``
+    may fill columns [a, b) of the input's world-size chunks just before the pipeline needs them
+    (the input's length must then be a multiple of the group's size)."""
     numel = input.numel()
+    if ready is not None and (name != "all_reduce" or numel % t.size or codec in (NATIVE, None)
+                              or not getattr(codec, "exact", True)):
+        if name != "all_reduce" or numel % t.size:
+            raise ValueError("ready() takes an all-reduce whose length is a multiple of the group's size")
+        ready(0, numel // t.size)
+        ready = None
     if codec is NATIVE or codec is None:
         t0 = time.perf_counter()
         if codec is None or config.CHECK_NATIVE:
@@ -822,7 +838,7 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
         gather = _Gather(t, codec, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
         call = _Call(name, input.dtype, numel, op, codec)
         _reduce_scatter_chunks(t, padded.view(n, m), op, codec, call, acc,
-                               on_piece=gather.push)  # gather each reduced piece as soon as it exists
+                               on_piece=gather.push, ready=ready)  # gather each reduced piece as soon as it exists
         gather.finish()
 
 

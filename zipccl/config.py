@@ -66,3 +66,9 @@ TOPOLOGY = os.environ.get("ZIPCCL_TOPOLOGY") or None
 #: loopback ranks sharing 2 cores, as much as a small all-reduce). "0" (default): such calls
 #: are the backend's collective alone, with torch.distributed's checks and failure modes.
 CHECK_NATIVE = _choice("ZIPCCL_CHECK_NATIVE", "0", ("0", "1")) == "1"
+
+
+#: "1": the hierarchical collectives move data between the ranks of one node through shared
+#: memory (/dev/shm) where all of them can map it (checked when the levels are made); "0": the
+#: backend (gloo over TCP loopback) or zipccl's pipeline, as the level's codec says.
+SHM = _choice("ZIPCCL_SHM", "1", ("0", "1")) == "1"

@@ -26,11 +26,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import collectives as C
 from .collectives import run_flat
+from .errors import UnsupportedError
 from .topology import Levels
 from .transport import TorchTransport
 
-__all__ = ["run"]
+__all__ = ["run", "SHM"]
+
+
+class _Shm:
+    """The intra-node level's codec "shm": the node's shared memory (zipccl.transport.shm), exact,
+    summing in local rank order like zipccl's raw level."""
+    name = "shm"
+
+    def __repr__(self) -> str:
+        return "shm"
+
+
+SHM = _Shm()
 
 
 def _transports(levels: Levels) -> tuple[TorchTransport, TorchTransport]:
@@ -46,24 +60,52 @@ def _arrangement(levels: Levels) -> torch.Tensor:
 
 def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op, codecs: tuple, acc: dict) -> None:
     """``name`` (all_reduce in place on ``input``, reduce_scatter, all_gather) over both levels;
-    ``codecs`` = (intra, inter), each NATIVE, None or a codec object."""
+    ``codecs`` = (intra, inter), each NATIVE, None or a codec object; the intra level may also be SHM."""
     intra, inter = _transports(levels)
     nodes = len(levels.topology.nodes)
     local = levels.topology.local_size
     size = nodes * local
     avg = op == dist.ReduceOp.AVG
     level_op = dist.ReduceOp.SUM if avg else op
+    memory = levels.memory
+    if codecs[0] is SHM and memory is None:
+        raise UnsupportedError("the intra-node codec 'shm' needs the nodes' shared memory, which this group does not "
+                               "have (ranks of a node on different machines, no /dev/shm, or ZIPCCL_SHM=0)")
+
+    def intra_reduce_scatter(out, inp):
+        if codecs[0] is SHM:
+            C._timed(acc, "comm_seconds", memory.reduce_scatter, out, inp, C._op_code(level_op),
+                     C._sum_in_rank_order)
+        else:
+            run_flat("reduce_scatter", intra, out, inp, level_op, codecs[0], acc)
+
+    def intra_all_gather(out, inp):
+        if codecs[0] is SHM:
+            C._timed(acc, "comm_seconds", memory.all_gather, out, inp)
+        else:
+            run_flat("all_gather", intra, out, inp, None, codecs[0], acc)
     if name == "all_reduce":
         flat = input.view(-1)
         numel = flat.numel()
-        m = -(-numel // local)
+        m = -(-numel // (local * nodes)) * nodes  # the shard: whole chunks for the nodes' all-reduce
         padded = flat if m * local == numel else torch.cat([flat, flat.new_zeros(m * local - numel)])
         shard = torch.empty(m, dtype=flat.dtype, device=flat.device)
-        run_flat("reduce_scatter", intra, shard, padded, level_op, codecs[0], acc)
-        run_flat("all_reduce", inter, shard, shard, level_op, codecs[1], acc)
+        if codecs[0] is SHM:  # the node's sums made piece by piece as the nodes' pipeline needs them
+            staged = C._timed(acc, "comm_seconds", memory.stage, padded)
+            base, per_node, op_code = levels.local_rank * m, m // nodes, C._op_code(level_op)
+
+            def ready(a: int, b: int) -> None:
+                for j in range(nodes):
+                    lo = j * per_node
+                    C._timed(acc, "codec_seconds", memory.reduce, staged, base + lo + a, base + lo + b,
+                             shard[lo + a:lo + b], op_code, C._sum_in_rank_order)
+            run_flat("all_reduce", inter, shard, shard, level_op, codecs[1], acc, ready=ready)
+        else:
+            intra_reduce_scatter(shard, padded)
+            run_flat("all_reduce", inter, shard, shard, level_op, codecs[1], acc)
         if avg:
             shard.div_(size)
-        run_flat("all_gather", intra, padded, shard, None, codecs[0], acc)
+        intra_all_gather(padded, shard)
         if padded is not flat:
             flat.copy_(padded[:numel])
         return
@@ -72,7 +114,7 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
         m = output.numel()
         arranged = input.view(size, m)[index].view(-1)
         node_sums = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
-        run_flat("reduce_scatter", intra, node_sums, arranged, level_op, codecs[0], acc)
+        intra_reduce_scatter(node_sums, arranged)
         run_flat("reduce_scatter", inter, output.view(-1), node_sums, level_op, codecs[1], acc)
         if avg:
             output.div_(size)
@@ -81,5 +123,5 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
     across = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
     run_flat("all_gather", inter, across, input.view(-1), None, codecs[1], acc)
     arranged = torch.empty(size * m, dtype=input.dtype, device=input.device)
-    run_flat("all_gather", intra, arranged, across, None, codecs[0], acc)
+    intra_all_gather(arranged, across)
     output.view(size, m).index_copy_(0, index, arranged.view(size, m))

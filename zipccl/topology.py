@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from . import config
 from .errors import MismatchError, UnsupportedError
+from .transport.shm import NodeMemory
 
 __all__ = ["Topology", "Levels", "topology", "levels", "parse", "claim", "from_claims", "nvml_link", "forget"]
 
@@ -210,12 +211,15 @@ class Levels:
     inter: dist.ProcessGroup
     node: int
     local_rank: int
+    memory: NodeMemory | None = None  # the node's shared memory, where its ranks can map one (ZIPCCL_SHM)
 
 
 def levels(group=None) -> Levels | None:
     """The intra- and inter-node groups of ``group``, created on the first call (every rank of the
     job, in the same order: each node's group in node order, then each local rank's group), or
-    None where there is no second level or ``group`` does not span the job."""
+    None where there is no second level or ``group`` does not span the job. Then, where
+    ZIPCCL_SHM allows, each node's shared memory (zipccl.transport.shm), used only if every
+    node could map its own."""
     key = _group_key(group)
     with _lock:
         if key in _levels:
@@ -230,7 +234,14 @@ def levels(group=None) -> Levels | None:
         inter = [dist.new_group([ranks[node[j]] for node in topo.nodes], backend=backend)
                  for j in range(topo.local_size)]
         node, local = topo.node_of(me), topo.local_rank(me)
-        made = Levels(topo, intra[node], inter[local], node, local)
+
+        def agree(ok: bool) -> bool:
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            return bool(flag.item())
+
+        memory = NodeMemory.available(intra[node], local, topo.local_size, agree) if config.SHM else None
+        made = Levels(topo, intra[node], inter[local], node, local, memory)
     with _lock:
         return _levels.setdefault(key, made)
 

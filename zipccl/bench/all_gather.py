@@ -8,11 +8,11 @@ import zipccl
 from .common import Spec
 
 
-def _run(out, inp, op, group, codec):
+def _run(out, inp, op, group, codec, algorithm="auto"):
     if codec is None:
         dist.all_gather_single(out, inp, group=group)
     else:
-        zipccl.all_gather(out, inp, group=group, codec=codec)
+        zipccl.all_gather(out, inp, group=group, codec=codec, algorithm=algorithm)
 
 
 def expect(inputs, op, rank, nranks):

@@ -32,7 +32,7 @@ class Spec:
     has_op: bool
     bus_factor: Callable[[int], float]             # busbw = algbw * bus_factor(nranks)
     buffers: Callable[[int, int], tuple[int, int]]  # (count, nranks) -> (input numel, output numel)
-    run: Callable                                  # run(out, inp, op, group, codec) with codec None = torch
+    run: Callable                                  # run(out, inp, op, group, codec, algorithm), codec None = torch
     expect: Callable                               # expect(inputs of every rank, op, rank, nranks) -> output
 
 
@@ -83,7 +83,14 @@ def parser(prog: str) -> argparse.ArgumentParser:
                     "lossless is checked against zipccl raw instead)")
     ap.add_argument("--nranks", type=int, default=4, help="local ranks to spawn when not under a launcher (default 4)")
     ap.add_argument("--plot", type=Path, help="draw busbw against size per codec into this PNG")
-    ap.add_argument("--netlab", metavar="RATE", help="run the ranks in the network lab at RATE per rank (e.g. 1gbit)")
+    ap.add_argument("--algorithm", default="auto", choices=["auto", "flat", "hierarchical"],
+                    help="zipccl's algorithm (default auto: with --codec auto, learned; else flat)")
+    ap.add_argument("--intra", default="native", choices=["native", "raw", "lossless"],
+                    help="with --algorithm hierarchical: the codec inside a node (--codec is the one between nodes)")
+    ap.add_argument("--nodes", type=int, default=1, help="the ranks form this many nodes of nranks/nodes ranks: the "
+                    "lab's shape with --netlab (a node's ranks share one shaped link), else ZIPCCL_TOPOLOGY "
+                    "for the spawned ranks (default 1)")
+    ap.add_argument("--netlab", metavar="RATE", help="run the ranks in the network lab at RATE per node (e.g. 1gbit)")
     ap.add_argument("--how", help=argparse.SUPPRESS)  # set by --netlab for the ranks it starts
     return ap
 
@@ -97,6 +104,8 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("-n must be >= 1, -w and -c >= 0")
     if args.nranks < 1:
         ap.error("--nranks must be >= 1")
+    if args.nodes < 1 or args.nranks % args.nodes:
+        ap.error(f"--nodes ({args.nodes}) must divide --nranks ({args.nranks})")
     if args.data is not None and not args.data.exists():
         ap.error(f"--data {args.data} does not exist")
 
@@ -142,16 +151,23 @@ def _int_view(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).view(torch.int32 if x.element_size() == 4 else torch.int16)
 
 
+def zipccl_codec(args, codec):
+    """The codec argument of a zipccl call: per level for a hierarchical run."""
+    if codec is not None and args.algorithm == "hierarchical" and codec != "auto":
+        return {"intra": args.intra, "inter": codec}
+    return codec
+
+
 def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, inp: torch.Tensor,
             reference: torch.Tensor | None, nranks: int) -> dict:
     """Warm up, check ``args.check`` iterations against ``reference`` (bitwise), time ``args.iters``
     iterations; one row of the table."""
     import zipccl
     out = torch.empty(numel_out, dtype=dtype)
-    wrong = 0
+    wrong, label, codec = 0, codec, zipccl_codec(args, codec)
     for i in range(args.warmup_iters + args.check):
         target = inp.clone() if spec.name == "all_reduce" else out
-        spec.run(target, target if spec.name == "all_reduce" else inp, op, None, codec)
+        spec.run(target, target if spec.name == "all_reduce" else inp, op, None, codec, args.algorithm)
         if i >= args.warmup_iters and reference is not None:
             wrong += int((_int_view(target) != _int_view(reference)).sum())
     work = inp.clone()
@@ -160,9 +176,9 @@ def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, i
     t0 = time.perf_counter()
     for _ in range(args.iters):
         if spec.name == "all_reduce":
-            spec.run(work, work, op, None, codec)
+            spec.run(work, work, op, None, codec, args.algorithm)
         else:
-            spec.run(out, inp, op, None, codec)
+            spec.run(out, inp, op, None, codec, args.algorithm)
     elapsed = combine_time((time.perf_counter() - t0) / args.iters, args.average)
     st = zipccl.stats()["total"]
     size = max(numel_in, numel_out) * inp.element_size()
@@ -171,7 +187,7 @@ def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, i
     row = dict(size=size, count=max(numel_in, numel_out), type=args_type(dtype),
                redop=op_name(op) if spec.has_op else "none", root=-1, time=elapsed * 1e6, algbw=algbw,
                busbw=algbw * spec.bus_factor(nranks), wrong=wrong if reference is not None and args.check else None,
-               codec=codec or "torch", wire_B=int(st["wire_bytes"] / calls) if codec else None,
+               codec=label or "torch", wire_B=int(st["wire_bytes"] / calls) if codec else None,
                ratio=st["wire_bytes"] / st["raw_bytes"] if codec and st["raw_bytes"] else None,
                collective=spec.name, nranks=nranks)
     return row

@@ -1,14 +1,19 @@
-"""The network lab: N ranks on a shaped, switched network, built from Linux network namespaces.
+"""The network lab: N nodes on a shaped, switched network, built from Linux network namespaces.
 
-    zipccl-netlab up N RATE      # e.g. up 4 1gbit
+    zipccl-netlab up N RATE      # e.g. up 4 1gbit: 4 nodes of one rank each
+    zipccl-netlab up NxM RATE    # e.g. up 2x2 1gbit: 2 nodes of 2 ranks each
     zipccl-netlab status
     zipccl-netlab down           # idempotent
-    zipccl-perf --netlab 1gbit ...
+    zipccl-perf --netlab 1gbit [--nodes 2] ...
 
-Topology: namespace ``zcl-r<i>`` per rank holds ``zcl-v<i>a`` (10.213.0.<i+1>/24);
+Topology: namespace ``zcl-r<i>`` per node holds ``zcl-v<i>a`` (10.213.0.<i+1>/24);
 its veth peer ``zcl-v<i>b`` sits in namespace ``zcl-br`` on bridge ``zcl-br0``.
-Both directions of every rank's link are shaped with ``tc tbf`` (egress of each
-veth end), so each rank gets RATE in and RATE out through a non-blocking switch.
+Both directions of every node's link are shaped with ``tc tbf`` (egress of each
+veth end), so each node gets RATE in and RATE out through a non-blocking switch.
+The M ranks of a node share its namespace and address: their traffic to each other
+stays inside it, over its loopback, unshaped (as NVLink and shared memory stay
+inside a machine). Ranks get torchrun's variables (GROUP_RANK = node, LOCAL_RANK,
+LOCAL_WORLD_SIZE), from which zipccl.topology finds the nodes.
 Every name starts with ``zcl-``; addresses exist only inside the lab's own
 namespaces. Measured on these 2-core machines: 1 Gbit/s per rank is accurate
 (iperf3 0.95 Gbit/s); netem (delay) is not in this kernel; above about 2 Gbit/s
@@ -68,6 +73,7 @@ def namespaces() -> list[str]:
 
 
 def rank_ns(i: int) -> str:
+    """The namespace of node ``i`` (with one rank per node, of rank i)."""
     return f"{PREFIX}r{i}"
 
 
@@ -79,12 +85,20 @@ def rank_ip(i: int) -> str:
     return f"{SUBNET}.{i + 1}"
 
 
+def shape(text: str) -> tuple[int, int]:
+    """'4' -> (4, 1), '2x2' -> (2, 2): nodes and ranks per node."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*", text)
+    if not m:
+        raise ValueError(f"{text!r}: use N (nodes of one rank) or NxM (N nodes of M ranks), e.g. 4 or 2x2")
+    return int(m.group(1)), int(m.group(2) or 1)
+
+
 def up(nranks: int, rate: str) -> None:
-    """Build the lab (tearing down any previous one first)."""
+    """Build the lab of ``nranks`` nodes (tearing down any previous one first)."""
     check_host()
     bits = rate_bits(rate)
     if not 1 <= nranks <= 200:
-        raise ValueError("nranks must be in 1..200")
+        raise ValueError("the number of nodes must be in 1..200")
     if bits > MAX_ACCURATE_BITS:
         print(f"# warning: {rate} per rank is above what 2 CPU cores can drive; the CPUs, not the links, "
               "will limit throughput (1gbit is accurate here)", file=sys.stderr)
@@ -130,14 +144,18 @@ def status() -> str:
 
 
 class NetLab:
-    """``with NetLab(4, "1gbit") as lab:`` builds the lab and always tears it down (also on Ctrl-C)."""
+    """``with NetLab(4, "1gbit") as lab:`` builds the lab and always tears it down (also on Ctrl-C);
+    ``NetLab(4, "1gbit", nodes=2)``: 4 ranks on 2 nodes of 2."""
 
-    def __init__(self, nranks: int, rate: str):
-        self.nranks, self.rate = nranks, rate
+    def __init__(self, nranks: int, rate: str, nodes: int | None = None):
+        nodes = nranks if nodes is None else nodes
+        if nodes < 1 or nranks % nodes:
+            raise ValueError(f"{nranks} ranks do not make {nodes} nodes of equal size")
+        self.nranks, self.rate, self.nodes, self.per_node = nranks, rate, nodes, nranks // nodes
 
     def __enter__(self) -> "NetLab":
         self._old = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-        up(self.nranks, self.rate)
+        up(self.nodes, self.rate)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -147,12 +165,14 @@ class NetLab:
     def env(self, rank: int, port: int) -> dict:
         """torch.distributed environment of a rank inside the lab (one intra-op thread per rank, as
         torchrun does: N ranks with default thread pools oversubscribe the cores and stall)."""
-        return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.nranks), LOCAL_RANK=str(rank),
-                    MASTER_ADDR=rank_ip(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=rank_if(rank),
+        node = rank // self.per_node
+        return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.nranks), GROUP_RANK=str(node),
+                    LOCAL_RANK=str(rank % self.per_node), LOCAL_WORLD_SIZE=str(self.per_node),
+                    MASTER_ADDR=rank_ip(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=rank_if(node),
                     OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
     def popen(self, rank: int, argv: list[str], env: dict, **kw) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", rank_ns(rank), *argv], env=env, **kw)
+        return subprocess.Popen(["ip", "netns", "exec", rank_ns(rank // self.per_node), *argv], env=env, **kw)
 
     def run_ranks(self, argv: list[str], timeout: float, port: int = 29531, quiet_others: bool = True) -> list[int]:
         """Run ``argv`` as every rank (rank 0's output passes through); kill all on timeout."""
@@ -173,8 +193,9 @@ class NetLab:
         return [p.returncode for p in procs]
 
 
-def run_perf(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0) -> int:
-    """zipccl-perf --netlab: the same command, without --netlab, as N ranks inside the lab."""
+def run_perf(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0, nodes: int | None = None) -> int:
+    """zipccl-perf --netlab: the same command, without --netlab, as N ranks inside the lab (on
+    ``nodes`` nodes; default one per rank)."""
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -185,10 +206,12 @@ def run_perf(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0) -
             rest.append(a)
     try:
         check_host()
-        with NetLab(nranks, rate) as lab:
-            print(f"# netlab: {nranks} ranks, {rate} per rank (tc tbf, both directions)", flush=True)
-            codes = lab.run_ranks([sys.executable, "-m", "zipccl.bench.perf", *rest, "--how", f"netlab {rate}"],
-                                  timeout)
+        with NetLab(nranks, rate, nodes) as lab:
+            where = f"{lab.nodes} nodes of {lab.per_node} ranks" if lab.per_node > 1 else f"{nranks} ranks"
+            print(f"# netlab: {where}, {rate} per {'node' if lab.per_node > 1 else 'rank'} (tc tbf, both directions)",
+                  flush=True)
+            how = f"netlab {rate}" + (f", {lab.nodes}x{lab.per_node}" if lab.per_node > 1 else "")
+            codes = lab.run_ranks([sys.executable, "-m", "zipccl.bench.perf", *rest, "--how", how], timeout)
     except LabError as e:
         print(f"zipccl-perf: {e}", file=sys.stderr)
         return 2
@@ -198,16 +221,20 @@ def run_perf(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zipccl-netlab", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    u = sub.add_parser("up", help="build N shaped rank namespaces")
-    u.add_argument("nranks", type=int)
-    u.add_argument("rate", help="per-rank rate, e.g. 1gbit")
+    u = sub.add_parser("up", help="build N shaped node namespaces (NxM: M ranks share each)")
+    u.add_argument("shape", help="N (nodes of one rank) or NxM (N nodes of M ranks), e.g. 4 or 2x2")
+    u.add_argument("rate", help="per-node rate, e.g. 1gbit")
     sub.add_parser("down", help="remove the lab (idempotent)")
     sub.add_parser("status", help="what exists now")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "up":
-            up(args.nranks, args.rate)
+            nodes, per_node = shape(args.shape)
+            up(nodes, args.rate)
             print(status())
+            if per_node > 1:
+                print(f"netlab: {nodes} nodes of {per_node} ranks: run rank r in {rank_ns(0)[:-1]}<r // {per_node}> "
+                      f"with GROUP_RANK=r // {per_node}, LOCAL_RANK=r % {per_node} (or ZIPCCL_TOPOLOGY={args.shape})")
         elif args.cmd == "down":
             check_host()
             gone = down()

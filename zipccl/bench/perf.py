@@ -11,16 +11,17 @@ codec, wire_B (bytes this rank sent per call) and ratio (wire / raw bytes).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from .. import launch
+from .. import config, launch, topology
 from ..collectives import auto_policy
 from . import all_gather, all_reduce, reduce_scatter
 from .common import (CODECS, DTYPES, OPS, footer_lines, header_lines, load_data, measure, parser, plot, progress,
-                     real, row_line, sizes, validate, verifiable, write_json)
+                     real, row_line, sizes, validate, verifiable, write_json, zipccl_codec)
 
 SPECS = {s.name: s for s in (all_reduce.SPEC, reduce_scatter.SPEC, all_gather.SPEC)}
 
@@ -58,7 +59,7 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn") -> list[dic
                 .to(dtype) if args.check else None
         else:  # real data is not verifiable: codecs must reproduce zipccl raw's exact bits
             inp, ref = real(data, numel_in, dtype, rank), None
-            raw_out = _raw_result(spec, inp, numel_out, op) if args.check else None
+            raw_out = _raw_result(spec, args, inp, numel_out, op) if args.check else None
         for codec in codecs:
             k += 1
             if rank == 0:
@@ -66,15 +67,17 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn") -> list[dic
             if codec is None and op == dist.ReduceOp.AVG:
                 say("#  (torch baseline skipped for avg: gloo has no AVG)")
                 continue
-            reference = raw_out if data is not None and codec not in ("raw", None) else ref
+            # real data: lossless must give zipccl raw's bits (same algorithm); auto may pick the
+            # backend's collective, whose sum order is its own, so it is not checked there
+            reference = (None if codec == "auto" else raw_out) if data is not None and codec not in ("raw", None) \
+                else ref
             row = measure(spec, args, numel_in, numel_out, dtype, op, codec, inp, reference, nranks)
             rows.append(row)
             say(row_line(row), flush=True)
     for line in footer_lines(rows):
         say(line, flush=True)
-    if "auto" in codecs:
-        for line in auto_lines():
-            say(line, flush=True)
+    for line in plan_lines("auto" in codecs):
+        say(line, flush=True)
     if rank == 0 and args.output_file:
         write_json(rows, args.output_file, dict(args={k: str(v) for k, v in vars(args).items()}, how=how))
     if rank == 0 and args.plot:
@@ -82,23 +85,20 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn") -> list[dic
     return rows
 
 
-def auto_lines() -> list[str]:
-    """What codec="auto" measured on the default group, per size class: the fastest of each
-    codec's last two calls (the slowest rank's time) and what it sends now."""
-    table = auto_policy().table()
-    lines = ["# auto learned (per size class: the better of each codec's last two times, slowest rank):"] \
-        if table else []
-    for (collective, dtype, bits), times in sorted(table.items()):
-        shown = ", ".join(f"{c} {s * 1e3:.1f} ms" for c, s in sorted(times.items()))
-        best = min(times, key=times.get) if len(times) == 2 else "(still probing)"
-        lines.append(f"#   {collective} {dtype.replace('torch.', '')} {1 << (bits - 1)}-{(1 << bits) - 1} B: "
-                     f"{shown} -> {best}")
+def plan_lines(auto: bool) -> list[str]:
+    """The group's topology, and what codec="auto" measured on it per size class (the better of
+    each plan's last two times, slowest rank) and what it runs now."""
+    lines = [f"# topology: {topology.topology()}"]
+    explained = auto_policy().explain() if auto else []
+    if explained:
+        lines.append("# auto plans (per size class: each plan's time, the better of its last two, slowest rank):")
+        lines += [f"#   {line}" for line in explained]
     return lines
 
 
-def _raw_result(spec, inp, numel_out, op):
+def _raw_result(spec, args, inp, numel_out, op):
     out = inp.clone() if spec.name == "all_reduce" else torch.empty(numel_out, dtype=inp.dtype)
-    spec.run(out, out if spec.name == "all_reduce" else inp, op, None, "raw")
+    spec.run(out, out if spec.name == "all_reduce" else inp, op, None, zipccl_codec(args, "raw"), args.algorithm)
     return out
 
 
@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     validate(ap, args)
     if args.netlab:
         from .netlab import run_perf
-        return run_perf(args.netlab, args.nranks, [a for a in (argv if argv is not None else sys.argv[1:])])
+        return run_perf(args.netlab, args.nranks, [a for a in (argv if argv is not None else sys.argv[1:])],
+                        nodes=args.nodes)
+    if args.nodes > 1:  # emulated nodes for the ranks spawned here (a launcher's variables take second place)
+        os.environ["ZIPCCL_TOPOLOGY"] = f"{args.nodes}x{args.nranks // args.nodes}"
+        config.TOPOLOGY = os.environ["ZIPCCL_TOPOLOGY"]
     world = launch.detect()
     if world is not None:
         launch.init()

@@ -8,11 +8,11 @@ from .all_reduce import reduce_all
 from .common import Spec
 
 
-def _run(out, inp, op, group, codec):
+def _run(out, inp, op, group, codec, algorithm="auto"):
     if codec is None:
         dist.reduce_scatter_single(out, inp, op=op, group=group)
     else:
-        zipccl.reduce_scatter(out, inp, op=op, group=group, codec=codec)
+        zipccl.reduce_scatter(out, inp, op=op, group=group, codec=codec, algorithm=algorithm)
 
 
 def expect(inputs, op, rank, nranks):
