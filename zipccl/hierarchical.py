@@ -79,33 +79,20 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
         else:
             run_flat("reduce_scatter", intra, out, inp, level_op, codecs[0], acc)
 
-    def intra_all_gather(out, inp):
-        if codecs[0] is SHM:
-            C._timed(acc, "comm_seconds", memory.all_gather, out, inp)
-        else:
-            run_flat("all_gather", intra, out, inp, None, codecs[0], acc)
     if name == "all_reduce":
         flat = input.view(-1)
         numel = flat.numel()
         m = -(-numel // (local * nodes)) * nodes  # the shard: whole chunks for the nodes' all-reduce
         padded = flat if m * local == numel else torch.cat([flat, flat.new_zeros(m * local - numel)])
+        if codecs[0] is SHM:
+            _shm_all_reduce(levels, flat, padded, m, level_op, size if avg else 1, codecs[1], inter, acc)
+            return
         shard = torch.empty(m, dtype=flat.dtype, device=flat.device)
-        if codecs[0] is SHM:  # the node's sums made piece by piece as the nodes' pipeline needs them
-            staged = C._timed(acc, "comm_seconds", memory.stage, padded)
-            base, per_node, op_code = levels.local_rank * m, m // nodes, C._op_code(level_op)
-
-            def ready(a: int, b: int) -> None:
-                for j in range(nodes):
-                    lo = j * per_node
-                    C._timed(acc, "codec_seconds", memory.reduce, staged, base + lo + a, base + lo + b,
-                             shard[lo + a:lo + b], op_code, C._sum_in_rank_order)
-            run_flat("all_reduce", inter, shard, shard, level_op, codecs[1], acc, ready=ready)
-        else:
-            intra_reduce_scatter(shard, padded)
-            run_flat("all_reduce", inter, shard, shard, level_op, codecs[1], acc)
+        intra_reduce_scatter(shard, padded)
+        run_flat("all_reduce", inter, shard, shard, level_op, codecs[1], acc)
         if avg:
             shard.div_(size)
-        intra_all_gather(padded, shard)
+        run_flat("all_gather", intra, padded, shard, None, codecs[0], acc)
         if padded is not flat:
             flat.copy_(padded[:numel])
         return
@@ -120,8 +107,43 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
             output.div_(size)
         return
     m = input.numel()
+    rows = output.view(size, m)
+    if codecs[0] is SHM:  # the nodes' level gathers straight into this rank's slot
+        across, every = memory.claim(nodes * m, input.dtype)
+        run_flat("all_gather", inter, across, input.view(-1), None, codecs[1], acc)
+        C._timed(acc, "comm_seconds", memory.publish)
+        for j in range(local):  # local rank j's slot: the ranks (node i, local j), by node
+            rows.index_copy_(0, index[j * nodes:(j + 1) * nodes], every[j].view(nodes, m))
+        return
     across = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
     run_flat("all_gather", inter, across, input.view(-1), None, codecs[1], acc)
     arranged = torch.empty(size * m, dtype=input.dtype, device=input.device)
-    intra_all_gather(arranged, across)
-    output.view(size, m).index_copy_(0, index, arranged.view(size, m))
+    run_flat("all_gather", intra, arranged, across, None, codecs[0], acc)
+    rows.index_copy_(0, index, arranged.view(size, m))
+
+
+def _shm_all_reduce(levels: Levels, flat, padded, m: int, op, divide: int, inter_codec, inter, acc: dict) -> None:
+    """The all-reduce with the node's shared memory: every rank's data goes in once (stage); the
+    node's sum of this rank's shard is made piece by piece, straight into this rank's slot of
+    the next phase, just before the nodes' pipeline encodes each piece (``ready``), so that
+    summing overlaps the pieces on the wire; the nodes' all-reduce works in that slot, and
+    every rank reads the whole result from the node's slots."""
+    memory, nodes = levels.memory, len(levels.topology.nodes)
+    staged = C._timed(acc, "comm_seconds", memory.stage, padded)
+    shard, every = memory.claim(m, flat.dtype)
+    base, per_node, op_code = levels.local_rank * m, m // nodes, C._op_code(op)
+
+    def ready(a: int, b: int) -> None:
+        for j in range(nodes):
+            lo = j * per_node
+            C._timed(acc, "codec_seconds", memory.reduce, staged, base + lo + a, base + lo + b,
+                     shard[lo + a:lo + b], op_code, C._sum_in_rank_order)
+
+    run_flat("all_reduce", inter, shard, shard, op, inter_codec, acc, ready=ready)
+    if divide > 1:
+        shard.div_(divide)
+    C._timed(acc, "comm_seconds", memory.publish)
+    if padded is flat:
+        flat.view(every.shape).copy_(every)
+    else:
+        flat.copy_(every.reshape(-1)[:flat.numel()])

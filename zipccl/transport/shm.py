@@ -123,10 +123,13 @@ class NodeMemory:
         m = out.numel()
         self.reduce(self.stage(inp), self.local_rank * m, (self.local_rank + 1) * m, out, op_code, sum_in_rank_order)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """out (local size x m) = every node rank's ``inp`` (m elements), in local rank order."""
-        nbytes = inp.numel() * inp.element_size()
-        slots = self._slots(nbytes)
-        slots[self.local_rank].copy_(inp.view(-1).view(torch.uint8))
+    def claim(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """This phase's slots, for a rank that writes its own in place (the hierarchical
+        collectives let the nodes' level write there): (this rank's, numel elements; every
+        rank's, (local size, numel)), readable once ``publish`` returns."""
+        every = self._slots(numel * torch.empty(0, dtype=dtype).element_size()).view(dtype)
+        return every[self.local_rank], every
+
+    def publish(self) -> None:
+        """Every rank of the node has written its claimed slot."""
         dist.barrier(group=self.group)
-        out.view(self.local_size, -1).view(torch.uint8).copy_(slots)
