@@ -4,7 +4,8 @@
     python examples/train_gpt.py --nranks 4 --comm torch --netlab 1gbit --json out.json
     torchrun --nproc-per-node 2 examples/train_gpt.py --comm raw
 
---comm torch is DDP's own all-reduce; raw and lossless use zipccl's DDP hook; topk
+--comm torch is DDP's own all-reduce; auto, native, raw and lossless use zipccl's DDP
+hook (with --algorithm, and --nodes N for N emulated nodes: the lab's shape with --netlab); topk
 (--density) and entropy (density from the gradient-entropy trend) are zipccl's
 lossy, error-feedback codecs; none skips the averaging (the ranks drift apart) to
 time the step's compute alone.
@@ -21,6 +22,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import sys
 import sysconfig
 import time
@@ -97,8 +99,9 @@ def batches(text: torch.Tensor, n: int, ctx: int, gen: torch.Generator):
     return window[:, :-1], window[:, 1:]
 
 
-def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: float = 0.01, lossy_opts=None):
-    """The communication of --comm/--dtype; returns the zipccl state (None for torch)."""
+def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: float = 0.01, options=None):
+    """The communication of --comm/--dtype (``options``: --algorithm and the lossy flags); returns
+    the zipccl state (None for torch)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     if comm.startswith("powersgd"):  # PyTorch's PowerSGD hook, for comparison (rank from the name)
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -127,13 +130,14 @@ def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: floa
             return base(state, bucket).then(stop)
         ddp.register_comm_hook(group, timed)
         return None
-    opts = dict(lossy_opts or {})
+    opts = dict(options or {})
     rate = None
     if comm == "entropy":
         rate = zipccl.entropy.EntropyRate(**{k: opts[k] for k in ("start", "warmup", "min_density", "max_density")
                                              if opts.get(k) is not None})
     rules = zipccl.rules.LayerRules() if opts.get("rules", True) else None
     state = zipccl.ddp.State(group=group, codec=comm, density=density, rate=rate, rules=rules, model=ddp.module,
+                             algorithm=opts.get("algorithm", "auto"),
                              sampled=opts.get("sampled", False),
                              value_dtype=torch.bfloat16 if opts.get("bf16_values") else None)
     ddp.register_comm_hook(state, zipccl.ddp.bf16_hook if dtype == "bf16" else zipccl.ddp.hook)
@@ -150,7 +154,7 @@ def train(rank: int, nranks: int, args) -> dict:
     state = register(ddp, args.comm, args.dtype, None, timing, args.density,
                      dict(start=args.start_density, warmup=args.warmup, min_density=args.min_density,
                           max_density=args.max_density, rules=not args.no_rules, sampled=args.sampled,
-                          bf16_values=args.bf16_values))
+                          bf16_values=args.bf16_values, algorithm=args.algorithm))
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
@@ -203,7 +207,13 @@ def finish(result: dict, args) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--comm", default="lossless",
-                    choices=["torch", "raw", "lossless", "topk", "entropy", "powersgd1", "powersgd4", "none"])
+                    choices=["torch", "auto", "native", "raw", "lossless", "topk", "entropy", "powersgd1", "powersgd4",
+                             "none"])
+    ap.add_argument("--algorithm", default="auto", choices=["auto", "flat", "hierarchical"],
+                    help="zipccl's algorithm for exact codecs (hierarchical: raw/lossless on both levels; auto with "
+                         "--comm auto: learned)")
+    ap.add_argument("--nodes", type=int, help="the ranks form this many nodes: the lab's shape with --netlab (default "
+                    "one rank per node), else ZIPCCL_TOPOLOGY for the spawned ranks")
     ap.add_argument("--density", type=float, default=0.01, help="top-k density for --comm topk")
     ap.add_argument("--start-density", dest="start_density", type=float,
                     help="--comm entropy: density after warm-up (default 0.1)")
@@ -232,11 +242,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.nranks < 1:
         ap.error("--steps and --nranks must be >= 1")
+    if args.nodes is not None and (args.nodes < 1 or args.nranks % args.nodes):
+        ap.error(f"--nodes ({args.nodes}) must divide --nranks ({args.nranks})")
     if args.netlab:
         from zipccl.bench.netlab import NetLab
         rest = [a for i, a in enumerate(sys.argv[1:]) if a != "--netlab" and sys.argv[i] != "--netlab"]
-        with NetLab(args.nranks, args.netlab) as lab:
+        with NetLab(args.nranks, args.netlab, args.nodes) as lab:
             return max(lab.run_ranks([sys.executable, str(Path(__file__).resolve()), *rest], timeout=3600))
+    if args.nodes is not None and args.nodes > 1 and "GROUP_RANK" not in os.environ:  # emulated nodes, spawned here
+        os.environ["ZIPCCL_TOPOLOGY"] = f"{args.nodes}x{args.nranks // args.nodes}"
+        zipccl.config.TOPOLOGY = os.environ["ZIPCCL_TOPOLOGY"]
     world = launch.detect()
     if world is not None:
         launch.init()

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import zipccl
 import zipccl.ddp
 import zipccl.rules
 from zipccl.entropy import EntropyRate
@@ -231,3 +232,39 @@ def test_train_gpt_example_smoke(tmp_path):
     assert out["lossless"]["wire_bytes"] < 0.8 * out["lossless"]["raw_bytes"]
     assert abs(out["torch"]["losses"][0] - out["raw"]["losses"][0]) < 1e-6  # same first step: same init and data
     assert len(out["torch"]["losses"]) == 3 and out["torch"]["eval_loss"] > 0
+
+
+def _train_nodes(rank, groups, codec, algorithm, steps):
+    """Four ranks as two emulated nodes (ZIPCCL_TOPOLOGY=2x2): DDP with zipccl's hook."""
+    old, zipccl.config.TOPOLOGY = zipccl.config.TOPOLOGY, "2x2"
+    zipccl.topology.forget()
+    try:
+        ddp = DDP(_model(), bucket_cap_mb=0.05)
+        state = zipccl.ddp.State(codec=codec, algorithm=algorithm)
+        ddp.register_comm_hook(state, zipccl.ddp.hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(steps):
+            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+        return hashlib.sha1(flat.numpy().tobytes()).hexdigest(), zipccl.stats()["last"]["codec"]
+    finally:
+        zipccl.config.TOPOLOGY = old
+        zipccl.topology.forget()
+
+
+def test_hierarchical_hook_on_two_nodes(pool):
+    """auto restricted to hierarchical plans gives raw hierarchical's bits (with two nodes every
+    hierarchical plan sums the same way), on every rank; flat raw too is the same on every rank."""
+    runs = {(c, a): pool.run(_train_nodes, c, a, 20, timeout=240)
+            for c, a in (("raw", "hierarchical"), ("auto", "hierarchical"), ("raw", "flat"))}
+    for key, res in runs.items():
+        assert all(not isinstance(r, BaseException) for r in res), (key, res)
+        assert len({r[0] for r in res}) == 1, f"{key}: ranks differ"
+    assert runs[("auto", "hierarchical")][0][0] == runs[("raw", "hierarchical")][0][0]
+    assert runs[("raw", "hierarchical")][0][1] == "hierarchical/raw+raw"
+    assert runs[("auto", "hierarchical")][0][1].startswith("hierarchical/shm+")

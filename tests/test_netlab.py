@@ -89,3 +89,26 @@ def test_perf_over_the_lab(capfd):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "# netlab: 2 ranks, 500mbit" in res.stdout and "# Out of bounds values : 0 OK" in res.stdout
     assert netlab.namespaces() == []
+
+
+def test_two_nodes_of_two_ranks(tmp_path):
+    """`up 2x2`: one namespace and one shaped link per node, ranks of a node inside it; a
+    hierarchical run over it; down leaves nothing behind."""
+    assert netlab.shape("2x2") == (2, 2) and netlab.shape("4") == (4, 1)
+    with pytest.raises(ValueError):
+        netlab.shape("2x")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    try:
+        res = subprocess.run([sys.executable, "-m", "zipccl.bench", "-b", "256K", "-e", "256K", "-n", "1", "-w", "1",
+                              "--nranks", "4", "--nodes", "2", "--algorithm", "hierarchical", "--codec", "lossless",
+                              "--netlab", "500mbit"], capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "# netlab: 2 nodes of 2 ranks, 500mbit per node" in res.stdout
+        assert "# topology: 2x2" in res.stdout and "# Out of bounds values : 0 OK" in res.stdout
+        assert netlab.namespaces() == []
+        assert netlab.main(["up", "2x2", "500mbit"]) == 0
+        assert set(netlab.namespaces()) == {"zcl-br", "zcl-r0", "zcl-r1"}  # one namespace per node
+    finally:
+        netlab.down()
+    assert netlab.namespaces() == []
+    assert "zcl-" not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout

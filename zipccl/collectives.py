@@ -754,7 +754,7 @@ def _world_multiple(name, big_label, big, small_label, small):
 def prepare(name, group, tensors, op, codec, numel, nbytes, check):
     """Validate locally; any failure still joins the metadata exchange so that no rank hangs.
     Returns the transport and the resolved codec (AUTO where "auto" learns)."""
-    t = TorchTransport(group)
+    t = TorchTransport.of(group)
     dtype = tensors[-1].dtype if isinstance(tensors[-1], torch.Tensor) else None
     error, resolved = None, None
     try:

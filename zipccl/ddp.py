@@ -33,8 +33,9 @@ class State:
     group: process group to reduce over (None: the default group; the process
         must be a member).
     codec: "lossless" (default: bit-exact, bf16 gradients shrink to ~0.67),
-        "raw", "auto" (raw or lossless, whichever the group's calls measured faster:
-        zipccl.auto; never lossy),
+        "raw", "native" (the backend's all-reduce), "auto" (the plan the group's calls
+        measured fastest: native, raw, lossless, or hierarchical ones: zipccl.auto; never
+        lossy), a per-level mapping ({"intra": "shm", "inter": "lossless"}),
         a codec instance, or the lossy, opt-in "topk" (fixed ``density``) and
         "entropy" (density from the gradient-entropy trend, ``rate``), both with
         error feedback: what a step does not send is added to the next step's
@@ -44,6 +45,7 @@ class State:
         or "ln"; names are known when ``model`` is given). ``rules=None`` sends whole
         buckets lossy. ``sampled=True``: top-k by a sampled threshold (zipccl.codecs.TopK).
         ``value_dtype=torch.bfloat16``: lossy values travel as bf16 (zipccl.lossy.Compressor).
+    algorithm: "auto", "flat" or "hierarchical", as in zipccl.all_reduce (exact codecs only).
     Gradients are averaged over the group, reduced in rank order with fp32
     accumulation for 16-bit buckets (per hop under ZIPCCL_REDUCE_SCATTER=ring),
     so every rank gets identical bits. The
@@ -51,24 +53,28 @@ class State:
     counters are kept.
     """
 
-    __slots__ = ("group", "codec", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds",
+    __slots__ = ("group", "codec", "algorithm", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds",
                  "density", "compressor", "rate", "residuals", "densities", "rules", "names", "layouts")
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, codec="lossless", density: float = 0.01,
                  rate: Optional[EntropyRate] = None, residual_dtype: torch.dtype = torch.float32,
                  rules: Optional[LayerRules] = LayerRules(), model: Optional[torch.nn.Module] = None,
-                 sampled: bool = False, value_dtype: Optional[torch.dtype] = None):
+                 sampled: bool = False, value_dtype: Optional[torch.dtype] = None, algorithm: str = "auto"):
         if isinstance(codec, str):
-            if codec not in ("raw", "lossless", "auto", "topk", "entropy"):
-                raise ValueError(f"unknown codec {codec!r}: use 'raw', 'lossless', 'auto', 'topk', 'entropy' "
-                                 "or a codec instance")
+            if codec not in ("raw", "lossless", "native", "auto", "topk", "entropy"):
+                raise ValueError(f"unknown codec {codec!r}: use 'native', 'raw', 'lossless', 'auto', 'topk', "
+                                 "'entropy', a per-level mapping or a codec instance")
+        elif isinstance(codec, dict):
+            pass  # checked by zipccl.api on the first bucket, the same way on every rank
         elif not all(hasattr(codec, m) for m in ("encode", "decode", "max_encoded_size")):
             raise ValueError(f"codec {codec!r} lacks encode/decode/max_encoded_size")
         if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
             raise ValueError("this process is not a member of the given process group")
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density}")
-        self.group, self.codec = group, codec
+        if algorithm not in api.ALGORITHMS:
+            raise ValueError(f"algorithm {algorithm!r}: use one of {api.ALGORITHMS}")
+        self.group, self.codec, self.algorithm = group, codec, algorithm
         self.density = density
         self.compressor = Compressor(codec, density, rate, residual_dtype, rules, sampled, value_dtype) \
             if self.lossy else None
@@ -90,7 +96,7 @@ class State:
 
     @property
     def lossy(self) -> bool:
-        return self.codec in ("topk", "entropy") or isinstance(self.codec, TopK)
+        return isinstance(self.codec, TopK) or (isinstance(self.codec, str) and self.codec in ("topk", "entropy"))
 
     def stats(self) -> dict:
         """Bytes this rank would send uncompressed and did send, seconds in codec vs communication;
@@ -107,7 +113,7 @@ class State:
         return {k: getattr(self, k) for k in self.__slots__ if k not in ("group", "names", "layouts")}
 
     def __setstate__(self, state):
-        self.group, self.names, self.layouts = None, {}, {}
+        self.group, self.names, self.layouts, self.algorithm = None, {}, {}, "auto"  # older checkpoints: no algorithm
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -130,7 +136,7 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         handle = collectives.submit(lambda: _split(state, step, key, buffer, layout))
     else:
         handle = api.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, async_op=True,
-                                        codec=state.codec)
+                                codec=state.codec, algorithm=state.algorithm)
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
         state._add(fut.value())

@@ -48,7 +48,7 @@ SHM = _Shm()
 
 
 def _transports(levels: Levels) -> tuple[TorchTransport, TorchTransport]:
-    return TorchTransport(levels.intra), TorchTransport(levels.inter)
+    return TorchTransport.of(levels.intra), TorchTransport.of(levels.inter)
 
 
 def _arrangement(levels: Levels) -> torch.Tensor:

@@ -85,11 +85,11 @@ def parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--plot", type=Path, help="draw busbw against size per codec into this PNG")
     ap.add_argument("--algorithm", default="auto", choices=["auto", "flat", "hierarchical"],
                     help="zipccl's algorithm (default auto: with --codec auto, learned; else flat)")
-    ap.add_argument("--intra", default="native", choices=["native", "raw", "lossless"],
+    ap.add_argument("--intra", default="shm", choices=["shm", "native", "raw", "lossless"],
                     help="with --algorithm hierarchical: the codec inside a node (--codec is the one between nodes)")
-    ap.add_argument("--nodes", type=int, default=1, help="the ranks form this many nodes of nranks/nodes ranks: the "
-                    "lab's shape with --netlab (a node's ranks share one shaped link), else ZIPCCL_TOPOLOGY "
-                    "for the spawned ranks (default 1)")
+    ap.add_argument("--nodes", type=int, help="the ranks form this many nodes of nranks/nodes ranks: the lab's "
+                    "shape with --netlab (a node's ranks share one shaped link; default one rank per node), "
+                    "else ZIPCCL_TOPOLOGY for the spawned ranks (default: what the launcher or host says)")
     ap.add_argument("--netlab", metavar="RATE", help="run the ranks in the network lab at RATE per node (e.g. 1gbit)")
     ap.add_argument("--how", help=argparse.SUPPRESS)  # set by --netlab for the ranks it starts
     return ap
@@ -104,7 +104,7 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("-n must be >= 1, -w and -c >= 0")
     if args.nranks < 1:
         ap.error("--nranks must be >= 1")
-    if args.nodes < 1 or args.nranks % args.nodes:
+    if args.nodes is not None and (args.nodes < 1 or args.nranks % args.nodes):
         ap.error(f"--nodes ({args.nodes}) must divide --nranks ({args.nranks})")
     if args.data is not None and not args.data.exists():
         ap.error(f"--data {args.data} does not exist")

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         from .netlab import run_perf
         return run_perf(args.netlab, args.nranks, [a for a in (argv if argv is not None else sys.argv[1:])],
                         nodes=args.nodes)
-    if args.nodes > 1:  # emulated nodes for the ranks spawned here (a launcher's variables take second place)
+    if args.nodes is not None and args.nodes > 1:  # emulated nodes for the ranks spawned here (a launcher's variables take second place)
         os.environ["ZIPCCL_TOPOLOGY"] = f"{args.nodes}x{args.nranks // args.nodes}"
         config.TOPOLOGY = os.environ["ZIPCCL_TOPOLOGY"]
     world = launch.detect()
