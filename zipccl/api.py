@@ -15,10 +15,13 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from . import auto, config, hierarchical, lossy, topology
 from . import collectives as C
-from . import hierarchical, lossy, topology
 from .errors import UnsupportedError
 from .executor import run as _run
+from .format import DTYPE_CODES
+from .stats import record
+from .transport import TorchTransport
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "ALGORITHMS", "HIERARCHICAL_PLANS"]
 
@@ -27,6 +30,8 @@ ALGORITHMS = ("auto", "flat", "hierarchical")
 #: (else the backend's collective), between nodes the backend's collective, raw or lossless.
 HIERARCHICAL_PLANS = ("hierarchical/native", "hierarchical/raw", "hierarchical/lossless")
 LEVELS = ("intra", "inter")
+_FLOATS = frozenset(DTYPE_CODES)
+_SMALL_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN, None)
 
 
 class _Plan:
@@ -71,7 +76,36 @@ def _intra(levels) -> object:
     return hierarchical.SHM if levels.memory is not None else C.NATIVE
 
 
+def _small(name: str, group, output, input, op) -> bool:
+    """The common small call, where "auto" always runs the backend's collective (below the
+    policy's probe floor, zipccl.auto): that collective and the statistics, nothing else, when
+    every check is cheap and passes (else False: the full path checks and explains). zipccl's
+    ordinary path costs about 50 us of Python a call, which on 4 loopback ranks sharing 2 cores
+    made a 64 KiB all-reduce 0.4-0.6 ms (10-14%) slower than the backend's."""
+    if not (isinstance(input, torch.Tensor) and input.dtype in _FLOATS and input.device.type == "cpu"
+            and input.is_contiguous() and op in _SMALL_OPS):
+        return False
+    nbytes = input.numel() * input.element_size()
+    if nbytes >= auto.PROBE_MIN_BYTES or not config.AUTO_LEARN or config.CHECK_NATIVE:
+        return False
+    if name != "all_reduce":
+        if not (isinstance(output, torch.Tensor) and output.dtype == input.dtype and output.is_contiguous()
+                and output.device.type == "cpu"):
+            return False
+        t = TorchTransport.of(group)
+        big, small = (input, output) if name == "reduce_scatter" else (output, input)
+        if big.numel() != t.size * small.numel():
+            return False
+        t.native(name, output.view(-1), input.view(-1), op=op)
+    else:
+        TorchTransport.of(group).native(name, input.view(-1), op=op)
+    record(name, "native", raw_bytes=0, wire_bytes=0, meta_bytes=0, codec_seconds=0.0, comm_seconds=0.0)
+    return True
+
+
 def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: bool):
+    if codec == "auto" and algorithm == "auto" and not async_op and _small(name, group, output, input, op):
+        return None
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r}: use one of {ALGORITHMS}")
     per_level = isinstance(codec, Mapping)
