@@ -10,8 +10,9 @@ each in turn (the order rotated every round so that the host's drift falls on al
 the plain ``torch.distributed`` collective, zipccl with ``codec="auto"``, and every plan auto
 chooses from, fixed (flat raw and lossless; where there are two levels, hierarchical with
 the node's shared memory inside and native, raw or lossless between nodes). A sample's time
-is the slowest rank's, averaged over enough calls to last about 50 ms; the table gives
-medians and auto's ratio to the plain collective and to the best fixed plan.
+is the slowest rank's, averaged over enough calls to last about 50 ms; small sizes get more
+rounds (about 4 s of them, at most 30). The table gives medians and auto's ratio to the plain
+collective and to the best fixed plan.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def sweep(args, data: torch.Tensor) -> list[dict]:
             run(out, src)
         times = {name: [] for name in runs}
         names = list(runs)
-        for k in range(args.rounds):
+        # small calls are cheap and noisy (4 ranks share 2 cores): more rounds, about 4 s of them
+        rounds = max(args.rounds, min(30, int(4.0 / (len(names) * reps * max(one, 1e-4)))))
+        for k in range(rounds):
             for name in names[k % len(names):] + names[:k % len(names)]:
                 times[name].append(slowest(_time(runs[name], out, src, reps)))
         runs["auto"](out, src)
@@ -91,7 +94,7 @@ def sweep(args, data: torch.Tensor) -> list[dict]:
         med = {name: statistics.median(ts) for name, ts in times.items()}
         fixed = {name: t for name, t in med.items() if name != "auto"}
         best = min(fixed, key=fixed.get)
-        row = dict(size=nbytes, reps=reps, medians_s=med, times_s=times, best_fixed=best,
+        row = dict(size=nbytes, reps=reps, rounds=rounds, medians_s=med, times_s=times, best_fixed=best,
                    auto_vs_torch=med["auto"] / med["torch"], auto_vs_best=med["auto"] / med[best],
                    auto_plan=plan)
         rows.append(row)

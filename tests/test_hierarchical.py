@@ -214,3 +214,18 @@ def test_refusals_are_clear_and_the_same_on_every_rank(pool, case, expected):
         assert "several nodes" in res[0][1]
     if case == "single_level_mapping":
         assert all(r[1] == "lossless" and r[2] == [6.0] * 10 for r in res), res
+
+
+def _disagree(rank, groups):
+    """Rank 3 believes in another topology: every rank raises MismatchError, none hangs."""
+    with emulated("2x2" if rank != 3 else "1x4"):
+        try:
+            zipccl.topology.topology()
+        except Exception as e:
+            return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def test_topology_disagreement_raises_on_every_rank(pool):
+    res = pool.run(_disagree, timeout=60)
+    assert all(r[0] == "MismatchError" and "ZIPCCL_TOPOLOGY" in r[1] for r in res), res

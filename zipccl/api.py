@@ -47,8 +47,7 @@ class _Plan:
 def _level_codecs(codec, dtype, nbytes: int) -> tuple:
     """(intra, inter) resolved: a mapping names each level; a single codec serves both."""
     if isinstance(codec, Mapping):
-        unknown = set(codec) - set(LEVELS)
-        if unknown or set(codec) != set(LEVELS):
+        if set(codec) != set(LEVELS):
             raise ValueError(f"a per-level codec maps both of {LEVELS} (got {sorted(codec)})")
         wanted = tuple(codec[k] for k in LEVELS)
     else:
@@ -112,7 +111,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
     if algorithm == "flat" or (algorithm == "auto" and not per_level and codec != "auto"):
         if per_level:
             raise ValueError("a per-level codec needs algorithm 'hierarchical' or 'auto'")
-        return C._collective(name, group, output, input, op, codec, async_op)
+        return C.flat_collective(name, group, output, input, op, codec, async_op)
     numel, nbytes = C._size(input)
     tensors = (input,) if name == "all_reduce" else (output, input)
     t, c = C.prepare(name, group, tensors, op, "raw" if per_level else codec, numel, nbytes,

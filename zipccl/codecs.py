@@ -11,9 +11,11 @@ from typing import Protocol
 import torch
 
 from . import format as F
+from .format import check_input
 from .errors import FormatError, UnsupportedError
 from .kernels import IMPLS, resolve
 from .reference.packet import assemble, host_bytes
+from .topk import TopK
 
 __all__ = ["Codec", "Raw", "Lossless", "TopK", "packet_size", "check_input"]
 
@@ -26,15 +28,6 @@ class Codec(Protocol):
     def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int: ...
-
-
-def check_input(x: torch.Tensor) -> None:
-    """A codec input must be a contiguous float tensor of a supported dtype."""
-    if not isinstance(x, torch.Tensor):
-        raise UnsupportedError(f"expected a torch.Tensor, got {type(x).__name__}")
-    F.dtype_code(x.dtype)
-    if x.layout != torch.strided or not x.is_contiguous():
-        raise UnsupportedError("codecs take contiguous strided tensors; call .contiguous() first")
 
 
 def _check_packet(packet: torch.Tensor) -> None:
@@ -134,4 +127,3 @@ class Lossless:
         return f"Lossless(impl={self.impl!r}, block_size={self.block_size}, checksum={self.checksum})"
 
 
-from .topk import TopK  # noqa: E402  (topk imports check_input from here)

@@ -845,7 +845,9 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
 PLAN_CODECS = {"native": NATIVE, "raw": _RAW, "lossless": _LOSSLESS}
 
 
-def _collective(name: str, group, output, input, op, codec, async_op: bool):
+def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
+    """One flat collective (the public all_reduce, reduce_scatter and all_gather of this module):
+    validated, its codec decided ("auto": among FLAT_PLANS), run now or queued (async_op)."""
     numel, nbytes = _size(input)
     t, c = prepare(name, group, (input,) if name == "all_reduce" else (output, input), op, codec, numel, nbytes,
                    check_shapes(name, output, input))
@@ -870,12 +872,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.S
                    async_op: bool = False, *, codec="auto"):
     """Like ``dist.reduce_scatter_single``: ``input`` holds world-size chunks of ``output.numel()``;
     rank r receives the reduction of every rank's chunk r in ``output``."""
-    return _collective("reduce_scatter", group, output, input, op, codec, async_op)
+    return flat_collective("reduce_scatter", group, output, input, op, codec, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *, codec="auto"):
     """Like ``dist.all_gather_single``: ``output`` receives every rank's ``input`` in rank order."""
-    return _collective("all_gather", group, output, input, None, codec, async_op)
+    return flat_collective("all_gather", group, output, input, None, codec, async_op)
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *, codec="auto"):
@@ -884,4 +886,4 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     codec: "auto" (the backend's own collective, raw or lossless, learned per group:
     zipccl.auto; never lossy), "native", "raw", "lossless", or opt-in lossy: "topk"
     (TopK(0.01)) or a TopK instance."""
-    return _collective("all_reduce", group, tensor, tensor, op, codec, async_op)
+    return flat_collective("all_reduce", group, tensor, tensor, op, codec, async_op)

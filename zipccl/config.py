@@ -18,10 +18,10 @@ def _bytes(name: str, default: int) -> int:
     return value
 
 
-#: codec="auto" starts messages smaller than this raw and larger ones lossless (bytes of the input):
-#: the measured break-even of lossless vs raw all-reduce at 1 Gbit/s per rank, 4 ranks on 2 cores
-#: (docs/PERFORMANCE.md). On faster links compression pays later or never, which is why "auto" then
-#: learns from the calls' times (zipccl.auto) unless ZIPCCL_AUTO_LEARN=0 keeps this threshold fixed.
+#: With ZIPCCL_AUTO_LEARN=0, codec="auto" sends messages smaller than this raw and larger ones
+#: lossless (bytes of the input): the measured break-even of lossless vs raw all-reduce at 1 Gbit/s
+#: per rank, 4 ranks on 2 cores (docs/bench/history/). By default "auto" instead measures its plans,
+#: the backend's own collective among them (zipccl.auto).
 AUTO_MIN_BYTES = _bytes("ZIPCCL_AUTO_MIN_BYTES", 8 << 20)
 
 
@@ -32,8 +32,9 @@ def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-#: "1": codec="auto" measures raw and lossless per group and size class and keeps the faster
-#: (zipccl.auto); "0": the fixed AUTO_MIN_BYTES threshold. The same on every rank.
+#: "1": codec="auto" measures its plans (native, raw, lossless, hierarchical ones) per group and
+#: size class and runs the fastest (zipccl.auto); "0": the fixed AUTO_MIN_BYTES threshold between
+#: raw and lossless. The same on every rank.
 AUTO_LEARN = _choice("ZIPCCL_AUTO_LEARN", "1", ("0", "1")) == "1"
 
 

@@ -164,3 +164,12 @@ def num_blocks(numel: int, block_size: int) -> int:
 def num_tables(nblocks: int) -> int:
     """Tables an encoder builds: one per four blocks, at most MAX_TABLES."""
     return min(MAX_TABLES, max(1, (nblocks + 3) // 4)) if nblocks else 0
+
+
+def check_input(x: torch.Tensor) -> None:
+    """A codec input must be a contiguous float tensor of a supported dtype."""
+    if not isinstance(x, torch.Tensor):
+        raise UnsupportedError(f"expected a torch.Tensor, got {type(x).__name__}")
+    dtype_code(x.dtype)
+    if x.layout != torch.strided or not x.is_contiguous():
+        raise UnsupportedError("codecs take contiguous strided tensors; call .contiguous() first")

@@ -15,6 +15,7 @@ import math
 import torch
 
 from . import format as F
+from .format import check_input
 from .errors import FormatError
 from .reference.packet import assemble, host_bytes
 
@@ -57,7 +58,6 @@ class TopK:
         ``remember=True`` keeps the result (and a reference to ``x``, so its memory cannot be
         reused) for the next call on the same unmodified tensor or a view of it, which takes it:
         error feedback and the collective that follows then select once."""
-        from .codecs import check_input
         check_input(x)
         last, self._last = self._last, None
         if last is not None:

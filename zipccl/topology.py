@@ -21,6 +21,7 @@ group is a collective over the whole job, so levels exist only for groups that s
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import re
@@ -175,6 +176,10 @@ def nvml_link() -> str:
 _found: dict = {}
 _levels: dict = {}
 _lock = threading.Lock()
+# Drop the groups made here before the interpreter's final teardown: a gloo group destroyed
+# then, with its threads still running, aborts the process ("terminate called without an
+# active exception", seen at the end of lab runs).
+atexit.register(_levels.clear)
 
 
 def _group_key(group):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 
 import torch
@@ -33,6 +34,8 @@ def _twin(group):
 
 
 _transports: dict = {}
+atexit.register(_transports.clear)  # before the interpreter's teardown (see zipccl.topology)
+atexit.register(_twins.clear)
 
 
 class TorchTransport(Transport):
