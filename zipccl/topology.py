@@ -49,10 +49,6 @@ class Topology:
     link: str = "unknown"  # between this node's GPUs, from NVML: "nvlink", "pcie" or "unknown"
 
     @property
-    def size(self) -> int:
-        return sum(len(n) for n in self.nodes)
-
-    @property
     def uniform(self) -> bool:
         """Every node holds the same number of ranks (the hierarchical algorithms need it)."""
         return len({len(n) for n in self.nodes}) == 1

@@ -52,11 +52,7 @@ class NodeMemory:
             name[:32] = torch.frombuffer(bytearray(secrets.token_hex(16).encode()), dtype=torch.uint8)
         dist.broadcast(name, group=group, group_src=0)
         memory = cls(group, local_rank, local_size, f"zipccl-{bytes(name[:32].tolist()).decode()}")
-        try:
-            ok = memory._map(_ALIGN, check=True)
-        except (OSError, RuntimeError):
-            ok = False
-        return memory if agree(ok) else None
+        return memory if agree(memory._map(_ALIGN, check=True)) else None
 
     def _path(self) -> str:
         return os.path.join(_DIR, f"{self.name}-{self.generation}")
@@ -65,12 +61,15 @@ class NodeMemory:
         """Map an area of ``capacity`` bytes per half-slot (a collective call on the node's group).
         With ``check``, local rank 0 writes a token that every other rank must read back."""
         path, size = self._path(), 2 * capacity * self.local_size
-        ok = True
+        ok, area = True, None
         if self.local_rank == 0:
-            area = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            if check:
-                area[:_MAGIC_BYTES] = torch.frombuffer(bytearray(self.name[-_MAGIC_BYTES:].encode()),
-                                                       dtype=torch.uint8)
+            try:
+                area = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                if check:
+                    area[:_MAGIC_BYTES] = torch.frombuffer(bytearray(self.name[-_MAGIC_BYTES:].encode()),
+                                                           dtype=torch.uint8)
+            except (OSError, RuntimeError):
+                ok = False  # still at both barriers below, or the node's other ranks would wait forever
         dist.barrier(group=self.group)
         if self.local_rank != 0:
             try:
@@ -82,10 +81,12 @@ class NodeMemory:
             except (OSError, RuntimeError):
                 ok, area = False, None
         dist.barrier(group=self.group)
-        if self.local_rank == 0:
+        if self.local_rank == 0 and area is not None:
             os.unlink(path)  # every rank has it mapped (or has failed): the memory lives until unmapped
         if ok:
             self.area, self.capacity = area, capacity
+        elif not check:
+            raise OSError(f"the node's shared memory could not grow to {size} bytes ({path})")
         self.generation += 1
         return ok
 
