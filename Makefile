@@ -5,9 +5,10 @@ STAMP := .setup.stamp
 .PHONY: setup bench codec-bench test clean
 
 $(STAMP): pyproject.toml Makefile
-	@# Open MPI for the mpirun tests and launcher (Debian/Ubuntu, as root; skipped elsewhere).
-	if ! command -v mpirun >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev; fi
+	@# Open MPI for the mpirun tests and launcher, iproute2 for the network lab (Debian/Ubuntu, as
+	@# root; skipped elsewhere).
+	if { ! command -v mpirun || ! command -v tc; } >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev iproute2; fi
 	$(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -e '.[test,bench,gpu]'
 	touch $(STAMP)
@@ -21,7 +22,7 @@ codec-bench: setup
 	$(PYTHON) -m zipccl.bench.codec
 
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -rs
 
 clean:
 	rm -f $(STAMP)

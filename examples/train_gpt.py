@@ -193,7 +193,7 @@ def train(rank: int, nranks: int, args) -> dict:
                 later_median_step_seconds=sorted(later)[len(later) // 2],
                 comm_seconds=st["comm_seconds"], raw_bytes=st.get("raw_bytes"), wire_bytes=st.get("wire_bytes"),
                 params=nparams, param_sha256=hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
-                densities=st.get("densities"))
+                densities=st.get("densities"), plans=zipccl.collectives.auto_policy().explain())
 
 
 def _spawned(rank, nranks, args):
