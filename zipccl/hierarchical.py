@@ -16,9 +16,14 @@ the slow links per rank and the codec works where it pays:
 Summation order (the same bits on every rank, DESIGN.md invariant 3): each node's
 contributions in local rank order, rounded to the dtype, then the nodes' sums in node order,
 rounded once (zipccl's levels accumulate 16-bit types in fp32; a "native" level sums as the
-backend does). AVG is SUM at both levels, then one division by the group's size. For 16-bit
-types this differs from a flat all-reduce in the last bits (two roundings instead of one);
-lossless still equals raw under the same algorithm, bit for bit.
+backend does). AVG is SUM at both levels, then one division by the group's size. This can
+differ from a flat all-reduce in the last bits (another order of additions, and for 16-bit
+types two roundings instead of one); lossless still equals raw under the same algorithm,
+bit for bit.
+
+The intra-node level may also be the node's shared memory (SHM, zipccl.transport.shm), which
+sums like zipccl's raw level; the all-reduce then makes each piece of the node's sum just
+before the nodes' pipeline encodes it (_shm_all_reduce).
 """
 
 from __future__ import annotations
