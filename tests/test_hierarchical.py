@@ -229,3 +229,24 @@ def _disagree(rank, groups):
 def test_topology_disagreement_raises_on_every_rank(pool):
     res = pool.run(_disagree, timeout=60)
     assert all(r[0] == "MismatchError" and "ZIPCCL_TOPOLOGY" in r[1] for r in res), res
+
+
+def _invalid_on_one_rank(rank, groups, inter):
+    """Rank 0's tensor is not contiguous: with a zipccl level between nodes (or with
+    ZIPCCL_CHECK_NATIVE=1) the whole group's exchange makes every rank raise, none hangs."""
+    old, zipccl.config.CHECK_NATIVE = zipccl.config.CHECK_NATIVE, inter == "native"
+    try:
+        with emulated("2x2"):
+            x = torch.ones(64, 2)[:, 0] if rank == 0 else torch.ones(64)
+            zipccl.all_reduce(x, codec={"intra": "shm", "inter": inter}, algorithm="hierarchical")
+    except Exception as e:
+        return type(e).__name__
+    finally:
+        zipccl.config.CHECK_NATIVE = old
+    return "ok"
+
+
+@pytest.mark.parametrize("inter", ["lossless", "native"])
+def test_an_invalid_call_raises_on_every_rank(pool, inter):
+    res = pool.run(_invalid_on_one_rank, inter, timeout=60)
+    assert res == ["UnsupportedError", "MismatchError", "MismatchError", "MismatchError"], res

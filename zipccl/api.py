@@ -112,6 +112,10 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         if per_level:
             raise ValueError("a per-level codec needs algorithm 'hierarchical' or 'auto'")
         return C.flat_collective(name, group, output, input, op, codec, async_op)
+    if dist.is_initialized() and not topology.known(group):  # collective: before any rank's error exchange
+        if async_op:
+            _run(lambda: None, True).wait()  # after the calls queued before this one, on every rank alike
+        topology.levels(group)
     numel, nbytes = C._size(input)
     tensors = (input,) if name == "all_reduce" else (output, input)
     t, c = C.prepare(name, group, tensors, op, "raw" if per_level else codec, numel, nbytes,
@@ -121,7 +125,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
 
     def hier(levels, codecs, acc):
         plan = _Plan(codecs)
-        if codecs[1] is not C.NATIVE:  # signature and auto reports, over the whole group
+        if codecs[1] is not C.NATIVE or config.CHECK_NATIVE:  # signature and auto reports, whole group
             C._Call(name, dtype, numel, op, plan).exchange(t, [])
         hierarchical.run(name, levels, output, input, op, codecs, acc)
         return plan
@@ -132,7 +136,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
 
     def run():
         acc, used = C.new_acc(), [None]
-        levels = topology.levels(group)  # a collective call on its first use: in call order on every rank
+        levels = topology.levels(group)  # made above
         if algorithm == "hierarchical" and levels is None:
             raise UnsupportedError(f"algorithm 'hierarchical' needs a group of several nodes with several ranks "
                                    f"each that spans the job; this one is {topology.topology(group)}")

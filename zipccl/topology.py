@@ -36,7 +36,8 @@ from . import config
 from .errors import MismatchError, UnsupportedError
 from .transport.shm import NodeMemory
 
-__all__ = ["Topology", "Levels", "topology", "levels", "parse", "claim", "from_claims", "nvml_link", "forget"]
+__all__ = ["Topology", "Levels", "topology", "levels", "known", "parse", "claim", "from_claims", "nvml_link",
+           "forget"]
 
 _SOURCES = ("ZIPCCL_TOPOLOGY", "torchrun", "mpirun", "slurm", "hostname")
 
@@ -245,6 +246,12 @@ def levels(group=None) -> Levels | None:
         made = Levels(topo, intra[node], inter[local], node, local, memory)
     with _lock:
         return _levels.setdefault(key, made)
+
+
+def known(group=None) -> bool:
+    """Whether ``levels(group)`` has been made (then calling it communicates no more)."""
+    with _lock:
+        return _group_key(group) in _levels
 
 
 def forget(group=None) -> None:
