@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from zipccl.collectives import _sum_in_rank_order
+from zipccl.collectives import reduce_in_rank_order
 from zipccl.kernels.reduce import DTYPES, sum_in_rank_order
 
 SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), 1e-40, -1e-40, 3e38, -3e38, 1.0, -1.0]
@@ -31,7 +31,7 @@ def test_fused_sum_matches_torch_bits(dtype, n, m, average):
         own = _parts(1, m, dtype, seed=r + 7)[0]
         rows = [own if j == r else parts[j] for j in range(n)]
         want = torch.empty(m, dtype=dtype)
-        want.copy_(_sum_in_rank_order(rows, 2 if average else 1, n, dtype))
+        want.copy_(reduce_in_rank_order(rows, 2 if average else 1, n, dtype))
         got = torch.full((m,), 7.0, dtype=dtype)
         sum_in_rank_order(parts, own, r, average, got)
         nan = torch.isnan(want)

@@ -36,10 +36,9 @@ _SMALL_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.Redu
 
 class _Plan:
     """A hierarchical call's codecs, named for the signature check and the statistics."""
-    __slots__ = ("name", "codecs")
+    __slots__ = ("name",)
 
     def __init__(self, codecs: tuple):
-        self.codecs = codecs
         self.name = "hierarchical/" + "+".join(getattr(c, "name", "native") if c is not None else "native"
                                                for c in codecs)
 
@@ -116,7 +115,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         if async_op:
             _run(lambda: None, True).wait()  # after the calls queued before this one, on every rank alike
         topology.levels(group)
-    numel, nbytes = C._size(input)
+    numel, nbytes = C.input_size(input)
     tensors = (input,) if name == "all_reduce" else (output, input)
     t, c = C.prepare(name, group, tensors, op, "raw" if per_level else codec, numel, nbytes,
                      C.check_shapes(name, output, input))
@@ -126,7 +125,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
     def hier(levels, codecs, acc):
         plan = _Plan(codecs)
         if codecs[1] is not C.NATIVE or config.CHECK_NATIVE:  # signature and auto reports, whole group
-            C._Call(name, dtype, numel, op, plan).exchange(t, [])
+            C.Call(name, dtype, numel, op, plan).exchange(t, [])
         hierarchical.run(name, levels, output, input, op, codecs, acc)
         return plan
 

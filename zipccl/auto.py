@@ -46,7 +46,6 @@ class Policy:
         self.calls: dict = {}   # class -> calls decided so far
         self.last: dict = {}    # (class, plan) -> the index of the call that last ran it
         self.recent: dict = {}  # (class, plan) -> the last two times of a call
-        self.chosen: dict = {}  # class -> the plan of its latest call
 
     @staticmethod
     def key(collective: str, dtype, nbytes: int) -> tuple:
@@ -63,7 +62,6 @@ class Policy:
         else:
             plan = self._exploit(key, i, candidates)
         self.last[(key, plan)] = i
-        self.chosen[key] = plan
         return plan
 
     def _exploit(self, key, i: int, candidates) -> str:

@@ -111,7 +111,7 @@ def _codec_id(codec) -> int:
     return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 
-def _op_code(op) -> int:
+def check_op(op) -> int:
     try:
         return _OPS[op]
     except (KeyError, TypeError):
@@ -181,7 +181,7 @@ def _report_id(entry) -> int:
 
 # ---- rank-consistent metadata: one exchange per call, then pairwise sizes ------------------------------------
 
-class _Call:
+class Call:
     """The signature of one phase of a call, checked against every rank's."""
 
     def __init__(self, name: str, dtype: torch.dtype, numel: int, op, codec):
@@ -264,7 +264,7 @@ class _SizeMail:
     def get(self, src: int) -> int:
         work = self.recvs.pop(src, None)
         if work is not None:
-            _timed(self.acc, "comm_seconds", work.wait)
+            timed(self.acc, "comm_seconds", work.wait)
         value = int(self.got[src])
         if value < 0:
             self.close()  # our own values still reach the peers that wait for them
@@ -273,11 +273,11 @@ class _SizeMail:
 
     def close(self) -> None:
         for w in self.sends:
-            _timed(self.acc, "comm_seconds", w.wait)
+            timed(self.acc, "comm_seconds", w.wait)
         self.sends = []
 
 
-def _sizes(t, call: _Call | None, tag: int, acc: dict, encode):
+def _sizes(t, call: Call | None, tag: int, acc: dict, encode):
     """(packets, sizes) from ``encode()``, which returns the packets and their sizes by
     destination, and a _SizeMail on ``tag`` of those sizes. With ``call`` (a call's first
     piece) the call's metadata exchange runs while the piece is encoded: nothing is on the
@@ -295,7 +295,7 @@ def _sizes(t, call: _Call | None, tag: int, acc: dict, encode):
         _SizeMail(t, [-1] * t.size, tag, acc).close()
         raise
     if finish is not None:
-        _timed(acc, "comm_seconds", finish)
+        timed(acc, "comm_seconds", finish)
         acc["meta_bytes"] += _meta_bytes(t.size)
     return packets, _SizeMail(t, sizes, tag, acc)
 
@@ -347,7 +347,7 @@ def _split(a: int, b: int, weights: tuple[int, ...]) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:] + [b]))
 
 
-def _timed(acc: dict, key: str, fn, *args):
+def timed(acc: dict, key: str, fn, *args):
     t0 = time.perf_counter()
     out = fn(*args)
     acc[key] += time.perf_counter() - t0
@@ -362,7 +362,7 @@ _TAG_RS_DATA, _TAG_AG_DATA = 5, 6  # their packets
 _DONE = object()
 
 
-def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc: dict, on_piece=None,
+def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: Call, acc: dict, on_piece=None,
                            ready=None) -> torch.Tensor:
     """chunks: (ranks, m). Returns this rank's reduced chunk (m elements, chunks' dtype), by the
     algorithm ``config.REDUCE_SCATTER`` names; ``on_piece(a, b, reduced)`` hears of each finished
@@ -376,7 +376,7 @@ def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: _Call, acc:
     return _reduce_scatter_direct(t, chunks, op, codec, call, acc, on_piece, ready)
 
 
-def _sum_in_rank_order(parts, op_code: int, n: int, dtype) -> torch.Tensor:
+def reduce_in_rank_order(parts, op_code: int, n: int, dtype) -> torch.Tensor:
     """Reduce ``parts`` (one per rank, in rank order) with fp32 accumulation for 16-bit types."""
     total = parts[0].to(_acc_dtype(dtype), copy=True)
     for part in parts[1:]:
@@ -386,7 +386,7 @@ def _sum_in_rank_order(parts, op_code: int, n: int, dtype) -> torch.Tensor:
     return total
 
 
-def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piece=None, ready=None) -> torch.Tensor:
+def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, on_piece=None, ready=None) -> torch.Tensor:
     """Each rank's packet of chunk j goes straight to rank j, which decodes all of them and
     reduces them in rank order, rounded once (the same sum on every owner, whatever arrives
     first). Piece by piece, to every peer at once, two pieces deep: piece k+1's packets are
@@ -409,7 +409,7 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
             ready(a, b)
 
         def packets():
-            out = _timed(acc, "codec_seconds", lambda: [
+            out = timed(acc, "codec_seconds", lambda: [
                 codec.encode(chunks[j, a:b]) if j != r else chunks[j, :0].view(torch.uint8) for j in range(n)])
             return out, [p.numel() for p in out]
 
@@ -427,12 +427,12 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: _Call, acc: dict, on_piec
     def finish(k, sends, recvs, sizes):
         a, b = cuts[k]
         parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
-        _land(acc, sends, recvs, sizes, lambda j, buf: _timed(acc, "codec_seconds", codec.decode, buf, parts[j]))
+        _land(acc, sends, recvs, sizes, lambda j, buf: timed(acc, "codec_seconds", codec.decode, buf, parts[j]))
         t0 = time.perf_counter()
         if op_code in (1, 2) and chunks.dtype in reduce.DTYPES and chunks.device.type == "cpu":
             reduce.sum_in_rank_order(parts, chunks[r, a:b], r, op_code == 2, result[a:b])
         else:
-            total = _sum_in_rank_order([chunks[r, a:b] if j == r else parts[j] for j in range(n)], op_code, n,
+            total = reduce_in_rank_order([chunks[r, a:b] if j == r else parts[j] for j in range(n)], op_code, n,
                                        chunks.dtype)
             result[a:b].copy_(total)
         acc["codec_seconds"] += time.perf_counter() - t0
@@ -474,14 +474,14 @@ def _land(acc: dict, sends: list, recvs: dict, sizes, decode) -> None:
     sends and size mails."""
     expected = {j: sizes.get(j) for j in recvs}
     for j, (buf, work) in recvs.items():
-        _timed(acc, "comm_seconds", work.wait)
+        timed(acc, "comm_seconds", work.wait)
         decode(j, buf[:expected[j]])  # a packet whose header says otherwise fails to decode
     for w in sends:
-        _timed(acc, "comm_seconds", w.wait)
+        timed(acc, "comm_seconds", w.wait)
     sizes.close()
 
 
-def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=None) -> torch.Tensor:
+def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, on_piece=None) -> torch.Tensor:
     """A ring: in step s (1..n-1) rank r sends its partial sum of chunk r-s to rank r+1 and
     receives rank r-1's partial sum of chunk r-s-1, adds its own part (fp32 for 16-bit
     types), and encodes the sum, rounded to the dtype, for the next step. After n-1 steps it
@@ -492,7 +492,7 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=
     interleaved identically on every rank. Rounding at each hop departs from DESIGN.md's invariant 3
     (rounded once), which is why this is opt-in (ZIPCCL_REDUCE_SCATTER=ring)."""
     n, r = t.size, t.rank
-    _timed(acc, "comm_seconds", call.exchange, t, [])  # every rank's signature and error flag first
+    timed(acc, "comm_seconds", call.exchange, t, [])  # every rank's signature and error flag first
     acc["meta_bytes"] += _meta_bytes(n)
     op_code = _OPS[op]
     m, itemsize = chunks.shape[1], chunks.element_size()
@@ -503,7 +503,7 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=
         scratch = torch.empty(b - a, dtype=chunks.dtype, device=chunks.device)
         total = chunks[prv, a:b]
         for s in range(1, n):
-            packet = _timed(acc, "codec_seconds", codec.encode, total)
+            packet = timed(acc, "codec_seconds", codec.encode, total)
             size_out = torch.tensor([packet.numel()], dtype=torch.int64, device=chunks.device)
             size_in = torch.empty(1, dtype=torch.int64, device=chunks.device)
             sends = [t.isend(size_out, nxt, _TAG_SIZE), t.isend(packet, nxt, _TAG_DATA)]  # both alive until waited
@@ -512,12 +512,12 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: _Call, acc: dict, on_piece=
             acc["meta_bytes"] += 8
             acc["raw_bytes"] += (b - a) * itemsize
             yield
-            _timed(acc, "comm_seconds", got_size.wait)
+            timed(acc, "comm_seconds", got_size.wait)
             recv = torch.empty(int(size_in), dtype=torch.uint8, device=chunks.device)
             got = t.irecv(recv, prv, _TAG_DATA)
             yield
             for w in (got, *sends):
-                _timed(acc, "comm_seconds", w.wait)
+                timed(acc, "comm_seconds", w.wait)
             t0 = time.perf_counter()
             mine = chunks[(r - s - 1) % n, a:b]
             if s < n - 1:
@@ -565,7 +565,7 @@ class _Gather:
     a ring: each packet crosses one link, not n-1 one after another, and no step waits for
     the previous one's arrival (the same bytes leave each rank either way)."""
 
-    def __init__(self, t, codec, call: _Call | None, acc: dict, dest):
+    def __init__(self, t, codec, call: Call | None, acc: dict, dest):
         """``call``: the signature its first piece's metadata exchange checks; None where the
         caller's reduce-scatter has checked it already (all-reduce)."""
         self.t, self.codec, self.call, self.acc, self.dest = t, codec, call, acc, dest
@@ -577,7 +577,7 @@ class _Gather:
         t, n, acc = self.t, self.t.size, self.acc
 
         def encode():
-            packet = _timed(acc, "codec_seconds", self.codec.encode, mine)
+            packet = timed(acc, "codec_seconds", self.codec.encode, mine)
             return packet, [packet.numel()] * n
 
         packet, sizes = _sizes(t, self.call, _TAG_AG_SIZES, acc, encode)
@@ -626,16 +626,16 @@ def sparse_algorithm(n: int, density: float, itemsize: int) -> str:
     return "scatter" if scatter < gather else "gather"
 
 
-def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict) -> None:
+def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict) -> None:
     """Top-k all-reduce. Both algorithms add the ranks' pairs in rank order into an fp32 (or
     the dtype's) accumulator and round once, so they give the same bits on every rank."""
     algorithm = getattr(codec, "algorithm", "auto")
     if algorithm == "auto":
         algorithm = sparse_algorithm(t.size, codec.density, flat.element_size())
     acc["raw_bytes"] += 2 * (t.size - 1) * -(-flat.numel() // t.size) * flat.element_size()  # a dense all-reduce
-    idx, values = _timed(acc, "codec_seconds", codec.select, flat)
+    idx, values = timed(acc, "codec_seconds", codec.select, flat)
     if algorithm == "gather":
-        packet = _timed(acc, "codec_seconds", codec.encode_selected, idx, values, flat.numel())
+        packet = timed(acc, "codec_seconds", codec.encode_selected, idx, values, flat.numel())
         parts = _sparse_all_gather(t, packet, call, acc)
         t0 = time.perf_counter()
         if flat.device.type == "cpu" and flat.dtype in sparse.DTYPES and values.dtype in sparse.DTYPES:
@@ -656,11 +656,11 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict)
     parts = [codec.encode_selected(idx[cut[j]:cut[j + 1]] - bounds[j], values[cut[j]:cut[j + 1]],
                                    bounds[j + 1] - bounds[j]) for j in range(n)]
     acc["codec_seconds"] += time.perf_counter() - t0
-    sizes = _timed(acc, "comm_seconds", call.exchange, t, [p.numel() for p in parts])
+    sizes = timed(acc, "comm_seconds", call.exchange, t, [p.numel() for p in parts])
     send_splits = [0 if j == r else parts[j].numel() for j in range(n)]
     recv_splits = [0 if j == r else int(sizes[j, r]) for j in range(n)]
     send = torch.cat([parts[j] for j in range(n) if j != r])
-    recv = _timed(acc, "comm_seconds", t.all_to_all, send, send_splits, recv_splits)
+    recv = timed(acc, "comm_seconds", t.all_to_all, send, send_splits, recv_splits)
     acc["wire_bytes"] += int(send.numel())
     acc["meta_bytes"] += _meta_bytes(n)
     t0 = time.perf_counter()
@@ -671,7 +671,7 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict)
     as_pairs = where.numel() * (4 + flat.element_size()) < mine.numel() * flat.element_size()
     packet = codec.encode_selected(where, reduced[where.long()], mine.numel()) if as_pairs else _RAW.encode(reduced)
     acc["codec_seconds"] += time.perf_counter() - t0
-    gather = _Call("all_reduce/gather", flat.dtype, numel, op, codec)
+    gather = Call("all_reduce/gather", flat.dtype, numel, op, codec)
     for j, part in enumerate(_sparse_all_gather(t, packet, gather, acc)):
         t0 = time.perf_counter()
         chunk = flat[bounds[j]:bounds[j + 1]]
@@ -680,13 +680,13 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: _Call, acc: dict)
         acc["codec_seconds"] += time.perf_counter() - t0
 
 
-def _sparse_all_gather(t, packet: torch.Tensor, call: _Call, acc: dict) -> list[torch.Tensor]:
+def _sparse_all_gather(t, packet: torch.Tensor, call: Call, acc: dict) -> list[torch.Tensor]:
     """Every rank's packet, in rank order (this rank's own included), by one all-to-all."""
     n, r = t.size, t.rank
-    sizes = _timed(acc, "comm_seconds", lambda: call.exchange(t, [packet.numel()])[:, 0].tolist())
+    sizes = timed(acc, "comm_seconds", lambda: call.exchange(t, [packet.numel()])[:, 0].tolist())
     send_splits = [0 if j == r else packet.numel() for j in range(n)]
     recv_splits = [0 if j == r else sizes[j] for j in range(n)]
-    recv = _timed(acc, "comm_seconds", t.all_to_all, packet.repeat(n - 1), send_splits, recv_splits)
+    recv = timed(acc, "comm_seconds", t.all_to_all, packet.repeat(n - 1), send_splits, recv_splits)
     acc["wire_bytes"] += (n - 1) * packet.numel()
     acc["meta_bytes"] += _meta_bytes(n)
     return _in_rank_order(recv, recv_splits, packet, r)
@@ -733,7 +733,7 @@ def _check_device(t, *tensors: torch.Tensor) -> None:
         raise UnsupportedError(f"the process group's backend (gloo) takes CPU tensors here, got a tensor on {dev}")
 
 
-def _size(x) -> tuple[int, int]:
+def input_size(x) -> tuple[int, int]:
     """(numel, bytes) of a call's input; -1 elements for a non-tensor (the call fails validation)."""
     if not isinstance(x, torch.Tensor):
         return -1, 0
@@ -762,7 +762,7 @@ def prepare(name, group, tensors, op, codec, numel, nbytes, check):
             _check_tensor(label, x)
         _check_device(t, *tensors)
         if op is not None:
-            _op_code(op)
+            check_op(op)
             if _OPS[op] == 2 and not dtype.is_floating_point:
                 raise UnsupportedError("AVG of integer tensors is not supported; use SUM and divide")
         resolved = codec if codec is AUTO else resolve_codec(codec, dtype, nbytes)
@@ -777,7 +777,7 @@ def prepare(name, group, tensors, op, codec, numel, nbytes, check):
     except (TypeError, ValueError, UnsupportedError) as e:
         error = e
     if error is not None:
-        _Call(name, dtype, numel, op, None).exchange(t, [], error)
+        Call(name, dtype, numel, op, None).exchange(t, [], error)
     return t, resolved
 
 
@@ -817,26 +817,26 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
     if codec is NATIVE or codec is None:
         t0 = time.perf_counter()
         if codec is None or config.CHECK_NATIVE:
-            _Call(name, input.dtype, numel, op, None).exchange(t, [])
+            Call(name, input.dtype, numel, op, None).exchange(t, [])
         t.native(name, *((input.view(-1),) if name == "all_reduce" else (output.view(-1), input.view(-1))), op=op)
         acc["comm_seconds"] += time.perf_counter() - t0
     elif name == "reduce_scatter":
-        call = _Call(name, input.dtype, numel, op, codec)
+        call = Call(name, input.dtype, numel, op, codec)
         output.view(-1).copy_(_reduce_scatter_chunks(t, input.view(t.size, -1), op, codec, call, acc))
     elif name == "all_gather":
         mine, outs = input.view(-1), output.view(t.size, -1)
-        gather = _Gather(t, codec, _Call(name, input.dtype, numel, None, codec), acc, lambda j, a, b: outs[j, a:b])
+        gather = _Gather(t, codec, Call(name, input.dtype, numel, None, codec), acc, lambda j, a, b: outs[j, a:b])
         for a, b in pieces(numel, t.size, input.element_size()):
             gather.push(a, b, mine[a:b])
         gather.finish()
     elif not getattr(codec, "exact", True):
-        _sparse_all_reduce(t, input.view(-1), op, codec, _Call(name, input.dtype, numel, op, codec), acc)
+        _sparse_all_reduce(t, input.view(-1), op, codec, Call(name, input.dtype, numel, op, codec), acc)
     else:
         flat, n = input.view(-1), t.size
         m = -(-numel // n)
         padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
         gather = _Gather(t, codec, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
-        call = _Call(name, input.dtype, numel, op, codec)
+        call = Call(name, input.dtype, numel, op, codec)
         _reduce_scatter_chunks(t, padded.view(n, m), op, codec, call, acc,
                                on_piece=gather.push, ready=ready)  # gather each reduced piece as soon as it exists
         gather.finish()
@@ -848,7 +848,7 @@ PLAN_CODECS = {"native": NATIVE, "raw": _RAW, "lossless": _LOSSLESS}
 def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
     """One flat collective (the public all_reduce, reduce_scatter and all_gather of this module):
     validated, its codec decided ("auto": among FLAT_PLANS), run now or queued (async_op)."""
-    numel, nbytes = _size(input)
+    numel, nbytes = input_size(input)
     t, c = prepare(name, group, (input,) if name == "all_reduce" else (output, input), op, codec, numel, nbytes,
                    check_shapes(name, output, input))
 

@@ -79,8 +79,8 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
 
     def intra_reduce_scatter(out, inp):
         if codecs[0] is SHM:
-            C._timed(acc, "comm_seconds", memory.reduce_scatter, out, inp, C._op_code(level_op),
-                     C._sum_in_rank_order)
+            C.timed(acc, "comm_seconds", memory.reduce_scatter, out, inp, C.check_op(level_op),
+                     C.reduce_in_rank_order)
         else:
             run_flat("reduce_scatter", intra, out, inp, level_op, codecs[0], acc)
 
@@ -116,7 +116,7 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
     if codecs[0] is SHM:  # the nodes' level gathers straight into this rank's slot
         across, every = memory.claim(nodes * m, input.dtype)
         run_flat("all_gather", inter, across, input.view(-1), None, codecs[1], acc)
-        C._timed(acc, "comm_seconds", memory.publish)
+        C.timed(acc, "comm_seconds", memory.publish)
         for j in range(local):  # local rank j's slot: the ranks (node i, local j), by node
             rows.index_copy_(0, index[j * nodes:(j + 1) * nodes], every[j].view(nodes, m))
         return
@@ -134,20 +134,20 @@ def _shm_all_reduce(levels: Levels, flat, padded, m: int, op, divide: int, inter
     summing overlaps the pieces on the wire; the nodes' all-reduce works in that slot, and
     every rank reads the whole result from the node's slots."""
     memory, nodes = levels.memory, len(levels.topology.nodes)
-    staged = C._timed(acc, "comm_seconds", memory.stage, padded)
+    staged = C.timed(acc, "comm_seconds", memory.stage, padded)
     shard, every = memory.claim(m, flat.dtype)
-    base, per_node, op_code = levels.local_rank * m, m // nodes, C._op_code(op)
+    base, per_node, op_code = levels.local_rank * m, m // nodes, C.check_op(op)
 
     def ready(a: int, b: int) -> None:
         for j in range(nodes):
             lo = j * per_node
-            C._timed(acc, "codec_seconds", memory.reduce, staged, base + lo + a, base + lo + b,
-                     shard[lo + a:lo + b], op_code, C._sum_in_rank_order)
+            C.timed(acc, "codec_seconds", memory.reduce, staged, base + lo + a, base + lo + b,
+                     shard[lo + a:lo + b], op_code, C.reduce_in_rank_order)
 
     run_flat("all_reduce", inter, shard, shard, op, inter_codec, acc, ready=ready)
     if divide > 1:
         shard.div_(divide)
-    C._timed(acc, "comm_seconds", memory.publish)
+    C.timed(acc, "comm_seconds", memory.publish)
     if padded is flat:
         flat.view(every.shape).copy_(every)
     else:
