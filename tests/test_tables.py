@@ -2,13 +2,16 @@
 
 Every implementation takes its tables from zipccl/reference/tables.py, so the
 cross-implementation tests cannot catch a fault here: these check the tables
-against independent definitions (Huffman by a heap, package-merge spelled out
-with explicit member counts, the cheapest table by brute force).
+against independent definitions (Huffman by a heap, the optimal length-limited
+cost by dynamic programming over the code tree, package-merge spelled out with
+explicit member counts, the cheapest table by brute force).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -67,15 +70,62 @@ def test_package_merge_matches_the_obvious_rule(freqs, maxlen):
     assert np.array_equal(T.limited_lengths(freqs, maxlen), obvious_package_merge(freqs, maxlen))
 
 
-@settings(max_examples=300, deadline=None)
-@given(FREQS)
-def test_lengths_are_a_prefix_code_and_optimal_when_the_limit_does_not_bind(freqs):
-    lengths = T.limited_lengths(freqs)
+def optimal_limited_cost(freqs, maxlen: int) -> int:
+    """The least cost sum(freq * length) of any prefix code with lengths <= maxlen, by dynamic
+    programming over the code tree level by level (no package-merge involved).
+
+    Some optimal code gives heavier symbols lengths no longer than lighter ones, so with weights
+    sorted heaviest first, each level of the tree takes the next k symbols as leaves and splits its
+    other free nodes into twice as many at the level below. A symbol pays its weight once for every
+    level it reaches, so a level costs the weight of the symbols not yet placed above it.
+    """
+    w = sorted((int(f) for f in freqs if f), reverse=True)
+    n = len(w)
+    if n <= 1:
+        return sum(w)  # one symbol still takes a 1-bit code
+    unplaced = [sum(w[i:]) for i in range(n + 1)]
+
+    @lru_cache(maxsize=None)
+    def best(depth: int, placed: int, free: int) -> float:
+        # More free nodes than symbols left is no better than as many, hence the min() below.
+        if depth > maxlen or free == 0:
+            return math.inf
+        options = []
+        for k in range(min(free, n - placed) + 1):
+            if placed + k == n:
+                options.append(0)
+            else:
+                options.append(best(depth + 1, placed + k, min(2 * (free - k), n - placed - k)))
+        return unplaced[placed] + min(options)
+
+    return best(1, 0, 2)
+
+
+# Powers of two spread over 30 octaves: unconstrained Huffman codes get much longer than 12 bits.
+SKEWED = st.lists(st.integers(-1, 30), min_size=NSYM, max_size=NSYM).map(
+    lambda e: np.array([0 if x < 0 else 1 << x for x in e], np.int64))
+
+
+def test_the_dp_optimum_is_huffman_when_the_limit_is_loose():
+    # The independent optimum checked against the textbook one, so that it can be trusted below.
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        freqs = rng.integers(0, 1 << 20, NSYM) * (rng.random(NSYM) < 0.8)
+        assert optimal_limited_cost(freqs, NSYM) == huffman_cost(freqs)
+    assert optimal_limited_cost(np.ones(NSYM), 5) == 5 * NSYM  # a full tree: every code 5 bits
+    # Huffman gives 1,2,3,4,4 bits (cost 30); within 3 bits the best is 1,3,3,3,3 (2,2,2,3,3 costs 34).
+    assert huffman_cost(np.array([1, 1, 2, 4, 8])) == 30
+    assert optimal_limited_cost([1, 1, 2, 4, 8], 3) == 1 * 8 + 3 * (4 + 2 + 1 + 1)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.one_of(FREQS, SKEWED), st.sampled_from([MAXLEN, 8, 6]))
+def test_lengths_are_an_optimal_length_limited_prefix_code(freqs, maxlen):
+    lengths = T.limited_lengths(freqs, maxlen)
     used = lengths[freqs > 0]
-    assert (lengths[freqs == 0] == 0).all() and (used >= 1).all() and (used <= MAXLEN).all()
-    assert int((1 << (MAXLEN - used)).sum()) <= 1 << MAXLEN  # Kraft
-    cost = int((lengths * freqs).sum())
-    assert cost >= huffman_cost(freqs) or np.count_nonzero(freqs) == 1
+    assert (lengths[freqs == 0] == 0).all() and (used >= 1).all() and (used <= maxlen).all()
+    assert int((1 << (maxlen - used)).sum()) <= 1 << maxlen  # Kraft: a prefix code exists
+    assert int((lengths * freqs).sum()) == optimal_limited_cost(freqs, maxlen)
 
 
 @settings(max_examples=100, deadline=None)
