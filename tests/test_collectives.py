@@ -317,61 +317,6 @@ def test_invalid_calls_raise_clearly_without_hanging(pool, case, local, others):
     assert all(r is True for r in healthy), healthy  # the pool returns exceptions as values: truthy
 
 
-class _FailsOnce(Lossless):
-    """A lossless codec whose ``fail_at``-th encode raises (on the rank that uses it)."""
-
-    def __init__(self, fail_at: int):
-        super().__init__()
-        self.calls, self.fail_at = 0, fail_at
-
-    def encode(self, x):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("encoder failed")
-        return super().encode(x)
-
-
-def _fails_mid_call(rank, groups, size, collective, fail_at):
-    if rank >= size:
-        return None
-    g = groups[size]
-    codec = _FailsOnce(fail_at) if rank == 1 else Lossless()
-    x = torch.randn(3_000_000, generator=torch.Generator().manual_seed(rank))
-    assert len(pieces(x.numel() // size, size, 4)) == 6 and len(pieces(x.numel(), size, 4)) > 2
-    try:
-        if collective == "all_reduce":
-            zipccl.all_reduce(x, group=g, codec=codec)
-        else:
-            zipccl.all_gather(torch.empty(size * x.numel()), x, group=g, codec=codec)
-    except Exception as e:
-        return type(e).__name__, str(e)
-    return "ok", ""
-
-
-@pytest.mark.parametrize("collective,fail_at", [("all_reduce", 1), ("all_reduce", 2), ("all_reduce", 6),
-                                                ("all_reduce", 11), ("all_reduce", 12), ("all_gather", 1),
-                                                ("all_gather", 2)])
-def test_encoder_failure_raises_on_both_ranks(pool, collective, fail_at):
-    """A rank whose encoder fails tells its peers by a negative size: it raises its own error,
-    its peer MismatchError, and neither hangs, whether the failure comes in the first piece
-    (whose encoding overlaps the metadata exchange) or a later one. Two ranks, so the peer is
-    always the one it next receives from (with more ranks a peer that is sending to the failed
-    rank can block: see _SizeMail). All-reduce in 6 pieces encodes, in order, reduce-scatter
-    pieces 0 and 1 (calls 1, 2), then all-gather piece k and reduce-scatter piece k+2 in turn
-    (calls 3-10), then all-gather pieces 4 and 5 (11, 12): the cases are the first piece, a
-    middle reduce-scatter piece (6) and the last two all-gather pieces. (An all-gather piece
-    that fails while the reduce-scatter still runs blocks the peer, which waits for
-    reduce-scatter data before it reads that piece's size: see _SizeMail.) All-gather
-    encodes one packet per piece. Undelivered messages may remain in the group afterwards,
-    so the pool is restarted."""
-    try:
-        res = pool.run(_fails_mid_call, 2, collective, fail_at, timeout=60)
-    finally:
-        pool.close(kill=True)
-    assert res[1] == ("RuntimeError", "encoder failed"), res
-    assert res[0] == ("MismatchError", "rank 1 failed during the call (see its error)"), res
-
-
 def _async(rank, groups, size):
     g = groups[size]
     xs = [torch.full((5000,), float(rank + i)) for i in range(3)]

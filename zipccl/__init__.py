@@ -1,11 +1,11 @@
 """zipccl: compressed collective communication for distributed training."""
 
-from .errors import FormatError, MismatchError, UnsupportedError, ZipcclError
+from .errors import FormatError, MismatchError, RankFailure, UnsupportedError, ZipcclError
 from . import codecs
 from .api import all_gather, all_reduce, reduce_scatter
 from . import topology
 from .stats import reset_stats, stats
 
 __version__ = "0.1.0"
-__all__ = ["ZipcclError", "FormatError", "MismatchError", "UnsupportedError", "codecs", "topology",
+__all__ = ["ZipcclError", "FormatError", "MismatchError", "UnsupportedError", "RankFailure", "codecs", "topology",
            "all_reduce", "reduce_scatter", "all_gather", "stats", "reset_stats"]

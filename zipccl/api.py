@@ -19,6 +19,7 @@ from . import auto, config, hierarchical, lossy, topology
 from . import collectives as C
 from .errors import UnsupportedError
 from .executor import run as _run
+from .failure import Fate
 from .format import DTYPE_CODES
 from .stats import record
 from .transport import TorchTransport
@@ -117,16 +118,17 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         topology.levels(group)
     numel, nbytes = C.input_size(input)
     tensors = (input,) if name == "all_reduce" else (output, input)
-    t, c = C.prepare(name, group, tensors, op, "raw" if per_level else codec, numel, nbytes,
-                     C.check_shapes(name, output, input))
+    t, c, error = C.prepare(name, group, tensors, op, "raw" if per_level else codec, numel, nbytes,
+                            C.check_shapes(name, output, input))
     dtype = input.dtype
     fixed = None if codec == "auto" else _level_codecs(codec, dtype, nbytes)
 
     def hier(levels, codecs, acc):
-        plan = _Plan(codecs)
+        plan, fate = _Plan(codecs), Fate.of(name, t)
         if codecs[1] is not C.NATIVE or config.CHECK_NATIVE:  # signature and auto reports, whole group
-            C.Call(name, dtype, numel, op, plan).exchange(t, [])
-        hierarchical.run(name, levels, output, input, op, codecs, acc)
+            C.Call(name, dtype, numel, op, plan).exchange(t, [], None, fate)
+        hierarchical.run(name, levels, output, input, op, codecs, acc, fate)
+        C.timed(acc, "comm_seconds", fate.settle, t)  # a failure on any level, in any node, reaches every rank
         return plan
 
     def flat(codec, acc):
@@ -134,6 +136,8 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         return codec
 
     def run():
+        if error is not None:
+            C.refuse(name, t, input, op, error)
         acc, used = C.new_acc(), [None]
         levels = topology.levels(group)  # made above
         if algorithm == "hierarchical" and levels is None:

@@ -42,7 +42,8 @@ from .auto import Policy
 from .stats import record as _record
 from .codecs import Lossless, Raw, TopK
 from .executor import Handle, run as _run, submit
-from .errors import MismatchError, UnsupportedError
+from .errors import FormatError, MismatchError, UnsupportedError
+from .failure import DECODE, ENCODE, REDUCE, SIZE, Fate
 from .kernels import reduce, sparse
 from .reference.packet import host_bytes
 from .transport import TorchTransport
@@ -189,37 +190,51 @@ class Call:
         self.values = [_COLLECTIVES[name], F.DTYPE_CODES.get(dtype, 100 + zlib.crc32(str(dtype).encode()) % 1000),
                        numel, _OPS.get(op, 0), _codec_id(codec), _ALGORITHMS[config.REDUCE_SCATTER]]
 
-    def exchange(self, t, sizes: list[int], error: Exception | None = None) -> torch.Tensor:
-        """Exchange [error, signature, auto reports, sizes]; raise the same way on every rank if
-        anything is off. Returns the (ranks, ranks) sizes every rank announced (padded with
-        zeros: every rank's vector has the same length, whatever phase it is in). The auto
-        reports are this rank's times of the group's earlier auto calls (zipccl.auto), each
-        learned from once every rank has reported it."""
-        return self.start(t, sizes, error)()
+    def exchange(self, t, sizes: list[int], error: Exception | None = None, fate: Fate | None = None) -> torch.Tensor:
+        """Exchange [status, signature, auto reports, sizes] with every rank; raise the same way
+        on every rank if the call is invalid anywhere or the ranks disagree. Returns the
+        (ranks, ranks) sizes every rank announced (padded with zeros: every rank's vector has
+        the same length, whatever phase it is in). The auto reports are this rank's times of
+        the group's earlier auto calls (zipccl.auto), each learned from once every rank has
+        reported it. ``fate``: the call's outcome, which learns of the peers' failures here."""
+        return self.start(t, sizes, error, fate)()
 
-    def start(self, t, sizes: list[int] = (), error: Exception | None = None):
+    def start(self, t, sizes: list[int] = (), error: Exception | None = None, fate: Fate | None = None):
         """``exchange`` in two halves: this starts it, the function it returns finishes it
-        (and raises). A pipeline's first piece is encoded in between."""
+        (and raises). A pipeline's first piece is encoded in between. Pairwise (each rank's
+        vector to every other), so that a lost peer is named, and every message has a fixed size."""
+        fate = fate if fate is not None else Fate.of(self.name, t)
         sizes = list(sizes) + [0] * (t.size - len(sizes))
         auto = _auto_group(t.group)
         reports = auto.take()
         slots = [v for entry, us in reports for v in (_report_id(entry), us)]
         slots += [-1] * (2 * REPORT_SLOTS - len(slots))
-        mine = torch.tensor([1 if error else 0, *self.values, *slots, *sizes], dtype=torch.int64)
-        wait = t.start_exchange(mine)
+        status = 1 if error is not None else (1 + fate.code if fate.failed else 0)
+        mine = torch.tensor([status, *self.values, *slots, *sizes], dtype=torch.int64)
+        rows = mine.repeat(t.size, 1)
+        peers = [j for j in _peers(t) if fate.alive(t, j)]
+        sends = [(j, t.isend(mine, j, _TAG_META)) for j in peers]
+        recvs = [(j, t.irecv(rows[j], j, _TAG_META)) for j in peers]
 
         def finish() -> torch.Tensor:
-            rows = wait()
+            heard = [j for j, w in recvs if fate.wait(t, w, j)]
+            for j, w in sends:
+                fate.wait(t, w, j)
+            if len(heard) < len(peers) or len(peers) < t.size - 1:
+                fate.check()  # a peer is lost: nothing more can be agreed
             first = 1 + len(_FIELDS)
             for k, ((key, plan), _) in enumerate(reports):
                 ids, times = rows[:, first + 2 * k], rows[:, first + 2 * k + 1]
                 if bool((ids == ids[0]).all()) and bool((times >= 0).all()):
                     auto.policy.learn(key, plan, int(times.max()) / 1e6)
-            bad = [r for r in range(t.size) if rows[r, 0]]
+            bad = [r for r in range(t.size) if rows[r, 0] == 1]
             if error is not None:
                 raise error
             if bad:
                 raise MismatchError(f"zipccl.{self.name}: rank(s) {bad} made an invalid call (see their error)")
+            for r in range(t.size):
+                if rows[r, 0] > 1:
+                    fate.heard(int(rows[r, 0]) - 1)
             for k, field in enumerate(_FIELDS):
                 col = rows[:, 1 + k]
                 if not bool((col == col[0]).all()):
@@ -243,61 +258,76 @@ class _SizeMail:
     rank's signature alongside the first piece). Unlike that exchange it waits on no third
     rank, so it adds no barrier mid-pipeline (the 64 MiB all-reduce in the 1 Gbit/s lab:
     1.09-1.22 s -> 1.00-1.03 s). Receives do not wait for it (see _post_recvs); a piece is
-    landed only once every peer's value has come, which checks each packet's size, and a
-    negative value, which says the sender's encoder failed, makes the peer raise before
-    it waits for data that will not come (its receive stays posted: the group is not
-    fit for further use). A peer can still block until the process group's timeout if it
-    is sending to the failed rank elsewhere, or, in an all-reduce whose all-gather piece
-    failed, if it waits for reduce-scatter data that the failed rank will not send (the
-    negative value is on the all-gather's tag); waiting for every peer's value before each
-    piece would prevent the first, but cost 0.2 s on that all-reduce."""
+    landed only once every peer's value has come, which says how much of each packet is the
+    packet. Once the call has failed on this rank (zipccl.failure) every value is the poison
+    code, negated, and the piece's packets are one-byte stand-ins (``poisoned``)."""
 
-    def __init__(self, t, values: list[int], tag: int, acc: dict):
+    def __init__(self, t, values: list[int], tag: int, acc: dict, fate: Fate):
+        self.t, self.acc, self.fate = t, acc, fate
+        self.poisoned = fate.failed
+        if self.poisoned:
+            values = [-fate.code] * t.size
         self.out = torch.tensor(values, dtype=torch.int64)  # values[j] goes to rank j (alive until sent)
         self.got = torch.zeros(t.size, dtype=torch.int64)
-        peers = _peers(t)
-        self.sends = [t.isend(self.out[j:j + 1], j, tag) for j in peers]
+        peers = [j for j in _peers(t) if fate.alive(t, j)]
+        self.sends = [(j, t.isend(self.out[j:j + 1], j, tag)) for j in peers]
         self.recvs = {j: t.irecv(self.got[j:j + 1], j, tag) for j in peers}
-        self.acc = acc
         acc["meta_bytes"] += 8 * len(peers)
 
-    def get(self, src: int) -> int:
+    def get(self, src: int) -> int | None:
+        """``src``'s value; None where ``src`` failed (its poison code goes to the call's fate) or is lost."""
         work = self.recvs.pop(src, None)
-        if work is not None:
-            timed(self.acc, "comm_seconds", work.wait)
+        if work is not None and not timed(self.acc, "comm_seconds", self.fate.wait, self.t, work, src):
+            return None
+        if not self.fate.alive(self.t, src):
+            return None
         value = int(self.got[src])
         if value < 0:
-            self.close()  # our own values still reach the peers that wait for them
-            raise MismatchError(f"rank {src} failed during the call (see its error)")
+            self.fate.heard(-value)
+            return None
         return value
 
     def close(self) -> None:
-        for w in self.sends:
-            timed(self.acc, "comm_seconds", w.wait)
+        for j, w in self.sends:
+            timed(self.acc, "comm_seconds", self.fate.wait, self.t, w, j)
         self.sends = []
 
 
-def _sizes(t, call: Call | None, tag: int, acc: dict, encode):
+def _sizes(t, call: Call | None, tag: int, acc: dict, encode, fate: Fate):
     """(packets, sizes) from ``encode()``, which returns the packets and their sizes by
     destination, and a _SizeMail on ``tag`` of those sizes. With ``call`` (a call's first
     piece) the call's metadata exchange runs while the piece is encoded: nothing is on the
     wire until the first piece is, so the exchange's round trip would add to the call's time
     (with the smaller first and last pieces of ``pieces``, the 64 MiB all-reduce in the
-    1 Gbit/s lab took 3-21 ms less, paired medians of four alternations: about 1%). If encoding raises,
-    every peer hears of it by a negative size before this rank re-raises (once the exchange
-    is through: if another rank's call was invalid, every rank raises MismatchError there)."""
-    finish = call.start(t) if call is not None else None
-    try:
-        packets, sizes = encode()
-    except BaseException:
-        if finish is not None:
-            finish()
-        _SizeMail(t, [-1] * t.size, tag, acc).close()
-        raise
+    1 Gbit/s lab took 3-21 ms less, paired medians of four alternations: about 1%). Once
+    the call has failed (here, or heard of), nothing is encoded: packets is None and the
+    sizes carry the poison code (zipccl.failure)."""
+    finish = call.start(t, fate=fate) if call is not None else None
+    packets, sizes = None, [0] * t.size
+    if not fate.failed:
+        try:
+            packets, sizes = encode()
+        except Exception as e:  # noqa: BLE001 - every failure reaches the peers
+            fate.fail(ENCODE, e)
     if finish is not None:
         timed(acc, "comm_seconds", finish)
         acc["meta_bytes"] += _meta_bytes(t.size)
-    return packets, _SizeMail(t, sizes, tag, acc)
+    return packets, _SizeMail(t, sizes, tag, acc, fate)
+
+
+def _send(t, packets, mail: _SizeMail, tag: int, acc: dict, device) -> list:
+    """Post a piece's packets (``packets[j]`` to peer j, or one packet to every peer): the
+    packets themselves, or one byte each if the piece's sizes went out poisoned."""
+    fate = mail.fate
+    stand_in = torch.zeros(1, dtype=torch.uint8, device=device) if mail.poisoned else None
+    sends = []
+    for j in _peers(t):
+        if fate.alive(t, j):
+            packet = stand_in if stand_in is not None else packets if isinstance(packets, torch.Tensor) \
+                else packets[j]
+            sends.append((j, t.isend(packet, j, tag)))
+            acc["wire_bytes"] += packet.numel()
+    return sends
 
 
 # ---- the algorithms ------------------------------------------------------------------------------------------
@@ -359,21 +389,23 @@ RING_DEPTH = 2
 _TAG_SIZE, _TAG_DATA = 1, 2  # the ring: a partial sum's packet follows its size, each in order on its own tag
 _TAG_RS_SIZES, _TAG_AG_SIZES = 3, 4  # _SizeMail of the direct reduce-scatter's and the all-gather's later pieces
 _TAG_RS_DATA, _TAG_AG_DATA = 5, 6  # their packets
+_TAG_META = 7  # the metadata exchange (a call's failure status: zipccl.failure.TAG_STATUS)
 _DONE = object()
 
 
-def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: Call, acc: dict, on_piece=None,
+def _reduce_scatter_chunks(t, chunks: torch.Tensor, op, codec, call: Call, acc: dict, fate: Fate, on_piece=None,
                            ready=None) -> torch.Tensor:
     """chunks: (ranks, m). Returns this rank's reduced chunk (m elements, chunks' dtype), by the
     algorithm ``config.REDUCE_SCATTER`` names; ``on_piece(a, b, reduced)`` hears of each finished
-    range (all-reduce starts gathering it at once); ``ready(a, b)``, where given, fills columns
-    [a, b) of every chunk just before they are first needed (the hierarchical all-reduce sums
-    them within the node there, while earlier pieces are on the wire)."""
+    range (all-reduce starts gathering it at once; it is called in a failed call too, so that
+    the schedule goes on: zipccl.failure); ``ready(a, b)``, where given, fills columns [a, b) of
+    every chunk just before they are first needed (the hierarchical all-reduce sums them within
+    the node there, while earlier pieces are on the wire)."""
     if config.REDUCE_SCATTER == "ring":
         if ready is not None:
-            ready(0, chunks.shape[1])
-        return _reduce_scatter_ring(t, chunks, op, codec, call, acc, on_piece)
-    return _reduce_scatter_direct(t, chunks, op, codec, call, acc, on_piece, ready)
+            fate.guard(REDUCE, ready, 0, chunks.shape[1])
+        return _reduce_scatter_ring(t, chunks, op, codec, call, acc, fate, on_piece)
+    return _reduce_scatter_direct(t, chunks, op, codec, call, acc, fate, on_piece, ready)
 
 
 def reduce_in_rank_order(parts, op_code: int, n: int, dtype) -> torch.Tensor:
@@ -386,7 +418,8 @@ def reduce_in_rank_order(parts, op_code: int, n: int, dtype) -> torch.Tensor:
     return total
 
 
-def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, on_piece=None, ready=None) -> torch.Tensor:
+def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fate, on_piece=None,
+                           ready=None) -> torch.Tensor:
     """Each rank's packet of chunk j goes straight to rank j, which decodes all of them and
     reduces them in rank order, rounded once (the same sum on every owner, whatever arrives
     first). Piece by piece, to every peer at once, two pieces deep: piece k+1's packets are
@@ -399,14 +432,13 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, on_piece
     m = chunks.shape[1]
     result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
     cuts = pieces(m, n, chunks.element_size())
-    peers = _peers(t)
 
     def encode(k):
         """This rank's packets of piece k and a _SizeMail of their sizes (the first piece's
         encoding overlaps the call's metadata exchange: _sizes)."""
         a, b = cuts[k]
         if ready is not None:
-            ready(a, b)
+            fate.guard(REDUCE, ready, a, b)
 
         def packets():
             out = timed(acc, "codec_seconds", lambda: [
@@ -414,28 +446,28 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, on_piece
             return out, [p.numel() for p in out]
 
         acc["raw_bytes"] += (n - 1) * (b - a) * chunks.element_size()
-        return _sizes(t, None if k else call, _TAG_RS_SIZES, acc, packets)
+        return _sizes(t, None if k else call, _TAG_RS_SIZES, acc, packets, fate)
 
     def post(k, encoded):
         packets, sizes = encoded
-        sends = [t.isend(packets[j], j, _TAG_RS_DATA) for j in peers]
-        acc["wire_bytes"] += sum(packets[j].numel() for j in peers)
+        sends = _send(t, packets, sizes, _TAG_RS_DATA, acc, chunks.device)
         a, b = cuts[k]
-        return k, sends, _post_recvs(t, peers, codec.max_encoded_size(b - a, chunks.dtype), _TAG_RS_DATA,
+        return k, sends, _post_recvs(t, fate, codec.max_encoded_size(b - a, chunks.dtype), _TAG_RS_DATA,
                                      chunks.device), sizes
 
-    def finish(k, sends, recvs, sizes):
-        a, b = cuts[k]
-        parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
-        _land(acc, sends, recvs, sizes, lambda j, buf: timed(acc, "codec_seconds", codec.decode, buf, parts[j]))
-        t0 = time.perf_counter()
+    def reduce_piece(a, b, parts):
         if op_code in (1, 2) and chunks.dtype in reduce.DTYPES and chunks.device.type == "cpu":
             reduce.sum_in_rank_order(parts, chunks[r, a:b], r, op_code == 2, result[a:b])
         else:
             total = reduce_in_rank_order([chunks[r, a:b] if j == r else parts[j] for j in range(n)], op_code, n,
-                                       chunks.dtype)
+                                         chunks.dtype)
             result[a:b].copy_(total)
-        acc["codec_seconds"] += time.perf_counter() - t0
+
+    def finish(k, sends, recvs, sizes):
+        a, b = cuts[k]
+        parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
+        _land(t, acc, sends, recvs, sizes, lambda j, buf: timed(acc, "codec_seconds", codec.decode, buf, parts[j]))
+        timed(acc, "codec_seconds", fate.guard, REDUCE, reduce_piece, a, b, parts)
         if on_piece is not None:
             on_piece(a, b, result[a:b])
 
@@ -455,85 +487,115 @@ def _peers(t) -> list[int]:
     return [(t.rank + s) % t.size for s in range(1, t.size)]
 
 
-def _post_recvs(t, peers: list[int], nbytes: int, tag: int, device) -> dict:
-    """{peer: (buffer, work)}: a receive of each peer's packet into a buffer of ``nbytes``, the
-    codec's bound, posted at once: gloo takes a message shorter than the buffer, and a
-    packet says its own size. Posting only once a peer's size had come (behind the peer's
-    previous piece on the same connection) held its data back: the 64 MiB all-reduce in
-    the 1 Gbit/s lab, alternating five times, 675-762 ms -> 625-693 ms (median 712 -> 653)."""
+def _post_recvs(t, fate: Fate, nbytes: int, tag: int, device) -> dict:
+    """{peer: (buffer, work)}: a receive of each live peer's packet into a buffer of ``nbytes``,
+    the codec's bound, posted at once: gloo takes a message shorter than the buffer, and the
+    piece's size mail says how long the packet is. Posting only once a peer's size had come
+    (behind the peer's previous piece on the same connection) held its data back: the 64 MiB
+    all-reduce in the 1 Gbit/s lab, alternating five times, 675-762 ms -> 625-693 ms (median
+    712 -> 653)."""
     recvs = {}
-    for j in peers:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        recvs[j] = buf, t.irecv(buf, j, tag)
+    for j in _peers(t):
+        if fate.alive(t, j):
+            buf = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
+            recvs[j] = buf, t.irecv(buf, j, tag)
     return recvs
 
 
-def _land(acc: dict, sends: list, recvs: dict, sizes, decode) -> None:
-    """Finish a piece: every peer's size first (a failed peer's makes this rank raise here),
-    then ``decode(peer, packet)`` each packet as it is waited for, then wait for this rank's
-    sends and size mails."""
-    expected = {j: sizes.get(j) for j in recvs}
+def _land(t, acc: dict, sends: list, recvs: dict, sizes: _SizeMail, decode) -> None:
+    """Finish a piece: for each peer, its size (a poison code makes the call failed here),
+    its packet, and ``decode(peer, packet)`` while the call has not failed; then this rank's
+    sends and size mails. Every message of the piece is waited for, failed or not."""
+    fate = sizes.fate
     for j, (buf, work) in recvs.items():
-        timed(acc, "comm_seconds", work.wait)
-        decode(j, buf[:expected[j]])  # a packet whose header says otherwise fails to decode
-    for w in sends:
-        timed(acc, "comm_seconds", w.wait)
+        size = sizes.get(j)
+        landed = timed(acc, "comm_seconds", fate.wait, t, work, j)
+        if size is None or not landed or fate.failed:
+            continue
+        if size > buf.numel():
+            fate.fail(SIZE, FormatError(f"rank {t.global_rank(j)} announced a packet of {size} bytes, above the "
+                                        f"codec's bound of {buf.numel()}"), rank=t.global_rank(j))
+            continue
+        fate.decode(t, j, decode, j, buf[:size])
+    for j, w in sends:
+        timed(acc, "comm_seconds", fate.wait, t, w, j)
     sizes.close()
 
 
-def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, on_piece=None) -> torch.Tensor:
+def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, fate: Fate, on_piece=None) -> torch.Tensor:
     """A ring: in step s (1..n-1) rank r sends its partial sum of chunk r-s to rank r+1 and
     receives rank r-1's partial sum of chunk r-s-1, adds its own part (fp32 for 16-bit
     types), and encodes the sum, rounded to the dtype, for the next step. After n-1 steps it
     holds chunk r summed over every rank (in the order r+1, r+2, ..., r); only the owner
     finishes a chunk, so all-gather hands every rank the same bits. A ring as in NCCL: each
     link carries one flow and each pair of ranks talks one way. Partial sums are encoded anew
-    at every step, so each packet is preceded by its size. RING_DEPTH pieces travel at once,
-    interleaved identically on every rank. Rounding at each hop departs from DESIGN.md's invariant 3
-    (rounded once), which is why this is opt-in (ZIPCCL_REDUCE_SCATTER=ring)."""
+    at every step, so each packet is preceded by its size (negative: the sender has failed,
+    and no packet follows). RING_DEPTH pieces travel at once, interleaved identically on
+    every rank. Rounding at each hop departs from DESIGN.md's invariant 3 (rounded once),
+    which is why this is opt-in (ZIPCCL_REDUCE_SCATTER=ring)."""
     n, r = t.size, t.rank
-    timed(acc, "comm_seconds", call.exchange, t, [])  # every rank's signature and error flag first
+    timed(acc, "comm_seconds", call.exchange, t, [], None, fate)  # every rank's signature and status first
     acc["meta_bytes"] += _meta_bytes(n)
     op_code = _OPS[op]
     m, itemsize = chunks.shape[1], chunks.element_size()
     result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
     nxt, prv = (r + 1) % n, (r - 1) % n
 
+    def add(recv, scratch, mine, last):
+        if not last:
+            # A hop's result is rounded to the dtype anyway; torch adds 16-bit tensors in
+            # fp32 and rounds once, so this is the fp32 sum, rounded, in one pass.
+            return (torch.add, torch.add, torch.maximum, torch.minimum)[op_code - 1](codec.decode(recv, out=scratch),
+                                                                                    mine)
+        total = codec.decode(recv, out=scratch).to(_acc_dtype(chunks.dtype), copy=True)
+        _reduce_into(total, mine, op_code)
+        return total
+
     def ring(a: int, b: int):
         scratch = torch.empty(b - a, dtype=chunks.dtype, device=chunks.device)
+        bound = codec.max_encoded_size(b - a, chunks.dtype)
         total = chunks[prv, a:b]
         for s in range(1, n):
-            packet = timed(acc, "codec_seconds", codec.encode, total)
-            size_out = torch.tensor([packet.numel()], dtype=torch.int64, device=chunks.device)
+            packet = timed(acc, "codec_seconds", fate.guard, ENCODE, codec.encode, total)
+            size_out = torch.tensor([packet.numel() if packet is not None else -fate.code], dtype=torch.int64,
+                                    device=chunks.device)
             size_in = torch.empty(1, dtype=torch.int64, device=chunks.device)
-            sends = [t.isend(size_out, nxt, _TAG_SIZE), t.isend(packet, nxt, _TAG_DATA)]  # both alive until waited
-            got_size = t.irecv(size_in, prv, _TAG_SIZE)
-            acc["wire_bytes"] += packet.numel()
+            sends = []
+            if fate.alive(t, nxt):  # the size, then the packet if there is one; both alive until waited
+                sends = [t.isend(size_out, nxt, _TAG_SIZE)] + ([t.isend(packet, nxt, _TAG_DATA)] if packet is not None
+                                                               else [])
+                acc["wire_bytes"] += packet.numel() if packet is not None else 0
+            got_size = t.irecv(size_in, prv, _TAG_SIZE) if fate.alive(t, prv) else None
             acc["meta_bytes"] += 8
             acc["raw_bytes"] += (b - a) * itemsize
             yield
-            timed(acc, "comm_seconds", got_size.wait)
-            recv = torch.empty(int(size_in), dtype=torch.uint8, device=chunks.device)
-            got = t.irecv(recv, prv, _TAG_DATA)
+            recv, got = None, None
+            if timed(acc, "comm_seconds", fate.wait, t, got_size, prv):
+                size = int(size_in)
+                if size < 0:
+                    fate.heard(-size)
+                else:
+                    if size > bound:  # received at the bound: a longer message breaks the connection
+                        fate.fail(SIZE, FormatError(f"rank {t.global_rank(prv)} announced a packet of {size} bytes, "
+                                                    f"above the codec's bound of {bound}"), rank=t.global_rank(prv))
+                    recv = torch.empty(min(size, bound), dtype=torch.uint8, device=chunks.device)
+                    got = t.irecv(recv, prv, _TAG_DATA)
             yield
-            for w in (got, *sends):
-                timed(acc, "comm_seconds", w.wait)
-            t0 = time.perf_counter()
-            mine = chunks[(r - s - 1) % n, a:b]
-            if s < n - 1:
-                # A hop's result is rounded to the dtype anyway; torch adds 16-bit tensors in
-                # fp32 and rounds once, so this is the fp32 sum, rounded, in one pass.
-                total = (torch.add, torch.add, torch.maximum, torch.minimum)[op_code - 1](
-                    codec.decode(recv, out=scratch), mine)
-            else:
-                total = codec.decode(recv, out=scratch).to(_acc_dtype(chunks.dtype), copy=True)
-                _reduce_into(total, mine, op_code)
-            acc["codec_seconds"] += time.perf_counter() - t0
-        if n == 1:
-            total = total.to(_acc_dtype(chunks.dtype), copy=True)
-        if op_code == 2:
-            total.div_(n)
-        result[a:b].copy_(total)
+            landed = timed(acc, "comm_seconds", fate.wait, t, got, prv)
+            for w in sends:
+                timed(acc, "comm_seconds", fate.wait, t, w, nxt)
+            if landed and not fate.failed:
+                t0 = time.perf_counter()
+                total = fate.decode(t, prv, add, recv, scratch, chunks[(r - s - 1) % n, a:b], s == n - 1)
+                acc["codec_seconds"] += time.perf_counter() - t0
+
+        def finish(total):
+            if n == 1:
+                total = total.to(_acc_dtype(chunks.dtype), copy=True)
+            if op_code == 2:
+                total.div_(n)
+            result[a:b].copy_(total)
+        fate.guard(REDUCE, finish, total)
         if on_piece is not None:
             on_piece(a, b, result[a:b])
 
@@ -565,11 +627,10 @@ class _Gather:
     a ring: each packet crosses one link, not n-1 one after another, and no step waits for
     the previous one's arrival (the same bytes leave each rank either way)."""
 
-    def __init__(self, t, codec, call: Call | None, acc: dict, dest):
+    def __init__(self, t, codec, call: Call | None, acc: dict, dest, fate: Fate):
         """``call``: the signature its first piece's metadata exchange checks; None where the
         caller's reduce-scatter has checked it already (all-reduce)."""
-        self.t, self.codec, self.call, self.acc, self.dest = t, codec, call, acc, dest
-        self.peers = _peers(t)
+        self.t, self.codec, self.call, self.acc, self.dest, self.fate = t, codec, call, acc, dest, fate
         self.scratch = None
         self.flights: list[_Piece] = []  # oldest first
 
@@ -580,14 +641,14 @@ class _Gather:
             packet = timed(acc, "codec_seconds", self.codec.encode, mine)
             return packet, [packet.numel()] * n
 
-        packet, sizes = _sizes(t, self.call, _TAG_AG_SIZES, acc, encode)
+        packet, sizes = _sizes(t, self.call, _TAG_AG_SIZES, acc, encode, self.fate)
         self.call = None  # checked: later pieces mail their sizes
-        sends = [t.isend(packet, j, _TAG_AG_DATA) for j in self.peers]
-        acc["wire_bytes"] += (n - 1) * packet.numel()
+        sends = _send(t, packet, sizes, _TAG_AG_DATA, acc, mine.device)
         acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
-        own = self.dest(t.rank, a, b)
-        own.copy_(mine[:own.numel()])
-        recvs = _post_recvs(t, self.peers, self.codec.max_encoded_size(b - a, mine.dtype), _TAG_AG_DATA, mine.device)
+        if not self.fate.failed:
+            own = self.dest(t.rank, a, b)
+            own.copy_(mine[:own.numel()])
+        recvs = _post_recvs(t, self.fate, self.codec.max_encoded_size(b - a, mine.dtype), _TAG_AG_DATA, mine.device)
         self.flights.append(_Piece(a, b, mine, sends, sizes, recvs))
         if len(self.flights) >= 3:
             self._complete(self.flights.pop(0))
@@ -598,18 +659,20 @@ class _Gather:
             self._complete(self.flights.pop(0))
 
     def _complete(self, f: _Piece) -> None:
-        _land(self.acc, f.sends, f.recvs, f.sizes, lambda j, buf: self._decode(j, buf, f.a, f.b, f.mine))
+        _land(self.t, self.acc, f.sends, f.recvs, f.sizes, lambda j, buf: self._decode(j, buf, f.a, f.b, f.mine))
 
     def _decode(self, j: int, part: torch.Tensor, a: int, b: int, mine: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        dest = self.dest(j, a, b)
-        if dest.numel() == b - a:
-            self.codec.decode(part, out=dest)  # straight into the caller's buffer
-        else:
-            if self.scratch is None or self.scratch.numel() < b - a:
-                self.scratch = torch.empty_like(mine)
-            dest.copy_(self.codec.decode(part, out=self.scratch[:b - a])[:dest.numel()])
-        self.acc["codec_seconds"] += time.perf_counter() - t0
+        try:
+            dest = self.dest(j, a, b)
+            if dest.numel() == b - a:
+                self.codec.decode(part, out=dest)  # straight into the caller's buffer
+            else:
+                if self.scratch is None or self.scratch.numel() < b - a:
+                    self.scratch = torch.empty_like(mine)
+                dest.copy_(self.codec.decode(part, out=self.scratch[:b - a])[:dest.numel()])
+        finally:
+            self.acc["codec_seconds"] += time.perf_counter() - t0
 
 
 def sparse_algorithm(n: int, density: float, itemsize: int) -> str:
@@ -626,69 +689,107 @@ def sparse_algorithm(n: int, density: float, itemsize: int) -> str:
     return "scatter" if scatter < gather else "gather"
 
 
-def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict) -> None:
+def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict, fate: Fate) -> None:
     """Top-k all-reduce. Both algorithms add the ranks' pairs in rank order into an fp32 (or
-    the dtype's) accumulator and round once, so they give the same bits on every rank."""
+    the dtype's) accumulator and round once, so they give the same bits on every rank. Each
+    metadata exchange carries the ranks' status: a failure before it (selection, encoding,
+    the owners' reduction) makes every rank raise there (zipccl.failure)."""
     algorithm = getattr(codec, "algorithm", "auto")
     if algorithm == "auto":
         algorithm = sparse_algorithm(t.size, codec.density, flat.element_size())
     acc["raw_bytes"] += 2 * (t.size - 1) * -(-flat.numel() // t.size) * flat.element_size()  # a dense all-reduce
-    idx, values = timed(acc, "codec_seconds", codec.select, flat)
+    selected = timed(acc, "codec_seconds", fate.guard, ENCODE, codec.select, flat)
     if algorithm == "gather":
-        packet = timed(acc, "codec_seconds", codec.encode_selected, idx, values, flat.numel())
-        parts = _sparse_all_gather(t, packet, call, acc)
+        packet = timed(acc, "codec_seconds", fate.guard, ENCODE, lambda: codec.encode_selected(*selected, flat.numel()))
+        parts = _sparse_all_gather(t, packet, call, acc, fate)
         t0 = time.perf_counter()
-        if flat.device.type == "cpu" and flat.dtype in sparse.DTYPES and values.dtype in sparse.DTYPES:
-            if any((h.dtype, h.numel) != (values.dtype, flat.numel()) for h in map(codec.header, parts)):
-                raise MismatchError("top-k packets of the ranks differ in dtype or element count")
-            sparse.sum_pairs_into(parts, values.dtype, _OPS[op] == 2, t.size, flat)  # one pass, no fp32 copy
-        else:
-            total, _ = _sum_pairs(parts, codec, flat, op, t.size)
-            flat.copy_(total)
+        _validate(t, fate, parts, codec, flat.numel())
+        fate.guard(DECODE, _sum_gathered, parts, codec, flat, op, t.size)
         acc["codec_seconds"] += time.perf_counter() - t0
         return
     # scatter: each owner reduces its chunk, then everyone gathers the reduced chunks
     n, r, numel = t.size, t.rank, flat.numel()
     m = -(-numel // n)
     bounds = [min(numel, j * m) for j in range(n + 1)]
-    cut = torch.searchsorted(idx.to(torch.int64), torch.tensor(bounds, dtype=torch.int64)).tolist()
-    t0 = time.perf_counter()
-    parts = [codec.encode_selected(idx[cut[j]:cut[j + 1]] - bounds[j], values[cut[j]:cut[j + 1]],
-                                   bounds[j + 1] - bounds[j]) for j in range(n)]
-    acc["codec_seconds"] += time.perf_counter() - t0
-    sizes = timed(acc, "comm_seconds", call.exchange, t, [p.numel() for p in parts])
+
+    def split():
+        idx, values = selected
+        cut = torch.searchsorted(idx.to(torch.int64), torch.tensor(bounds, dtype=torch.int64)).tolist()
+        return [codec.encode_selected(idx[cut[j]:cut[j + 1]] - bounds[j], values[cut[j]:cut[j + 1]],
+                                      bounds[j + 1] - bounds[j]) for j in range(n)]
+
+    parts = timed(acc, "codec_seconds", fate.guard, ENCODE, split)
+    sizes = timed(acc, "comm_seconds", call.exchange, t, [p.numel() for p in parts] if parts else [], None, fate)
+    acc["meta_bytes"] += _meta_bytes(n)
+    fate.check()  # every rank knows every rank's status: all raise here, or none
     send_splits = [0 if j == r else parts[j].numel() for j in range(n)]
     recv_splits = [0 if j == r else int(sizes[j, r]) for j in range(n)]
     send = torch.cat([parts[j] for j in range(n) if j != r])
     recv = timed(acc, "comm_seconds", t.all_to_all, send, send_splits, recv_splits)
     acc["wire_bytes"] += int(send.numel())
-    acc["meta_bytes"] += _meta_bytes(n)
-    t0 = time.perf_counter()
     mine = flat[bounds[r]:bounds[r + 1]]
-    total, sent = _sum_pairs(_in_rank_order(recv, recv_splits, parts[r], r), codec, mine, op, n)
-    reduced = total.to(flat.dtype)
-    where = torch.nonzero(sent).reshape(-1).to(torch.int32)
-    as_pairs = where.numel() * (4 + flat.element_size()) < mine.numel() * flat.element_size()
-    packet = codec.encode_selected(where, reduced[where.long()], mine.numel()) if as_pairs else _RAW.encode(reduced)
-    acc["codec_seconds"] += time.perf_counter() - t0
+    received = _in_rank_order(recv, recv_splits, parts[r], r)
+    _validate(t, fate, received, codec, mine.numel())
+
+    def reduce_own():
+        total, sent = _sum_pairs(received, codec, mine, op, n)
+        return total.to(flat.dtype), torch.nonzero(sent).reshape(-1).to(torch.int32)
+
+    def encode_own(reduced, where):
+        as_pairs = where.numel() * (4 + flat.element_size()) < mine.numel() * flat.element_size()
+        return codec.encode_selected(where, reduced[where.long()], mine.numel()) if as_pairs else _RAW.encode(reduced)
+
+    own = timed(acc, "codec_seconds", fate.guard, DECODE, reduce_own)
+    packet = timed(acc, "codec_seconds", fate.guard, ENCODE, lambda: encode_own(*own))
     gather = Call("all_reduce/gather", flat.dtype, numel, op, codec)
-    for j, part in enumerate(_sparse_all_gather(t, packet, gather, acc)):
-        t0 = time.perf_counter()
-        chunk = flat[bounds[j]:bounds[j + 1]]
-        h = F.parse_header(host_bytes(part, 0, F.HEADER_SIZE).tobytes(), None, part.numel())
-        (_RAW if h.codec == F.CODEC_RAW else codec).decode(part, out=chunk)
-        acc["codec_seconds"] += time.perf_counter() - t0
+
+    def unpack(parts):
+        for j, part in enumerate(parts):
+            chunk = flat[bounds[j]:bounds[j + 1]]
+            h = F.parse_header(host_bytes(part, 0, F.HEADER_SIZE).tobytes(), None, part.numel())
+            (_RAW if h.codec == F.CODEC_RAW else codec).decode(part, out=chunk)
+
+    gathered = _sparse_all_gather(t, packet, gather, acc, fate)
+    _validate(t, fate, gathered, None, m)
+    timed(acc, "codec_seconds", fate.guard, DECODE, unpack, gathered)
 
 
-def _sparse_all_gather(t, packet: torch.Tensor, call: Call, acc: dict) -> list[torch.Tensor]:
-    """Every rank's packet, in rank order (this rank's own included), by one all-to-all."""
+def _validate(t, fate: Fate, parts: list, codec, max_numel: int) -> None:
+    """Check every rank's packet header (``codec.header``, or the common header where None),
+    and that it claims at most ``max_numel`` elements; one that fails is blamed on its sender
+    (zipccl.failure)."""
+    def common(p, bound):
+        h = F.parse_header(host_bytes(p, 0, F.HEADER_SIZE).tobytes(), None, p.numel())
+        if h.numel > bound:
+            raise FormatError(f"packet claims {h.numel} elements, more than the {bound} expected")
+    for j, part in enumerate(parts):
+        fate.decode(t, j, codec.header if codec is not None else common, part, max_numel)
+
+
+def _sum_gathered(parts, codec, flat: torch.Tensor, op, n: int) -> None:
+    """flat = the sum of every rank's top-k packet (``parts``, in rank order), AVG divided."""
+    values_dtype = codec.header(parts[0]).dtype
+    if flat.device.type == "cpu" and flat.dtype in sparse.DTYPES and values_dtype in sparse.DTYPES:
+        if any((h.dtype, h.numel) != (values_dtype, flat.numel()) for h in map(codec.header, parts)):
+            raise MismatchError("top-k packets of the ranks differ in dtype or element count")
+        sparse.sum_pairs_into(parts, values_dtype, _OPS[op] == 2, n, flat)  # one pass, no fp32 copy
+    else:
+        total, _ = _sum_pairs(parts, codec, flat, op, n)
+        flat.copy_(total)
+
+
+def _sparse_all_gather(t, packet: torch.Tensor | None, call: Call, acc: dict, fate: Fate) -> list[torch.Tensor]:
+    """Every rank's packet, in rank order (this rank's own included), by one all-to-all; raises
+    on every rank instead if any rank's call has failed (``packet`` None here)."""
     n, r = t.size, t.rank
-    sizes = timed(acc, "comm_seconds", lambda: call.exchange(t, [packet.numel()])[:, 0].tolist())
+    sizes = timed(acc, "comm_seconds", lambda: call.exchange(t, [packet.numel()] if packet is not None else [],
+                                                             None, fate)[:, 0].tolist())
+    acc["meta_bytes"] += _meta_bytes(n)
+    fate.check()
     send_splits = [0 if j == r else packet.numel() for j in range(n)]
     recv_splits = [0 if j == r else sizes[j] for j in range(n)]
     recv = timed(acc, "comm_seconds", t.all_to_all, packet.repeat(n - 1), send_splits, recv_splits)
     acc["wire_bytes"] += (n - 1) * packet.numel()
-    acc["meta_bytes"] += _meta_bytes(n)
     return _in_rank_order(recv, recv_splits, packet, r)
 
 
@@ -707,7 +808,7 @@ def _sum_pairs(parts, codec, like: torch.Tensor, op, n: int):
     total = torch.zeros(like.numel(), dtype=_acc_dtype(like.dtype), device=like.device)
     named = torch.zeros(like.numel(), dtype=torch.bool, device=like.device)
     for part in parts:
-        _, i, v = codec.parse(part)
+        _, i, v = codec.parse(part, like.numel())
         total.index_add_(0, i, v.to(total.dtype))
         named[i] = True
     if _OPS[op] == 2:
@@ -752,8 +853,9 @@ def _world_multiple(name, big_label, big, small_label, small):
 
 
 def prepare(name, group, tensors, op, codec, numel, nbytes, check):
-    """Validate locally; any failure still joins the metadata exchange so that no rank hangs.
-    Returns the transport and the resolved codec (AUTO where "auto" learns)."""
+    """Validate locally: (transport, the resolved codec (AUTO where "auto" learns), the error or
+    None). A call with an error must still join the metadata exchange (``refuse``), in its
+    place in the order of calls, so that no rank hangs."""
     t = TorchTransport.of(group)
     dtype = tensors[-1].dtype if isinstance(tensors[-1], torch.Tensor) else None
     error, resolved = None, None
@@ -776,9 +878,14 @@ def prepare(name, group, tensors, op, codec, numel, nbytes, check):
         check(t)
     except (TypeError, ValueError, UnsupportedError) as e:
         error = e
-    if error is not None:
-        Call(name, dtype, numel, op, None).exchange(t, [], error)
-    return t, resolved
+    return t, resolved, error
+
+
+def refuse(name: str, t, input, op, error: Exception) -> None:
+    """Raise ``error`` here, and MismatchError on the group's other ranks, whose calls are in
+    their metadata exchange (an invalid call's only message)."""
+    numel, _ = input_size(input)
+    Call(name, input.dtype if isinstance(input, torch.Tensor) else None, numel, op, None).exchange(t, [], error)
 
 
 def check_shapes(name: str, output, input):
@@ -802,44 +909,60 @@ def new_acc():
 
 # ---- one flat collective with a decided codec ----------------------------------------------------------------
 
-def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec, acc: dict, ready=None) -> None:
+def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec, acc: dict, ready=None,
+             fate: Fate | None = None) -> None:
     """``name`` on ``t``'s group with ``codec`` (NATIVE, None or a codec object), on this thread.
     all_reduce works in place on ``input`` (``output`` is the same tensor); there ``ready(a, b)``
     may fill columns [a, b) of the input's world-size chunks just before the pipeline needs them
-    (the input's length must then be a multiple of the group's size)."""
+    (the input's length must then be a multiple of the group's size). ``fate``: the outcome of
+    the call this is part of (zipccl.failure), which the caller settles; None: this call's own,
+    settled here (every rank raises RankFailure if any failed)."""
+    own = fate is None
+    if own:
+        fate = Fate.of(name, t)
     numel = input.numel()
     if ready is not None and (name != "all_reduce" or numel % t.size or codec in (NATIVE, None)
                               or not getattr(codec, "exact", True)):
         if name != "all_reduce" or numel % t.size:
             raise ValueError("ready() takes an all-reduce whose length is a multiple of the group's size")
-        ready(0, numel // t.size)
+        fate.guard(REDUCE, ready, 0, numel // t.size)
         ready = None
     if codec is NATIVE or codec is None:
         t0 = time.perf_counter()
         if codec is None or config.CHECK_NATIVE:
-            Call(name, input.dtype, numel, op, None).exchange(t, [])
-        t.native(name, *((input.view(-1),) if name == "all_reduce" else (output.view(-1), input.view(-1))), op=op)
+            Call(name, input.dtype, numel, op, None).exchange(t, [], None, fate)
+        tensors = (input.view(-1),) if name == "all_reduce" else (output.view(-1), input.view(-1))
+        try:  # in a failed call too: the peers are in it
+            if not fate.broken(t):
+                t.native(name, *tensors, op=op)
+        except RuntimeError as e:  # the backend lost a rank, or timed out (ZIPCCL_TIMEOUT)
+            fate.lose(t, -1, e)
         acc["comm_seconds"] += time.perf_counter() - t0
     elif name == "reduce_scatter":
         call = Call(name, input.dtype, numel, op, codec)
-        output.view(-1).copy_(_reduce_scatter_chunks(t, input.view(t.size, -1), op, codec, call, acc))
+        result = _reduce_scatter_chunks(t, input.view(t.size, -1), op, codec, call, acc, fate)
+        if not fate.failed:
+            output.view(-1).copy_(result)
     elif name == "all_gather":
         mine, outs = input.view(-1), output.view(t.size, -1)
-        gather = _Gather(t, codec, Call(name, input.dtype, numel, None, codec), acc, lambda j, a, b: outs[j, a:b])
+        gather = _Gather(t, codec, Call(name, input.dtype, numel, None, codec), acc, lambda j, a, b: outs[j, a:b],
+                         fate)
         for a, b in pieces(numel, t.size, input.element_size()):
             gather.push(a, b, mine[a:b])
         gather.finish()
     elif not getattr(codec, "exact", True):
-        _sparse_all_reduce(t, input.view(-1), op, codec, Call(name, input.dtype, numel, op, codec), acc)
+        _sparse_all_reduce(t, input.view(-1), op, codec, Call(name, input.dtype, numel, op, codec), acc, fate)
     else:
         flat, n = input.view(-1), t.size
         m = -(-numel // n)
         padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
-        gather = _Gather(t, codec, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)])
+        gather = _Gather(t, codec, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)], fate)
         call = Call(name, input.dtype, numel, op, codec)
-        _reduce_scatter_chunks(t, padded.view(n, m), op, codec, call, acc,
+        _reduce_scatter_chunks(t, padded.view(n, m), op, codec, call, acc, fate,
                                on_piece=gather.push, ready=ready)  # gather each reduced piece as soon as it exists
         gather.finish()
+    if own:
+        timed(acc, "comm_seconds", fate.settle, t)
 
 
 PLAN_CODECS = {"native": NATIVE, "raw": _RAW, "lossless": _LOSSLESS}
@@ -849,10 +972,12 @@ def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
     """One flat collective (the public all_reduce, reduce_scatter and all_gather of this module):
     validated, its codec decided ("auto": among FLAT_PLANS), run now or queued (async_op)."""
     numel, nbytes = input_size(input)
-    t, c = prepare(name, group, (input,) if name == "all_reduce" else (output, input), op, codec, numel, nbytes,
-                   check_shapes(name, output, input))
+    t, c, error = prepare(name, group, (input,) if name == "all_reduce" else (output, input), op, codec, numel,
+                          nbytes, check_shapes(name, output, input))
 
     def run():
+        if error is not None:
+            refuse(name, t, input, op, error)
         acc, used = new_acc(), [c]
         if c is AUTO:
             def go(plan):

@@ -73,3 +73,23 @@ CHECK_NATIVE = _choice("ZIPCCL_CHECK_NATIVE", "0", ("0", "1")) == "1"
 #: memory (/dev/shm) where all of them can map it (checked when the levels are made); "0": the
 #: backend (gloo over TCP loopback) or zipccl's pipeline, as the level's codec says.
 SHM = _choice("ZIPCCL_SHM", "1", ("0", "1")) == "1"
+
+
+def _seconds(name: str) -> float | None:
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} must be a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+#: Seconds a rank waits for any one operation of a zipccl call (a peer's packet, size or
+#: status, a barrier, the backend's collective) before it counts the peer as lost
+#: (zipccl.failure): every rank then raises RankFailure and the group must be rebuilt.
+#: Unset: the process group's own timeout.
+TIMEOUT = _seconds("ZIPCCL_TIMEOUT")

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from . import collectives as C
 from .collectives import run_flat
 from .errors import UnsupportedError
+from .failure import MEMORY, REDUCE, Fate
 from .topology import Levels
 from .transport import TorchTransport
 
@@ -63,9 +64,27 @@ def _arrangement(levels: Levels) -> torch.Tensor:
     return torch.tensor([nodes[i][j] for j in range(len(nodes[0])) for i in range(len(nodes))], dtype=torch.long)
 
 
-def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op, codecs: tuple, acc: dict) -> None:
+def _node(fate: Fate, acc: dict, intra, fn, *args):
+    """``fn(*args)``, an operation on the node's shared memory (a collective call on the node's
+    group: every rank of the node makes it, in a failed call too), or None where it failed: the
+    area could not grow (the node's ranks agree on that) or a rank of the node is lost."""
+    if fate.broken(intra):
+        return None
+    try:
+        return C.timed(acc, "comm_seconds", fn, *args)
+    except OSError as e:
+        fate.fail(MEMORY, e)
+    except RuntimeError as e:  # gloo: a closed connection, or ZIPCCL_TIMEOUT
+        fate.lose(intra, -1, e)
+    return None
+
+
+def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op, codecs: tuple, acc: dict,
+        fate: Fate) -> None:
     """``name`` (all_reduce in place on ``input``, reduce_scatter, all_gather) over both levels;
-    ``codecs`` = (intra, inter), each NATIVE, None or a codec object; the intra level may also be SHM."""
+    ``codecs`` = (intra, inter), each NATIVE, None or a codec object; the intra level may also be SHM.
+    A failure on any level goes on poisoned through the others (zipccl.failure); the caller
+    settles ``fate`` on the whole group."""
     intra, inter = _transports(levels)
     nodes = len(levels.topology.nodes)
     local = levels.topology.local_size
@@ -79,10 +98,13 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
 
     def intra_reduce_scatter(out, inp):
         if codecs[0] is SHM:
-            C.timed(acc, "comm_seconds", memory.reduce_scatter, out, inp, C.check_op(level_op),
-                     C.reduce_in_rank_order)
+            staged = _node(fate, acc, intra, memory.stage, inp)
+            if staged is not None:
+                k, m = levels.local_rank, out.numel()
+                C.timed(acc, "codec_seconds", fate.guard, REDUCE, memory.reduce, staged, k * m, (k + 1) * m, out,
+                        C.check_op(level_op), C.reduce_in_rank_order)
         else:
-            run_flat("reduce_scatter", intra, out, inp, level_op, codecs[0], acc)
+            run_flat("reduce_scatter", intra, out, inp, level_op, codecs[0], acc, fate=fate)
 
     if name == "all_reduce":
         flat = input.view(-1)
@@ -90,14 +112,14 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
         m = -(-numel // (local * nodes)) * nodes  # the shard: whole chunks for the nodes' all-reduce
         padded = flat if m * local == numel else torch.cat([flat, flat.new_zeros(m * local - numel)])
         if codecs[0] is SHM:
-            _shm_all_reduce(levels, flat, padded, m, level_op, size if avg else 1, codecs[1], inter, acc)
+            _shm_all_reduce(levels, flat, padded, m, level_op, size if avg else 1, codecs[1], inter, acc, fate)
             return
         shard = torch.empty(m, dtype=flat.dtype, device=flat.device)
         intra_reduce_scatter(shard, padded)
-        run_flat("all_reduce", inter, shard, shard, level_op, codecs[1], acc)
+        run_flat("all_reduce", inter, shard, shard, level_op, codecs[1], acc, fate=fate)
         if avg:
             shard.div_(size)
-        run_flat("all_gather", intra, padded, shard, None, codecs[0], acc)
+        run_flat("all_gather", intra, padded, shard, None, codecs[0], acc, fate=fate)
         if padded is not flat:
             flat.copy_(padded[:numel])
         return
@@ -107,47 +129,55 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
         arranged = input.view(size, m)[index].view(-1)
         node_sums = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
         intra_reduce_scatter(node_sums, arranged)
-        run_flat("reduce_scatter", inter, output.view(-1), node_sums, level_op, codecs[1], acc)
+        run_flat("reduce_scatter", inter, output.view(-1), node_sums, level_op, codecs[1], acc, fate=fate)
         if avg:
             output.div_(size)
         return
     m = input.numel()
     rows = output.view(size, m)
     if codecs[0] is SHM:  # the nodes' level gathers straight into this rank's slot
-        across, every = memory.claim(nodes * m, input.dtype)
-        run_flat("all_gather", inter, across, input.view(-1), None, codecs[1], acc)
-        C.timed(acc, "comm_seconds", memory.publish)
+        claimed = _node(fate, acc, intra, memory.claim, nodes * m, input.dtype)
+        across, every = claimed if claimed is not None else (input.new_empty(nodes * m), None)
+        run_flat("all_gather", inter, across, input.view(-1), None, codecs[1], acc, fate=fate)
+        _node(fate, acc, intra, memory.publish)
+        if fate.failed:
+            return
         for j in range(local):  # local rank j's slot: the ranks (node i, local j), by node
             rows.index_copy_(0, index[j * nodes:(j + 1) * nodes], every[j].view(nodes, m))
         return
     across = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
-    run_flat("all_gather", inter, across, input.view(-1), None, codecs[1], acc)
+    run_flat("all_gather", inter, across, input.view(-1), None, codecs[1], acc, fate=fate)
     arranged = torch.empty(size * m, dtype=input.dtype, device=input.device)
-    run_flat("all_gather", intra, arranged, across, None, codecs[0], acc)
+    run_flat("all_gather", intra, arranged, across, None, codecs[0], acc, fate=fate)
     rows.index_copy_(0, index, arranged.view(size, m))
 
 
-def _shm_all_reduce(levels: Levels, flat, padded, m: int, op, divide: int, inter_codec, inter, acc: dict) -> None:
+def _shm_all_reduce(levels: Levels, flat, padded, m: int, op, divide: int, inter_codec, inter, acc: dict,
+                    fate: Fate) -> None:
     """The all-reduce with the node's shared memory: every rank's data goes in once (stage); the
     node's sum of this rank's shard is made piece by piece, straight into this rank's slot of
     the next phase, just before the nodes' pipeline encodes each piece (``ready``), so that
     summing overlaps the pieces on the wire; the nodes' all-reduce works in that slot, and
     every rank reads the whole result from the node's slots."""
     memory, nodes = levels.memory, len(levels.topology.nodes)
-    staged = C.timed(acc, "comm_seconds", memory.stage, padded)
-    shard, every = memory.claim(m, flat.dtype)
+    intra = TorchTransport.of(levels.intra)
+    staged = _node(fate, acc, intra, memory.stage, padded)
+    claimed = _node(fate, acc, intra, memory.claim, m, flat.dtype)
+    shard, every = claimed if claimed is not None else (flat.new_zeros(m), None)
     base, per_node, op_code = levels.local_rank * m, m // nodes, C.check_op(op)
 
     def ready(a: int, b: int) -> None:
         for j in range(nodes):
             lo = j * per_node
             C.timed(acc, "codec_seconds", memory.reduce, staged, base + lo + a, base + lo + b,
-                     shard[lo + a:lo + b], op_code, C.reduce_in_rank_order)
+                    shard[lo + a:lo + b], op_code, C.reduce_in_rank_order)
 
-    run_flat("all_reduce", inter, shard, shard, op, inter_codec, acc, ready=ready)
+    run_flat("all_reduce", inter, shard, shard, op, inter_codec, acc, ready=ready, fate=fate)
     if divide > 1:
         shard.div_(divide)
-    C.timed(acc, "comm_seconds", memory.publish)
+    _node(fate, acc, intra, memory.publish)
+    if fate.failed:
+        return
     if padded is flat:
         flat.view(every.shape).copy_(every)
     else:

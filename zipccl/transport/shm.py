@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import reduce
+from .torch_dist import TorchTransport
 
 _DIR = "/dev/shm"
 _ALIGN = 4096
@@ -70,7 +71,7 @@ class NodeMemory:
                                                            dtype=torch.uint8)
             except (OSError, RuntimeError):
                 ok = False  # still at both barriers below, or the node's other ranks would wait forever
-        dist.barrier(group=self.group)
+        self._barrier()
         if self.local_rank != 0:
             try:
                 if not os.path.exists(path) or os.path.getsize(path) != size:
@@ -80,13 +81,18 @@ class NodeMemory:
                     ok = bytes(area[:_MAGIC_BYTES].tolist()) == self.name[-_MAGIC_BYTES:].encode()
             except (OSError, RuntimeError):
                 ok, area = False, None
-        dist.barrier(group=self.group)
+        self._barrier()
         if self.local_rank == 0 and area is not None:
             os.unlink(path)  # every rank has it mapped (or has failed): the memory lives until unmapped
+        if not check:  # the node's ranks agree, so that all of them fail alike, or none
+            flag = torch.tensor([int(ok)], dtype=torch.int64)
+            TorchTransport.of(self.group).wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group,
+                                                               async_op=True))
+            ok = bool(flag[0])
         if ok:
             self.area, self.capacity = area, capacity
         elif not check:
-            raise OSError(f"the node's shared memory could not grow to {size} bytes ({path})")
+            raise OSError(f"the node's shared memory could not grow to {size} bytes ({path}) on one of its ranks")
         self.generation += 1
         return ok
 
@@ -104,7 +110,7 @@ class NodeMemory:
         returns every rank's data, (local size, inp.numel()), to reduce from with ``reduce``."""
         slots = self._slots(inp.numel() * inp.element_size())
         slots[self.local_rank].copy_(inp.view(-1).view(torch.uint8))
-        dist.barrier(group=self.group)
+        self._barrier()
         return slots.view(inp.dtype)
 
     def reduce(self, staged: torch.Tensor, a: int, b: int, out: torch.Tensor, op_code: int,
@@ -118,12 +124,6 @@ class NodeMemory:
         else:
             out.view(-1).copy_(sum_in_rank_order(list(parts), op_code, self.local_size, out.dtype))
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op_code: int, sum_in_rank_order) -> None:
-        """out (m elements) = the reduction over the node's ranks of their chunk ``local_rank`` of
-        ``inp`` (local size x m), in local rank order."""
-        m = out.numel()
-        self.reduce(self.stage(inp), self.local_rank * m, (self.local_rank + 1) * m, out, op_code, sum_in_rank_order)
-
     def claim(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This phase's slots, for a rank that writes its own in place (the hierarchical
         collectives let the nodes' level write there): (this rank's, numel elements; every
@@ -133,4 +133,7 @@ class NodeMemory:
 
     def publish(self) -> None:
         """Every rank of the node has written its claimed slot."""
-        dist.barrier(group=self.group)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        TorchTransport.of(self.group).barrier()  # within ZIPCCL_TIMEOUT

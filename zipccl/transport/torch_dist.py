@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import datetime
 import threading
 
 import torch
@@ -63,6 +64,23 @@ class TorchTransport(Transport):
         self.meta_device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend(group) == "nccl" else torch.device("cpu")
         self._upward = None if self.size == 1 else _twin(group)
+        self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
+        self._timeout = None if config.TIMEOUT is None else datetime.timedelta(seconds=config.TIMEOUT)
+
+    def global_rank(self, rank: int) -> int:
+        """The job's rank of this group's ``rank`` (errors name ranks of the job)."""
+        return self._ranks[rank]
+
+    def wait(self, work) -> None:
+        """Wait for ``work`` at most ZIPCCL_TIMEOUT seconds (unset: the group's timeout); a
+        timeout raises and closes the connection (gloo), so the peer fails promptly too."""
+        if self._timeout is None:
+            work.wait()
+        else:
+            work.wait(self._timeout)
+
+    def barrier(self) -> None:
+        self.wait(dist.barrier(group=self.group, async_op=True))
 
     def _lane(self, src: int, dst: int):
         """The group that carries payloads from group rank ``src`` to ``dst``."""
@@ -74,15 +92,15 @@ class TorchTransport(Transport):
         work = dist.all_gather_single(out, meta, group=self.group, async_op=True)
 
         def wait() -> torch.Tensor:
-            work.wait()
+            self.wait(work)
             return out.reshape(self.size, -1).cpu()
         return wait
 
     def all_to_all(self, send, send_splits, recv_splits):
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
         if sum(send_splits) or sum(recv_splits):
-            dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
-                                   input_split_sizes=list(send_splits), group=self.group)
+            self.wait(dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
+                                             input_split_sizes=list(send_splits), group=self.group, async_op=True))
         return recv
 
     def isend(self, send, dst, tag=0):
@@ -96,12 +114,15 @@ class TorchTransport(Transport):
         if avg:  # gloo has no AVG: its SUM, then one division (rounded once more)
             op = dist.ReduceOp.SUM
         if name == "all_reduce":
-            dist.all_reduce(tensors[0], op=op, group=self.group)
+            work = dist.all_reduce(tensors[0], op=op, group=self.group, async_op=self._timeout is not None)
         elif name == "reduce_scatter":
-            dist.reduce_scatter_single(tensors[0], tensors[1], op=op, group=self.group)
+            work = dist.reduce_scatter_single(tensors[0], tensors[1], op=op, group=self.group,
+                                              async_op=self._timeout is not None)
         elif name == "all_gather":
-            dist.all_gather_single(tensors[0], tensors[1], group=self.group)
+            work = dist.all_gather_single(tensors[0], tensors[1], group=self.group, async_op=self._timeout is not None)
         else:
             raise ValueError(f"unknown collective {name!r}")
+        if work is not None:
+            self.wait(work)
         if avg:
             tensors[0].div_(self.size)

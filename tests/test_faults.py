@@ -1,0 +1,167 @@
+"""The fault matrix (zipccl.failure): one rank's encoder or decoder raises, or its packet is
+corrupt, at the first, a middle or the last of its codec calls, in every collective and
+algorithm; every rank must raise RankFailure naming the failing rank within seconds, and the
+group must work afterwards (a correct all-reduce, checked against plain torch)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zipccl
+from zipccl import collectives as C, config
+from zipccl.codecs import Lossless
+from zipccl.topk import TopK
+
+pytestmark = pytest.mark.timeout(900)
+
+CULPRIT = 2
+BUDGET = 5.0  # seconds from the call's start to the error, on every rank (the issue's target)
+
+
+class _Faulty:
+    """Counts this rank's codec calls; with ``kind`` and ``at``, the at-th encode (or decode)
+    raises ("encode", "decode"), or the at-th packet leaves with a corrupt header ("corrupt")."""
+
+    def __init__(self, kind: str | None = None, at: int = 0):
+        self.kind, self.at, self.encodes, self.decodes = kind, at, 0, 0
+
+    def _encoded(self, packet):
+        self.encodes += 1
+        if self.kind == "encode" and self.encodes == self.at:
+            raise RuntimeError("injected encoder failure")
+        if self.kind == "corrupt" and self.encodes == self.at:
+            packet = packet.clone()
+            packet[8] ^= 0x40  # the element count: the header's CRC no longer matches
+        return packet
+
+    def _decoding(self):
+        self.decodes += 1
+        if self.kind == "decode" and self.decodes == self.at:
+            raise RuntimeError("injected decoder failure")
+
+
+class FaultyLossless(_Faulty, Lossless):
+    name = "lossless"
+
+    def __init__(self, kind=None, at=0):
+        Lossless.__init__(self)
+        _Faulty.__init__(self, kind, at)
+
+    def encode(self, x):
+        if self.kind == "encode" and self.encodes + 1 == self.at:
+            self.encodes += 1
+            raise RuntimeError("injected encoder failure")
+        return self._encoded(Lossless.encode(self, x))
+
+    def decode(self, packet, out=None, **kw):
+        self._decoding()
+        return Lossless.decode(self, packet, out, **kw)
+
+
+class FaultyTopK(_Faulty, TopK):
+    name = "topk"
+
+    def __init__(self, kind=None, at=0, algorithm="auto"):
+        TopK.__init__(self, 0.05, algorithm=algorithm)
+        _Faulty.__init__(self, kind, at)
+
+    def encode_selected(self, idx, values, numel):
+        if self.kind == "encode" and self.encodes + 1 == self.at:
+            self.encodes += 1
+            raise RuntimeError("injected encoder failure")
+        return self._encoded(TopK.encode_selected(self, idx, values, numel))
+
+    def parse(self, packet, *args, **kw):
+        self._decoding()
+        return TopK.parse(self, packet, *args, **kw)
+
+    def header(self, packet, *args, **kw):
+        self._decoding()
+        return TopK.header(self, packet, *args, **kw)
+
+
+@contextlib.contextmanager
+def pipeline(algorithm: str):
+    """The reduce-scatter ``algorithm``, and pieces of 128 KiB (all ranks' chunks together) so
+    that a small call has many: faults land in the first, a middle or the last."""
+    old = config.REDUCE_SCATTER, C.PIECE_BYTES
+    config.REDUCE_SCATTER, C.PIECE_BYTES = algorithm, 128 << 10
+    try:
+        yield
+    finally:
+        config.REDUCE_SCATTER, C.PIECE_BYTES = old
+
+
+def _call(collective: str, codec, rank: int, n: int, group):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(400_000, generator=g)
+    if collective == "all_reduce":
+        zipccl.all_reduce(x, group=group, codec=codec, algorithm="flat")
+    elif collective == "reduce_scatter":
+        zipccl.reduce_scatter(torch.empty(x.numel() // n), x, group=group, codec=codec, algorithm="flat")
+    else:
+        zipccl.all_gather(torch.empty(n * x.numel()), x, group=group, codec=codec, algorithm="flat")
+
+
+def _make(family: str, kind=None, at=0):
+    if family == "lossless":
+        return FaultyLossless(kind, at)
+    return FaultyTopK(kind, at, algorithm=family.split("-")[1])
+
+
+def _fault(rank, groups, collective, family, algorithm, kind, phase):
+    """On every rank: count the culprit's codec calls in a clean run, then run again with the
+    fault injected on the culprit; returns (error type, failing rank, kind, seconds, message,
+    the group's next all-reduce correct)."""
+    group, n = groups[4], 4
+    with pipeline(algorithm):
+        counter = _make(family)
+        _call(collective, counter, rank, n, group)
+        count = counter.encodes if kind in ("encode", "corrupt") else counter.decodes
+        counts = torch.tensor([count], dtype=torch.int64)
+        dist.broadcast(counts, src=CULPRIT)  # the culprit's count decides, on every rank
+        count = int(counts)
+        at = {"first": 1, "middle": max(1, count // 2), "last": count}[phase]
+        codec = _make(family, kind, at) if rank == CULPRIT else _make(family)
+        t0 = time.perf_counter()
+        try:
+            _call(collective, codec, rank, n, group)
+            outcome = ("ok", None, None, time.perf_counter() - t0, "")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            outcome = (type(e).__name__, getattr(e, "rank", None), getattr(e, "kind", None),
+                       time.perf_counter() - t0, str(e))
+    # the group still works: a lossless all-reduce equals plain torch's sum of the gathered inputs
+    y = torch.randn(300_000, generator=torch.Generator().manual_seed(100 + rank))
+    every = torch.empty(n * y.numel())
+    dist.all_gather_into_tensor(every, y)
+    expected = every.view(n, -1).sum(0)  # rank order, fp32: zipccl's documented order for fp32
+    zipccl.all_reduce(y, group=group, codec="lossless")
+    return (*outcome, bool(torch.equal(y, expected)), count)
+
+
+CASES = [(c, "lossless", a, k, p) for c in ("all_reduce", "reduce_scatter", "all_gather")
+         for a in (("direct", "ring") if c != "all_gather" else ("direct",))
+         for k in ("encode", "decode", "corrupt") for p in ("first", "middle", "last")
+         if p == "middle" or a == "direct"]
+CASES += [("all_reduce", f, "direct", k, p) for f in ("topk-gather", "topk-scatter")
+          for k in ("encode", "decode", "corrupt") for p in ("first", "last")]
+
+
+@pytest.mark.parametrize("collective,family,algorithm,kind,phase", CASES)
+def test_fault_reaches_every_rank(pool, collective, family, algorithm, kind, phase):
+    res = pool.run(_fault, collective, family, algorithm, kind, phase, timeout=120)
+    for rank, r in enumerate(res):
+        assert not isinstance(r, BaseException), (rank, r)
+        err, failing, what, seconds, message, usable, count = r
+        assert count > 0, res
+        assert err == "RankFailure", (rank, res)
+        assert failing == CULPRIT and what == kind, (rank, res)  # a corrupt packet: found by its receivers
+        assert seconds < BUDGET, (rank, seconds)
+        assert "the group is usable" in message
+        assert usable, (rank, "the all-reduce after the failure is wrong")
+    assert "injected" in res[CULPRIT][4] or kind == "corrupt", res[CULPRIT]

@@ -1,0 +1,169 @@
+"""How one rank's failure inside a collective reaches every rank of its group, in bounded time.
+
+The ranks of a call follow one schedule of messages: the same pieces, peers and tags on
+every rank. A rank that fails (its encoder, decoder or reduction raises, a peer announces a
+packet larger than the codec's bound) does not leave the schedule, or its peers would wait
+for it until the group's timeout. It goes on *poisoned*: no more codec work, a poison code
+(the failing rank and the kind of failure) in place of every size it has yet to send, a
+one-byte message in place of every packet, and it still receives what its peers send. A
+peer that reads a poison code goes poisoned too. Every rank so reaches the end of the
+schedule, every message matched, in about one round of pieces, and the group stays usable.
+At the end of the call the ranks tell each other their status, pairwise (``settle``): any
+failure anywhere makes every rank raise ``RankFailure`` naming the rank that failed and why.
+
+A rank that dies breaks its connections: operations with it fail at once (gloo sees the
+socket close) or, where it hangs instead, after ``ZIPCCL_TIMEOUT`` seconds (default: the
+group's timeout), which closes them. The survivors skip it, finish poisoned, and raise
+``RankFailure`` naming it, with ``broken=True``: the group must be rebuilt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import FormatError, RankFailure
+
+__all__ = ["Fate", "CORRUPT", "ENCODE", "DECODE", "SIZE", "REDUCE", "LOST", "MEMORY", "describe"]
+
+CORRUPT, ENCODE, DECODE, SIZE, REDUCE, LOST, MEMORY, OTHER = range(8)
+_KINDS = 8
+NAMES = ("corrupt", "encode", "decode", "size", "reduce", "lost", "memory", "other")
+_WHAT = {CORRUPT: "it sent a packet that failed validation", ENCODE: "encoding failed",
+         DECODE: "decoding failed",
+         SIZE: "a peer announced a packet larger than the codec's bound", REDUCE: "the reduction failed",
+         LOST: "it stopped answering (died, or no answer within ZIPCCL_TIMEOUT)",
+         MEMORY: "the node's shared memory could not grow", OTHER: "an unexpected error"}
+
+
+def code(rank: int, kind: int) -> int:
+    """The positive poison code of ``kind`` on ``rank``; sizes carry it negated."""
+    return 1 + kind + _KINDS * rank
+
+
+def describe(value: int) -> tuple[int, int]:
+    """(rank, kind) of a poison code."""
+    value -= 1
+    return value // _KINDS, value % _KINDS
+
+
+class Fate:
+    """One call's outcome on this rank, shared by the phases and levels of the call. Ranks are
+    the job's (as dist.get_rank()): the levels of a hierarchical call are other groups."""
+
+    __slots__ = ("name", "rank", "first", "error", "lost")
+
+    def __init__(self, name: str, rank: int):
+        """``rank``: this rank in the job."""
+        self.name, self.rank = name, rank
+        self.first: tuple[int, int] | None = None  # (rank, kind) of the first failure known here
+        self.error: BaseException | None = None    # this rank's own exception, if it failed
+        self.lost: set = set()                      # (transport id, peer) whose connections broke
+
+    @classmethod
+    def of(cls, name: str, t) -> "Fate":
+        return cls(name, t.global_rank(t.rank))
+
+    @property
+    def failed(self) -> bool:
+        return self.first is not None
+
+    @property
+    def code(self) -> int:
+        return 0 if self.first is None else code(*self.first)
+
+    def fail(self, kind: int, error: BaseException, rank: int | None = None) -> None:
+        """A failure found here (``rank``: the rank it is blamed on, in the group of the call's
+        transport that reports it, where that is another: the sender of a corrupt packet)."""
+        if self.first is None:
+            self.first, self.error = (self.rank if rank is None else rank, kind), error
+
+    def heard(self, value: int) -> None:
+        """A poison code from a peer."""
+        if self.first is None:
+            self.first = describe(value)
+
+    def blame(self, t, peer: int, error: BaseException) -> None:
+        """A packet from ``peer`` of transport ``t`` failed validation: a corrupt packet is its sender's failure."""
+        self.fail(CORRUPT, error, rank=t.global_rank(peer))
+
+    def guard(self, kind: int, fn, *args):
+        """``fn(*args)``, or None with the failure recorded (nothing runs once poisoned)."""
+        if self.first is not None:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - every failure must reach the peers
+            self.fail(kind, e)
+            return None
+
+    def decode(self, t, peer: int, fn, *args):
+        """``guard`` for decoding ``peer``'s packet: a FormatError (the packet failed validation)
+        is blamed on its sender, anything else on this rank's decoder."""
+        if self.first is not None:
+            return None
+        try:
+            return fn(*args)
+        except FormatError as e:
+            self.blame(t, peer, e)
+        except Exception as e:  # noqa: BLE001 - every failure must reach the peers
+            self.fail(DECODE, e)
+        return None
+
+    def lose(self, t, peer: int, error: BaseException) -> None:
+        """An operation with ``peer`` of transport ``t`` failed: its connection is gone."""
+        self.lost.add((id(t), peer))
+        self.fail(LOST, error, rank=t.global_rank(peer) if peer >= 0 else -1)
+
+    def alive(self, t, peer: int) -> bool:
+        return (id(t), peer) not in self.lost and not self.broken(t)
+
+    def broken(self, t) -> bool:
+        """A collective operation on ``t``'s group failed (peer unknown): the group is unusable."""
+        return (id(t), -1) in self.lost
+
+    def wait(self, t, work, peer: int) -> bool:
+        """Wait for ``work`` with ``peer``; False (and the peer lost) if it failed or timed out."""
+        if work is None:
+            return False
+        try:
+            t.wait(work)
+            return True
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError for a closed pair or a timeout
+            self.lose(t, peer, e)
+            return False
+
+    def settle(self, t) -> None:
+        """The call's end on ``t``'s group: every rank's status to every other, pairwise; raises
+        RankFailure on every rank if any failed."""
+        if t.size > 1:
+            mine = torch.tensor([self.code], dtype=torch.int64)
+            got = torch.zeros(t.size, dtype=torch.int64)
+            peers = [j for j in range(t.size) if j != t.rank and self.alive(t, j)]
+            sends = [(j, t.isend(mine, j, TAG_STATUS)) for j in peers]
+            recvs = [(j, t.irecv(got[j:j + 1], j, TAG_STATUS)) for j in peers]
+            for j, w in recvs:
+                if self.wait(t, w, j) and int(got[j]):
+                    self.heard(int(got[j]))
+            for j, w in sends:
+                self.wait(t, w, j)
+        self.check()
+
+    def check(self) -> None:
+        """Raise RankFailure if this call failed anywhere this rank knows of."""
+        if self.first is None:
+            return
+        rank, kind = self.first
+        broken = bool(self.lost) or kind == LOST
+        text = f"zipccl.{self.name}: rank {rank} failed: {_WHAT.get(kind, _WHAT[OTHER])}"
+        if self.error is not None:
+            text += f" ({type(self.error).__name__}: {self.error})"
+        elif kind in (CORRUPT, SIZE):
+            text += " (its receiver's error says more)"
+        elif rank != self.rank:
+            text += " (its own error says more)"
+        text += ("; the process group must be rebuilt" if broken else "; every rank raised, the group is usable")
+        raise RankFailure(text, rank=rank, kind=NAMES[kind], broken=broken) from self.error
+
+
+#: The tag of the status exchange at the end of a call (the pipeline's tags are below it).
+TAG_STATUS = 9
