@@ -14,7 +14,7 @@ from . import format as F
 from .format import check_input
 from .errors import FormatError, UnsupportedError
 from .kernels import IMPLS, resolve
-from .reference.packet import assemble, host_bytes
+from .reference.packet import assemble, host_bytes, parse_lossless
 from .topk import TopK
 
 __all__ = ["Codec", "Raw", "Lossless", "TopK", "packet_size", "check_input"]
@@ -25,23 +25,25 @@ class Codec(Protocol):
 
     def encode(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
+    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
+               max_numel: int | None = None) -> torch.Tensor: ...
 
     def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int: ...
 
 
-def _check_packet(packet: torch.Tensor) -> None:
+def _check_packet(packet: torch.Tensor) -> torch.Tensor:
+    """The packet as a contiguous 1-D uint8 tensor (kernels address its bytes directly)."""
     if not isinstance(packet, torch.Tensor) or packet.dtype != torch.uint8 or packet.dim() != 1:
         raise FormatError("a packet is a 1-D torch.uint8 tensor")
+    return packet if packet.is_contiguous() else packet.contiguous()
 
 
 def _output(header: F.Header, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The decoder's output: ``out`` checked, or a new tensor of the header's size (call only once
+    the packet has been found to hold that many elements and the caller's bound allows them)."""
     if out is None:
         return torch.empty(header.numel, dtype=header.dtype, device=device)
-    if out.dtype != header.dtype or out.numel() != header.numel or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {header.dtype} tensor of {header.numel} elements, "
-                         f"got {out.dtype} with {out.numel()} elements")
-    return out.view(-1)
+    return F.check_out(header, out)
 
 
 def packet_size(packet: torch.Tensor) -> int:
@@ -56,16 +58,22 @@ class Raw:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x)
-        data = x.reshape(-1).view(torch.uint8)
+        flat = x.reshape(-1)
+        data = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)  # stride 0 won't view
         empty = data[:0]
         return assemble(F.Header(F.CODEC_RAW, x.dtype, x.numel()), [empty, empty, empty, data])
 
-    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        _check_packet(packet)
+    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
+               max_numel: int | None = None) -> torch.Tensor:
+        """The tensor (1-D) a raw packet holds, into ``out`` if given. ``max_numel``: FormatError
+        for a packet that claims more elements (before anything of its claimed size is allocated)."""
+        packet = _check_packet(packet)
         h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_RAW, packet.numel())
+        F.check_numel(h, max_numel)
         itemsize = F.LAYOUTS[h.dtype].itemsize
         if h.sections != (0, 0, 0, h.numel * itemsize):
-            raise FormatError("raw packet sections do not match its element count")
+            raise FormatError(f"raw packet sections {h.sections} do not match its {h.numel} elements "
+                              f"of {itemsize} bytes")
         if h.flags:
             F.check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
         out = _output(h, out, packet.device)
@@ -110,13 +118,20 @@ class Lossless:
         block_size = self.block_size or getattr(kernels, "BLOCK_SIZE", F.DEFAULT_BLOCK_SIZE)
         return kernels.encode(x.reshape(-1), block_size, self.checksum)
 
-    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        _check_packet(packet)
+    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
+               max_numel: int | None = None) -> torch.Tensor:
+        """The tensor (1-D) a lossless packet holds, into ``out`` if given. The header, tables and
+        block index are validated on the host (every size against the packet, ``max_numel``: FormatError
+        for a packet that claims more elements) before the output is allocated or a kernel runs."""
+        packet = _check_packet(packet)
+        kernels = resolve(self.impl, packet.device)
         h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_LOSSLESS, packet.numel())
+        F.check_numel(h, max_numel)
+        parsed = parse_lossless(packet, h)
         out = _output(h, out, packet.device)
         if out.device != packet.device:
             raise UnsupportedError(f"out is on {out.device}, the packet on {packet.device}")
-        return resolve(self.impl, packet.device).decode(packet, out, h)
+        return kernels.decode(packet, out, parsed)
 
     def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
         nb = F.num_blocks(numel, self.block_size or F.MIN_DEFAULT_BLOCK_SIZE)

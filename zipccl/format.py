@@ -108,6 +108,13 @@ def parse_header(head: bytes, expect_codec: int | None, packet_size: int) -> Hea
     return h
 
 
+def check_numel(header: Header, max_numel: int | None) -> None:
+    """FormatError if the header claims more elements than the caller's bound (decoders check it
+    before allocating anything of the header's size)."""
+    if max_numel is not None and header.numel > max_numel:
+        raise FormatError(f"packet claims {header.numel} elements, more than the caller's bound of {max_numel}")
+
+
 def payload_crc(packet_bytes: bytes | memoryview, header: Header) -> int:
     return zlib.crc32(packet_bytes[HEADER_SIZE:header.total_size])
 
@@ -173,3 +180,14 @@ def check_input(x: torch.Tensor) -> None:
     dtype_code(x.dtype)
     if x.layout != torch.strided or not x.is_contiguous():
         raise UnsupportedError("codecs take contiguous strided tensors; call .contiguous() first")
+
+
+def check_out(header: Header, out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a 1-D view, if it is a contiguous tensor of the packet's dtype and numel; a packet
+    that disagrees with the caller's buffer is a FormatError (the packet is the untrusted side)."""
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if out.dtype != header.dtype or out.numel() != header.numel:
+        raise FormatError(f"packet holds {header.numel} elements of {header.dtype}, "
+                          f"out has {out.numel()} of {out.dtype}")
+    return out.view(-1)

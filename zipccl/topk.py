@@ -16,12 +16,13 @@ import torch
 
 from . import format as F
 from .format import check_input
-from .errors import FormatError
+from .errors import FormatError, UnsupportedError
 from .reference.packet import assemble, host_bytes
 
 __all__ = ["TopK"]
 
 SAMPLE = 65536  # entries a sampled selection estimates its threshold from
+MAX_NUMEL = 1 << 31  # indices are int32: larger tensors cannot be addressed
 
 
 class TopK:
@@ -112,27 +113,36 @@ class TopK:
 
     def encode_selected(self, idx: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
         """A packet of already chosen entries (indices int32 strictly ascending)."""
+        if numel > MAX_NUMEL:
+            raise UnsupportedError(f"top-k packets address at most {MAX_NUMEL} elements (int32 indices), got {numel}")
         empty = idx.new_zeros(0, dtype=torch.uint8)
         header = F.Header(F.CODEC_TOPK, values.dtype, numel)
         return assemble(header, [empty, empty, idx.contiguous().view(torch.uint8),
                                  values.contiguous().view(torch.uint8)])
 
-    def header(self, packet: torch.Tensor) -> F.Header:
-        """Validate a packet's header and section sizes (not its indices: ``parse`` does)."""
+    def header(self, packet: torch.Tensor, max_numel: int | None = None) -> F.Header:
+        """Validate a packet's header and section sizes (not its indices: ``parse`` does).
+        ``max_numel``: FormatError for a packet that claims more elements (a sparse packet's size
+        does not bound its numel: pass a bound, or ``out``, for packets from elsewhere)."""
         if not isinstance(packet, torch.Tensor) or packet.dtype != torch.uint8 or packet.dim() != 1:
             raise FormatError("a packet is a 1-D torch.uint8 tensor")
         h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_TOPK, packet.numel())
+        F.check_numel(h, max_numel)
+        if h.numel > MAX_NUMEL:
+            raise FormatError(f"top-k packet claims {h.numel} elements; int32 indices address at most {MAX_NUMEL}")
         s0, s1, s2, s3 = h.sections
         itemsize = F.LAYOUTS[h.dtype].itemsize
         if s0 or s1 or s2 % 4 or s3 != s2 // 4 * itemsize or s2 // 4 > h.numel:
-            raise FormatError("top-k sections do not match: indices and values must pair up")
+            raise FormatError(f"top-k sections do not match: {s2} index bytes and {s3} value bytes "
+                              f"must pair up, at most one pair per element of {h.numel}")
         if h.flags:
             F.check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
         return h
 
-    def parse(self, packet: torch.Tensor) -> tuple[F.Header, torch.Tensor, torch.Tensor]:
-        """Validate a packet: (header, indices int64, values)."""
-        h = self.header(packet)
+    def parse(self, packet: torch.Tensor,
+              max_numel: int | None = None) -> tuple[F.Header, torch.Tensor, torch.Tensor]:
+        """Validate a packet: (header, indices int64, values); ``max_numel`` as in ``header``."""
+        h = self.header(packet, max_numel)
         s2, s3 = h.sections[2], h.sections[3]
         k = s2 // 4
         start = F.HEADER_SIZE
@@ -144,15 +154,15 @@ class TopK:
             raise FormatError("top-k indices must be strictly ascending (no duplicates)")
         return h, idx, values
 
-    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The dense tensor: the sent entries, zeros elsewhere."""
-        h, idx, values = self.parse(packet)
+    def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
+               max_numel: int | None = None) -> torch.Tensor:
+        """The dense tensor: the sent entries, zeros elsewhere. Without ``out``, pass ``max_numel``
+        for packets from elsewhere: a top-k packet of a few bytes may claim 2**31 elements."""
+        h, idx, values = self.parse(packet, max_numel)
         if out is None:
             out = torch.zeros(h.numel, dtype=h.dtype, device=packet.device)
         else:
-            if out.dtype != h.dtype or out.numel() != h.numel or not out.is_contiguous():
-                raise ValueError(f"out must be a contiguous {h.dtype} tensor of {h.numel} elements")
-            out = out.view(-1)
+            out = F.check_out(h, out)
             out.zero_()
         out[idx] = values
         return out

@@ -2,7 +2,8 @@
 
 An implementation is a module with ``encode(x, block_size, checksum) -> uint8
 tensor`` and ``decode(packet, out, header=None) -> out`` for the lossless format (``header``:
-the packet's parsed header, where the caller has it).
+the packet's parsed header, or the packet validated by reference.packet.parse_lossless, where
+the caller has it).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK, SAMPLE_STRIDE,
                       Header, num_blocks)
 from ..reference import tables as T
-from ..reference.packet import parse_lossless
+from ..reference.packet import LosslessPacket, parse_lossless
 from ..reference.plan import choose, plan
 
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
@@ -727,7 +727,7 @@ _ERRORS = {-1: "invalid or truncated code in an exponent stream", -2: "decoded e
            -3: "zero count of a block does not match its index entry"}
 
 
-def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | None = None) -> torch.Tensor:
+def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
     p = parse_lossless(packet, header)
     layout, h = p.layout, p.header
     n, bs = h.numel, h.block_size

@@ -36,7 +36,7 @@ from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, OFFSET_BIAS,
                       RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
 from ..reference import tables as T
-from ..reference.packet import parse_lossless
+from ..reference.packet import LosslessPacket, parse_lossless
 from ..reference.plan import choose, plan
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
@@ -277,7 +277,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     return packet
 
 
-def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | None = None) -> torch.Tensor:
+def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
     p = parse_lossless(packet, header)  # host validation of header, tables and index before any launch
     layout, h = p.layout, p.header
     n, bs, dev = h.numel, h.block_size, packet.device

@@ -14,7 +14,7 @@ from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, LAYOUTS, MAX_OFFSET, MAXLEN, MIN_OFFSET, SAMPLE_STRIDE,
                       OFFSET_BIAS, RAW_BLOCK, SYM_ESC, SYM_ZERO, Header, num_blocks, num_tables)
 from . import tables as T
-from .packet import assemble, parse_lossless
+from .packet import LosslessPacket, assemble, parse_lossless
 
 
 def float_bits(x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     return assemble(header, sections)
 
 
-def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | None = None) -> torch.Tensor:
+def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
     """Decode into ``out`` (1-D, the packet's dtype and numel). Blocks decode in lock step."""
     p = parse_lossless(packet, header)
     layout, h = p.layout, p.header

@@ -62,8 +62,11 @@ class LosslessPacket:
     rest_offset: int        # byte offset of section 3 in the packet
 
 
-def parse_lossless(packet: torch.Tensor, header: Header | None = None) -> LosslessPacket:
-    """Validate a lossless packet; ``header``: its header if the caller has parsed it already."""
+def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None = None) -> LosslessPacket:
+    """Validate a lossless packet; ``header``: its header if the caller has parsed it already, or the
+    packet already validated (returned as it is)."""
+    if isinstance(header, LosslessPacket):
+        return header
     h = header or parse_header(host_bytes(packet, 0, HEADER_SIZE).tobytes(), CODEC_LOSSLESS, packet.numel())
     layout = LAYOUTS[h.dtype]
     n, bs = h.numel, h.block_size
@@ -77,6 +80,8 @@ def parse_lossless(packet: torch.Tensor, header: Header | None = None) -> Lossle
     s0, s1, s2, s3 = h.sections
     if s0 != h.ntables * TABLE_BYTES or s1 != nb * INDEX_ENTRY or s2 % 4:
         raise FormatError("section sizes do not match the header's counts")
+    if n > 8 * s2 + s3:  # every element takes a bit of a stream (a code) or a byte of section 3 (raw)
+        raise FormatError(f"{n} elements cannot fit in {s2} stream bytes and {s3} rest bytes")
     pos = HEADER_SIZE
     lengths = unpack_tables(host_bytes(packet, pos, pos + s0), h.ntables) if nb else np.zeros((0, NSYM), np.int64)
     pos += s0
@@ -111,8 +116,8 @@ def _read_index(entries, n, bs, ntables, emax, itemsize, rest_bytes):
         if table == RAW_BLOCK:
             ok = nwords == 0 and nzero == 0 and ref == 0
             rest = nvalid * itemsize
-        else:
-            ok = table < ntables and ref <= emax and nzero <= nvalid
+        else:  # every element's code takes at least a bit of the block's nwords
+            ok = table < ntables and ref <= emax and nzero <= nvalid and nvalid <= 32 * nwords
             rest = (nvalid - nzero) * rest_bytes
         if not ok or e[6] != 0 or e[7] != 0:
             return f, b
