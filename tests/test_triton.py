@@ -45,7 +45,7 @@ def test_every_16bit_pattern(dtype):
     x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(2))]
     gpu = Lossless("triton", block_size=512)
     p = gpu.encode(x)
-    assert torch.equal(p, Lossless("numba", block_size=512).encode(x))
+    assert torch.equal(p, Lossless("reference", block_size=512).encode(x))  # the specification's bytes
     assert_same_bits(gpu.decode(p), x)
 
 
@@ -79,9 +79,19 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     assert got == want
     for row in rows:
         assert row["cubin_bytes"] > 0 and row["ptx_bytes"] > 0
-        if "cubin_reg" in row:  # cuobjdump ships with Triton's NVIDIA backend
-            assert 0 < row["cubin_reg"] <= 255
-            assert row["cubin_local"] == 0, f"{row['kernel']} spills registers on {row['arch']}"
+    # Registers and spills come from cuobjdump, which ships with Triton's NVIDIA backend (beside the
+    # ptxas that made the cubins), so CI has it: a skip here fails a CI run (conftest.ALLOWED_SKIPS).
+    unread = [row for row in rows if "cubin_reg" not in row]
+    if unread:
+        pytest.skip(f"cuobjdump not found (Triton's backends/nvidia/bin or PATH): registers and spills of "
+                    f"{len(unread)} kernel builds not checked")
+    for row in rows:
+        assert 0 < row["cubin_reg"] <= 255
+        # Spilled registers live in the thread's stack frame (cuobjdump's STACK; a kernel built
+        # with maxnreg=32 shows STACK:264 and LOCAL:0), other local memory in LOCAL: neither is wanted.
+        where = f"{row['kernel']} ({row['dtype']}, {row['arch']})"
+        assert row["cubin_stack"] == 0, f"{where} spills registers: {row['cubin_stack']} bytes of stack"
+        assert row["cubin_local"] == 0, f"{where} uses {row['cubin_local']} bytes of local memory"
 
 
 def test_default_block_size_per_impl():
@@ -92,6 +102,7 @@ def test_default_block_size_per_impl():
         p = Lossless(impl).encode(x)
         h = F.parse_header(p[:F.HEADER_SIZE].numpy().tobytes(), None, p.numel())
         assert h.block_size == block_size
+        assert torch.equal(p, Lossless("reference", block_size=block_size).encode(x))
         assert p.numel() <= Lossless(impl).max_encoded_size(x.numel(), x.dtype)
         for other in ("numba", "triton"):
             assert_same_bits(Lossless(other).decode(p), x)

@@ -90,10 +90,12 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'kernel':<12} {'dtype':<9} {'arch':<6} {'warps':>5} {'regs':>5} {'spill':>6} {'shared':>7} {'cubin':>7}")
+    # Spilled registers go to the stack frame (cuobjdump's STACK), not LOCAL: both are shown.
+    print(f"{'kernel':<12} {'dtype':<9} {'arch':<6} {'warps':>5} {'regs':>5} {'stack':>6} {'local':>6} {'shared':>7} "
+          f"{'cubin':>7}")
     for r in rows:
         print(f"{r['kernel']:<12} {r['dtype']:<9} {r['arch']:<6} {r['num_warps']:>5} {r.get('cubin_reg', '-'):>5} "
-              f"{r.get('cubin_local', '-'):>6} {r['shared']:>7} {r['cubin_bytes']:>7}")
+              f"{r.get('cubin_stack', '-'):>6} {r.get('cubin_local', '-'):>6} {r['shared']:>7} {r['cubin_bytes']:>7}")
     return 0
 
 
