@@ -217,13 +217,12 @@ class Call:
         recvs = [(j, t.irecv(rows[j], j, _TAG_META)) for j in peers]
 
         def finish() -> torch.Tensor:
-            heard = [j for j, w in recvs if fate.wait(t, w, j)]
+            for j, w in recvs:  # a lost peer's row stays a copy of this rank's: the call goes on poisoned
+                fate.wait(t, w, j)
             for j, w in sends:
                 fate.wait(t, w, j)
-            if len(heard) < len(peers) or len(peers) < t.size - 1:
-                fate.check()  # a peer is lost: nothing more can be agreed
             first = 1 + len(_FIELDS)
-            for k, ((key, plan), _) in enumerate(reports):
+            for k, ((key, plan), _) in enumerate(reports if not fate.lost else ()):
                 ids, times = rows[:, first + 2 * k], rows[:, first + 2 * k + 1]
                 if bool((ids == ids[0]).all()) and bool((times >= 0).all()):
                     auto.policy.learn(key, plan, int(times.max()) / 1e6)
@@ -725,7 +724,7 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict, 
     send_splits = [0 if j == r else parts[j].numel() for j in range(n)]
     recv_splits = [0 if j == r else int(sizes[j, r]) for j in range(n)]
     send = torch.cat([parts[j] for j in range(n) if j != r])
-    recv = timed(acc, "comm_seconds", t.all_to_all, send, send_splits, recv_splits)
+    recv = _all_to_all(t, fate, acc, send, send_splits, recv_splits)
     acc["wire_bytes"] += int(send.numel())
     mine = flat[bounds[r]:bounds[r + 1]]
     received = _in_rank_order(recv, recv_splits, parts[r], r)
@@ -788,9 +787,18 @@ def _sparse_all_gather(t, packet: torch.Tensor | None, call: Call, acc: dict, fa
     fate.check()
     send_splits = [0 if j == r else packet.numel() for j in range(n)]
     recv_splits = [0 if j == r else sizes[j] for j in range(n)]
-    recv = timed(acc, "comm_seconds", t.all_to_all, packet.repeat(n - 1), send_splits, recv_splits)
+    recv = _all_to_all(t, fate, acc, packet.repeat(n - 1), send_splits, recv_splits)
     acc["wire_bytes"] += (n - 1) * packet.numel()
     return _in_rank_order(recv, recv_splits, packet, r)
+
+
+def _all_to_all(t, fate: Fate, acc: dict, send, send_splits, recv_splits) -> torch.Tensor:
+    """The backend's all-to-all; a rank lost in it makes this rank raise RankFailure."""
+    try:
+        return timed(acc, "comm_seconds", t.all_to_all, send, send_splits, recv_splits)
+    except RuntimeError as e:
+        fate.lose(t, -1, e)
+        fate.check()
 
 
 def _in_rank_order(recv: torch.Tensor, recv_splits: list[int], own: torch.Tensor, r: int) -> list[torch.Tensor]:
