@@ -314,7 +314,7 @@ def ddp(rank: int, codec: str, steps: int, every: int, trim: bool) -> dict:
     digest = hashlib.blake2b(digest_size=16)
     for p in model.module.parameters():
         digest.update(_bytes(p))
-    return dict(samples=sample.samples, hashes=_same_everywhere(digest.digest()), loss=float(loss),
+    return dict(samples=sample.samples, hashes=_same_everywhere(digest.digest()), loss=float(loss.detach()),
                 wire_ratio=state.stats()["ratio"])
 
 
