@@ -56,13 +56,45 @@ def test_smoke_two_ranks(tmp_path, collective):
 
 @pytest.mark.timeout(300)
 def test_real_data_and_ops(tmp_path, real_grads):
+    """Real data, every op, dtype and codec, checked against plain torch on all ranks' inputs: MAX
+    and MIN for everything (the backend included), SUM and AVG where zipccl promises rank order
+    (raw and lossless); the backend's sums (torch, auto's native plan) are its own: N/A."""
     from conftest import GRADS
-    res = run_perf("-b", "64K", "-e", "64K", "-n", "1", "-w", "0", "--nranks", "2", "-o", "all", "--codec", "lossless",
-                   "--data", str(GRADS))
+    res = run_perf("-b", "64K", "-e", "64K", "-n", "1", "-w", "0", "--nranks", "2", "-o", "all", "-d", "all",
+                   "--codec", "all", "--baseline", "--data", str(GRADS))
     assert res.returncode == 0, res.stderr[-2000:]
     rows = parse_rows(res.stdout)
-    assert {r["redop"] for r in rows} == {"sum", "avg", "max", "min"}
-    assert all(r["#wrong"] == "0" for r in rows)
+    assert {(r["type"], r["redop"]) for r in rows} == {(t, o) for t in common.DTYPES for o in common.OPS}
+    for r in rows:
+        unchecked = r["redop"] in ("sum", "avg") and r["codec"] in ("torch", "auto")
+        assert r["#wrong"] == ("N/A" if unchecked else "0"), r
+
+
+@pytest.mark.timeout(300)
+def test_real_data_hierarchical_sums_node_by_node():
+    """Hierarchical sums of real data: each node's sum rounded, then the nodes' in node order,
+    which differs from a flat sum in the last bits; the check models it (rank_order_reduce)."""
+    from conftest import GRADS
+    if not GRADS.exists():
+        pytest.skip(f"real gradients not found at {GRADS} (set ZIPCCL_DATA)")
+    res = run_perf("-b", "64K", "-e", "64K", "-n", "1", "-w", "0", "--nranks", "4", "--nodes", "2", "-o", "avg",
+                   "--algorithm", "hierarchical", "--codec", "lossless", "--data", str(GRADS))
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = parse_rows(res.stdout)
+    assert [(r["redop"], r["#wrong"]) for r in rows] == [("avg", "0")]
+
+
+def test_rank_order_reduce_is_the_promised_order():
+    import torch
+    import torch.distributed as dist
+    big, tiny = torch.tensor([256.0]), torch.tensor([2.0 ** -9])  # bf16 keeps 8 bits: 256 + 2^-9 is 256
+    ins = [x.to(torch.bfloat16) for x in (big, tiny, tiny, -big)]
+    assert common.rank_order_reduce(ins, dist.ReduceOp.SUM).item() == 2.0 ** -8  # fp32 sum, rounded once
+    assert common.rank_order_reduce(ins, dist.ReduceOp.SUM, ((0, 1), (2, 3))).item() == 0.0  # node sums rounded
+    assert common.rank_order_reduce(ins, dist.ReduceOp.AVG).item() == 2.0 ** -10
+    assert common.rank_order_reduce(ins, dist.ReduceOp.MAX).item() == 256.0
+    assert common.count_wrong(torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 2.0]), dist.ReduceOp.MAX) == 1
+    assert common.count_wrong(torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0]), dist.ReduceOp.SUM) == 1
 
 
 @pytest.mark.parametrize("args,message", [
