@@ -198,3 +198,22 @@ def test_fuzz_cases_replay(grads):
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert fuzz.run("numba", 300, grads=grads).as_dict() | {"seconds": 0} == \
         fuzz.run("numba", 300, grads=grads).as_dict() | {"seconds": 0}
+
+
+def test_bench_fuzz_smoke(tmp_path):
+    """bench/fuzz.py (long runs, a child process per family) runs and writes its summary."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "fuzz.json"
+    script = Path(__file__).parents[1] / "bench/fuzz.py"
+    run = subprocess.run([sys.executable, str(script), "--cases", "60", "--family", "raw,topk=30", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = json.loads(out.read_text())
+    assert summary["failed"] == 0 and [f["family"] for f in summary["families"]] == ["raw", "topk"]
+    assert [f["cases"] for f in summary["families"]] == [60, 30]
+    assert all(f["format_error"] + f["decoded_ok"] == f["cases"] for f in summary["families"])
+    assert "over-bound" in run.stdout
