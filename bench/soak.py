@@ -20,8 +20,9 @@ Every ``--every`` calls (steps) each rank samples its resident memory (/proc/sel
 glibc's malloc_trim) and its open file descriptors (/proc/self/fd), and for diagnosis the C
 allocator's bytes in use and Python's allocated blocks. Per phase and rank the report gives
 the memory slope after warm-up, in bytes per 1,000 calls (steps): a least-squares line through
-the samples past the first ``--warmup`` share (collectives: through each round's mean, over the
-whole rounds past it), and the fd count's range there. Each rank hashes the result of every
+the samples past the first ``--warmup`` share of the phase (collectives: its first, unsampled
+round included, and the line through each round's mean over the whole rounds past it), and the
+fd count's range there. Each rank hashes the result of every
 call (the model's parameters at the end of a DDP phase); the ranks all-gather their hashes and
 compare them. Targets (issue 20): slope under 1 MiB per 1,000 (``--max-slope``), fds flat (one
 value after warm-up), every rank's hash equal; the exit status is 1 if any is missed.
@@ -137,12 +138,12 @@ def slope(xs: list, ys: list) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
 
 
-def fit_start(last: int, warmup: float, period: int = 1) -> int:
-    """The call (step) after which samples are fitted: past the first ``warmup`` share of ``last``,
-    moved later where needed so that the fit spans whole periods of the schedule (with less
-    than one period left, simply the share)."""
-    whole = int((1 - warmup) * last) // period
-    return last - whole * period if whole else int(warmup * last)
+def fit_start(last: int, warmup: float, period: int = 1, unsampled: int = 0) -> int:
+    """The sampled call (step) after which samples are fitted: past the first ``warmup`` share of
+    the phase's ``unsampled + last`` calls, moved later where needed so that the fit spans whole
+    periods of the schedule (with less than one period left, simply the share)."""
+    whole = int((1 - warmup) * (unsampled + last)) // period
+    return max(0, last - whole * period) if whole else max(0, int(warmup * (unsampled + last)) - unsampled)
 
 
 def trend(samples: list, field: int, start: int = 0, period: int = 1) -> float:
@@ -161,11 +162,11 @@ def trend(samples: list, field: int, start: int = 0, period: int = 1) -> float:
     return slope(xs, ys)
 
 
-def summarize(samples: list, warmup: float, period: int = 1) -> dict:
+def summarize(samples: list, warmup: float, period: int = 1, unsampled: int = 0) -> dict:
     """One rank's phase: samples as in FIELDS; the fits take those past ``fit_start``. The
     verdict takes resident memory; the C allocator's bytes and Python's blocks in use are there
     to tell a leak's kind."""
-    start = fit_start(samples[-1][0], warmup, period) if samples else 0
+    start = fit_start(samples[-1][0], warmup, period, unsampled) if samples else 0
     after = [s for s in samples if s[0] > start]
     rss, fds = [s[1] for s in after], [s[2] for s in after]
     per_1000 = {f: 1000 * trend(after, FIELDS.index(f), start, period) for f in FIELDS[4:] + ("rss",)}
@@ -346,8 +347,9 @@ def report(per_rank: list, args) -> dict:
         if name not in per_rank[0]:
             continue
         ranks = [r[name] for r in per_rank]
-        period = ROUND if name == "collectives" else 1
-        phase = dict(ranks=[summarize(r["samples"], args.warmup, period) for r in ranks], hashes=ranks[0]["hashes"],
+        period, unsampled = (ROUND, ROUND) if name == "collectives" else (1, 0)  # the first round is unsampled
+        phase = dict(ranks=[summarize(r["samples"], args.warmup, period, unsampled) for r in ranks],
+                     hashes=ranks[0]["hashes"],
                      samples=[r["samples"] for r in ranks])
         phase["hashes_agree_across_reports"] = all(r["hashes"] == ranks[0]["hashes"] for r in ranks)
         for k in ("loss", "wire_ratio"):
@@ -379,8 +381,8 @@ def _source() -> dict:
 
 def print_report(res: dict) -> None:
     print(f"\n# soak: {res['nranks']} ranks, {res['calls']} calls, {res['steps']} DDP steps per hook; slopes per "
-          f"1,000 calls (steps), fitted past the first {res['warmup_share']:.0%} (collectives: whole rounds of "
-          f"{ROUND} calls)")
+          f"1,000 calls (steps), fitted past the first {res['warmup_share']:.0%} (collectives: of its calls with "
+          f"the unsampled round, then whole rounds of {ROUND} calls)")
     print(f"# {'phase':<13} {'rank':>4} {'rss start':>9} {'rss end':>9} {'rss MiB':>8} {'heap MiB':>8} "
           f"{'py blocks':>9} {'fds':>7}  same bits")
     for name, phase in res["phases"].items():
