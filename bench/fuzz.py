@@ -28,7 +28,7 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "grads_step050_bucket0_fp32.npy"
 FAMILIES = ("raw", "topk", "numba", "reference", "triton")
 COUNTS = ("cases", "format_error", "decoded_ok", "crashes", "guard_violations", "over_bound_allocations",
-          "wrong_decodes")
+          "wrong_decodes", "harness_errors")
 FAILURES = COUNTS[3:]
 MAX_DEATHS = 20  # child processes a family may lose before it stops
 
@@ -162,11 +162,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     results = [run_family(name, n, args) for name, n in _families(args.family, args.cases)]
     print(f"\n{'family':<10} {'cases':>8} {'FormatError':>11} {'decoded-ok':>10} {'crashes':>7} {'guard':>5} "
-          f"{'over-bound':>10} {'wrong':>5} {'time s':>7}")
+          f"{'over-bound':>10} {'wrong':>5} {'harness':>7} {'time s':>7}")
     for d in results:
         print(f"{d['family']:<10} {d['cases']:>8} {d['format_error']:>11} {d['decoded_ok']:>10} {d['crashes']:>7} "
               f"{d['guard_violations']:>5} {d['over_bound_allocations']:>10} {d['wrong_decodes']:>5} "
-              f"{d['wall_seconds']:>7.1f}")
+              f"{d['harness_errors']:>7} {d['wall_seconds']:>7.1f}")
     failed = sum(d[k] for d in results for k in FAILURES)
     for d in results:
         for msg in d["failures"][:10]:

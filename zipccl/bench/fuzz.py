@@ -9,7 +9,8 @@ and dtype, having written nothing outside ``out`` and allocated nothing beyond
 the bound it was given. Some cases must also decode to the original bits: a
 packet whose declared bytes are unchanged (only trailing bytes added), and a
 checksummed packet whose payload changed under an unchanged header (the payload
-CRC must catch it).
+CRC must catch it). The reference and Triton decoders' cases are decoded by numba
+too, which must accept and reject the same packets and give the same bits.
 
 Cases are deterministic: case ``i`` of a family draws everything from a
 generator seeded by (seed, family, i), so ``run_case(family, i, seed)``
@@ -358,6 +359,7 @@ def _topk_index(r, buf, base):
     k = (stop - start) // 4
     if not k:
         return _flip(r, buf, base)
+    stop = start + 4 * k  # an earlier mutation may have cut the section short
     idx = buf[start:stop].copy().view(np.int32)
     j = r.randrange(k)
     n = base.numel
@@ -532,6 +534,25 @@ def _reason(e: FormatError) -> str:
     return re.sub(r"b'.*'|b\".*\"", "...", re.sub(r"\d+", "N", str(e)))[:80]
 
 
+TWINS = ("reference", "triton")  # families whose every case numba decodes too: the same outcome, the same bits
+
+
+def _compare_with_numba(packet: np.ndarray, kwargs: dict, outcome: str, result: torch.Tensor | None) -> None:
+    """Invariant 2 on hostile packets: numba accepts exactly what the decoder under test accepts and
+    decodes it to the same bits."""
+    if "out" in kwargs:
+        kwargs = {"out": torch.empty_like(kwargs["out"])}
+    try:
+        twin = Lossless("numba").decode(torch.from_numpy(packet.copy()), **kwargs)
+    except FormatError:
+        twin = None
+    if (twin is None) != (outcome == "format_error"):
+        raise CaseFailure("wrong", f"numba {'rejects' if twin is None else 'decodes'} a packet this decoder "
+                                   f"{'decodes' if twin is None else 'rejects'}")
+    if twin is not None and not torch.equal(twin.view(torch.uint8), result.view(torch.uint8)):
+        raise CaseFailure("wrong", "numba decodes the packet to other bits")
+
+
 def check_case(family: str, r: random.Random, base: Base, packet: np.ndarray, guard: AllocGuard,
                errors: dict) -> str:
     """Decode a mutated packet one of three ways; returns "format_error" (counting its reason in
@@ -573,6 +594,8 @@ def check_case(family: str, r: random.Random, base: Base, packet: np.ndarray, gu
     if buf is not None:
         if not torch.equal(buf[:GUARD], before[:GUARD]) or not torch.equal(buf[GUARD + bound:], before[GUARD + bound:]):
             raise CaseFailure("guard", "a write outside out")
+    if family in TWINS:
+        _compare_with_numba(packet, kwargs, outcome, result if outcome == "ok" else None)
     if outcome == "format_error":
         return outcome
     if h is None:
@@ -600,7 +623,10 @@ def run_case(family: str, i: int, seed: int, bases: tuple[Base, ...], guard: All
     """(outcome, mutation) of case ``i``; raises CaseFailure (with the mutation in its message)."""
     r = case_rng(seed, family, i)
     base = r.choice(bases)
-    packet, what = mutate(family, r, base, bases)
+    try:
+        packet, what = mutate(family, r, base, bases)
+    except Exception as e:  # noqa: BLE001 - a bug of this module, not of a decoder: reported apart
+        raise CaseFailure("harness", f"case {i} ({base.label}): mutation failed: {type(e).__name__}: {e}") from None
     try:
         return check_case(family, r, base, packet, guard, {} if errors is None else errors), what
     except CaseFailure as e:
@@ -617,6 +643,7 @@ class Summary:
     guard: int = 0
     alloc: int = 0
     wrong: int = 0
+    harness: int = 0      # this module's own errors (a mutation that failed), not the decoders'
     seconds: float = 0.0
     failures: list = field(default_factory=list)      # the first few messages
     mutations: dict = field(default_factory=dict)     # mutation -> [format_error, ok]
@@ -624,12 +651,12 @@ class Summary:
 
     @property
     def failed(self) -> int:
-        return self.crash + self.guard + self.alloc + self.wrong
+        return self.crash + self.guard + self.alloc + self.wrong + self.harness
 
     def as_dict(self) -> dict:
         return {"family": self.family, "cases": self.cases, "format_error": self.format_error,
                 "decoded_ok": self.ok, "crashes": self.crash, "guard_violations": self.guard,
-                "over_bound_allocations": self.alloc, "wrong_decodes": self.wrong,
+                "over_bound_allocations": self.alloc, "wrong_decodes": self.wrong, "harness_errors": self.harness,
                 "seconds": round(self.seconds, 2), "failures": self.failures,
                 "mutations": dict(sorted(self.mutations.items())),
                 "format_errors": dict(sorted(self.errors.items(), key=lambda kv: -kv[1]))}
