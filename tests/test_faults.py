@@ -138,7 +138,7 @@ def _fault(rank, groups, collective, family, algorithm, kind, phase):
     # the group still works: a lossless all-reduce equals plain torch's sum of the gathered inputs
     y = torch.randn(300_000, generator=torch.Generator().manual_seed(100 + rank))
     every = torch.empty(n * y.numel())
-    dist.all_gather_into_tensor(every, y)
+    dist.all_gather_single(every, y)
     expected = every.view(n, -1).sum(0)  # rank order, fp32: zipccl's documented order for fp32
     zipccl.all_reduce(y, group=group, codec="lossless")
     return (*outcome, bool(torch.equal(y, expected)), count)
@@ -165,3 +165,104 @@ def test_fault_reaches_every_rank(pool, collective, family, algorithm, kind, pha
         assert "the group is usable" in message
         assert usable, (rank, "the all-reduce after the failure is wrong")
     assert "injected" in res[CULPRIT][4] or kind == "corrupt", res[CULPRIT]
+
+
+# ---- bad input before any message: NaN and Inf, a non-contiguous tensor, a selection that fails ----------------
+
+def _gathered(x: torch.Tensor, n: int) -> torch.Tensor:
+    every = torch.empty(n * x.numel(), dtype=x.dtype)
+    dist.all_gather_single(every, x.contiguous().view(-1))
+    return every.view(n, -1)
+
+
+def _nonfinite(rank, groups):
+    """NaN (several payloads) and Inf pass through raw and lossless all-gather bit for bit, and
+    an all-reduce with them equals plain torch's sum in rank order (NaN where torch has NaN)."""
+    n, out = 4, {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(200_000, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        bits = x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+        patterns = [0x7FC0, 0xFFC1, 0x7F81, 0x7F80, 0xFF80] if dtype == torch.bfloat16 else \
+            [0x7E00, 0xFE01, 0x7C01, 0x7C00, 0xFC00] if dtype == torch.float16 else \
+            [0x7FC00000, -0x3FFFFF, 0x7F800001, 0x7F800000, -0x800000]  # qNaN, -NaN payload, sNaN, +Inf, -Inf
+        for k, p in enumerate(patterns):
+            bits[rank * 1000 + k * 7::50_000] = p - 0x10000 if x.element_size() == 2 and p >= 0x8000 else p
+        for codec in ("raw", "lossless"):
+            every = torch.empty(n * x.numel(), dtype=dtype)
+            zipccl.all_gather(every, x, group=groups[4], codec=codec, algorithm="flat")
+            out[(str(dtype), codec, "gather")] = torch.equal(every.view(torch.uint8), _gathered(x, n).view(-1).view(
+                torch.uint8))
+            y = x.clone()
+            zipccl.all_reduce(y, group=groups[4], codec=codec, algorithm="flat")
+            parts = _gathered(x, n).float()
+            expected = parts[0].clone()
+            for part in parts[1:]:
+                expected += part
+            expected = expected.to(dtype)
+            same = torch.equal(torch.isnan(y), torch.isnan(expected)) and \
+                torch.equal(y[~torch.isnan(y)], expected[~torch.isnan(expected)])
+            out[(str(dtype), codec, "reduce")] = same
+    return out
+
+
+def test_nan_and_inf_pass_through(pool):
+    for rank, r in enumerate(pool.run(_nonfinite)):
+        assert not isinstance(r, BaseException), (rank, r)
+        assert all(r.values()), (rank, {k: v for k, v in r.items() if not v})
+
+
+def _lossy_bad_input(rank, groups, case):
+    from zipccl.entropy import EntropyRate
+    from zipccl.lossy import Compressor
+    group, n = groups[4], 4
+    if case == "nonfinite":
+        # the entropy controller counts NaN and Inf, leaves them out, and decides alike on every rank
+        comp = Compressor("entropy", rate=EntropyRate(warmup=1, every=1), rules=None)
+        decided = []
+        for step in range(4):
+            g = torch.randn(100_000, generator=torch.Generator().manual_seed(rank * 10 + step))
+            if rank == 1:
+                g[::3] = float("nan")
+                g[1::7] = float("inf")
+            if step == 2:
+                g.fill_(float("nan"))  # nothing finite anywhere: the estimate is skipped
+            comp.all_reduce(g, "w", op=dist.ReduceOp.SUM, group=group)
+            decided.append(comp.rate.density)
+        return decided, comp.rate.nonfinite, [d.get("skipped", False) for d in comp.rate.decisions]
+    if case == "noncontiguous":
+        # density 1: the top-k all-reduce is the exact sum, in rank order, in fp32
+        base = torch.randn(300, 400, generator=torch.Generator().manual_seed(rank))
+        x = base.t()
+        expected = _gathered(x, n).sum(0).view(400, 300)
+        Compressor("topk", density=1.0, rules=None).all_reduce(x, "w", op=dist.ReduceOp.SUM, group=group)
+        return torch.equal(x, expected)
+    # one rank's selection raises before any message of the call
+    import zipccl.lossy as lossy
+    original = lossy.sparse.compensated_topk
+
+    def broken(*args, **kw):
+        raise RuntimeError("injected selection failure")
+    if rank == CULPRIT:
+        lossy.sparse.compensated_topk = broken
+    try:
+        t0 = time.perf_counter()
+        Compressor("topk", density=0.01, rules=None).all_reduce(torch.randn(100_000), "w", group=group)
+        return "ok"
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), time.perf_counter() - t0
+    finally:
+        lossy.sparse.compensated_topk = original
+
+
+def test_lossy_bad_input(pool):
+    res = pool.run(_lossy_bad_input, "nonfinite")
+    assert all(not isinstance(r, BaseException) for r in res), res
+    assert all(r == res[0] for r in res), res  # the same densities on every rank
+    densities, nonfinite, skipped = res[0]
+    assert nonfinite > 0 and skipped == [False, False, True, False], res[0]
+    assert pool.run(_lossy_bad_input, "noncontiguous") == [True] * 4
+    res = pool.run(_lossy_bad_input, "selection")
+    assert res[CULPRIT][:2] == ("RuntimeError", "injected selection failure"), res
+    for rank, r in enumerate(res):
+        if rank != CULPRIT:
+            assert r[0] == "MismatchError" and f"[{CULPRIT}]" in r[1] and r[2] < BUDGET, (rank, r)

@@ -52,18 +52,26 @@ class EntropyRate:
         self.entropies: list[float] = []
         self.reference: float | None = None
         self.decisions: list[dict] = []
+        self.nonfinite = 0  # NaN and Inf samples seen (all ranks), left out of the estimates
 
-    def histogram(self, grad: torch.Tensor, step: int, allreduce) -> torch.Tensor:
-        """Summed over ranks: counts of sampled values in ``bins`` bins over +-4 sigma."""
+    def histogram(self, grad: torch.Tensor, step: int, allreduce) -> torch.Tensor | None:
+        """Summed over ranks: counts of sampled values in ``bins`` bins over +-4 sigma; None
+        where no rank sampled a finite value (NaN and Inf are counted in ``nonfinite`` and left
+        out, the same way on every rank)."""
         flat = grad.reshape(-1)
         count = min(flat.numel(), max(4096, int(self.sample * flat.numel())))
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         values = flat[torch.randint(0, flat.numel(), (count,), generator=gen)].float()
+        values = values[torch.isfinite(values)]
         # Robust scale (a heavy-tailed sample biases the standard deviation): 1.4826 x median |v|,
         # quantised to 1/16 of a binade and averaged over ranks in integers, so all ranks agree.
-        scale = max(float(values.abs().median()) * 1.4826, 1e-30)
-        q = torch.tensor([round(16 * math.log2(scale)), 1], dtype=torch.int64)
+        q = torch.tensor([0, 0, count - values.numel()], dtype=torch.int64)
+        if values.numel():
+            q[0], q[1] = round(16 * math.log2(max(float(values.abs().median()) * 1.4826, 1e-30))), 1
         allreduce(q)
+        self.nonfinite += int(q[2])
+        if not q[1]:
+            return None
         sigma = 2.0 ** (q[0].item() / q[1].item() / 16)
         edges = torch.clamp(((values / (8 * sigma) + 0.5) * self.bins).floor(), 0, self.bins - 1).long()
         hist = torch.bincount(edges, minlength=self.bins).to(torch.int64)
@@ -105,6 +113,9 @@ class EntropyRate:
         if step % self.every and not (step >= self.warmup and self.density is None):
             return self.density
         hist = self.histogram(grad, step, allreduce)
+        if hist is None:  # nothing finite on any rank: no estimate this time, the density stays
+            self.decisions.append(dict(step=step, entropy=None, density=self.density, error=None, skipped=True))
+            return self.density
         self.entropies.append(self.entropy(hist))
         smoothed = sum(self.entropies[-self.window:]) / len(self.entropies[-self.window:])
         if step < self.warmup:

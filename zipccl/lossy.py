@@ -24,6 +24,7 @@ from .kernels import sparse
 from .rules import LayerRules
 from .stats import stats as _snapshot
 from .topk import TopK
+from .transport import TorchTransport
 
 __all__ = ["Compressor", "default"]
 
@@ -86,6 +87,16 @@ class Compressor:
             collectives.all_reduce(flat if exact is None else exact[0], op=op, group=group, codec="lossless")
             return _snapshot()["last"]
         codec = self.codec if isinstance(self.codec, TopK) else TopK(density, sampled=self.sampled)
+        try:
+            wire, after = self._select(flat, key, codec, exact)
+        except Exception as e:  # noqa: BLE001 - no message of the call has left: the peers wait in its exchange
+            collectives.refuse("all_reduce", TorchTransport.of(group), flat, op, e)  # raises e here
+        collectives.all_reduce(wire, op=op, group=group, codec=codec)
+        return after()
+
+    def _select(self, flat, key, codec, exact):
+        """Select with error feedback: (the tensor the top-k all-reduce sends, with the selection
+        remembered by ``codec``; what to do after it, which returns ``reduce``'s result)."""
         value_dtype = self.value_dtype or flat.dtype
         wire = flat if value_dtype == flat.dtype else torch.empty_like(flat, dtype=value_dtype)
         fast = sparse.supports(flat, value_dtype, self.residuals.dtype)
@@ -99,20 +110,21 @@ class Compressor:
                 bucket, lossy_ranges, exact_ranges = exact
                 idx, values = _with_exact_ranges(idx, values, bucket, lossy_ranges, exact_ranges)
                 codec.remember(bucket, idx, values)
-                collectives.all_reduce(bucket, op=op, group=group, codec=codec)
-                return _snapshot()["last"]
-            codec.remember(wire, idx, values)  # the collective below sends it
+                return bucket, lambda: _snapshot()["last"]
+            codec.remember(wire, idx, values)  # the collective sends it
         else:
             compensated = self.residuals.compensate(key, flat)
             wire.copy_(compensated)
-            idx, values = codec.select(wire, remember=True)  # the collective below reuses it
+            idx, values = codec.select(wire, remember=True)  # the collective reuses it
             sent = torch.zeros_like(compensated)
             sent[idx.long()] = values.float()
             self.residuals.update(key, compensated, sent)
-        collectives.all_reduce(wire, op=op, group=group, codec=codec)
-        if wire is not flat:
-            flat.copy_(wire)
-        return None if exact is not None else _snapshot()["last"]
+
+        def after():
+            if wire is not flat:
+                flat.copy_(wire)
+            return None if exact is not None else _snapshot()["last"]
+        return wire, after
 
     def all_reduce(self, tensor: torch.Tensor, name: str, op=dist.ReduceOp.AVG, group=None) -> dict:
         """All-reduce one named tensor in place (same names, same order on every rank); returns the
@@ -120,12 +132,15 @@ class Compressor:
         if self.rules is not None and not self.rules.lossy(name, tensor):
             collectives.all_reduce(tensor, op=op, group=group, codec="lossless")
             return _snapshot()["last"]
-        if not tensor.is_contiguous():
-            raise ValueError(f"tensor {name!r} must be contiguous")
         if self.anchor is None:
             self.anchor = name
         if name == self.anchor:
             self.step += 1
+        if not tensor.is_contiguous():  # reduced in a contiguous copy, then written back
+            work = tensor.contiguous()
+            out = self.reduce(work.view(-1), name, self.step, name == self.anchor, group, op)
+            tensor.copy_(work)
+            return out
         return self.reduce(tensor.view(-1), name, self.step, name == self.anchor, group, op)
 
     def stats(self) -> dict:
