@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -331,6 +333,42 @@ def _async(rank, groups, size):
 def test_async_handles(pool):
     res = pool.run(_async, 4)
     assert all(r is True for r in res), res  # the pool returns exceptions as values: truthy
+
+
+def _async_invalid(rank, groups):
+    """Rank 0's second async call is invalid: its error goes through the queue in its place, so
+    the calls around it are unaffected on every rank."""
+    g, n = groups[4], 4
+    a = torch.full((3_000_000,), float(rank))
+    b = torch.ones(100, 100)
+    if rank == 0:
+        b = b.t()[::2]  # not contiguous
+    c = torch.full((1000,), float(rank + 1))
+    handles = [zipccl.all_reduce(x, group=g, async_op=True, codec="lossless") for x in (a, b, c)]
+    outcome = []
+    for h in handles:
+        try:
+            h.wait()
+            outcome.append("ok")
+        except Exception as e:  # noqa: BLE001
+            outcome.append(type(e).__name__)
+    return outcome, bool((a == sum(range(n))).all()), bool((c == sum(range(1, n + 1))).all())
+
+
+def test_async_invalid_call_keeps_its_place(pool):
+    res = pool.run(_async_invalid, timeout=60)
+    assert res[0] == (["ok", "UnsupportedError", "ok"], True, True), res
+    assert all(r == (["ok", "MismatchError", "ok"], True, True) for r in res[1:]), res
+
+
+def test_handle_wait_timeout():
+    from zipccl.executor import submit
+    h = submit(lambda: time.sleep(1.0))
+    t0 = time.perf_counter()
+    with pytest.raises(zipccl.errors.TimeoutError, match="did not finish within 0.1 s"):
+        h.wait(timeout=0.1)
+    assert time.perf_counter() - t0 < 0.9
+    assert h.wait(timeout=datetime.timedelta(seconds=5)) and h.is_completed()
 
 
 def _directions(rank, groups):

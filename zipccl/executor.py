@@ -12,6 +12,8 @@ import threading
 
 import torch
 
+from .errors import TimeoutError  # noqa: A004 - zipccl's, a subclass of the builtin
+
 __all__ = ["Handle", "run", "submit"]
 
 
@@ -23,8 +25,18 @@ class Handle:
 
     def __init__(self):
         self._future = torch.futures.Future()
+        self._done = threading.Event()
+        self._future.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout=None) -> bool:
+        """Wait for the call (and raise its error). ``timeout`` (seconds or a timedelta):
+        raise zipccl.errors.TimeoutError if the call has not finished by then; the call goes
+        on (the collectives underneath cannot be interrupted on one rank alone)."""
+        if timeout is not None:
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            if not self._done.wait(seconds):
+                raise TimeoutError(f"zipccl: the async call did not finish within {seconds:g} s "
+                                   "(it is still running; wait again, or rebuild the group)")
         self._future.wait()
         return True
 
