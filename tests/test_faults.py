@@ -266,3 +266,36 @@ def test_lossy_bad_input(pool):
     for rank, r in enumerate(res):
         if rank != CULPRIT:
             assert r[0] == "MismatchError" and f"[{CULPRIT}]" in r[1] and r[2] < BUDGET, (rank, r)
+
+
+# ---- hierarchical calls: a failure on one level, in one node, reaches every rank of the group ----------------
+
+def _hier_fault(rank, groups, collective, level, kind):
+    from test_hierarchical import emulated
+    with emulated("2x2"), pipeline("direct"):
+        codec = FaultyLossless(kind, 2) if rank == CULPRIT else FaultyLossless()
+        codecs = {"intra": "shm", "inter": codec} if level == "inter" else {"intra": codec, "inter": "lossless"}
+        x = torch.randn(400_000, generator=torch.Generator().manual_seed(rank))
+        t0 = time.perf_counter()
+        try:
+            if collective == "all_reduce":
+                zipccl.all_reduce(x, codec=codecs, algorithm="hierarchical")
+            else:
+                zipccl.all_gather(torch.empty(4 * x.numel()), x, codec=codecs, algorithm="hierarchical")
+            outcome = ("ok", None, None)
+        except Exception as e:  # noqa: BLE001
+            outcome = (type(e).__name__, getattr(e, "rank", None), getattr(e, "kind", None))
+        seconds = time.perf_counter() - t0
+        y = torch.randn(300_000, generator=torch.Generator().manual_seed(100 + rank))
+        expected = _gathered(y, 4).sum(0)
+        zipccl.all_reduce(y, codec="lossless", algorithm="flat")
+        return (*outcome, seconds, bool(torch.equal(y, expected)))
+
+
+@pytest.mark.parametrize("collective,level,kind", [("all_reduce", "inter", "encode"), ("all_reduce", "intra", "decode"),
+                                                   ("all_gather", "inter", "corrupt")])
+def test_hierarchical_fault_reaches_every_rank(pool, collective, level, kind):
+    res = pool.run(_hier_fault, collective, level, kind, timeout=120)
+    for rank, r in enumerate(res):
+        assert not isinstance(r, BaseException), (rank, r)
+        assert r[:3] == ("RankFailure", CULPRIT, kind) and r[3] < BUDGET and r[4], (rank, res)
