@@ -5,8 +5,9 @@ truncation, extension, header fields with the header CRC re-signed so that the
 change reaches the body, section sizes, code tables, block index entries,
 streams, top-k indices, splices of two packets) and decodes it. A case passes
 when the decoder raises FormatError, or returns a tensor of the header's numel
-and dtype, having written nothing outside ``out`` and allocated nothing beyond
-the bound it was given. Some cases must also decode to the original bits: a
+and dtype, having written nothing outside ``out`` (guard elements) and allocated
+nothing beyond the bound it was given (AllocGuard); packets lie against an
+inaccessible page (Fence), so that a read past one kills the process. Some cases must also decode to the original bits: a
 packet whose declared bytes are unchanged (only trailing bytes added), and a
 checksummed packet whose payload changed under an unchanged header (the payload
 CRC must catch it). The reference and Triton decoders' cases are decoded by numba
