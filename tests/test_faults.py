@@ -6,6 +6,8 @@ group must work afterwards (a correct all-reduce, checked against plain torch)."
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
 
 import pytest
@@ -152,9 +154,17 @@ CASES += [("all_reduce", f, "direct", k, p) for f in ("topk-gather", "topk-scatt
           for k in ("encode", "decode", "corrupt") for p in ("first", "last")]
 
 
+def _log(case, seconds) -> None:
+    """With ZIPCCL_FAULT_LOG=FILE, each case's slowest time to error goes there (docs/RELIABILITY.md)."""
+    if os.environ.get("ZIPCCL_FAULT_LOG"):
+        with open(os.environ["ZIPCCL_FAULT_LOG"], "a") as f:
+            f.write(json.dumps(dict(case=case, seconds=max(seconds))) + "\n")
+
+
 @pytest.mark.parametrize("collective,family,algorithm,kind,phase", CASES)
 def test_fault_reaches_every_rank(pool, collective, family, algorithm, kind, phase):
     res = pool.run(_fault, collective, family, algorithm, kind, phase, timeout=120)
+    _log([collective, family, algorithm, kind, phase], [r[3] for r in res if isinstance(r, tuple)])
     for rank, r in enumerate(res):
         assert not isinstance(r, BaseException), (rank, r)
         err, failing, what, seconds, message, usable, count = r
@@ -296,6 +306,7 @@ def _hier_fault(rank, groups, collective, level, kind):
                                                    ("all_gather", "inter", "corrupt")])
 def test_hierarchical_fault_reaches_every_rank(pool, collective, level, kind):
     res = pool.run(_hier_fault, collective, level, kind, timeout=120)
+    _log([collective, "hierarchical", level, kind], [r[3] for r in res if isinstance(r, tuple)])
     for rank, r in enumerate(res):
         assert not isinstance(r, BaseException), (rank, r)
         assert r[:3] == ("RankFailure", CULPRIT, kind) and r[3] < BUDGET and r[4], (rank, res)

@@ -213,8 +213,8 @@ class Call:
         mine = torch.tensor([status, *self.values, *slots, *sizes], dtype=torch.int64)
         rows = mine.repeat(t.size, 1)
         peers = [j for j in _peers(t) if fate.alive(t, j)]
-        sends = [(j, t.isend(mine, j, _TAG_META)) for j in peers]
-        recvs = [(j, t.irecv(rows[j], j, _TAG_META)) for j in peers]
+        sends = [(j, fate.send(t, mine, j, _TAG_META)) for j in peers]
+        recvs = [(j, fate.recv(t, rows[j], j, _TAG_META)) for j in peers]
 
         def finish() -> torch.Tensor:
             for j, w in recvs:  # a lost peer's row stays a copy of this rank's: the call goes on poisoned
@@ -269,8 +269,8 @@ class _SizeMail:
         self.out = torch.tensor(values, dtype=torch.int64)  # values[j] goes to rank j (alive until sent)
         self.got = torch.zeros(t.size, dtype=torch.int64)
         peers = [j for j in _peers(t) if fate.alive(t, j)]
-        self.sends = [(j, t.isend(self.out[j:j + 1], j, tag)) for j in peers]
-        self.recvs = {j: t.irecv(self.got[j:j + 1], j, tag) for j in peers}
+        self.sends = [(j, fate.send(t, self.out[j:j + 1], j, tag)) for j in peers]
+        self.recvs = {j: fate.recv(t, self.got[j:j + 1], j, tag) for j in peers}
         acc["meta_bytes"] += 8 * len(peers)
 
     def get(self, src: int) -> int | None:
@@ -324,7 +324,7 @@ def _send(t, packets, mail: _SizeMail, tag: int, acc: dict, device) -> list:
         if fate.alive(t, j):
             packet = stand_in if stand_in is not None else packets if isinstance(packets, torch.Tensor) \
                 else packets[j]
-            sends.append((j, t.isend(packet, j, tag)))
+            sends.append((j, fate.send(t, packet, j, tag)))
             acc["wire_bytes"] += packet.numel()
     return sends
 
@@ -497,7 +497,7 @@ def _post_recvs(t, fate: Fate, nbytes: int, tag: int, device) -> dict:
     for j in _peers(t):
         if fate.alive(t, j):
             buf = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
-            recvs[j] = buf, t.irecv(buf, j, tag)
+            recvs[j] = buf, fate.recv(t, buf, j, tag)
     return recvs
 
 
@@ -561,10 +561,10 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, fate: Fate
             size_in = torch.empty(1, dtype=torch.int64, device=chunks.device)
             sends = []
             if fate.alive(t, nxt):  # the size, then the packet if there is one; both alive until waited
-                sends = [t.isend(size_out, nxt, _TAG_SIZE)] + ([t.isend(packet, nxt, _TAG_DATA)] if packet is not None
+                sends = [fate.send(t, size_out, nxt, _TAG_SIZE)] + ([fate.send(t, packet, nxt, _TAG_DATA)] if packet is not None
                                                                else [])
                 acc["wire_bytes"] += packet.numel() if packet is not None else 0
-            got_size = t.irecv(size_in, prv, _TAG_SIZE) if fate.alive(t, prv) else None
+            got_size = fate.recv(t, size_in, prv, _TAG_SIZE) if fate.alive(t, prv) else None
             acc["meta_bytes"] += 8
             acc["raw_bytes"] += (b - a) * itemsize
             yield
@@ -578,7 +578,7 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, fate: Fate
                         fate.fail(SIZE, FormatError(f"rank {t.global_rank(prv)} announced a packet of {size} bytes, "
                                                     f"above the codec's bound of {bound}"), rank=t.global_rank(prv))
                     recv = torch.empty(min(size, bound), dtype=torch.uint8, device=chunks.device)
-                    got = t.irecv(recv, prv, _TAG_DATA)
+                    got = fate.recv(t, recv, prv, _TAG_DATA)
             yield
             landed = timed(acc, "comm_seconds", fate.wait, t, got, prv)
             for w in sends:

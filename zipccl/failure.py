@@ -121,9 +121,25 @@ class Fate:
         """A collective operation on ``t``'s group failed (peer unknown): the group is unusable."""
         return (id(t), -1) in self.lost
 
+    def send(self, t, tensor, peer: int, tag: int):
+        """``t.isend``, or None with the peer lost where posting fails (a connection closed)."""
+        try:
+            return t.isend(tensor, peer, tag)
+        except RuntimeError as e:
+            self.lose(t, peer, e)
+            return None
+
+    def recv(self, t, tensor, peer: int, tag: int):
+        """``t.irecv``, or None with the peer lost where posting fails."""
+        try:
+            return t.irecv(tensor, peer, tag)
+        except RuntimeError as e:
+            self.lose(t, peer, e)
+            return None
+
     def wait(self, t, work, peer: int) -> bool:
         """Wait for ``work`` with ``peer``; False (and the peer lost) if it failed or timed out."""
-        if work is None:
+        if work is None or not self.alive(t, peer):  # a lost peer's other operations are not waited for
             return False
         try:
             t.wait(work)
@@ -139,8 +155,8 @@ class Fate:
             mine = torch.tensor([self.code], dtype=torch.int64)
             got = torch.zeros(t.size, dtype=torch.int64)
             peers = [j for j in range(t.size) if j != t.rank and self.alive(t, j)]
-            sends = [(j, t.isend(mine, j, TAG_STATUS)) for j in peers]
-            recvs = [(j, t.irecv(got[j:j + 1], j, TAG_STATUS)) for j in peers]
+            sends = [(j, self.send(t, mine, j, TAG_STATUS)) for j in peers]
+            recvs = [(j, self.recv(t, got[j:j + 1], j, TAG_STATUS)) for j in peers]
             for j, w in recvs:
                 if self.wait(t, w, j) and int(got[j]):
                     self.heard(int(got[j]))
