@@ -16,15 +16,16 @@ Each phase moves in pipeline pieces, several in flight: a piece's packets are
 posted before the previous piece is awaited, so the links never wait for a
 piece boundary, and the codec works on one piece while others are on the wire.
 
-Before any payload moves, the ranks all-gather one small int64 vector: an error
-flag, the call's signature (collective, dtype, numel, op, codec, algorithm),
-this rank's time of the group's previous "auto" call (which zipccl.auto learns
-from, the same way on every rank) and the first piece's packet sizes. A rank
-whose call is invalid, or ranks that disagree, make every rank raise
-(MismatchError, or the local error on the offending rank) instead of hanging in
-a mismatched collective. Later pipeline
-pieces send their sizes pairwise (_SizeMail): an all-gather in mid-pipeline
-waits for the slowest rank and, on a shaped link, behind queued bulk data.
+Before any payload moves, the ranks exchange one small int64 vector, pairwise: a status
+(0, an invalid call, or a failure's poison code), the call's signature (collective, dtype,
+numel, op, codec, algorithm), this rank's times of the group's earlier "auto" calls (which
+zipccl.auto learns from, the same way on every rank) and the first piece's packet sizes. A
+rank whose call is invalid, or ranks that disagree, make every rank raise (MismatchError, or
+the local error on the offending rank) instead of hanging in a mismatched collective. Later
+pipeline pieces send their sizes pairwise (_SizeMail): an all-gather in mid-pipeline would
+wait for the slowest rank and, on a shaped link, behind queued bulk data. A failure in
+mid-call goes on poisoned to the end of the schedule and a status round ends the call, so
+that every rank raises RankFailure (zipccl.failure).
 """
 
 from __future__ import annotations
@@ -561,8 +562,9 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, fate: Fate
             size_in = torch.empty(1, dtype=torch.int64, device=chunks.device)
             sends = []
             if fate.alive(t, nxt):  # the size, then the packet if there is one; both alive until waited
-                sends = [fate.send(t, size_out, nxt, _TAG_SIZE)] + ([fate.send(t, packet, nxt, _TAG_DATA)] if packet is not None
-                                                               else [])
+                sends = [fate.send(t, size_out, nxt, _TAG_SIZE)]
+                if packet is not None:
+                    sends.append(fate.send(t, packet, nxt, _TAG_DATA))
                 acc["wire_bytes"] += packet.numel() if packet is not None else 0
             got_size = fate.recv(t, size_in, prv, _TAG_SIZE) if fate.alive(t, prv) else None
             acc["meta_bytes"] += 8

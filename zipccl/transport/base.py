@@ -1,13 +1,12 @@
 """The Transport interface: the only operations zipccl's algorithms need.
 
 Payloads are 1-D ``torch.uint8`` tensors (NCCL and cupyx lack bfloat16 in some
-paths, gloo rejects float8); metadata are small int64 vectors.
+paths, gloo rejects float8); metadata are small int64 vectors, exchanged pairwise.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import torch
 
@@ -18,13 +17,14 @@ class Transport(ABC):
     rank: int
     size: int
 
-    @abstractmethod
-    def start_exchange(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Start all-gathering a small int64 vector; the returned function waits and returns
-        (size, len(meta)), row r from rank r."""
+    def global_rank(self, rank: int) -> int:
+        """The job's rank of this group's ``rank`` (errors name ranks of the job)."""
+        return rank
 
-    def exchange(self, meta: torch.Tensor) -> torch.Tensor:
-        return self.start_exchange(meta)()
+    def wait(self, work) -> None:
+        """Wait for a handle that ``isend``, ``irecv`` or a collective returned (a transport may
+        bound the wait: zipccl.failure counts a peer whose operation fails or times out as lost)."""
+        work.wait()
 
     @abstractmethod
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:

@@ -68,7 +68,6 @@ class TorchTransport(Transport):
         self._timeout = None if config.TIMEOUT is None else datetime.timedelta(seconds=config.TIMEOUT)
 
     def global_rank(self, rank: int) -> int:
-        """The job's rank of this group's ``rank`` (errors name ranks of the job)."""
         return self._ranks[rank]
 
     def wait(self, work) -> None:
@@ -85,16 +84,6 @@ class TorchTransport(Transport):
     def _lane(self, src: int, dst: int):
         """The group that carries payloads from group rank ``src`` to ``dst``."""
         return self._upward if self._upward is not None and src < dst else self.group
-
-    def start_exchange(self, meta: torch.Tensor):
-        meta = meta.to(self.meta_device, torch.int64)
-        out = torch.empty(self.size * meta.numel(), dtype=torch.int64, device=self.meta_device)
-        work = dist.all_gather_single(out, meta, group=self.group, async_op=True)
-
-        def wait() -> torch.Tensor:
-            self.wait(work)
-            return out.reshape(self.size, -1).cpu()
-        return wait
 
     def all_to_all(self, send, send_splits, recv_splits):
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
