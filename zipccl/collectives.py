@@ -704,8 +704,8 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict, 
         packet = timed(acc, "codec_seconds", fate.guard, ENCODE, lambda: codec.encode_selected(*selected, flat.numel()))
         parts = _sparse_all_gather(t, packet, call, acc, fate)
         t0 = time.perf_counter()
-        _validate(t, fate, parts, codec, flat.numel())
-        fate.guard(DECODE, _sum_gathered, parts, codec, flat, op, t.size)
+        headers = _validate(t, fate, parts, codec, flat.numel())
+        fate.guard(DECODE, _sum_gathered, parts, headers, codec, flat, op, t.size)
         acc["codec_seconds"] += time.perf_counter() - t0
         return
     # scatter: each owner reduces its chunk, then everyone gathers the reduced chunks
@@ -755,23 +755,25 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict, 
     timed(acc, "codec_seconds", fate.guard, DECODE, unpack, gathered)
 
 
-def _validate(t, fate: Fate, parts: list, codec, max_numel: int) -> None:
-    """Check every rank's packet header (``codec.header``, or the common header where None),
-    and that it claims at most ``max_numel`` elements; one that fails is blamed on its sender
-    (zipccl.failure)."""
+def _validate(t, fate: Fate, parts: list, codec, max_numel: int) -> list:
+    """Every rank's packet header (``codec.header``, or the common header where None), checked
+    to claim at most ``max_numel`` elements; one that fails is blamed on its sender
+    (zipccl.failure) and is None in the list."""
     def common(p, bound):
         h = F.parse_header(host_bytes(p, 0, F.HEADER_SIZE).tobytes(), None, p.numel())
         if h.numel > bound:
             raise FormatError(f"packet claims {h.numel} elements, more than the {bound} expected")
-    for j, part in enumerate(parts):
-        fate.decode(t, j, codec.header if codec is not None else common, part, max_numel)
+        return h
+    return [fate.decode(t, j, codec.header if codec is not None else common, part, max_numel)
+            for j, part in enumerate(parts)]
 
 
-def _sum_gathered(parts, codec, flat: torch.Tensor, op, n: int) -> None:
-    """flat = the sum of every rank's top-k packet (``parts``, in rank order), AVG divided."""
-    values_dtype = codec.header(parts[0]).dtype
+def _sum_gathered(parts, headers, codec, flat: torch.Tensor, op, n: int) -> None:
+    """flat = the sum of every rank's top-k packet (``parts``, in rank order, with their
+    validated ``headers``), AVG divided."""
+    values_dtype = headers[0].dtype
     if flat.device.type == "cpu" and flat.dtype in sparse.DTYPES and values_dtype in sparse.DTYPES:
-        if any((h.dtype, h.numel) != (values_dtype, flat.numel()) for h in map(codec.header, parts)):
+        if any((h.dtype, h.numel) != (values_dtype, flat.numel()) for h in headers):
             raise MismatchError("top-k packets of the ranks differ in dtype or element count")
         sparse.sum_pairs_into(parts, values_dtype, _OPS[op] == 2, n, flat)  # one pass, no fp32 copy
     else:

@@ -123,16 +123,15 @@ class Fate:
 
     def send(self, t, tensor, peer: int, tag: int):
         """``t.isend``, or None with the peer lost where posting fails (a connection closed)."""
-        try:
-            return t.isend(tensor, peer, tag)
-        except RuntimeError as e:
-            self.lose(t, peer, e)
-            return None
+        return self._post(t, t.isend, tensor, peer, tag)
 
     def recv(self, t, tensor, peer: int, tag: int):
         """``t.irecv``, or None with the peer lost where posting fails."""
+        return self._post(t, t.irecv, tensor, peer, tag)
+
+    def _post(self, t, post, tensor, peer: int, tag: int):
         try:
-            return t.irecv(tensor, peer, tag)
+            return post(tensor, peer, tag)
         except RuntimeError as e:
             self.lose(t, peer, e)
             return None
