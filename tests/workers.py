@@ -20,13 +20,16 @@ import torch.multiprocessing as mp
 from zipccl.launch import free_port
 
 
-def _serve(rank: int, nranks: int, port: int, tasks, results) -> None:
+def _serve(rank: int, nranks: int, port: int, tasks, results, backend: str, more_groups) -> None:
     import torch
     import torch.distributed as dist
+    import zipccl  # noqa: F401 - registers the "zipccl" backend
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=nranks, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(backend, rank=rank, world_size=nranks, timeout=datetime.timedelta(seconds=60))
     groups = {nranks: dist.group.WORLD, 2: dist.new_group([0, 1])}
+    if more_groups is not None:
+        groups.update(more_groups(nranks))
     results.put((rank, "ready"))
     while True:
         task = tasks.get()
@@ -42,13 +45,16 @@ def _serve(rank: int, nranks: int, port: int, tasks, results) -> None:
 
 
 class Pool:
-    def __init__(self, nranks: int = 4, start_timeout: float = 120.0):
+    """``backend``: the world's; ``more_groups(nranks)``: an importable function that every rank
+    calls after the default groups are made, returning more named groups."""
+
+    def __init__(self, nranks: int = 4, start_timeout: float = 120.0, backend: str = "gloo", more_groups=None):
         ctx = mp.get_context("spawn")
         self.nranks = nranks
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(nranks)]
         port = free_port()
-        self.procs = [ctx.Process(target=_serve, args=(r, nranks, port, self.tasks[r], self.results), daemon=True)
+        self.procs = [ctx.Process(target=_serve, args=(r, nranks, port, self.tasks[r], self.results, backend, more_groups), daemon=True)
                       for r in range(nranks)]
         for p in self.procs:
             p.start()

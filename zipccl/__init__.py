@@ -4,8 +4,11 @@ from .errors import FormatError, MismatchError, RankFailure, UnsupportedError, Z
 from . import codecs
 from .api import all_gather, all_reduce, reduce_scatter
 from . import topology
+from . import backend
 from .stats import reset_stats, stats
 
+backend.register()  # dist.init_process_group(backend="zipccl")
+
 __version__ = "0.1.0"
-__all__ = ["ZipcclError", "FormatError", "MismatchError", "UnsupportedError", "RankFailure", "codecs", "topology",
+__all__ = ["ZipcclError", "FormatError", "MismatchError", "UnsupportedError", "RankFailure", "codecs", "topology", "backend",
            "all_reduce", "reduce_scatter", "all_gather", "stats", "reset_stats"]

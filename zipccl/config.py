@@ -93,3 +93,10 @@ def _seconds(name: str) -> float | None:
 #: (zipccl.failure): every rank then raises RankFailure and the group must be rebuilt.
 #: Unset: the process group's own timeout.
 TIMEOUT = _seconds("ZIPCCL_TIMEOUT")
+
+
+#: The codec policy of the drop-in backend (``init_process_group(backend="zipccl")``, whose
+#: ``zipccl.backend.Options(codec=...)`` takes precedence): "auto" (default: the backend's own
+#: collective wherever compression cannot pay), or "raw", "lossless", "native" for every float
+#: tensor it takes, however small (a test suite can force lossless everywhere).
+CODEC = _choice("ZIPCCL_CODEC", "auto", ("auto", "native", "raw", "lossless"))

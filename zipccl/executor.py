@@ -49,6 +49,8 @@ class Handle:
 
 _queue: queue.Queue | None = None
 _queue_lock = threading.Lock()
+_worker_thread: threading.Thread | None = None
+_last: Handle | None = None  # the async call issued last
 
 
 def _worker(q: queue.Queue) -> None:
@@ -68,15 +70,21 @@ def submit(fn) -> Handle:
 
 
 def run(fn, async_op: bool):
-    """``fn()`` now (returns None), or queued behind earlier async calls (returns a Handle)."""
+    """``fn()`` on this thread once the async calls issued before it have finished (returns
+    None; their errors stay with their handles), or queued behind them (returns a Handle)."""
+    global _queue, _worker_thread, _last
     if not async_op:
+        last = _last
+        if last is not None and threading.current_thread() is not _worker_thread:
+            last._done.wait()  # the collectives underneath must run in the order of issue
         fn()
         return None
-    global _queue
     with _queue_lock:
         if _queue is None:
             _queue = queue.Queue()
-            threading.Thread(target=_worker, args=(_queue,), daemon=True, name="zipccl-async").start()
-    handle = Handle()
-    _queue.put((fn, handle))
+            _worker_thread = threading.Thread(target=_worker, args=(_queue,), daemon=True, name="zipccl-async")
+            _worker_thread.start()
+        handle = Handle()
+        _last = handle
+        _queue.put((fn, handle))
     return handle

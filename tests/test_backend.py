@@ -1,0 +1,371 @@
+"""The drop-in backend (zipccl.backend): dist.* calls on backend="zipccl" against independent
+references: plain torch on the inputs gathered over a separate gloo group, and gloo's own
+result on that group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from workers import Pool
+
+R = dist.ReduceOp
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OPS = ("SUM", "AVG", "MAX", "MIN", "PREMUL_SUM")
+
+
+def zipccl_groups(nranks: int) -> dict:
+    """Groups of every world made on every rank of the zipccl pool: one per codec policy, and
+    plain gloo over the same ranks (the reference's)."""
+    from zipccl.backend import Options
+    ranks = list(range(nranks))
+    out = {c: dist.new_group(ranks, backend="zipccl", pg_options=Options(codec=c))
+           for c in ("raw", "lossless", "native")}
+    out["gloo"] = dist.new_group(ranks, backend="gloo")
+    return out
+
+
+@pytest.fixture(scope="module")
+def zpool():
+    pool = Pool(4, backend="zipccl", more_groups=zipccl_groups)
+    yield lambda: pool
+    pool.close()
+
+
+def _op(name: str, factor: float = 0.375):
+    if name == "PREMUL_SUM":
+        return dist._make_nccl_premul_sum(factor)
+    return getattr(R, name)
+
+
+def _data(rank: int, n: int, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return (torch.randn(n, generator=g) * (rank + 1)).to(dtype)
+
+
+def _gathered(x: torch.Tensor, gloo) -> list[torch.Tensor]:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(gloo))]
+    dist.all_gather(parts, x.contiguous(), group=gloo)
+    return parts
+
+
+def _reference(parts: list[torch.Tensor], op: str, factor: float = 0.375) -> torch.Tensor:
+    """zipccl's documented reduction, in plain torch: rank order, fp32 accumulation, rounded
+    once; PREMUL_SUM multiplies each input in its dtype first; AVG divides the fp32 sum."""
+    if op in ("MAX", "MIN"):
+        out = parts[0]
+        for p in parts[1:]:
+            out = torch.maximum(out, p) if op == "MAX" else torch.minimum(out, p)
+        return out
+    if op == "PREMUL_SUM":
+        parts = [p * factor for p in parts]
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    if op == "AVG":
+        acc = acc / len(parts)
+    return acc.to(parts[0].dtype)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32)
+
+
+def _every_override(rank, groups, codec, n):
+    """Every override, dtype and op on the ``codec`` group; the mismatches with the reference."""
+    import zipccl
+    g, gloo, size = groups[codec], groups["gloo"], dist.get_world_size()
+    bad, seed = [], 0
+    zipccl.reset_stats()
+    for dtype in DTYPES:
+        for op in OPS:
+            seed += 1
+            x = _data(rank, n, dtype, seed)
+            parts = _gathered(x, gloo)
+            want = _reference(parts, op)
+            # all_reduce, in place
+            y = x.clone()
+            dist.all_reduce(y, op=_op(op), group=g)
+            if not torch.equal(_bits(y), _bits(want)):
+                bad.append(("all_reduce", dtype, op))
+            # all_reduce_coalesced: two tensors, one call
+            a, b = x[: n // 3].clone(), x[n // 3:].clone()
+            dist.all_reduce_coalesced([a, b], op=_op(op), group=g)
+            if not torch.equal(_bits(torch.cat([a, b])), _bits(want)):
+                bad.append(("all_reduce_coalesced", dtype, op))
+            # reduce_scatter_tensor: chunk `rank` of the reduction
+            m = n // size
+            out = torch.empty(m, dtype=dtype)
+            dist.reduce_scatter_tensor(out, x[: m * size].clone(), op=_op(op), group=g)
+            if not torch.equal(_bits(out), _bits(want[rank * m:(rank + 1) * m])):
+                bad.append(("reduce_scatter_tensor", dtype, op))
+            # reduce_scatter, list form
+            out2 = torch.empty(m, dtype=dtype)
+            dist.reduce_scatter(out2, list(x[: m * size].clone().view(size, m).unbind()), op=_op(op), group=g)
+            if not torch.equal(_bits(out2), _bits(want[rank * m:(rank + 1) * m])):
+                bad.append(("reduce_scatter", dtype, op))
+        x = _data(rank, n, dtype, 99)
+        parts = _gathered(x, gloo)
+        out = torch.empty(n * size, dtype=dtype)
+        dist.all_gather_into_tensor(out, x, group=g)
+        if not torch.equal(_bits(out), _bits(torch.cat(parts))):
+            bad.append(("all_gather_into_tensor", dtype))
+        lst = [torch.empty(n, dtype=dtype) for _ in range(size)]
+        dist.all_gather(lst, x, group=g)
+        if not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(lst, parts)):
+            bad.append(("all_gather", dtype))
+    return bad, {k: v["calls"] for k, v in zipccl.stats().items() if k not in ("total", "last")}
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless"])
+def test_every_override_matches_plain_torch(zpool, codec):
+    out = zpool().run(_every_override, codec, 3000, timeout=300)
+    for rank, value in enumerate(out):
+        assert not isinstance(value, BaseException), f"rank {rank}: {value!r}"
+        bad, calls = value
+        assert bad == [], f"rank {rank}: results differ from plain torch in {bad}"
+        # each compressed call reached zipccl (the all-reduce counts include nothing else)
+        assert calls["all_reduce"] == 2 * len(DTYPES) * len(OPS), calls
+        assert calls["reduce_scatter"] == 2 * len(DTYPES) * len(OPS), calls
+        assert calls["all_gather"] == 2 * len(DTYPES), calls
+
+
+def _like_gloo(rank, groups, codec):
+    """auto (small calls: the backend's collective) and native: gloo's own bits."""
+    g, gloo, size = groups[codec], groups["gloo"], dist.get_world_size()
+    bad = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for op in ("SUM", "MAX", "MIN"):
+            x = _data(rank, 5000, dtype, 7)
+            y, z = x.clone(), x.clone()
+            dist.all_reduce(y, op=_op(op), group=g)
+            dist.all_reduce(z, op=_op(op), group=gloo)
+            if not torch.equal(_bits(y), _bits(z)):
+                bad.append(("all_reduce", dtype, op))
+            out, ref = torch.empty(5000 // size * size // size, dtype=dtype), None
+            ref = torch.empty_like(out)
+            dist.reduce_scatter_tensor(out, x[: out.numel() * size], op=_op(op), group=g)
+            dist.reduce_scatter_tensor(ref, x[: out.numel() * size], op=_op(op), group=gloo)
+            if not torch.equal(_bits(out), _bits(ref)):
+                bad.append(("reduce_scatter_tensor", dtype, op))
+    return bad
+
+
+@pytest.mark.parametrize("codec", [4, "native"])  # 4: the zipccl world, ZIPCCL_CODEC unset ("auto")
+def test_auto_and_native_give_gloos_bits(zpool, codec):
+    out = zpool().run(_like_gloo, codec, timeout=120)
+    for rank, value in enumerate(out):
+        assert value == [], f"rank {rank}: {value!r}"
+
+
+def _passthrough(rank, groups):
+    """Calls zipccl does not compress, on the zipccl world and on gloo: the same results."""
+    size, gloo = dist.get_world_size(), groups["gloo"]
+    results = {}
+    for label, g in (("zipccl", None), ("gloo", gloo)):
+        r = {}
+        x = torch.arange(12, dtype=torch.int64) * (rank + 1)
+        dist.all_reduce(x, group=g)
+        r["int_sum"] = x.tolist()
+        x = torch.full((5,), 1.0 + rank)
+        dist.all_reduce(x, op=R.PRODUCT, group=g)
+        r["product"] = x.tolist()
+        x = torch.tensor([0b1100 | rank], dtype=torch.int32)
+        dist.all_reduce(x, op=R.BOR, group=g)
+        r["bor"] = x.tolist()
+        x = torch.tensor([1 + 1j * rank], dtype=torch.complex64)
+        dist.all_reduce(x, group=g)
+        r["complex"] = [x.real.item(), x.imag.item()]
+        x = torch.tensor([rank * 10.0])
+        dist.broadcast(x, src=1, group=g)
+        r["broadcast"] = x.item()
+        outs = [torch.empty(2, dtype=torch.int64) for _ in range(size)]
+        dist.all_gather(outs, torch.tensor([rank, -rank]), group=g)
+        r["all_gather_int"] = [o.tolist() for o in outs]
+        a2a = torch.empty(size, dtype=torch.int64)
+        dist.all_to_all_single(a2a, torch.arange(size) + 100 * rank, group=g)
+        r["all_to_all"] = a2a.tolist()
+        x = torch.tensor([float(rank)])
+        dist.reduce(x, dst=0, group=g)
+        r["reduce"] = x.item() if rank == 0 else None
+        gathered = [torch.empty(1) for _ in range(size)] if rank == 0 else None
+        dist.gather(torch.tensor([rank + 0.5]), gathered, dst=0, group=g)
+        r["gather"] = [t.item() for t in gathered] if rank == 0 else None
+        sc = torch.empty(1)
+        dist.scatter(sc, [torch.tensor([j * 2.0]) for j in range(size)] if rank == 0 else None, src=0, group=g)
+        r["scatter"] = sc.item()
+        if rank < 2:
+            t = torch.tensor([rank + 7.0])
+            (dist.send(t, dst=1, group=g) if rank == 0 else dist.recv(t, src=0, group=g))
+            r["p2p"] = t.item()
+        objs = [None] * size
+        dist.all_gather_object(objs, {"rank": rank}, group=g)
+        r["objects"] = objs
+        dist.barrier(group=g)
+        results[label] = r
+    return results["zipccl"], results["gloo"], dist.get_backend(), dist.group.WORLD.getBackendName()
+
+
+def test_other_calls_pass_through_unchanged(zpool):
+    out = zpool().run(_passthrough, timeout=120)
+    for rank, value in enumerate(out):
+        assert not isinstance(value, BaseException), f"rank {rank}: {value!r}"
+        z, g, backend, name = value
+        assert z == g, f"rank {rank}"
+        assert backend == "zipccl" and name == "zipccl"
+    assert out[0][0]["int_sum"] == [10 * i for i in range(12)]  # 1+2+3+4 times each element
+
+
+def _async(rank, groups):
+    import zipccl
+    g = groups["lossless"]
+    xs = [_data(rank, 4000 + 17 * i, torch.bfloat16, i) for i in range(4)]
+    wants = [_reference(_gathered(x, groups["gloo"]), "SUM") for x in xs]
+    zipccl.reset_stats()
+    works = [dist.all_reduce(x, group=g, async_op=True) for x in xs]
+    sync = _data(rank, 999, torch.float32, 50)  # a sync call after them runs after them
+    want_sync = _reference(_gathered(sync, groups["gloo"]), "SUM")
+    dist.all_reduce(sync, group=g)
+    done = [w.is_completed() for w in works]
+    futures_ok = all(w.get_future().value()[0] is x for w, x in zip(works, xs))
+    for w in works:
+        w.wait()
+    same = [torch.equal(_bits(x), _bits(w)) for x, w in zip(xs, wants)]
+    return done, futures_ok, same, torch.equal(sync, want_sync), zipccl.stats()["all_reduce"]["calls"]
+
+
+def test_async_work_is_torchs(zpool):
+    for rank, value in enumerate(zpool().run(_async, timeout=120)):
+        assert not isinstance(value, BaseException), f"rank {rank}: {value!r}"
+        done, futures_ok, same, sync_ok, calls = value
+        assert done == [True] * 4, "a sync call must run after the async calls issued before it"
+        assert futures_ok and same == [True] * 4 and sync_ok
+        assert calls == 5
+
+
+def _mismatch(rank, groups):
+    x = torch.ones(1000 + (rank == 2) * 8, dtype=torch.bfloat16)
+    try:
+        dist.all_reduce(x, group=groups["lossless"])
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_errors_raise_on_every_rank(zpool):
+    out = zpool().run(_mismatch, timeout=120)
+    for rank, value in enumerate(out):
+        assert value is not None, f"rank {rank} did not raise"
+        assert "MismatchError" in value[0] + value[1] or "numel" in value[1], value
+    # and the group still works afterwards
+    for rank, value in enumerate(zpool().run(_like_gloo, "native", timeout=120)):
+        assert value == [], f"rank {rank}: {value!r}"
+
+
+def test_options_are_checked():
+    from zipccl.backend import Options
+    with pytest.raises(ValueError, match="codec"):
+        Options(codec="zstd")
+    with pytest.raises(ValueError, match="lossy"):
+        Options(lossy="yes")
+    with pytest.raises(ValueError, match="algorithm"):
+        Options(algorithm="tree")
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                               torch.nn.GELU(), torch.nn.Linear(256, 8))
+
+
+def _train(rank, model, steps: int, params=None) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(params if params is not None else model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(steps):
+        x = torch.randn(16, 32, generator=g)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _ddp(rank, groups, codec, steps):
+    import zipccl
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    zipccl.reset_stats()
+    ddp = DDP(_model(), process_group=groups[codec])
+    _train(rank, ddp, steps)
+    calls = zipccl.stats().get("all_reduce", {}).get("calls", 0)
+    return [p.detach().clone() for p in ddp.module.parameters()], calls
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+
+
+def test_ddp_trains_bit_identically_lossless_and_raw(zpool):
+    pool = zpool()
+    runs = {c: pool.run(_ddp, c, 100, timeout=300) for c in ("lossless", "raw", "gloo")}
+    for c, out in runs.items():
+        for rank, value in enumerate(out):
+            assert not isinstance(value, BaseException), f"{c} rank {rank}: {value!r}"
+    for rank in range(4):
+        lossless, raw, gloo = (runs[c][rank][0] for c in ("lossless", "raw", "gloo"))
+        assert _same(lossless, raw), f"rank {rank}: lossless and raw DDP differ"
+        assert _same(lossless, runs["lossless"][0][0]), f"rank {rank} differs from rank 0"
+        for a, b in zip(lossless, gloo):  # gloo sums in another order: the last bits differ
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert runs["lossless"][0][1] >= 100 and runs["raw"][0][1] >= 100  # every bucket went through zipccl
+    assert runs["gloo"][0][1] == 0
+
+
+def _fsdp(rank, groups, codec, steps, hsdp):
+    import zipccl
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    zipccl.reset_stats()
+    if hsdp:  # 2 replicas x 2 shards, the groups made by DeviceMesh on the default backend
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = DeviceMesh.from_group(groups[codec], "cpu")
+    model = _model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _train(rank, model, steps)
+    s = zipccl.stats()
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return full, {k: s.get(k, {}).get("calls", 0) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+
+
+def test_fsdp2_trains_bit_identically_lossless_and_raw(zpool):
+    pool = zpool()
+    runs = {c: pool.run(_fsdp, c, 30, False, timeout=300) for c in ("lossless", "raw", "gloo")}
+    for c, out in runs.items():
+        for rank, value in enumerate(out):
+            assert not isinstance(value, BaseException), f"{c} rank {rank}: {value!r}"
+    for rank in range(4):
+        lossless, raw, gloo = (runs[c][rank][0] for c in ("lossless", "raw", "gloo"))
+        assert _same(lossless, raw), f"rank {rank}: lossless and raw FSDP2 differ"
+        assert _same(lossless, runs["lossless"][0][0])
+        for a, b in zip(lossless, gloo):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    calls = runs["lossless"][0][1]
+    assert calls["all_gather"] >= 30 * 2 and calls["reduce_scatter"] >= 30, calls
+    assert runs["gloo"][0][1] == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+
+
+def test_hsdp_on_a_2d_device_mesh(zpool):
+    """HSDP over init_device_mesh on the zipccl world (ZIPCCL_CODEC unset: auto): the mesh's
+    groups are zipccl's, results match plain FSDP2 on gloo within summation order."""
+    pool = zpool()
+    hsdp = pool.run(_fsdp, "gloo", 10, True, timeout=300)
+    flat = pool.run(_fsdp, "gloo", 10, False, timeout=300)
+    for rank in range(4):
+        assert not isinstance(hsdp[rank], BaseException), f"rank {rank}: {hsdp[rank]!r}"
+        for a, b in zip(hsdp[rank][0], flat[rank][0]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        calls = hsdp[rank][1]
+        assert calls["all_gather"] > 0 and calls["reduce_scatter"] > 0 and calls["all_reduce"] > 0, calls

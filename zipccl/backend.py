@@ -1,0 +1,389 @@
+"""The drop-in backend: ``dist.init_process_group(backend="zipccl")``.
+
+One word in the user's code, and every ``dist.all_reduce``, ``all_gather_into_tensor``,
+``reduce_scatter_tensor`` (and DDP, FSDP2, HSDP, DeviceMesh, which call them) goes through
+zipccl's planner, while every other call passes straight to the backend underneath.
+
+``ProcessGroupZipccl`` is a ``torch.distributed.ProcessGroup`` with gloo registered on it as
+its backend for CPU tensors (NCCL for CUDA tensors where torch has it): whatever the class
+does not override (broadcast, send, recv, all_to_all, barrier, gather, scatter, ...) is
+gloo's, unchanged. It overrides the collectives zipccl compresses (``allreduce``,
+``allreduce_coalesced``, ``all_gather_single``, ``reduce_scatter_single``, the list forms
+``allgather`` and ``reduce_scatter`` and their coalesced variants) and routes a call to zipccl
+when zipccl can take it: a dense CPU bf16/fp16/fp32 tensor reduced with SUM, AVG, MAX, MIN or
+PREMUL_SUM (the factor applied, then SUM). Everything else (integer, complex and sparse
+tensors, PRODUCT and bitwise ops, CUDA tensors until zipccl's NCCL transport takes them) goes
+to the inner backend. zipccl's own traffic runs on the same group: its point-to-point and
+all-to-all calls are not overridden, and the collectives it issues from inside a call (the
+backend's collective chosen by the planner, its metadata) are marked by a thread-local flag
+and go to the inner backend, never back into zipccl.
+
+The codec policy: ``Options(codec=...)`` through ``pg_options``, else ``ZIPCCL_CODEC``
+(``auto``, the default: the backend's own collective wherever compression cannot pay, so the
+drop-in never makes a job slower; ``raw``, ``lossless`` or ``native`` force it for every
+float tensor, however small). Lossy compression only with ``Options(lossy=...)``.
+
+Limits (torch's, documented in the README): functional collectives (DTensor redistribution,
+torch.compile's traced collectives) call the inner backend directly and are not compressed;
+``monitored_barrier`` accepts only gloo groups by name.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
+
+from . import api, config, executor
+from .format import DTYPE_CODES
+
+__all__ = ["NAME", "Options", "ProcessGroupZipccl", "register"]
+
+NAME = "zipccl"
+_FLOATS = frozenset(DTYPE_CODES)
+_RED = dist.ReduceOp.RedOpType
+_ZIPCCL_OPS = {_RED.SUM: dist.ReduceOp.SUM, _RED.AVG: dist.ReduceOp.AVG, _RED.MAX: dist.ReduceOp.MAX,
+               _RED.MIN: dist.ReduceOp.MIN, _RED.PREMUL_SUM: dist.ReduceOp.SUM}
+_CODECS = ("auto", "native", "raw", "lossless")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the zipccl backend does with the calls it can take; passed as ``pg_options`` to
+    ``init_process_group`` or ``new_group``. ``codec``: "auto", "native", "raw" or "lossless"
+    (None: ``ZIPCCL_CODEC``, default "auto"). ``algorithm``: as in ``zipccl.all_reduce``.
+    ``lossy``: None (never), or "topk"/"entropy" for all-reduces (SUM or AVG) of float tensors
+    with at least ``lossy_min_numel`` elements, keyed for error feedback by their order within
+    each run of calls between two ``zipccl.backend.step()``s (DDP's buckets come in the same
+    order every step)."""
+    codec: str | None = None
+    algorithm: str = "auto"
+    lossy: str | None = None
+    lossy_min_numel: int = 1 << 16
+
+    def __post_init__(self):
+        if self.codec is not None and self.codec not in _CODECS:
+            raise ValueError(f"zipccl backend codec {self.codec!r}: use one of {_CODECS}")
+        if self.algorithm not in api.ALGORITHMS:
+            raise ValueError(f"zipccl backend algorithm {self.algorithm!r}: use one of {api.ALGORITHMS}")
+        if self.lossy not in (None, "topk", "entropy"):
+            raise ValueError(f"zipccl backend lossy {self.lossy!r}: use None, 'topk' or 'entropy'")
+        if self.lossy_min_numel < 1:
+            raise ValueError(f"lossy_min_numel must be >= 1, got {self.lossy_min_numel}")
+
+
+_inside = threading.local()
+
+
+class _Inside:
+    """Marks this thread as inside a zipccl call: the group's overrides then hand every call to
+    the inner backend (zipccl's own collectives must not come back into zipccl)."""
+
+    def __enter__(self):
+        self.was = getattr(_inside, "on", False)
+        _inside.on = True
+
+    def __exit__(self, *exc):
+        _inside.on = self.was
+
+
+class _Work(dist.Work):
+    """torch's Work over a future: ``wait()`` raises the call's error (a Work that torch makes
+    from a failed future does not), ``get_future().value()`` is the list of result tensors."""
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _finished(result=None, error: BaseException | None = None) -> _Work:
+    future = torch.futures.Future()
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+    return _Work(future)
+
+
+def _op_of(opts):
+    """The ReduceOp of an options object, a ReduceOp, a RedOpType or None (SUM)."""
+    op = getattr(opts, "reduceOp", opts)
+    return dist.ReduceOp.SUM if op is None else op
+
+
+def _red_type(op):
+    return getattr(op, "op", op)
+
+
+class ProcessGroupZipccl(dist.ProcessGroup):
+    """A process group whose compressible collectives go through zipccl (module docstring)."""
+
+    def __init__(self, store, rank: int, size: int, timeout, options: Options | None = None,
+                 global_ranks=None, group_name: str = ""):
+        super().__init__(rank, size)
+        self.options = options or Options()
+        self.codec = self.options.codec or config.CODEC
+        gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        if global_ranks is not None:
+            gloo.options.global_ranks_in_group = list(global_ranks)
+        gloo.options.group_name = group_name
+        gloo._set_sequence_number_for_group()
+        self._inner = {torch.device("cpu").type: gloo}
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            nccl_options = dist.ProcessGroupNCCL.Options()
+            nccl_options._timeout = timeout
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, nccl_options)
+            self._inner["cuda"] = nccl
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self._lossy_calls = 0
+
+    # ---- what torch asks of a Python process group --------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return NAME
+
+    @property
+    def name(self) -> str:  # ProcessGroup.name() is a method in C++; torch reads getBackendName()
+        return NAME
+
+    # ---- the decision ---------------------------------------------------------------------------------------
+
+    def _takes(self, tensors, op=None) -> bool:
+        """zipccl takes the call: not from inside zipccl, a codec other than native, dense CPU
+        float tensors of one dtype, an op zipccl reduces with."""
+        if getattr(_inside, "on", False) or self.codec == "native":
+            return False
+        if op is not None and _red_type(op) not in _ZIPCCL_OPS:
+            return False
+        dtype = None
+        for x in tensors:
+            if not (isinstance(x, torch.Tensor) and x.layout == torch.strided and x.device.type == "cpu"
+                    and x.dtype in _FLOATS and x.is_contiguous()):
+                return False
+            if dtype is not None and x.dtype != dtype:
+                return False
+            dtype = x.dtype
+        return True
+
+    def _run(self, fn, result, async_op: bool) -> dist.Work:
+        """``fn()`` through zipccl's queue (after every async call issued before it), inside
+        zipccl; a Work whose future's value is ``result`` (DDP reads its first tensor)."""
+        def call():
+            with _Inside():
+                fn()
+            return result
+
+        if not async_op:
+            try:
+                executor.run(call, False)
+            except Exception as e:  # raised by wait(), which torch calls at once
+                return _finished(error=e)
+            return _finished(result)
+        return _Work(executor.run(call, True).get_future())
+
+    def _premul(self, op, tensors):
+        """PREMUL_SUM: the factor applied to the input (a copy), then SUM."""
+        if _red_type(op) != _RED.PREMUL_SUM:
+            return tensors
+        factor = op.factor if isinstance(op, dist.ReduceOp) else None
+        if factor is None:
+            raise ValueError("PREMUL_SUM without a factor")
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
+        return [x * factor for x in tensors]
+
+    # ---- the overrides --------------------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
+        if not tensors or not self._takes(tensors, op):
+            return super().allreduce(tensors, self._allreduce_opts(opts, op))
+        zop = _ZIPCCL_OPS[_red_type(op)]
+        premul = _red_type(op) == _RED.PREMUL_SUM
+        lossy = self._lossy_name(tensors, zop)
+
+        def fn():
+            for x in tensors:
+                if premul:
+                    x.mul_(op.factor.item() if isinstance(op.factor, torch.Tensor) else op.factor)
+                if lossy is not None:
+                    api.all_reduce(x, zop, group=self, codec=self.options.lossy, name=lossy)
+                else:
+                    api.all_reduce(x, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
+        return self._run(fn, tensors, async_op)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        tensors = list(tensors)
+        op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
+        if not tensors or not self._takes(tensors, op):
+            inner_opts = opts if isinstance(opts, dist.AllreduceCoalescedOptions) else dist.AllreduceCoalescedOptions()
+            inner_opts.reduceOp = op
+            return super().allreduce_coalesced(tensors, inner_opts)
+        zop = _ZIPCCL_OPS[_red_type(op)]
+        premul = _red_type(op) == _RED.PREMUL_SUM
+
+        def fn():  # one call for all of them: a flat copy, reduced, copied back
+            flat = torch.cat([x.reshape(-1) for x in tensors])
+            if premul:
+                flat.mul_(op.factor.item() if isinstance(op.factor, torch.Tensor) else op.factor)
+            api.all_reduce(flat, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
+            offset = 0
+            for x in tensors:
+                x.copy_(flat[offset:offset + x.numel()].view_as(x))
+                offset += x.numel()
+        return self._run(fn, tensors, async_op)
+
+    def all_gather_single(self, output, input, opts=None):
+        async_op = getattr(opts, "asyncOp", True)
+        if not self._takes([output, input]):
+            return super().all_gather_single(output, input, self._plain(AllgatherOptions, opts))
+        return self._run(lambda: api.all_gather(output, input, group=self, codec=self.codec,
+                                                algorithm=self.options.algorithm), [output], async_op)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
+        if not self._takes([output, input], op):
+            return super().reduce_scatter_single(output, input, self._rs_opts(opts, op))
+        zop = _ZIPCCL_OPS[_red_type(op)]
+
+        def fn():
+            src = self._premul(op, [input])[0]
+            api.reduce_scatter(output, src, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
+        return self._run(fn, [output], async_op)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """The list form (``dist.all_gather``): zipccl where every rank's tensor has the input's
+        shape, through one flat buffer."""
+        async_op = getattr(opts, "asyncOp", True)
+        inputs = [input_tensors] if isinstance(input_tensors, torch.Tensor) else list(input_tensors)
+        outputs = output_tensors if inputs is not input_tensors or isinstance(input_tensors, torch.Tensor) \
+            else output_tensors
+        if isinstance(input_tensors, torch.Tensor):
+            outputs = [output_tensors]
+        if not (len(inputs) == 1 and len(outputs) == 1 and len(outputs[0]) == self.size()
+                and self._takes(list(outputs[0]) + inputs)
+                and all(o.shape == inputs[0].shape for o in outputs[0])):
+            return super().allgather(outputs, inputs, self._plain(AllgatherOptions, opts))
+        x, outs = inputs[0], list(outputs[0])
+
+        def fn():
+            flat = x.new_empty((self.size(), x.numel()))
+            api.all_gather(flat, x, group=self, codec=self.codec, algorithm=self.options.algorithm)
+            for j, o in enumerate(outs):
+                o.copy_(flat[j].view_as(o))
+        return self._run(fn, outs, async_op)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """The list form (``dist.reduce_scatter``): zipccl where every chunk has the output's
+        shape, through one flat buffer."""
+        op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
+        outputs = [output_tensors] if isinstance(output_tensors, torch.Tensor) else list(output_tensors)
+        inputs = [input_tensors] if isinstance(output_tensors, torch.Tensor) else list(input_tensors)
+        if not (len(outputs) == 1 and len(inputs) == 1 and len(inputs[0]) == self.size()
+                and self._takes(outputs + list(inputs[0]), op)
+                and all(i.shape == outputs[0].shape for i in inputs[0])):
+            return super().reduce_scatter(outputs, inputs, self._rs_opts(opts, op))
+        out, chunks = outputs[0], list(inputs[0])
+        zop = _ZIPCCL_OPS[_red_type(op)]
+
+        def fn():
+            flat = torch.cat([c.reshape(-1) for c in chunks])
+            flat = self._premul(op, [flat])[0]
+            api.reduce_scatter(out, flat, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
+        return self._run(fn, [out], async_op)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        async_op = getattr(opts, "asyncOp", True)
+        if not self._takes(list(outputs) + list(inputs)):
+            return super().allgather_into_tensor_coalesced(outputs, inputs, self._plain(AllgatherOptions, opts))
+
+        def fn():
+            for o, i in zip(outputs, inputs):
+                api.all_gather(o, i, group=self, codec=self.codec, algorithm=self.options.algorithm)
+        return self._run(fn, list(outputs), async_op)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
+        if not self._takes(list(outputs) + list(inputs), op):
+            return super().reduce_scatter_tensor_coalesced(outputs, inputs, self._rs_opts(opts, op))
+        zop = _ZIPCCL_OPS[_red_type(op)]
+
+        def fn():
+            for o, i in zip(outputs, inputs):
+                api.reduce_scatter(o, self._premul(op, [i])[0], zop, group=self, codec=self.codec,
+                                   algorithm=self.options.algorithm)
+        return self._run(fn, list(outputs), async_op)
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+
+    def _lossy_name(self, tensors, op) -> str | None:
+        """The error-feedback key of a lossy all-reduce, or None where this call stays exact."""
+        if self.options.lossy is None or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or len(tensors) != 1 \
+                or tensors[0].numel() < self.options.lossy_min_numel:
+            return None
+        self._lossy_calls += 1
+        return f"zipccl.backend/{self.group_name}/{self._lossy_calls}/{tensors[0].numel()}"
+
+    def step(self) -> None:
+        """A training step ended: the lossy calls' keys restart (their order repeats each step)."""
+        self._lossy_calls = 0
+
+    @staticmethod
+    def _allreduce_opts(opts, op):
+        if isinstance(opts, dist.AllreduceOptions):
+            return opts
+        out = dist.AllreduceOptions()
+        out.reduceOp = op
+        return out
+
+    @staticmethod
+    def _rs_opts(opts, op):
+        if isinstance(opts, dist.ReduceScatterOptions):
+            return opts
+        out = dist.ReduceScatterOptions()
+        out.reduceOp = op
+        return out
+
+    @staticmethod
+    def _plain(kind, opts):
+        return opts if isinstance(opts, kind) else kind()
+
+
+def _create(opts, pg_options) -> ProcessGroupZipccl:
+    """The creator torch calls for every group with backend "zipccl" (the default group,
+    ``new_group``, DeviceMesh's dimensions)."""
+    if pg_options is not None and not isinstance(pg_options, Options):
+        raise TypeError(f"pg_options of a zipccl group must be zipccl.backend.Options, got {type(pg_options).__name__}")
+    return ProcessGroupZipccl(opts.store, opts.group_rank, opts.group_size, opts.timeout, pg_options,
+                              opts.global_ranks_in_group, opts.group_id)
+
+
+def register() -> None:
+    """Register the "zipccl" backend with torch.distributed (``import zipccl`` does it; again
+    is a no-op)."""
+    if NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def step(group=None) -> None:
+    """Tell the backend that a training step ended (only lossy compression needs it)."""
+    pg = group if group is not None else dist.group.WORLD
+    if isinstance(pg, ProcessGroupZipccl):
+        pg.step()
