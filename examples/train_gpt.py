@@ -2,9 +2,11 @@
 
     python examples/train_gpt.py --comm lossless --steps 50          # 2 local ranks over gloo
     python examples/train_gpt.py --nranks 4 --comm torch --netlab 1gbit --json out.json
+    ZIPCCL_CODEC=lossless python examples/train_gpt.py --backend zipccl --comm torch   # the drop-in
     torchrun --nproc-per-node 2 examples/train_gpt.py --comm raw
 
---comm torch is DDP's own all-reduce; auto, native, raw and lossless use zipccl's DDP
+--comm torch is DDP's own all-reduce (compressed by zipccl's drop-in backend with
+--backend zipccl: no other change to the training code; ZIPCCL_CODEC sets its policy); auto, native, raw and lossless use zipccl's DDP
 hook (with --algorithm, and --nodes N for N emulated nodes: the lab's shape with --netlab); topk
 (--density) and entropy (density from the gradient-entropy trend) are zipccl's
 lossy, error-feedback codecs; none skips the averaging (the ranks drift apart) to
@@ -165,7 +167,7 @@ def train(rank: int, nranks: int, args) -> dict:
     losses, times = [], []
     nparams = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"# {nranks} ranks, comm {args.comm}, dtype {args.dtype}, {nparams / 1e6:.2f}M parameters, "
+        print(f"# {nranks} ranks, backend {dist.get_backend()}, comm {args.comm}, dtype {args.dtype}, {nparams / 1e6:.2f}M parameters, "
               f"{nparams * (2 if args.dtype == 'bf16' else 4) / 1e6:.1f} MB of gradients per step", flush=True)
     for step in range(args.steps):
         x, y = batches(text[:split], args.batch, args.ctx, gen)
@@ -188,7 +190,10 @@ def train(rank: int, nranks: int, args) -> dict:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     later = times[len(times) // 2:]  # past the learning calls of --comm auto (12 per bucket size)
     st = state.stats() if state else dict(timing, raw_bytes=None, wire_bytes=None)
-    return dict(comm=args.comm, dtype=args.dtype, nranks=nranks, steps=args.steps, losses=losses,
+    if state is None and dist.get_backend() == "zipccl":  # the drop-in's own counters
+        moved = zipccl.stats().get("all_reduce", {})
+        st.update(raw_bytes=moved.get("raw_bytes"), wire_bytes=moved.get("wire_bytes"))
+    return dict(comm=args.comm, backend=dist.get_backend(), dtype=args.dtype, nranks=nranks, steps=args.steps, losses=losses,
                 eval_loss=eval_loss, median_step_seconds=sorted(times)[len(times) // 2],
                 later_median_step_seconds=sorted(later)[len(later) // 2],
                 comm_seconds=st["comm_seconds"], raw_bytes=st.get("raw_bytes"), wire_bytes=st.get("wire_bytes"),
@@ -241,6 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=25.0)
     ap.add_argument("--text-bytes", dest="text_bytes", type=int, default=8 << 20)
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "zipccl"],
+                    help="init_process_group's backend: zipccl compresses DDP's own all-reduce (--comm torch)")
     ap.add_argument("--netlab", metavar="RATE", help="run the ranks in the network lab (root)")
     ap.add_argument("--json", help="write the summary of rank 0 here")
     args = ap.parse_args(argv)
@@ -258,13 +265,13 @@ def main(argv=None) -> int:
         zipccl.config.TOPOLOGY = os.environ["ZIPCCL_TOPOLOGY"]
     world = launch.detect()
     if world is not None:
-        launch.init()
+        launch.init(args.backend)
         result = train(world.rank, world.size, args)
         if world.rank == 0:
             finish(result, args)
         launch.shutdown()
         return 0
-    results = launch.spawn(_spawned, args.nranks, args)
+    results = launch.spawn(_spawned, args.nranks, args, backend=args.backend)
     finish(results[0], args)
     return 0
 

@@ -22,6 +22,7 @@ def zipccl_groups(nranks: int) -> dict:
     ranks = list(range(nranks))
     out = {c: dist.new_group(ranks, backend="zipccl", pg_options=Options(codec=c))
            for c in ("raw", "lossless", "native")}
+    out["topk"] = dist.new_group(ranks, backend="zipccl", pg_options=Options(lossy="topk", lossy_min_numel=50_000))
     out["gloo"] = dist.new_group(ranks, backend="gloo")
     return out
 
@@ -263,6 +264,35 @@ def test_errors_raise_on_every_rank(zpool):
         assert value == [], f"rank {rank}: {value!r}"
 
 
+def _lossy(rank, groups):
+    import zipccl
+    import zipccl.backend
+    g = groups["topk"]
+    zipccl.reset_stats()
+    out = []
+    for step in range(2):
+        big = _data(rank, 100_000, torch.float32, 5 + step)
+        small = _data(rank, 1000, torch.float32, 6)
+        want_small = small.clone()  # auto: so small a call is gloo's own (same bits as on the gloo group)
+        dist.all_reduce(want_small, group=groups["gloo"])
+        dist.all_reduce(big, group=g)
+        dist.all_reduce(small, group=g)
+        out.append((int(big.count_nonzero()), torch.equal(small, want_small), big.sum().item()))
+        zipccl.backend.step(g)
+    return out, zipccl.stats()["all_reduce"]["calls"], sorted(zipccl.stats().keys())
+
+
+def test_lossy_only_with_the_opt_in_and_only_for_large_tensors(zpool):
+    out = zpool().run(_lossy, timeout=120)
+    for rank, value in enumerate(out):
+        assert not isinstance(value, BaseException), f"rank {rank}: {value!r}"
+        steps, calls, _ = value
+        for nonzero, small_exact, total in steps:
+            assert 0 < nonzero <= 4 * 1000, nonzero  # top-1% of 100,000 elements from each of 4 ranks
+            assert small_exact
+        assert steps == out[0][0], "every rank ends with the same lossy result"
+
+
 def test_options_are_checked():
     from zipccl.backend import Options
     with pytest.raises(ValueError, match="codec"):
@@ -369,3 +399,28 @@ def test_hsdp_on_a_2d_device_mesh(zpool):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         calls = hsdp[rank][1]
         assert calls["all_gather"] > 0 and calls["reduce_scatter"] > 0 and calls["all_reduce"] > 0, calls
+
+
+def test_train_gpt_runs_unchanged_on_the_zipccl_backend(tmp_path):
+    """examples/train_gpt.py --backend zipccl --comm torch (DDP's own all-reduce) on 2 ranks:
+    with ZIPCCL_CODEC=lossless the gradients travel compressed and training matches raw's bits."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = {}
+    for codec in ("raw", "lossless"):
+        path = tmp_path / f"{codec}.json"
+        env = dict(os.environ, PYTHONPATH=str(root), ZIPCCL_CODEC=codec)
+        res = subprocess.run([sys.executable, str(root / "examples" / "train_gpt.py"), "--backend", "zipccl",
+                              "--comm", "torch", "--steps", "3", "--d-model", "64", "--layers", "2",
+                              "--text-bytes", "1000000", "--json", str(path)],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        out[codec] = json.loads(path.read_text())
+    assert out["lossless"]["backend"] == "zipccl"
+    assert out["raw"]["param_sha256"] == out["lossless"]["param_sha256"]
+    assert out["lossless"]["wire_bytes"] < 0.9 * out["lossless"]["raw_bytes"]
+    assert out["raw"]["wire_bytes"] >= out["raw"]["raw_bytes"]

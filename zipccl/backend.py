@@ -39,6 +39,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from . import api, config, executor
 from .format import DTYPE_CODES
+from .lossy import Compressor
 
 __all__ = ["NAME", "Options", "ProcessGroupZipccl", "register"]
 
@@ -55,10 +56,12 @@ class Options:
     """What the zipccl backend does with the calls it can take; passed as ``pg_options`` to
     ``init_process_group`` or ``new_group``. ``codec``: "auto", "native", "raw" or "lossless"
     (None: ``ZIPCCL_CODEC``, default "auto"). ``algorithm``: as in ``zipccl.all_reduce``.
-    ``lossy``: None (never), or "topk"/"entropy" for all-reduces (SUM or AVG) of float tensors
-    with at least ``lossy_min_numel`` elements, keyed for error feedback by their order within
-    each run of calls between two ``zipccl.backend.step()``s (DDP's buckets come in the same
-    order every step)."""
+    ``lossy``: None (never), or "topk"/"entropy" (zipccl.lossy, with error feedback) for
+    all-reduces (SUM or AVG) of float tensors with at least ``lossy_min_numel`` elements. A
+    residual belongs to a tensor's size, dtype and place among the step's tensors of that size:
+    a step ends at ``zipccl.backend.step(group)`` or, until the first such call, when the
+    step's first size comes again (DDP's buckets come in the same order every step). For
+    per-parameter rules, use zipccl.ddp's hook or zipccl.fsdp instead."""
     codec: str | None = None
     algorithm: str = "auto"
     lossy: str | None = None
@@ -128,6 +131,14 @@ def _red_type(op):
     return getattr(op, "op", op)
 
 
+def _factor(op) -> float | None:
+    """PREMUL_SUM's factor (zipccl multiplies each input by it, in its dtype, then sums), or None."""
+    if _red_type(op) != _RED.PREMUL_SUM:
+        return None
+    factor = op.factor
+    return factor.item() if isinstance(factor, torch.Tensor) else float(factor)
+
+
 class ProcessGroupZipccl(dist.ProcessGroup):
     """A process group whose compressible collectives go through zipccl (module docstring)."""
 
@@ -141,24 +152,20 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             gloo.options.global_ranks_in_group = list(global_ranks)
         gloo.options.group_name = group_name
         gloo._set_sequence_number_for_group()
-        self._inner = {torch.device("cpu").type: gloo}
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
         if torch.cuda.is_available() and dist.is_nccl_available():
             nccl_options = dist.ProcessGroupNCCL.Options()
             nccl_options._timeout = timeout
             nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, nccl_options)
-            self._inner["cuda"] = nccl
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        self._lossy_calls = 0
+        self._compressor = None if self.options.lossy is None else Compressor(self.options.lossy, rules=None)
+        self._seen: dict = {}  # (numel, dtype) -> lossy calls this step
+        self._anchor, self._stepped = None, False
 
     # ---- what torch asks of a Python process group --------------------------------------------------------
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        return NAME
-
-    @property
-    def name(self) -> str:  # ProcessGroup.name() is a method in C++; torch reads getBackendName()
         return NAME
 
     # ---- the decision ---------------------------------------------------------------------------------------
@@ -196,16 +203,6 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             return _finished(result)
         return _Work(executor.run(call, True).get_future())
 
-    def _premul(self, op, tensors):
-        """PREMUL_SUM: the factor applied to the input (a copy), then SUM."""
-        if _red_type(op) != _RED.PREMUL_SUM:
-            return tensors
-        factor = op.factor if isinstance(op, dist.ReduceOp) else None
-        if factor is None:
-            raise ValueError("PREMUL_SUM without a factor")
-        if isinstance(factor, torch.Tensor):
-            factor = factor.item()
-        return [x * factor for x in tensors]
 
     # ---- the overrides --------------------------------------------------------------------------------------
 
@@ -214,16 +211,15 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not tensors or not self._takes(tensors, op):
             return super().allreduce(tensors, self._allreduce_opts(opts, op))
-        zop = _ZIPCCL_OPS[_red_type(op)]
-        premul = _red_type(op) == _RED.PREMUL_SUM
+        zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
         lossy = self._lossy_name(tensors, zop)
 
         def fn():
             for x in tensors:
-                if premul:
-                    x.mul_(op.factor.item() if isinstance(op.factor, torch.Tensor) else op.factor)
+                if factor is not None:
+                    x.mul_(factor)
                 if lossy is not None:
-                    api.all_reduce(x, zop, group=self, codec=self.options.lossy, name=lossy)
+                    self._compressor.all_reduce(x, lossy, op=zop, group=self)
                 else:
                     api.all_reduce(x, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
         return self._run(fn, tensors, async_op)
@@ -235,13 +231,12 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             inner_opts = opts if isinstance(opts, dist.AllreduceCoalescedOptions) else dist.AllreduceCoalescedOptions()
             inner_opts.reduceOp = op
             return super().allreduce_coalesced(tensors, inner_opts)
-        zop = _ZIPCCL_OPS[_red_type(op)]
-        premul = _red_type(op) == _RED.PREMUL_SUM
+        zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():  # one call for all of them: a flat copy, reduced, copied back
             flat = torch.cat([x.reshape(-1) for x in tensors])
-            if premul:
-                flat.mul_(op.factor.item() if isinstance(op.factor, torch.Tensor) else op.factor)
+            if factor is not None:
+                flat.mul_(factor)
             api.all_reduce(flat, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
             offset = 0
             for x in tensors:
@@ -260,10 +255,10 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not self._takes([output, input], op):
             return super().reduce_scatter_single(output, input, self._rs_opts(opts, op))
-        zop = _ZIPCCL_OPS[_red_type(op)]
+        zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
-            src = self._premul(op, [input])[0]
+            src = input if factor is None else input * factor
             api.reduce_scatter(output, src, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
         return self._run(fn, [output], async_op)
 
@@ -271,11 +266,10 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         """The list form (``dist.all_gather``): zipccl where every rank's tensor has the input's
         shape, through one flat buffer."""
         async_op = getattr(opts, "asyncOp", True)
-        inputs = [input_tensors] if isinstance(input_tensors, torch.Tensor) else list(input_tensors)
-        outputs = output_tensors if inputs is not input_tensors or isinstance(input_tensors, torch.Tensor) \
-            else output_tensors
-        if isinstance(input_tensors, torch.Tensor):
-            outputs = [output_tensors]
+        if isinstance(input_tensors, torch.Tensor):  # pg.allgather(list, tensor): one tensor per rank
+            inputs, outputs = [input_tensors], [output_tensors]
+        else:
+            inputs, outputs = list(input_tensors), list(output_tensors)
         if not (len(inputs) == 1 and len(outputs) == 1 and len(outputs[0]) == self.size()
                 and self._takes(list(outputs[0]) + inputs)
                 and all(o.shape == inputs[0].shape for o in outputs[0])):
@@ -300,11 +294,12 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                 and all(i.shape == outputs[0].shape for i in inputs[0])):
             return super().reduce_scatter(outputs, inputs, self._rs_opts(opts, op))
         out, chunks = outputs[0], list(inputs[0])
-        zop = _ZIPCCL_OPS[_red_type(op)]
+        zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
             flat = torch.cat([c.reshape(-1) for c in chunks])
-            flat = self._premul(op, [flat])[0]
+            if factor is not None:
+                flat.mul_(factor)
             api.reduce_scatter(out, flat, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
         return self._run(fn, [out], async_op)
 
@@ -322,27 +317,36 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not self._takes(list(outputs) + list(inputs), op):
             return super().reduce_scatter_tensor_coalesced(outputs, inputs, self._rs_opts(opts, op))
-        zop = _ZIPCCL_OPS[_red_type(op)]
+        zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
             for o, i in zip(outputs, inputs):
-                api.reduce_scatter(o, self._premul(op, [i])[0], zop, group=self, codec=self.codec,
+                api.reduce_scatter(o, i if factor is None else i * factor, zop, group=self, codec=self.codec,
                                    algorithm=self.options.algorithm)
         return self._run(fn, list(outputs), async_op)
 
     # ---- helpers --------------------------------------------------------------------------------------------
 
     def _lossy_name(self, tensors, op) -> str | None:
-        """The error-feedback key of a lossy all-reduce, or None where this call stays exact."""
-        if self.options.lossy is None or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or len(tensors) != 1 \
+        """The error-feedback key of a lossy all-reduce (Options' docstring), or None where this
+        call stays exact."""
+        if self._compressor is None or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or len(tensors) != 1 \
                 or tensors[0].numel() < self.options.lossy_min_numel:
             return None
-        self._lossy_calls += 1
-        return f"zipccl.backend/{self.group_name}/{self._lossy_calls}/{tensors[0].numel()}"
+        sig = (tensors[0].numel(), str(tensors[0].dtype).replace("torch.", ""))
+        if not self._stepped:
+            if self._anchor is None:
+                self._anchor = sig
+            elif sig == self._anchor:  # the step's first tensor again: a new step
+                self._seen.clear()
+        k = self._seen.get(sig, 0)
+        self._seen[sig] = k + 1
+        return f"{sig[0]}:{sig[1]}:{k}"
 
     def step(self) -> None:
-        """A training step ended: the lossy calls' keys restart (their order repeats each step)."""
-        self._lossy_calls = 0
+        """A training step ended: the lossy calls' keys restart (zipccl.backend.step)."""
+        self._stepped = True
+        self._seen.clear()
 
     @staticmethod
     def _allreduce_opts(opts, op):
