@@ -293,6 +293,31 @@ def test_lossy_only_with_the_opt_in_and_only_for_large_tensors(zpool):
         assert steps == out[0][0], "every rank ends with the same lossy result"
 
 
+def _dtensor_and_limits(rank, groups):
+    import zipccl
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = DeviceMesh.from_group(groups["lossless"], "cpu")
+    t = distribute_tensor(torch.arange(4096.0).reshape(64, 64), mesh, [Shard(0)])
+    zipccl.reset_stats()
+    full = t.full_tensor()
+    calls = zipccl.stats().get("all_gather", {}).get("calls", 0)
+    try:
+        dist.monitored_barrier(group=groups["lossless"])
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return torch.equal(full, torch.arange(4096.0).reshape(64, 64)), calls, refused
+
+
+def test_dtensor_full_tensor_is_compressed_and_monitored_barrier_refused(zpool):
+    for rank, value in enumerate(zpool().run(_dtensor_and_limits, timeout=120)):
+        assert not isinstance(value, BaseException), f"rank {rank}: {value!r}"
+        same, calls, refused = value
+        assert same and calls == 1
+        assert refused is not None and "GLOO" in refused
+
+
 def test_options_are_checked():
     from zipccl.backend import Options
     with pytest.raises(ValueError, match="codec"):
