@@ -204,6 +204,12 @@ def _passthrough(rank, groups):
         dist.all_gather_object(objs, {"rank": rank}, group=g)
         r["objects"] = objs
         dist.barrier(group=g)
+        pg = g if g is not None else dist.group.WORLD
+        one, two = torch.full((3,), rank + 1.0), torch.full((3,), 10.0 * rank)
+        pg.allreduce(one).wait()  # direct calls on the group object
+        pg.allreduce([two], dist.AllreduceOptions()).wait()
+        r["direct"] = one.tolist() + two.tolist()
+        pg.barrier(opts=dist.BarrierOptions()).wait()
         results[label] = r
     return results["zipccl"], results["gloo"], dist.get_backend(), dist.group.WORLD.getBackendName()
 
@@ -318,6 +324,29 @@ def test_dtensor_full_tensor_is_compressed_and_monitored_barrier_refused(zpool):
         assert refused is not None and "GLOO" in refused
 
 
+def _subgroup_lifecycle(rank, groups):
+    import zipccl
+    from zipccl.backend import ProcessGroupZipccl
+    g = dist.new_group([1, 2, 3], backend="zipccl")  # every rank calls new_group; rank 0 is not in it
+    if rank == 0:
+        return g == dist.GroupMember.NON_GROUP_MEMBER
+    x = torch.full((1 << 19,), float(rank), dtype=torch.bfloat16)
+    zipccl.reset_stats()
+    dist.all_reduce(x, group=g)
+    name, desc = g.group_name, g.group_desc
+    dist.destroy_process_group(g)
+    return isinstance(g, ProcessGroupZipccl), x[0].item(), name != "", desc
+
+
+def test_subgroups_are_zipccl_groups_and_can_be_destroyed(zpool):
+    out = zpool().run(_subgroup_lifecycle, timeout=120)
+    assert out[0] is True
+    for rank in (1, 2, 3):
+        assert not isinstance(out[rank], BaseException), f"rank {rank}: {out[rank]!r}"
+        is_zipccl, value, named, _ = out[rank]
+        assert is_zipccl and value == 6.0 and named
+
+
 def test_options_are_checked():
     from zipccl.backend import Options
     with pytest.raises(ValueError, match="codec"):
@@ -326,6 +355,10 @@ def test_options_are_checked():
         Options(lossy="yes")
     with pytest.raises(ValueError, match="algorithm"):
         Options(algorithm="tree")
+    from zipccl.backend import _create
+    with pytest.raises(TypeError, match="zipccl.backend.Options"):
+        _create(None, dist.ProcessGroupGloo._Options() if hasattr(dist.ProcessGroupGloo, "_Options") else "lossless")
+    assert "ZIPCCL" in dist.Backend._plugins  # registered by import zipccl
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

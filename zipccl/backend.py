@@ -209,19 +209,18 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
-        if not tensors or not self._takes(tensors, op):
+        if len(tensors) != 1 or not self._takes(tensors, op):  # several: one sum over all of them, gloo's
             return super().allreduce(tensors, self._allreduce_opts(opts, op))
-        zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
-        lossy = self._lossy_name(tensors, zop)
+        zop, factor, x = _ZIPCCL_OPS[_red_type(op)], _factor(op), tensors[0]
+        lossy = self._lossy_name(x, zop)
 
         def fn():
-            for x in tensors:
-                if factor is not None:
-                    x.mul_(factor)
-                if lossy is not None:
-                    self._compressor.all_reduce(x, lossy, op=zop, group=self)
-                else:
-                    api.all_reduce(x, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
+            if factor is not None:
+                x.mul_(factor)
+            if lossy is not None:
+                self._compressor.all_reduce(x, lossy, op=zop, group=self)
+            else:
+                api.all_reduce(x, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
         return self._run(fn, tensors, async_op)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -327,13 +326,13 @@ class ProcessGroupZipccl(dist.ProcessGroup):
 
     # ---- helpers --------------------------------------------------------------------------------------------
 
-    def _lossy_name(self, tensors, op) -> str | None:
+    def _lossy_name(self, x: torch.Tensor, op) -> str | None:
         """The error-feedback key of a lossy all-reduce (Options' docstring), or None where this
         call stays exact."""
-        if self._compressor is None or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or len(tensors) != 1 \
-                or tensors[0].numel() < self.options.lossy_min_numel:
+        if self._compressor is None or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) \
+                or x.numel() < self.options.lossy_min_numel:
             return None
-        sig = (tensors[0].numel(), str(tensors[0].dtype).replace("torch.", ""))
+        sig = (x.numel(), str(x.dtype).replace("torch.", ""))
         if not self._stepped:
             if self._anchor is None:
                 self._anchor = sig
