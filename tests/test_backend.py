@@ -24,6 +24,9 @@ def zipccl_groups(nranks: int) -> dict:
            for c in ("raw", "lossless", "native")}
     out["topk"] = dist.new_group(ranks, backend="zipccl", pg_options=Options(lossy="topk", lossy_min_numel=50_000))
     out["gloo"] = dist.new_group(ranks, backend="gloo")
+    for k in (2, 3):  # smaller worlds: ranks 0..k-1
+        out[f"lossless{k}"] = dist.new_group(ranks[:k], backend="zipccl", pg_options=Options(codec="lossless"))
+        out[f"gloo{k}"] = dist.new_group(ranks[:k], backend="gloo")
     return out
 
 
@@ -73,10 +76,13 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32)
 
 
-def _every_override(rank, groups, codec, n):
+def _every_override(rank, groups, codec, n, world=""):
     """Every override, dtype and op on the ``codec`` group; the mismatches with the reference."""
     import zipccl
-    g, gloo, size = groups[codec], groups["gloo"], dist.get_world_size()
+    g, gloo = groups[codec + world], groups["gloo" + world]
+    if g == dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    size = dist.get_world_size(g)
     bad, seed = [], 0
     zipccl.reset_stats()
     for dtype in DTYPES:
@@ -119,11 +125,14 @@ def _every_override(rank, groups, codec, n):
     return bad, {k: v["calls"] for k, v in zipccl.stats().items() if k not in ("total", "last")}
 
 
-@pytest.mark.parametrize("codec", ["raw", "lossless"])
-def test_every_override_matches_plain_torch(zpool, codec):
-    out = zpool().run(_every_override, codec, 3000, timeout=300)
+@pytest.mark.parametrize("codec,world", [("raw", ""), ("lossless", ""), ("lossless", "3"), ("lossless", "2")])
+def test_every_override_matches_plain_torch(zpool, codec, world):
+    out = zpool().run(_every_override, codec, 3000, world, timeout=300)
     for rank, value in enumerate(out):
         assert not isinstance(value, BaseException), f"rank {rank}: {value!r}"
+        if world and rank >= int(world):
+            assert value is None
+            continue
         bad, calls = value
         assert bad == [], f"rank {rank}: results differ from plain torch in {bad}"
         # each compressed call reached zipccl (the all-reduce counts include nothing else)
