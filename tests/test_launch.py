@@ -76,3 +76,37 @@ def test_mpirun():
                          timeout=170)
     assert out.returncode == 0, out.stderr + out.stdout
     _check(out.stdout, 4)
+
+
+DROPIN = str(ROOT / "examples" / "dropin.py")
+DROPIN_LINE = re.compile(r"(\d) ranks: sent ([\d.]+) MB instead of ([\d.]+) MB \(ratio [\d.]+\) on backend (\w+); "
+                         r"result as plain torch computes it: (\w+)")
+
+
+def _check_dropin(out: str, ranks: int) -> None:
+    m = DROPIN_LINE.search(out)
+    assert m, out
+    assert int(m.group(1)) == ranks and m.group(4) == "zipccl" and m.group(5) == "True"
+    assert float(m.group(2)) < 0.75 * float(m.group(3))
+
+
+@pytest.mark.timeout(180)
+def test_dropin_backend_under_torchrun():
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not on PATH")
+    out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), DROPIN],
+                         env=dict(_clean_env(), ZIPCCL_CODEC="lossless"), capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr
+    _check_dropin(out.stdout, 2)
+
+
+@pytest.mark.timeout(180)
+def test_dropin_backend_under_mpirun():
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not installed (make test installs openmpi-bin as root)")
+    env = dict(_clean_env(), MASTER_PORT=str(free_port()), ZIPCCL_CODEC="lossless")
+    out = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", "-x", "MASTER_PORT",
+                          "-x", "PYTHONPATH", "-x", "ZIPCCL_CODEC", sys.executable, DROPIN], env=env,
+                         capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr + out.stdout
+    _check_dropin(out.stdout, 4)
