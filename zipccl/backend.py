@@ -23,9 +23,9 @@ The codec policy: ``Options(codec=...)`` through ``pg_options``, else ``ZIPCCL_C
 drop-in never makes a job slower; ``raw``, ``lossless`` or ``native`` force it for every
 float tensor, however small). Lossy compression only with ``Options(lossy=...)``.
 
-Limits (torch's, documented in the README): functional collectives (DTensor redistribution,
-torch.compile's traced collectives) call the inner backend directly and are not compressed;
-``monitored_barrier`` accepts only gloo groups by name.
+Limits (the README's): ``monitored_barrier`` accepts only groups whose backend is named gloo;
+functional collectives reach zipccl only where torch dispatches them to the group's methods
+(DTensor's ``full_tensor()`` on CPU does).
 """
 
 from __future__ import annotations
@@ -131,6 +131,17 @@ def _red_type(op):
     return getattr(op, "op", op)
 
 
+def _options(kind, opts, op=None):
+    """``opts`` where it is already a ``kind`` (torch's options object), else a new one with
+    ``op`` (direct calls such as ``pg.allreduce(t)`` pass a tensor and maybe an op)."""
+    if isinstance(opts, kind):
+        return opts
+    out = kind()
+    if op is not None:
+        out.reduceOp = op
+    return out
+
+
 def _factor(op) -> float | None:
     """PREMUL_SUM's factor (zipccl multiplies each input by it, in its dtype, then sums), or None."""
     if _red_type(op) != _RED.PREMUL_SUM:
@@ -210,7 +221,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if len(tensors) != 1 or not self._takes(tensors, op):  # several: one sum over all of them, gloo's
-            return super().allreduce(tensors, self._allreduce_opts(opts, op))
+            return super().allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
         zop, factor, x = _ZIPCCL_OPS[_red_type(op)], _factor(op), tensors[0]
         lossy = self._lossy_name(x, zop)
 
@@ -227,9 +238,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         tensors = list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not tensors or not self._takes(tensors, op):
-            inner_opts = opts if isinstance(opts, dist.AllreduceCoalescedOptions) else dist.AllreduceCoalescedOptions()
-            inner_opts.reduceOp = op
-            return super().allreduce_coalesced(tensors, inner_opts)
+            return super().allreduce_coalesced(tensors, _options(dist.AllreduceCoalescedOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():  # one call for all of them: a flat copy, reduced, copied back
@@ -246,14 +255,14 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         async_op = getattr(opts, "asyncOp", True)
         if not self._takes([output, input]):
-            return super().all_gather_single(output, input, self._plain(AllgatherOptions, opts))
+            return super().all_gather_single(output, input, _options(AllgatherOptions, opts))
         return self._run(lambda: api.all_gather(output, input, group=self, codec=self.codec,
                                                 algorithm=self.options.algorithm), [output], async_op)
 
     def reduce_scatter_single(self, output, input, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not self._takes([output, input], op):
-            return super().reduce_scatter_single(output, input, self._rs_opts(opts, op))
+            return super().reduce_scatter_single(output, input, _options(dist.ReduceScatterOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
@@ -272,7 +281,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not (len(inputs) == 1 and len(outputs) == 1 and len(outputs[0]) == self.size()
                 and self._takes(list(outputs[0]) + inputs)
                 and all(o.shape == inputs[0].shape for o in outputs[0])):
-            return super().allgather(outputs, inputs, self._plain(AllgatherOptions, opts))
+            return super().allgather(outputs, inputs, _options(AllgatherOptions, opts))
         x, outs = inputs[0], list(outputs[0])
 
         def fn():
@@ -291,7 +300,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not (len(outputs) == 1 and len(inputs) == 1 and len(inputs[0]) == self.size()
                 and self._takes(outputs + list(inputs[0]), op)
                 and all(i.shape == outputs[0].shape for i in inputs[0])):
-            return super().reduce_scatter(outputs, inputs, self._rs_opts(opts, op))
+            return super().reduce_scatter(outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
         out, chunks = outputs[0], list(inputs[0])
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
@@ -305,7 +314,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         async_op = getattr(opts, "asyncOp", True)
         if not self._takes(list(outputs) + list(inputs)):
-            return super().allgather_into_tensor_coalesced(outputs, inputs, self._plain(AllgatherOptions, opts))
+            return super().allgather_into_tensor_coalesced(outputs, inputs, _options(AllgatherOptions, opts))
 
         def fn():
             for o, i in zip(outputs, inputs):
@@ -315,7 +324,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not self._takes(list(outputs) + list(inputs), op):
-            return super().reduce_scatter_tensor_coalesced(outputs, inputs, self._rs_opts(opts, op))
+            return super().reduce_scatter_tensor_coalesced(outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
@@ -347,25 +356,6 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         self._stepped = True
         self._seen.clear()
 
-    @staticmethod
-    def _allreduce_opts(opts, op):
-        if isinstance(opts, dist.AllreduceOptions):
-            return opts
-        out = dist.AllreduceOptions()
-        out.reduceOp = op
-        return out
-
-    @staticmethod
-    def _rs_opts(opts, op):
-        if isinstance(opts, dist.ReduceScatterOptions):
-            return opts
-        out = dist.ReduceScatterOptions()
-        out.reduceOp = op
-        return out
-
-    @staticmethod
-    def _plain(kind, opts):
-        return opts if isinstance(opts, kind) else kind()
 
 
 def _create(opts, pg_options) -> ProcessGroupZipccl:
