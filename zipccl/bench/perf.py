@@ -13,6 +13,7 @@ lines and sit under "zipccl" keys in the -J JSON. Progress goes to standard erro
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
 import socket
@@ -130,6 +131,7 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
                           args.output_file)
     if rank == 0 and args.plot:
         plot(rows, args.plot, f"zipccl-perf {spec.name}, {nranks} ranks ({how})")
+    _quiet_exit()
     return rows
 
 
@@ -180,6 +182,15 @@ def real_reference(spec, args, inputs, op, codec, rank: int, nranks: int):
         m = full.numel() // nranks
         return full[rank * m:(rank + 1) * m]
     return full
+
+
+def _quiet_exit() -> None:
+    """numba colours its messages with colorama, whose exit hook writes a terminal reset to
+    standard output when that is a terminal, as mpirun makes it for its ranks: a stray line
+    after the tables. Drop the hook (registered, once, by numba's first compile)."""
+    hooks = sys.modules.get("colorama.initialise")
+    if hooks is not None:
+        atexit.unregister(hooks.reset_all)
 
 
 def _wrong(rows: list[dict]) -> int:
