@@ -1,8 +1,9 @@
 """A strict reader of nccl-tests' (2.19) standard output, written from the format (issue 24,
 and nccl-tests' src/util.cu), not from zipccl's writer: the tests hold zipccl-perf's tables
-to it. It reads what the tools that parse nccl-tests read, at the places they read it (the size in
-field 0, out-of-place busbw in field 7, in-place algbw and busbw in fields 10 and 11), and refuses anything those tools could misread: a data row of the wrong
-field count or width, a missing or altered header line, footers without nccl-tests' padding.
+to it. It reads what the tools that parse nccl-tests read, at the places they read it (the
+size in field 0, out-of-place busbw in field 7, in-place algbw and busbw in fields 10 and
+11), and refuses anything those tools could misread: a data row of the wrong field count or
+width, a missing or altered header line, footers without nccl-tests' padding.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 TYPES = {"int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double", "bfloat16"}
 REDOPS = {"sum", "prod", "max", "min", "avg", "none"}
 
-RUN_LINE = re.compile(r"# nThread (\d+) nGpus (\d+) minBytes (\d+) maxBytes (\d+) step: (\d+(?:\.\d+)?)\((factor|bytes)\) "
+RUN_LINE = re.compile(r"# nThread (\d+) nGpus (\d+) minBytes (\d+) maxBytes (\d+) "
+                      r"step: (\d+(?:\.\d+)?)\((factor|bytes)\) "
                       r"warmup iters: (\d+) iters: (\d+) agg iters: (\d+) validation: (\d+) graph: (\d+)")
 DEVICE = re.compile(r"#  Rank +(\d+) Group +(\d+) Pid +(\d+) on +(\S+) device +(-?\d+) \[([^\]]+)\] (.+)")
 OOB = re.compile(r"# Out of bounds values : (\d+) (OK|FAILED)")
@@ -36,9 +38,9 @@ def _expected_headers(per_iter: bool) -> list[str]:
                    "time", "algbw", "busbw", "#wrong", ""),
                 _c(fmt, "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)",
                    "", "")]
-    fmt = ("# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %7s  %7s  %7s  %7s  %6s  %6s  %6s  %7s  %7s  %7s  %7s "
-           "%s")
-    return [lead + "              out-of-place (+ per-iteration)                                in-place (+ per-iteration)",
+    fmt = ("# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %7s  %7s  %7s  "
+           "%7s  %6s  %6s  %6s  %7s  %7s  %7s  %7s %s")
+    return [lead + "              out-of-place (+ per-iteration)" + " " * 32 + "in-place (+ per-iteration)",
             _c(fmt, "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "i_min", "i_max",
                "i_p99", "i_cv%", "time", "algbw", "busbw", "#wrong", "i_min", "i_max", "i_p99", "i_cv%", ""),
             _c(fmt, "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(us)", "(us)", "(%)",

@@ -126,7 +126,8 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
         extra = dict(version=__version__, format=f"nccl-tests {report.FORMAT_VERSION}", collective=spec.name,
                      nranks=nranks, launcher=how, backend=dist.get_backend(), torch=torch.__version__,
                      algorithm=args.algorithm, data=str(args.data) if args.data else None,
-                     topology=str(topology.topology()), auto_plans=auto_policy().explain() if "auto" in variants else [])
+                     topology=str(topology.topology()),
+                     auto_plans=auto_policy().explain() if "auto" in variants else [])
         report.write_json(report.document(start, argv if argv is not None else sys.argv, cfg, devs, tables, extra),
                           args.output_file)
     if rank == 0 and args.plot:
