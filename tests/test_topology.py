@@ -22,11 +22,15 @@ def test_torchrun_variables():
     assert claim({"GROUP_RANK": "1", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "RANK": "6"}) == ("torchrun", 1, 2, 4)
 
 
-def test_open_mpi_variables_with_and_without_node_rank():
-    env = {"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
-    assert claim({**env, "OMPI_COMM_WORLD_NODE_RANK": "3"}) == ("mpirun", 3, 1, 2)
-    source, node, local, size = claim(env)  # older Open MPI: the host name tells the node
-    assert (source, local, size) == ("mpirun", 1, 2) and node == claim({})[1]
+def test_open_mpi_variables_name_the_node_by_host():
+    """OMPI_COMM_WORLD_NODE_RANK is a rank within the node (Open MPI's docs), not the node: four
+    ranks of one host (NODE_RANK 0-3) are one node (with it as the node, mpirun -np 4 raised
+    MismatchError)."""
+    env = {"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    source, node, local, size = claim({**env, "OMPI_COMM_WORLD_NODE_RANK": "3"})
+    assert (source, local, size) == ("mpirun", 1, 4) and node == claim({})[1]
+    rows = [[-1, -1, 2, claim({**env, "OMPI_COMM_WORLD_NODE_RANK": str(r)})[1], r, 4] for r in range(4)]
+    assert from_claims(rows).nodes == ((0, 1, 2, 3),)
 
 
 def test_slurm_variables():

@@ -7,8 +7,8 @@ from the first source that applies on this rank:
 
 1. ``ZIPCCL_TOPOLOGY=NxM``: N nodes of M consecutive ranks (emulation, or a user who knows better);
 2. the launcher: torchrun (``GROUP_RANK`` with ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``), Open MPI
-   (``OMPI_COMM_WORLD_NODE_RANK`` where set, else the host name, with
-   ``OMPI_COMM_WORLD_LOCAL_RANK``/``_LOCAL_SIZE``), Slurm (``SLURM_NODEID``, ``SLURM_LOCALID``);
+   (the host name, with ``OMPI_COMM_WORLD_LOCAL_RANK``/``_LOCAL_SIZE``; not
+   ``OMPI_COMM_WORLD_NODE_RANK``, which is a rank within the node, not the node's number), Slurm (``SLURM_NODEID``, ``SLURM_LOCALID``);
 3. the host name.
 
 Every rank sends its claim in one small all-gather; ranks that disagree (a different override,
@@ -97,9 +97,10 @@ def claim(env=None) -> tuple[str, int, int, int]:
     if "GROUP_RANK" in env and "LOCAL_RANK" in env:
         return "torchrun", int(env["GROUP_RANK"]), int(env["LOCAL_RANK"]), int(env.get("LOCAL_WORLD_SIZE", -1))
     if "OMPI_COMM_WORLD_LOCAL_RANK" in env:
-        node = env.get("OMPI_COMM_WORLD_NODE_RANK")
-        return ("mpirun", int(node) if node is not None else _key(socket.gethostname()),
-                int(env["OMPI_COMM_WORLD_LOCAL_RANK"]), int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", -1)))
+        # Open MPI names no node: OMPI_COMM_WORLD_NODE_RANK is this process's rank on its node
+        # across all jobs (a local rank), so the host name tells the node.
+        return ("mpirun", _key(socket.gethostname()), int(env["OMPI_COMM_WORLD_LOCAL_RANK"]),
+                int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", -1)))
     if "SLURM_NODEID" in env and "SLURM_LOCALID" in env:
         return "slurm", int(env["SLURM_NODEID"]), int(env["SLURM_LOCALID"]), -1
     return "hostname", _key(socket.gethostname()), -1, -1

@@ -1,4 +1,5 @@
-"""zipccl-perf spec of all-gather: size = output bytes, busbw = algbw * (n-1)/n."""
+"""zipccl-perf spec of all-gather: size = output bytes, count = elements per rank,
+busbw = algbw * (n-1)/n; in place, the input is this rank's slice of the output (nccl-tests)."""
 
 import torch
 import torch.distributed as dist
@@ -19,4 +20,10 @@ def expect(inputs, op, rank, nranks):
     return torch.cat([x.double() for x in inputs])
 
 
-SPEC = Spec("all_gather", False, lambda n: (n - 1) / n, lambda count, n: (count // n, count // n * n), _run, expect)
+def _in_place(numel_in, numel_out, rank, nranks, dtype):
+    out = torch.empty(numel_out, dtype=dtype)
+    return out, out[rank * numel_in:(rank + 1) * numel_in]
+
+
+SPEC = Spec("all_gather", False, lambda n: (n - 1) / n, lambda count, n: (count // n, count // n * n), _run, expect,
+            _in_place)

@@ -1,13 +1,13 @@
-"""The nccl-tests-style harness behind zipccl-perf: flags, sizes, timing, checking, table, JSON, plot.
+"""The nccl-tests-style harness behind zipccl-perf: flags, sizes, data, timing, checking, plot.
 
 Each collective is a small ``Spec`` (all_reduce.py, reduce_scatter.py, all_gather.py):
-its buffers, how to run it, its bus-bandwidth factor and its expected output.
+its buffers, where its in-place buffers sit, how to run it, its bus-bandwidth factor and
+its expected output. The output formats live in report.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -22,7 +22,7 @@ import torch.distributed as dist
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 CODECS = ("raw", "lossless", "auto")
-COLUMNS = ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "codec", "wire_B", "ratio")
+BASELINE = "torch"  # the label of the plain torch.distributed collective (--baseline)
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Spec:
     buffers: Callable[[int, int], tuple[int, int]]  # (count, nranks) -> (input numel, output numel)
     run: Callable                                  # run(out, inp, op, group, codec, algorithm), codec None = torch
     expect: Callable                               # expect(inputs of every rank, op, rank, nranks) -> output
+    in_place: Callable                             # in_place(numel_in, numel_out, rank, nranks, dtype) -> (out, inp)
 
 
 def parse_size(text: str) -> int:
@@ -75,10 +76,18 @@ def parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("-c", "--check", type=int, default=1, help="check correctness of this many iterations (default 1)")
     ap.add_argument("-a", "--average", type=int, default=1, choices=[0, 1, 2, 3],
                     help="how times combine across ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum (default 1)")
-    ap.add_argument("-J", "--output_file", type=Path, help="write the results as JSON to this file")
+    ap.add_argument("-J", "--output_file", type=Path, help="write the results as nccl-tests' JSON to this file")
+    ap.add_argument("-I", "--per_iter_timing", type=int, default=0, choices=[0, 1],
+                    help="1: per-iteration times per process (i_* columns, and *_per_iter in the JSON), as "
+                    "nccl-tests -I 1 (default 0)")
+    ap.add_argument("-g", "--ngpus", type=int, default=1, help="accepted for nccl-tests compatibility: 1 only "
+                    "(one process per rank; more ranks: --nranks or a launcher)")
+    ap.add_argument("-t", "--nthreads", type=int, default=1, help="accepted for nccl-tests compatibility: 1 only")
     ap.add_argument("--collective", default="all_reduce", choices=["all_reduce", "reduce_scatter", "all_gather"])
-    ap.add_argument("--codec", default="all", choices=[*CODECS, "all"], help="zipccl codec (default all)")
-    ap.add_argument("--baseline", action="store_true", help="also run the plain torch.distributed collective")
+    ap.add_argument("--codec", default="all", choices=[*CODECS, "all"],
+                    help="zipccl codec (default all: one table per codec)")
+    ap.add_argument("--baseline", action="store_true", help="also run the plain torch.distributed collective "
+                    "(its own table, first)")
     ap.add_argument("--data", type=Path, help="real tensors (.npy or .pt), tiled to each size (sums depend on the "
                     "order: checked against plain torch where zipccl promises one, #wrong N/A for the backend's sums)")
     ap.add_argument("--nranks", type=int, default=4, help="local ranks to spawn when not under a launcher (default 4)")
@@ -102,6 +111,10 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("-f must be >= 1, and -i > 0 when -f is 1")
     if args.iters < 1 or args.warmup_iters < 0 or args.check < 0:
         ap.error("-n must be >= 1, -w and -c >= 0")
+    for flag, name in (("-g", "ngpus"), ("-t", "nthreads")):
+        if getattr(args, name) != 1:
+            ap.error(f"{flag} {getattr(args, name)}: zipccl-perf runs one process per rank with one device each, "
+                     f"so {flag} takes 1 only; for more ranks use --nranks N or a launcher (mpirun -np N, torchrun)")
     if args.nranks < 1:
         ap.error("--nranks must be >= 1")
     if args.nodes is not None and (args.nodes < 1 or args.nranks % args.nodes):
@@ -163,6 +176,7 @@ def real(data: torch.Tensor, numel: int, dtype: torch.dtype, rank: int) -> torch
 # ---- running ------------------------------------------------------------------------------------------------
 
 def combine_time(seconds: float, mode: int, group=None) -> float:
+    """nccl-tests -a: rank 0's time (0), the average (1), minimum (2) or maximum (3) over ranks."""
     t = torch.tensor([seconds], dtype=torch.float64)
     if mode == 0:
         dist.broadcast(t, 0, group=group)
@@ -170,6 +184,20 @@ def combine_time(seconds: float, mode: int, group=None) -> float:
     op = {1: dist.ReduceOp.SUM, 2: dist.ReduceOp.MIN, 3: dist.ReduceOp.MAX}[mode]
     dist.all_reduce(t, op=op, group=group)
     return float(t) / (dist.get_world_size(group) if mode == 1 else 1)
+
+
+def sum_over_ranks(n: int, group=None) -> int:
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, group=group)
+    return int(t)
+
+
+def gather_times(times: list[float], group=None) -> list[list[float]]:
+    """Every process's per-iteration times (seconds), in rank order."""
+    mine = torch.tensor(times, dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [t.tolist() for t in every]
 
 
 def _int_view(x: torch.Tensor) -> torch.Tensor:
@@ -192,38 +220,71 @@ def zipccl_codec(args, codec):
     return codec
 
 
-def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, inp: torch.Tensor,
-            reference: torch.Tensor | None, nranks: int) -> dict:
-    """Warm up, check ``args.check`` iterations against ``reference`` (bitwise), time ``args.iters``
-    iterations; one row of the table."""
+def placed(spec: Spec, in_place: bool, numel_in: int, numel_out: int, rank: int, nranks: int, dtype):
+    """(out, inp) for one placement, as nccl-tests places them: separate buffers out of place;
+    in place, the collective's own aliasing (spec.in_place)."""
+    if in_place:
+        return spec.in_place(numel_in, numel_out, rank, nranks, dtype)
+    return torch.empty(numel_out, dtype=dtype), torch.empty(numel_in, dtype=dtype)
+
+
+def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out: int, dtype, op, codec,
+                      data: torch.Tensor, reference: torch.Tensor | None, rank: int, nranks: int) -> tuple:
+    """Time ``args.iters`` calls one by one (the input restored before each, untimed, so that
+    every call sees the same data), then check ``args.check`` calls against ``reference``
+    (bitwise; wrong elements summed over the ranks). Returns the placement's figures and
+    zipccl's counters over the timed calls."""
     import zipccl
-    out = torch.empty(numel_out, dtype=dtype)
-    wrong, label, codec = 0, codec, zipccl_codec(args, codec)
-    for i in range(args.warmup_iters + args.check):
-        target = inp.clone() if spec.name == "all_reduce" else out
-        spec.run(target, target if spec.name == "all_reduce" else inp, op, None, codec, args.algorithm)
-        if i >= args.warmup_iters and reference is not None:
-            wrong += count_wrong(target, reference, op)
-    work = inp.clone()
+    out, inp = placed(spec, in_place, numel_in, numel_out, rank, nranks, dtype)
+    inp.copy_(data)
+    restore = in_place and spec.name != "all_gather"  # a gather writes back this rank's own data
+    times = []
     zipccl.reset_stats()
     dist.barrier()
-    t0 = time.perf_counter()
     for _ in range(args.iters):
-        if spec.name == "all_reduce":
-            spec.run(work, work, op, None, codec, args.algorithm)
-        else:
-            spec.run(out, inp, op, None, codec, args.algorithm)
-    elapsed = combine_time((time.perf_counter() - t0) / args.iters, args.average)
-    st = zipccl.stats()["total"]
+        if restore:
+            inp.copy_(data)
+        t0 = time.perf_counter()
+        spec.run(out, inp, op, None, codec, args.algorithm)
+        times.append(time.perf_counter() - t0)
+    st = zipccl.stats()
+    wrong = 0
+    for _ in range(args.check if reference is not None else 0):
+        inp.copy_(data)
+        spec.run(out, inp, op, None, codec, args.algorithm)
+        wrong += count_wrong(out, reference, op)
+    wrong = sum_over_ranks(wrong) if reference is not None and args.check else None
+    seconds = combine_time(sum(times) / len(times), args.average)
     size = max(numel_in, numel_out) * inp.element_size()
-    algbw = size / elapsed / 1e9 if elapsed > 0 else 0.0
-    calls = max(1, st["calls"])
-    row = dict(size=size, count=max(numel_in, numel_out), type=args_type(dtype),
-               redop=op_name(op) if spec.has_op else "none", root=-1, time=elapsed * 1e6, algbw=algbw,
-               busbw=algbw * spec.bus_factor(nranks), wrong=wrong if reference is not None and args.check else None,
-               codec=label or "torch", wire_B=int(st["wire_bytes"] / calls) if codec else None,
-               ratio=st["wire_bytes"] / st["raw_bytes"] if codec and st["raw_bytes"] else None,
-               collective=spec.name, nranks=nranks)
+    algbw = size / seconds / 1e9 if seconds > 0 else 0.0
+    result = dict(time_us=seconds * 1e6, algbw=algbw, busbw=algbw * spec.bus_factor(nranks), wrong=wrong)
+    if args.per_iter_timing:
+        per_process = [[t * 1e6 for t in proc] for proc in gather_times(times)]
+        result.update(per_process=per_process, times_us=[max(col) for col in zip(*per_process)])
+    return result, st
+
+
+def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, data: torch.Tensor,
+            reference: torch.Tensor | None, rank: int, nranks: int) -> dict:
+    """One row of the table: warm up (out of place), then both placements, nccl-tests' order."""
+    label, codec = codec or BASELINE, zipccl_codec(args, codec)
+    out, inp = placed(spec, False, numel_in, numel_out, rank, nranks, dtype)
+    inp.copy_(data)
+    for _ in range(args.warmup_iters):
+        spec.run(out, inp, op, None, codec, args.algorithm)
+    row = dict(size=max(numel_in, numel_out) * data.element_size(), count=min(numel_in, numel_out),
+               type=args_type(dtype), redop=op_name(op) if spec.has_op else "none", root=-1, iterations=args.iters)
+    wire = raw = calls = 0
+    for key, in_place in (("out_of_place", False), ("in_place", True)):
+        row[key], st = measure_placement(spec, args, in_place, numel_in, numel_out, dtype, op, codec, data,
+                                         reference, rank, nranks)
+        total = st["total"]
+        wire, raw, calls = wire + total["wire_bytes"], raw + total["raw_bytes"], calls + total["calls"]
+        plan = st["last"].get("codec")
+    row["zipccl"] = dict(codec=label, collective=spec.name, nranks=nranks,
+                         wire_bytes=int(wire / calls) if codec and calls else None,
+                         raw_bytes=int(raw / calls) if codec and calls else None,
+                         ratio=wire / raw if codec and raw else None, plan=plan if codec else None)
     return row
 
 
@@ -235,43 +296,19 @@ def op_name(op) -> str:
     return {v: k for k, v in OPS.items()}[op]
 
 
-# ---- output -------------------------------------------------------------------------------------------------
-
-def header_lines(args, nranks: int, how: str) -> list[str]:
-    step = f"{args.stepfactor:g}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)"
-    return [f"# zipccl-perf: {args.collective}  nranks {nranks} ({how})  minBytes {args.minbytes} maxBytes "
-            f"{args.maxbytes} step: {step} warmup iters: {args.warmup_iters} iters: {args.iters} "
-            f"validation: {args.check}  data: {args.data or 'verifiable gaussian-like'}",
-            "#",
-            f"# {'size':>10} {'count':>12} {'type':>9} {'redop':>6} {'root':>6} {'time':>9} {'algbw':>7} "
-            f"{'busbw':>7} {'#wrong':>6} {'codec':>9} {'wire_B':>11} {'ratio':>6}",
-            f"# {'(B)':>10} {'(elements)':>12} {'':>9} {'':>6} {'':>6} {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} "
-            f"{'':>6} {'':>9} {'(B)':>11} {'':>6}"]
-
-
-def row_line(r: dict) -> str:
-    wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
-    wire = "N/A" if r["wire_B"] is None else str(r["wire_B"])
-    ratio = "N/A" if r["ratio"] is None else f"{r['ratio']:.4f}"
-    return (f"  {r['size']:>10} {r['count']:>12} {r['type']:>9} {r['redop']:>6} {r['root']:>6} {r['time']:>9.1f} "
-            f"{r['algbw']:>7.3f} {r['busbw']:>7.3f} {wrong:>6} {r['codec']:>9} {wire:>11} {ratio:>6}")
-
-
-def footer_lines(rows: list[dict]) -> list[str]:
-    bad = sum(r["wrong"] for r in rows if r["wrong"] not in (None,) and r["wrong"] > 0)
-    avg = sum(r["busbw"] for r in rows) / max(1, len(rows))
-    return [f"# Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}",
-            f"# Avg bus bandwidth    : {avg:.6g}", "#"]
-
+# ---- plot and progress --------------------------------------------------------------------------------------
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Out-of-place busbw against size, one line per codec and dtype."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for codec in dict.fromkeys(r["codec"] for r in rows):
+    codecs = dict.fromkeys(r["zipccl"]["codec"] for r in rows)
+    for codec in codecs:
         for dtype in dict.fromkeys(r["type"] for r in rows):
-            pts = sorted((r["size"], r["busbw"]) for r in rows if r["codec"] == codec and r["type"] == dtype)
+            pts = sorted((r["size"], r["out_of_place"]["busbw"]) for r in rows
+                         if r["zipccl"]["codec"] == codec and r["type"] == dtype)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"{codec} ({dtype})")
     ax.set_xscale("log", base=2)
@@ -283,10 +320,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def write_json(rows: list[dict], path: Path, meta: dict) -> None:
-    path.write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
 
 
 def progress(i: int, total: int, text: str) -> None:

@@ -1,86 +1,154 @@
-"""zipccl-perf: nccl-tests-style bandwidth of zipccl's compressed collectives.
+"""zipccl-perf: nccl-tests' bandwidth benchmark, for zipccl's compressed collectives.
 
     zipccl-perf                                   # 4 local ranks over gloo, all codecs
     zipccl-perf -b 64M -e 64M -d bfloat16 --baseline --data grads.npy --netlab 1gbit
     torchrun --nproc-per-node 4 -m zipccl.bench.perf ...   # or mpirun -np 4 zipccl-perf ...
 
-Columns follow nccl-tests (size count type redop root time algbw busbw #wrong),
-with busbw computed on the uncompressed size (effective bandwidth), plus
-codec, wire_B (bytes this rank sent per call) and ratio (wire / raw bytes).
+Standard output is nccl-tests' (2.19) exactly, one complete table per codec (report.py):
+out-of-place and in-place columns (size count type redop root time algbw busbw #wrong
+time algbw busbw #wrong), busbw on the uncompressed size (effective bandwidth). zipccl's
+own figures (codec, wire bytes, ratio, what auto ran) follow each table's footer in `#`
+lines and sit under "zipccl" keys in the -J JSON. Progress goes to standard error.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import platform
+import socket
 import sys
 
 import torch
 import torch.distributed as dist
 
-from .. import config, launch, topology
+from .. import __version__, config, launch, topology
 from ..collectives import auto_policy
-from . import all_gather, all_reduce, reduce_scatter
-from .common import (CODECS, DTYPES, OPS, footer_lines, header_lines, load_data, measure, parser, plot, progress,
-                     rank_order_reduce, real, row_line, sizes, validate, verifiable, write_json, zipccl_codec)
+from . import all_gather, all_reduce, reduce_scatter, report
+from .common import (BASELINE, CODECS, DTYPES, OPS, load_data, measure, parser, plot, progress, rank_order_reduce,
+                     real, sizes, validate, verifiable)
 
 SPECS = {s.name: s for s in (all_reduce.SPEC, reduce_scatter.SPEC, all_gather.SPEC)}
 
 
 def _plan(args):
+    """dtypes, ops and the variants to time, one table each: a zipccl codec, or None for the
+    plain torch.distributed collective (--baseline, first)."""
     dtypes = list(DTYPES.values()) if args.datatype == "all" else [DTYPES[args.datatype]]
     ops = list(OPS.values()) if args.op == "all" else [OPS[args.op]]
-    codecs = list(CODECS) if args.codec == "all" else [args.codec]
+    variants = list(CODECS) if args.codec == "all" else [args.codec]
     if args.baseline:
-        codecs = [None] + codecs
-    return dtypes, ops, codecs
+        variants = [None] + variants
+    return dtypes, ops, variants
 
 
-def run_rank(rank: int, nranks: int, args, how: str = "local spawn") -> list[dict]:
-    """Every rank runs the sweep; rank 0 prints the table and writes JSON and the plot."""
+def run_config(args) -> dict:
+    """nccl-tests' "config" (the run line's figures); booleans as nccl-tests writes them."""
+    step = {"step_factor": int(args.stepfactor) if args.stepfactor == int(args.stepfactor) else args.stepfactor} \
+        if args.stepfactor > 1 else {"step_bytes": args.stepbytes}
+    return dict(nthreads=args.nthreads, ngpus=args.ngpus, minimum_bytes=args.minbytes, maximum_bytes=args.maxbytes,
+                **step, warmup_iters=args.warmup_iters, iterations=args.iters, aggregated_iterations=1,
+                validation=args.check, graph=0, blocking_collectives="false",
+                per_iter_timing="true" if args.per_iter_timing else "false", per_iter_skip=0, parallel_init="false")
+
+
+def devices() -> list[dict]:
+    """One entry per rank (nccl-tests' "Using devices"): CPU ranks have no device (-1) and say so."""
+    mine = dict(rank=dist.get_rank(), group=0, pid=os.getpid(), hostname=socket.gethostname().split(".")[0],
+                device=-1, device_hex="0000:00:00",
+                device_info=f"CPU {platform.machine()} ({dist.get_backend()}, torch {torch.__version__})")
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _inputs(spec, args, data, dtype, op, numel_in, rank, nranks):
+    """This rank's input and, for verifiable data, its expected output (plain torch on every
+    rank's input); for real data, every rank's input (the reference depends on the codec)."""
+    if data is None:
+        inp = verifiable(numel_in, dtype, rank, nranks)
+        ref = spec.expect([verifiable(numel_in, dtype, r, nranks) for r in range(nranks)], op, rank, nranks) \
+            .to(dtype) if args.check else None
+        return inp, ref, None
+    inputs = [real(data, numel_in, dtype, r) for r in range(nranks)] if args.check else None
+    return real(data, numel_in, dtype, rank), None, inputs
+
+
+def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[str] | None = None) -> list[dict]:
+    """Every rank runs the sweep, one table per variant; rank 0 prints them and writes the JSON
+    and the plot."""
     spec = SPECS[args.collective]
     if not spec.has_op:
         args.op = "sum"
-    dtypes, ops, codecs = _plan(args)
+    dtypes, ops, variants = _plan(args)
     data = load_data(args.data) if args.data else None
     points = [(d, o, s) for d in dtypes for o in ops for s in sizes(args.minbytes, args.maxbytes, args.stepfactor,
                                                                       args.stepbytes)]
     say = print if rank == 0 else (lambda *a, **k: None)
-    for line in header_lines(args, nranks, how):
-        say(line, flush=True)
-    rows, k, total = [], 0, len(points) * len(codecs)
-    for dtype, op, size in points:
-        count = size // torch.empty(0, dtype=dtype).element_size()
-        numel_in, numel_out = spec.buffers(count, nranks)
-        if numel_in == 0:
-            continue
-        if data is None:
-            inp = verifiable(numel_in, dtype, rank, nranks)
-            ref = spec.expect([verifiable(numel_in, dtype, r, nranks) for r in range(nranks)], op, rank, nranks) \
-                .to(dtype) if args.check else None
-        else:  # real data: sums depend on the order, checked where zipccl promises it (real_reference)
-            inp = real(data, numel_in, dtype, rank)
-            inputs = [real(data, numel_in, dtype, r) for r in range(nranks)] if args.check else None
-        for codec in codecs:
+    start, cfg, devs = report.now(), run_config(args), devices()
+    version = (f"zipccl-perf version {__version__} (nccl-tests {report.FORMAT_VERSION} output format) "
+               f"torch {torch.__version__} backend {dist.get_backend()}")
+    if args.output_file:
+        say(f"# Writing JSON output to {args.output_file}")
+    tables, k, total = [], 0, len(points) * len(variants)
+    for variant in variants:
+        label = variant or BASELINE
+        name = f"{spec.name}_perf:{label}"
+        what = f"zipccl codec {label}" if variant else "plain torch.distributed (--baseline)"
+        extra = [f"# zipccl-perf table: {what}; {spec.name}, {nranks} ranks ({how}), algorithm {args.algorithm}, "
+                 f"data {args.data or 'verifiable gaussian-like'}; busbw on uncompressed bytes"]
+        for line in report.preamble_lines(name, version, cfg, devs, extra) + report.header_lines(args.per_iter_timing):
+            say(line, flush=True)
+        rows, notes = [], []
+        for dtype, op, size in points:
             k += 1
+            count = size // torch.empty(0, dtype=dtype).element_size()
+            numel_in, numel_out = spec.buffers(count, nranks)
             if rank == 0:
-                progress(k, total, f"{spec.name} {size} B {dtype} {codec or 'torch'}")
-            if codec is None and op == dist.ReduceOp.AVG:
-                say("#  (torch baseline skipped for avg: gloo has no AVG)")
+                progress(k, total, f"{spec.name} {size} B {dtype} {label}")
+            if numel_in == 0:
                 continue
-            reference = ref if data is None else \
-                real_reference(spec, args, inputs, op, codec, rank, nranks) if args.check else None
-            row = measure(spec, args, numel_in, numel_out, dtype, op, codec, inp, reference, nranks)
+            if variant is None and op == dist.ReduceOp.AVG:
+                notes.append(f"{size} B {dtype}: avg skipped (gloo has no AVG)")
+                continue
+            inp, ref, inputs = _inputs(spec, args, data, dtype, op, numel_in, rank, nranks)
+            if data is not None and args.check:
+                ref = real_reference(spec, args, inputs, op, variant, rank, nranks)
+            row = measure(spec, args, numel_in, numel_out, dtype, op, variant, inp, ref, rank, nranks)
             rows.append(row)
-            say(row_line(row), flush=True)
-    for line in footer_lines(rows):
-        say(line, flush=True)
-    for line in plan_lines("auto" in codecs):
-        say(line, flush=True)
+            say(report.row_line(row, args.per_iter_timing), flush=True)
+        for line in report.footer_lines(rows, name) + zipccl_lines(rows, notes, variant == "auto"):
+            say(line, flush=True)
+        say("", flush=True)
+        tables.append(dict(name=name, codec=label, rows=rows, notes=notes))
+    rows = [r for t in tables for r in t["rows"]]
     if rank == 0 and args.output_file:
-        write_json(rows, args.output_file, dict(args={k: str(v) for k, v in vars(args).items()}, how=how))
+        extra = dict(version=__version__, format=f"nccl-tests {report.FORMAT_VERSION}", collective=spec.name,
+                     nranks=nranks, launcher=how, backend=dist.get_backend(), torch=torch.__version__,
+                     algorithm=args.algorithm, data=str(args.data) if args.data else None,
+                     topology=str(topology.topology()),
+                     auto_plans=auto_policy().explain() if "auto" in variants else [])
+        report.write_json(report.document(start, argv if argv is not None else sys.argv, cfg, devs, tables, extra),
+                          args.output_file)
     if rank == 0 and args.plot:
         plot(rows, args.plot, f"zipccl-perf {spec.name}, {nranks} ranks ({how})")
+    _quiet_exit()
     return rows
+
+
+def zipccl_lines(rows: list[dict], notes: list[str], auto: bool) -> list[str]:
+    """zipccl's figures for one table, after its footer: per row, rank 0's wire bytes per call,
+    the ratio to the raw bytes and the plan that ran last; then the topology and auto's plans."""
+    lines = []
+    if rows and rows[0]["zipccl"]["wire_bytes"] is not None:
+        lines.append(f"# zipccl {'size':>12s}  {'type':>8s}  {'redop':>6s}  {'wire_B/call':>12s}  {'ratio':>6s}  ran")
+        for r in rows:
+            z = r["zipccl"]
+            ratio = "N/A" if z["ratio"] is None else f"{z['ratio']:.4f}"
+            lines.append(f"# zipccl {r['size']:12d}  {r['type']:>8s}  {r['redop']:>6s}  {z['wire_bytes']:12d}  "
+                         f"{ratio:>6s}  {z['plan']}")
+    lines += [f"# zipccl note: {n}" for n in notes]
+    return lines + plan_lines(auto)
 
 
 def plan_lines(auto: bool) -> list[str]:
@@ -117,28 +185,41 @@ def real_reference(spec, args, inputs, op, codec, rank: int, nranks: int):
     return full
 
 
+def _quiet_exit() -> None:
+    """numba colours its messages with colorama, whose exit hook writes a terminal reset to
+    standard output when that is a terminal, as mpirun makes it for its ranks: a stray line
+    after the tables. Drop the hook (registered, once, by numba's first compile)."""
+    hooks = sys.modules.get("colorama.initialise")
+    if hooks is not None:
+        atexit.unregister(hooks.reset_all)
+
+
+def _wrong(rows: list[dict]) -> int:
+    return sum(int(r[k]["wrong"] or 0) for r in rows for k in report.PLACEMENTS)
+
+
 def _spawned(rank, nranks, args):
-    rows = run_rank(rank, nranks, args)
-    return sum(r["wrong"] or 0 for r in rows)
+    return _wrong(run_rank(rank, nranks, args, argv=args.argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser("zipccl-perf")
     args = ap.parse_args(argv)
     validate(ap, args)
+    given = list(argv if argv is not None else sys.argv[1:])
+    args.argv = ["zipccl-perf", *given]  # the JSON's "args", as nccl-tests records its command line
     if args.netlab:
         from .netlab import run_perf
-        return run_perf(args.netlab, args.nranks, [a for a in (argv if argv is not None else sys.argv[1:])],
-                        nodes=args.nodes)
+        return run_perf(args.netlab, args.nranks, given, nodes=args.nodes)
     if args.nodes is not None and args.nodes > 1:  # emulated nodes for the ranks spawned here (a launcher's variables take second place)
         os.environ["ZIPCCL_TOPOLOGY"] = f"{args.nodes}x{args.nranks // args.nodes}"
         config.TOPOLOGY = os.environ["ZIPCCL_TOPOLOGY"]
     world = launch.detect()
     if world is not None:
         launch.init()
-        rows = run_rank(world.rank, world.size, args, args.how or world.launcher)
+        rows = run_rank(world.rank, world.size, args, args.how or world.launcher, args.argv)
         launch.shutdown()
-        return 1 if any((r["wrong"] or 0) > 0 for r in rows) else 0
+        return 1 if _wrong(rows) else 0
     wrong = launch.spawn(_spawned, args.nranks, args)
     return 1 if any(w for w in wrong) else 0
 

@@ -1,5 +1,7 @@
-"""zipccl-perf spec of reduce-scatter: size = input bytes, busbw = algbw * (n-1)/n."""
+"""zipccl-perf spec of reduce-scatter: size = input bytes, count = output elements,
+busbw = algbw * (n-1)/n; in place, the output is this rank's slice of the input (nccl-tests)."""
 
+import torch
 import torch.distributed as dist
 
 import zipccl
@@ -21,5 +23,10 @@ def expect(inputs, op, rank, nranks):
     return full[rank * m:(rank + 1) * m]
 
 
+def _in_place(numel_in, numel_out, rank, nranks, dtype):
+    inp = torch.empty(numel_in, dtype=dtype)
+    return inp[rank * numel_out:(rank + 1) * numel_out], inp
+
+
 SPEC = Spec("reduce_scatter", True, lambda n: (n - 1) / n,
-            lambda count, n: (count // n * n, count // n), _run, expect)
+            lambda count, n: (count // n * n, count // n), _run, expect, _in_place)
