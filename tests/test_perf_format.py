@@ -109,6 +109,31 @@ def test_every_placement_and_codec_parses(tmp_path, collective):
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_backend_zipccl_times_plain_calls_on_gloo_and_on_the_drop_in(tmp_path, collective):
+    """--backend zipccl: two tables (plain dist.* on a gloo group, then on the zipccl world),
+    each parsing alone; with ZIPCCL_CODEC=lossless the drop-in's rows report what zipccl sent."""
+    out_json = tmp_path / "r.json"
+    env_codec = os.environ.get("ZIPCCL_CODEC")
+    os.environ["ZIPCCL_CODEC"] = "lossless"
+    try:
+        res = run_perf("-b", "64K", "-e", "64K", "-n", "2", "-w", "1", "--nranks", "2", "--backend", "zipccl",
+                       "--collective", collective, "-d", "bfloat16", "-J", str(out_json))
+    finally:
+        os.environ.pop("ZIPCCL_CODEC") if env_codec is None else os.environ.update(ZIPCCL_CODEC=env_codec)
+    assert res.returncode == 0, res.stderr[-2000:]
+    tables = nccl_text.parse(res.stdout)
+    assert [t.name for t in tables] == [f"{collective}_perf:torch-gloo", f"{collective}_perf:drop-in"]
+    for t in tables:
+        assert t.ok and all(r["out_of_place"]["wrong"] == 0 and r["in_place"]["wrong"] == 0 for r in t.rows)
+    doc = json.loads(out_json.read_text())
+    check_against_json(tables, doc, collective, 2)
+    gloo, dropin = ([r["zipccl"] for r in doc["results"] if r["zipccl"]["codec"] == c] for c in ("torch-gloo", "drop-in"))
+    assert all(z["wire_bytes"] is None for z in gloo)
+    assert all(z["plan"] == "lossless" and 0 < z["wire_bytes"] < z["raw_bytes"] for z in dropin), dropin
+
+
 @pytest.mark.timeout(300)
 def test_per_iteration_times(tmp_path):
     """-I 1: nccl-tests' i_* columns, and per placement the per-iteration block its analysis

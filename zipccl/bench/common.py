@@ -86,6 +86,10 @@ def parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--collective", default="all_reduce", choices=["all_reduce", "reduce_scatter", "all_gather"])
     ap.add_argument("--codec", default="all", choices=[*CODECS, "all"],
                     help="zipccl codec (default all: one table per codec)")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "zipccl"],
+                    help="the ranks' torch.distributed backend; zipccl: time plain dist.* calls on the drop-in "
+                         "backend (policy ZIPCCL_CODEC, default auto) against the same calls on a gloo group "
+                         "(two tables: torch-gloo, then drop-in); --codec and --baseline do not apply")
     ap.add_argument("--baseline", action="store_true", help="also run the plain torch.distributed collective "
                     "(its own table, first)")
     ap.add_argument("--data", type=Path, help="real tensors (.npy or .pt), tiled to each size (sums depend on the "
@@ -119,6 +123,9 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--nranks must be >= 1")
     if args.nodes is not None and (args.nodes < 1 or args.nranks % args.nodes):
         ap.error(f"--nodes ({args.nodes}) must divide --nranks ({args.nranks})")
+    if args.backend == "zipccl" and (args.baseline or args.codec not in ("all", "auto")):
+        ap.error("--backend zipccl times plain dist.* calls (the drop-in's policy is ZIPCCL_CODEC): "
+                 "leave out --baseline and --codec")
     if args.data is not None and not args.data.exists():
         ap.error(f"--data {args.data} does not exist")
 
@@ -229,7 +236,8 @@ def placed(spec: Spec, in_place: bool, numel_in: int, numel_out: int, rank: int,
 
 
 def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out: int, dtype, op, codec,
-                      data: torch.Tensor, reference: torch.Tensor | None, rank: int, nranks: int) -> tuple:
+                      data: torch.Tensor, reference: torch.Tensor | None, rank: int, nranks: int,
+                      group=None) -> tuple:
     """Time ``args.iters`` calls one by one (the input restored before each, untimed, so that
     every call sees the same data), then check ``args.check`` calls against ``reference``
     (bitwise; wrong elements summed over the ranks). Returns the placement's figures and
@@ -245,13 +253,13 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
         if restore:
             inp.copy_(data)
         t0 = time.perf_counter()
-        spec.run(out, inp, op, None, codec, args.algorithm)
+        spec.run(out, inp, op, group, codec, args.algorithm)
         times.append(time.perf_counter() - t0)
     st = zipccl.stats()
     wrong = 0
     for _ in range(args.check if reference is not None else 0):
         inp.copy_(data)
-        spec.run(out, inp, op, None, codec, args.algorithm)
+        spec.run(out, inp, op, group, codec, args.algorithm)
         wrong += count_wrong(out, reference, op)
     wrong = sum_over_ranks(wrong) if reference is not None and args.check else None
     seconds = combine_time(sum(times) / len(times), args.average)
@@ -265,26 +273,30 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
 
 
 def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, data: torch.Tensor,
-            reference: torch.Tensor | None, rank: int, nranks: int) -> dict:
-    """One row of the table: warm up (out of place), then both placements, nccl-tests' order."""
-    label, codec = codec or BASELINE, zipccl_codec(args, codec)
+            reference: torch.Tensor | None, rank: int, nranks: int, group=None, label: str | None = None) -> dict:
+    """One row of the table: warm up (out of place), then both placements, nccl-tests' order.
+    ``codec`` None: the plain torch.distributed call on ``group`` (the drop-in backend's
+    calls are those, on a zipccl group, and their zipccl figures are reported too)."""
+    label, codec = label or codec or BASELINE, zipccl_codec(args, codec)
+    dropin = codec is None and dist.get_backend(group) == "zipccl"
     out, inp = placed(spec, False, numel_in, numel_out, rank, nranks, dtype)
     inp.copy_(data)
     for _ in range(args.warmup_iters):
-        spec.run(out, inp, op, None, codec, args.algorithm)
+        spec.run(out, inp, op, group, codec, args.algorithm)
     row = dict(size=max(numel_in, numel_out) * data.element_size(), count=min(numel_in, numel_out),
                type=args_type(dtype), redop=op_name(op) if spec.has_op else "none", root=-1, iterations=args.iters)
     wire = raw = calls = 0
     for key, in_place in (("out_of_place", False), ("in_place", True)):
         row[key], st = measure_placement(spec, args, in_place, numel_in, numel_out, dtype, op, codec, data,
-                                         reference, rank, nranks)
+                                         reference, rank, nranks, group)
         total = st["total"]
         wire, raw, calls = wire + total["wire_bytes"], raw + total["raw_bytes"], calls + total["calls"]
         plan = st["last"].get("codec")
+    zipccl_ran = codec is not None or dropin
     row["zipccl"] = dict(codec=label, collective=spec.name, nranks=nranks,
-                         wire_bytes=int(wire / calls) if codec and calls else None,
-                         raw_bytes=int(raw / calls) if codec and calls else None,
-                         ratio=wire / raw if codec and raw else None, plan=plan if codec else None)
+                         wire_bytes=int(wire / calls) if zipccl_ran and calls else None,
+                         raw_bytes=int(raw / calls) if zipccl_ran and calls else None,
+                         ratio=wire / raw if zipccl_ran and raw else None, plan=plan if zipccl_ran else None)
     return row
 
 

@@ -3,6 +3,7 @@
     zipccl-perf                                   # 4 local ranks over gloo, all codecs
     zipccl-perf -b 64M -e 64M -d bfloat16 --baseline --data grads.npy --netlab 1gbit
     torchrun --nproc-per-node 4 -m zipccl.bench.perf ...   # or mpirun -np 4 zipccl-perf ...
+    zipccl-perf --backend zipccl -b 64K -e 64M          # dist.* on the drop-in backend vs on gloo
 
 Standard output is nccl-tests' (2.19) exactly, one complete table per codec (report.py):
 out-of-place and in-place columns (size count type redop root time algbw busbw #wrong
@@ -31,14 +32,20 @@ from .common import (BASELINE, CODECS, DTYPES, OPS, load_data, measure, parser, 
 SPECS = {s.name: s for s in (all_reduce.SPEC, reduce_scatter.SPEC, all_gather.SPEC)}
 
 
+#: --backend zipccl's two tables: plain dist.* calls on a gloo group, then on the zipccl world.
+GLOO, DROPIN = "torch-gloo", "drop-in"
+
+
 def _plan(args):
-    """dtypes, ops and the variants to time, one table each: a zipccl codec, or None for the
-    plain torch.distributed collective (--baseline, first)."""
+    """dtypes, ops and the variants to time, one table each: (label, zipccl codec or None for
+    the plain torch.distributed call, on the world or on a gloo group)."""
     dtypes = list(DTYPES.values()) if args.datatype == "all" else [DTYPES[args.datatype]]
     ops = list(OPS.values()) if args.op == "all" else [OPS[args.op]]
-    variants = list(CODECS) if args.codec == "all" else [args.codec]
+    if args.backend == "zipccl":
+        return dtypes, ops, [(GLOO, None, "gloo"), (DROPIN, None, "world")]
+    variants = [(c, c, "world") for c in (list(CODECS) if args.codec == "all" else [args.codec])]
     if args.baseline:
-        variants = [None] + variants
+        variants = [(BASELINE, None, "world")] + variants
     return dtypes, ops, variants
 
 
@@ -91,10 +98,13 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
     if args.output_file:
         say(f"# Writing JSON output to {args.output_file}")
     tables, k, total = [], 0, len(points) * len(variants)
-    for variant in variants:
-        label = variant or BASELINE
+    gloo = dist.new_group(backend="gloo") if any(where == "gloo" for _, _, where in variants) else None
+    for label, variant, where in variants:
+        group = gloo if where == "gloo" else None
         name = f"{spec.name}_perf:{label}"
-        what = f"zipccl codec {label}" if variant else "plain torch.distributed (--baseline)"
+        what = {BASELINE: "plain torch.distributed (--baseline)", GLOO: "plain torch.distributed on gloo",
+                DROPIN: f"plain torch.distributed on the zipccl backend (ZIPCCL_CODEC={config.CODEC})"}.get(
+                    label, f"zipccl codec {label}")
         extra = [f"# zipccl-perf table: {what}; {spec.name}, {nranks} ranks ({how}), algorithm {args.algorithm}, "
                  f"data {args.data or 'verifiable gaussian-like'}; busbw on uncompressed bytes"]
         for line in report.preamble_lines(name, version, cfg, devs, extra) + report.header_lines(args.per_iter_timing):
@@ -108,13 +118,13 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
                 progress(k, total, f"{spec.name} {size} B {dtype} {label}")
             if numel_in == 0:
                 continue
-            if variant is None and op == dist.ReduceOp.AVG:
+            if variant is None and op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo":
                 notes.append(f"{size} B {dtype}: avg skipped (gloo has no AVG)")
                 continue
             inp, ref, inputs = _inputs(spec, args, data, dtype, op, numel_in, rank, nranks)
             if data is not None and args.check:
                 ref = real_reference(spec, args, inputs, op, variant, rank, nranks)
-            row = measure(spec, args, numel_in, numel_out, dtype, op, variant, inp, ref, rank, nranks)
+            row = measure(spec, args, numel_in, numel_out, dtype, op, variant, inp, ref, rank, nranks, group, label)
             rows.append(row)
             say(report.row_line(row, args.per_iter_timing), flush=True)
         for line in report.footer_lines(rows, name) + zipccl_lines(rows, notes, variant == "auto"):
@@ -127,7 +137,7 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
                      nranks=nranks, launcher=how, backend=dist.get_backend(), torch=torch.__version__,
                      algorithm=args.algorithm, data=str(args.data) if args.data else None,
                      topology=str(topology.topology()),
-                     auto_plans=auto_policy().explain() if "auto" in variants else [])
+                     auto_plans=auto_policy().explain() if any(v == "auto" for _, v, _ in variants) else [])
         report.write_json(report.document(start, argv if argv is not None else sys.argv, cfg, devs, tables, extra),
                           args.output_file)
     if rank == 0 and args.plot:
@@ -216,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         config.TOPOLOGY = os.environ["ZIPCCL_TOPOLOGY"]
     world = launch.detect()
     if world is not None:
-        launch.init()
+        launch.init(args.backend)
         rows = run_rank(world.rank, world.size, args, args.how or world.launcher, args.argv)
         launch.shutdown()
         return 1 if _wrong(rows) else 0
-    wrong = launch.spawn(_spawned, args.nranks, args)
+    wrong = launch.spawn(_spawned, args.nranks, args, backend=args.backend)
     return 1 if any(w for w in wrong) else 0
 
 
