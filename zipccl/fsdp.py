@@ -117,7 +117,9 @@ class _Counters:
     def add(self, call: dict, raw_bytes: int) -> None:
         self.calls += 1
         self.raw_bytes += raw_bytes  # what the same collective sends uncompressed
-        self.wire_bytes += call.get("wire_bytes", 0)
+        # The backend's own collective (codec "native", auto's choice for small calls) sends raw
+        # bytes but zipccl's counters record none for it.
+        self.wire_bytes += raw_bytes if call.get("codec") == "native" else call.get("wire_bytes", 0)
         self.codec_seconds += call.get("codec_seconds", 0.0)
         self.comm_seconds += call.get("comm_seconds", 0.0)
 
