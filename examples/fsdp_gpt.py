@@ -64,7 +64,8 @@ def shard(model: GPT, args, replicas: int, shards: int):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                   reduce_dtype=torch.bfloat16 if args.reduce_dtype == "bf16" else torch.float32)
     kw = dict(mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=not args.no_reshard)
-    for m in [model.tok, model.pos, model.head] + [b for blk in model.blocks for b in (blk.qkv, blk.proj, blk.fc, blk.out)]:
+    layers = [m for blk in model.blocks for m in (blk.qkv, blk.proj, blk.fc, blk.out)]
+    for m in [model.tok, model.pos, model.head] + layers:
         fully_shard(m, **kw)
     for blk in model.blocks:
         fully_shard(blk, **kw)
@@ -168,7 +169,8 @@ def main(argv=None) -> int:
                     help="--comm tagc: modules with fewer parameter elements stay lossless")
     ap.add_argument("--bf16-values", dest="bf16_values", action="store_true",
                     help="lossy: send fp32 gradients' top-k values as bf16")
-    ap.add_argument("--mp", choices=["fp32", "bf16"], default="fp32", help="bf16: MixedPrecisionPolicy(param_dtype=bf16)")
+    ap.add_argument("--mp", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: MixedPrecisionPolicy(param_dtype=bf16)")
     ap.add_argument("--reduce-dtype", dest="reduce_dtype", choices=["fp32", "bf16"], default="fp32",
                     help="--mp bf16: the gradients' reduce dtype")
     ap.add_argument("--no-reshard", dest="no_reshard", action="store_true",

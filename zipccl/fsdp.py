@@ -289,7 +289,8 @@ def compress(model: torch.nn.Module, *, codec="auto", lossy: str | None = None, 
     (``mesh["replicate"].get_group()`` with FSDP sharding on ``mesh["shard"]``): its all-reduce
     runs through zipccl as each module's all-reduce hook."""
     if codec not in EXACT_CODECS:
-        raise ValueError(f"codec must be one of {EXACT_CODECS} (lossy compression is the opt-in `lossy`), got {codec!r}")
+        raise ValueError(f"codec must be one of {EXACT_CODECS} (lossy compression is the opt-in `lossy`), "
+                         f"got {codec!r}")
     if lossy not in (None, "topk", "entropy"):
         raise ValueError(f"lossy must be None, 'topk' or 'entropy', got {lossy!r}")
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
