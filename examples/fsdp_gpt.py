@@ -124,10 +124,14 @@ def train(rank: int, nranks: int, args) -> dict:
     with torch.no_grad():
         x, y = batches(text[split:], 32, args.ctx, gen_eval)
         eval_loss = F.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1)).item()
+    st = comms.stats() if comms is not None else {}
+    if comms is None and dist.get_backend() == "zipccl":  # the drop-in's own counters (before full_tensor's)
+        moved = zipccl.stats()
+        st = dict(raw_bytes=moved.get("total", {}).get("raw_bytes", 0), wire_bytes=moved.get("total", {}).get(
+            "wire_bytes", 0), **{k: moved.get(k, dict(wire_bytes=0)) for k in ("all_gather", "reduce_scatter")})
     flat = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])  # collective: all ranks
     later = times[len(times) // 2:]
-    st = comms.stats() if comms is not None else {}
-    return dict(comm=args.comm, mesh=args.mesh, mp=args.mp, reduce_dtype=args.reduce_dtype, nranks=nranks,
+    return dict(comm=args.comm, backend=dist.get_backend(), mesh=args.mesh, mp=args.mp, reduce_dtype=args.reduce_dtype, nranks=nranks,
                 steps=args.steps, losses=losses, eval_loss=eval_loss,
                 median_step_seconds=sorted(times)[len(times) // 2],
                 later_median_step_seconds=sorted(later)[len(later) // 2],
