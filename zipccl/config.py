@@ -93,3 +93,11 @@ def _seconds(name: str) -> float | None:
 #: (zipccl.failure): every rank then raises RankFailure and the group must be rebuilt.
 #: Unset: the process group's own timeout.
 TIMEOUT = _seconds("ZIPCCL_TIMEOUT")
+
+
+#: "1": strict transport mode (zipccl.transport.strict): gloo keeps NCCL's rules (exact-size
+#: receives, messages matched in issue order whatever their tag, sends and receives that wait on
+#: each other issued in one group) and every point-to-point message is checked against them; a
+#: violation raises TransportRuleError. For tests (tests/conftest.py turns it on): it adds a small
+#: message per payload, and gloo loses its early receives at the codec's bound.
+STRICT_TRANSPORT = _choice("ZIPCCL_STRICT_TRANSPORT", "0", ("0", "1")) == "1"

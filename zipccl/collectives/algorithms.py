@@ -12,7 +12,7 @@ from ..failure import ENCODE, REDUCE, SIZE, Fate
 from ..kernels import reduce
 from .metadata import (_TAG_AG_DATA, _TAG_AG_SIZES, _TAG_DATA, _TAG_RS_DATA, _TAG_RS_SIZES, _TAG_SIZE, Call,
                        _meta_bytes, timed)
-from .pipeline import _land, _post_recvs, _send, _sizes, pieces
+from .pipeline import _land, _sizes, pieces, post
 from .resolve import _OPS
 
 
@@ -91,12 +91,11 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fa
         acc["raw_bytes"] += (n - 1) * (b - a) * chunks.element_size()
         return _sizes(t, None if k else call, _TAG_RS_SIZES, acc, packets, fate)
 
-    def post(k, encoded):
+    def post_piece(k, encoded):
         packets, sizes = encoded
-        sends = _send(t, packets, sizes, _TAG_RS_DATA, acc, chunks.device)
         a, b = cuts[k]
-        return k, sends, _post_recvs(t, fate, codec.max_encoded_size(b - a, chunks.dtype), _TAG_RS_DATA,
-                                     chunks.device), sizes
+        bound = codec.max_encoded_size(b - a, chunks.dtype)
+        return (k, bound, *post(t, packets, sizes, _TAG_RS_DATA, acc, chunks.device, bound), sizes)
 
     def reduce_piece(a, b, parts):
         if op_code in (1, 2) and chunks.dtype in reduce.DTYPES and chunks.device.type == "cpu":
@@ -106,17 +105,17 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fa
                                          chunks.dtype)
             result[a:b].copy_(total)
 
-    def finish(k, sends, recvs, sizes):
+    def finish(k, bound, sends, recvs, sizes):
         a, b = cuts[k]
         parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
-        _land(t, acc, sends, recvs, sizes, lambda j, buf: timed(acc, "codec_seconds", codec.decode, buf, parts[j]))
+        _land(t, acc, sends, recvs, sizes, bound, lambda j, buf: timed(acc, "codec_seconds", codec.decode, buf, parts[j]))
         timed(acc, "codec_seconds", fate.guard, REDUCE, reduce_piece, a, b, parts)
         if on_piece is not None:
             on_piece(a, b, result[a:b])
 
     flight, upcoming = None, encode(0)
     for k in range(len(cuts)):
-        current = post(k, upcoming)
+        current = post_piece(k, upcoming)
         if flight is not None:
             finish(*flight)
         upcoming = encode(k + 1) if k + 1 < len(cuts) else None
@@ -163,26 +162,30 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, fate: Fate
             size_out = torch.tensor([packet.numel() if packet is not None else -fate.code], dtype=torch.int64,
                                     device=chunks.device)
             size_in = torch.empty(1, dtype=torch.int64, device=chunks.device)
-            sends = []
-            if fate.alive(t, nxt):  # the size, then the packet if there is one; both alive until waited
-                sends = [fate.send(t, size_out, nxt, _TAG_SIZE)]
-                if packet is not None:
-                    sends.append(fate.send(t, packet, nxt, _TAG_DATA))
-                acc["wire_bytes"] += packet.numel() if packet is not None else 0
-            got_size = fate.recv(t, size_in, prv, _TAG_SIZE) if fate.alive(t, prv) else None
+            sends = []  # alive until waited
+            with t.grouped():  # the sizes first, so that each packet's receive has its exact size
+                if fate.alive(t, nxt):
+                    sends.append(fate.send(t, size_out, nxt, _TAG_SIZE))
+                got_size = fate.recv(t, size_in, prv, _TAG_SIZE) if fate.alive(t, prv) else None
             acc["meta_bytes"] += 8
             acc["raw_bytes"] += (b - a) * itemsize
             yield
-            recv, got = None, None
+            recv, got, size = None, None, None
             if timed(acc, "comm_seconds", fate.wait, t, got_size, prv):
                 size = int(size_in)
                 if size < 0:
                     fate.heard(-size)
-                else:
-                    if size > bound:  # received at the bound: a longer message breaks the connection
-                        fate.fail(SIZE, FormatError(f"rank {t.global_rank(prv)} announced a packet of {size} bytes, "
-                                                    f"above the codec's bound of {bound}"), rank=t.global_rank(prv))
-                    recv = torch.empty(min(size, bound), dtype=torch.uint8, device=chunks.device)
+                    size = None  # a failed sender sends no packet
+                elif size > bound:
+                    fate.fail(SIZE, FormatError(f"rank {t.global_rank(prv)} announced a packet of {size} bytes, "
+                                                f"above the codec's bound of {bound}"), rank=t.global_rank(prv))
+            with t.grouped():  # the packet, if there is one, and the predecessor's
+                if packet is not None and fate.alive(t, nxt):
+                    sends.append(fate.send(t, packet, nxt, _TAG_DATA))
+                    acc["wire_bytes"] += packet.numel()
+                if size is not None and fate.alive(t, prv):  # gloo: a message longer than the buffer breaks it
+                    recv = torch.empty(min(size, bound) if t.loose_receives else size, dtype=torch.uint8,
+                                       device=chunks.device)
                     got = fate.recv(t, recv, prv, _TAG_DATA)
             yield
             landed = timed(acc, "comm_seconds", fate.wait, t, got, prv)
@@ -217,17 +220,18 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, fate: Fate
 class _Piece:
     """An all-gather piece in flight: its range, this rank's data, its sends, how to learn the
     peers' sizes, and the receives."""
-    __slots__ = ("a", "b", "mine", "sends", "sizes", "recvs")
+    __slots__ = ("a", "b", "bound", "mine", "sends", "sizes", "recvs")
 
-    def __init__(self, a: int, b: int, mine: torch.Tensor, sends: list, sizes, recvs: dict):
-        self.a, self.b, self.mine, self.sends, self.sizes, self.recvs = a, b, mine, sends, sizes, recvs
+    def __init__(self, a: int, b: int, bound: int, mine: torch.Tensor, sends: list, sizes, recvs: dict):
+        self.a, self.b, self.bound, self.mine = a, b, bound, mine
+        self.sends, self.sizes, self.recvs = sends, sizes, recvs
 
 
 class _Gather:
     """All-gather pipeline: ``push`` this rank's piece [a, b); its packet goes to every peer at
     once, and every peer's packet of the piece is decoded into ``dest(j, a, b)`` (a view that
     may be shorter: the padding of all-reduce). Three pieces deep: pushing piece k sends it,
-    posts its receives (see _post_recvs) and completes piece k-2. Direct rather than
+    posts its receives (see pipeline.post) and completes piece k-2. Direct rather than
     a ring: each packet crosses one link, not n-1 one after another, and no step waits for
     the previous one's arrival (the same bytes leave each rank either way)."""
 
@@ -247,13 +251,13 @@ class _Gather:
 
         packet, sizes = _sizes(t, self.call, _TAG_AG_SIZES, acc, encode, self.fate)
         self.call = None  # checked: later pieces mail their sizes
-        sends = _send(t, packet, sizes, _TAG_AG_DATA, acc, mine.device)
+        bound = self.codec.max_encoded_size(b - a, mine.dtype)
+        sends, recvs = post(t, packet, sizes, _TAG_AG_DATA, acc, mine.device, bound)
         acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
         if not self.fate.failed:
             own = self.dest(t.rank, a, b)
             own.copy_(mine[:own.numel()])
-        recvs = _post_recvs(t, self.fate, self.codec.max_encoded_size(b - a, mine.dtype), _TAG_AG_DATA, mine.device)
-        self.flights.append(_Piece(a, b, mine, sends, sizes, recvs))
+        self.flights.append(_Piece(a, b, bound, mine, sends, sizes, recvs))
         if len(self.flights) >= 3:
             self._complete(self.flights.pop(0))
 
@@ -263,7 +267,7 @@ class _Gather:
             self._complete(self.flights.pop(0))
 
     def _complete(self, f: _Piece) -> None:
-        _land(self.t, self.acc, f.sends, f.recvs, f.sizes, lambda j, buf: self._decode(j, buf, f.a, f.b, f.mine))
+        _land(self.t, self.acc, f.sends, f.recvs, f.sizes, f.bound, lambda j, buf: self._decode(j, buf, f.a, f.b, f.mine))
 
     def _decode(self, j: int, part: torch.Tensor, a: int, b: int, mine: torch.Tensor) -> None:
         t0 = time.perf_counter()

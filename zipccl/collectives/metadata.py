@@ -70,8 +70,9 @@ class Call:
         mine = torch.tensor([status, *self.values, *slots, *sizes], dtype=torch.int64)
         rows = mine.repeat(t.size, 1)
         peers = [j for j in _peers(t) if fate.alive(t, j)]
-        sends = [(j, fate.send(t, mine, j, _TAG_META)) for j in peers]
-        recvs = [(j, fate.recv(t, rows[j], j, _TAG_META)) for j in peers]
+        with t.grouped():  # every rank sends to and receives from every other: one group
+            sends = [(j, fate.send(t, mine, j, _TAG_META)) for j in peers]
+            recvs = [(j, fate.recv(t, rows[j], j, _TAG_META)) for j in peers]
 
         def finish() -> torch.Tensor:
             for j, w in recvs:  # a lost peer's row stays a copy of this rank's: the call goes on poisoned
@@ -113,7 +114,7 @@ class _SizeMail:
     ``tag``: the packet sizes of a pipeline piece (the call's metadata exchange checks every
     rank's signature alongside the first piece). Unlike that exchange it waits on no third
     rank, so it adds no barrier mid-pipeline (the 64 MiB all-reduce in the 1 Gbit/s lab:
-    1.09-1.22 s -> 1.00-1.03 s). Receives do not wait for it (see _post_recvs); a piece is
+    1.09-1.22 s -> 1.00-1.03 s). On gloo receives do not wait for it (see pipeline.post); a piece is
     landed only once every peer's value has come, which says how much of each packet is the
     packet. Once the call has failed on this rank (zipccl.failure) every value is the poison
     code, negated, and the piece's packets are one-byte stand-ins (``poisoned``)."""
@@ -126,22 +127,36 @@ class _SizeMail:
         self.out = torch.tensor(values, dtype=torch.int64)  # values[j] goes to rank j (alive until sent)
         self.got = torch.zeros(t.size, dtype=torch.int64)
         peers = [j for j in _peers(t) if fate.alive(t, j)]
-        self.sends = [(j, fate.send(t, self.out[j:j + 1], j, tag)) for j in peers]
-        self.recvs = {j: fate.recv(t, self.got[j:j + 1], j, tag) for j in peers}
+        with t.grouped():
+            self.sends = [(j, fate.send(t, self.out[j:j + 1], j, tag)) for j in peers]
+            self.recvs = {j: fate.recv(t, self.got[j:j + 1], j, tag) for j in peers}
         acc["meta_bytes"] += 8 * len(peers)
 
     def get(self, src: int) -> int | None:
         """``src``'s value; None where ``src`` failed (its poison code goes to the call's fate) or is lost."""
+        value = self.announced(src)
+        if value is None:
+            return None
+        if value < 0:
+            self.fate.heard(-value)
+            return None
+        return value
+
+    def announced(self, src: int) -> int | None:
+        """``src``'s value as sent (negative: poisoned); None where ``src`` is lost."""
         work = self.recvs.pop(src, None)
         if work is not None and not timed(self.acc, "comm_seconds", self.fate.wait, self.t, work, src):
             return None
         if not self.fate.alive(self.t, src):
             return None
-        value = int(self.got[src])
-        if value < 0:
-            self.fate.heard(-value)
-            return None
-        return value
+        return int(self.got[src])
+
+    def wire_size(self, src: int) -> int | None:
+        """The bytes ``src``'s packet of this piece has on the wire: its size, or the one-byte
+        stand-in of a poisoned sender (see ``poisoned``); None where ``src`` is lost. What a
+        transport without ``loose_receives`` needs before it can post the receive."""
+        value = self.announced(src)
+        return None if value is None else 1 if value < 0 else value
 
     def close(self) -> None:
         for j, w in self.sends:

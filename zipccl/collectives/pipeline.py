@@ -63,37 +63,37 @@ def _sizes(t, call: Call | None, tag: int, acc: dict, encode, fate: Fate):
     return packets, _SizeMail(t, sizes, tag, acc, fate)
 
 
-def _send(t, packets, mail: _SizeMail, tag: int, acc: dict, device) -> list:
-    """Post a piece's packets (``packets[j]`` to peer j, or one packet to every peer): the
-    packets themselves, or one byte each if the piece's sizes went out poisoned."""
+def post(t, packets, mail: _SizeMail, tag: int, acc: dict, device, bound: int) -> tuple[list, dict]:
+    """Post a piece's packets and receives, as one group: (sends, {peer: (buffer, work)}).
+    ``packets[j]`` goes to peer j (or one packet to every peer), or one byte each if the
+    piece's sizes went out poisoned. Where the transport takes receives larger than their
+    message (``loose_receives``: gloo), each receive is posted at once at ``bound``, the
+    codec's bound, and the size mail says later how much of it is the packet: posting only
+    once a peer's size had come (behind the peer's previous piece on the same connection)
+    held its data back, the 64 MiB all-reduce in the 1 Gbit/s lab, alternating five times,
+    675-762 ms -> 625-693 ms (median 712 -> 653). Elsewhere (NCCL) each receive has its
+    packet's exact size, so the host waits for the peers' sizes first (invariant 12)."""
     fate = mail.fate
+    peers = [j for j in _peers(t) if fate.alive(t, j)]
+    lengths = {j: max(1, bound) for j in peers} if t.loose_receives else \
+        {j: n for j in peers if (n := mail.wire_size(j)) is not None}
     stand_in = torch.zeros(1, dtype=torch.uint8, device=device) if mail.poisoned else None
-    sends = []
-    for j in _peers(t):
-        if fate.alive(t, j):
-            packet = stand_in if stand_in is not None else packets if isinstance(packets, torch.Tensor) \
-                else packets[j]
-            sends.append((j, fate.send(t, packet, j, tag)))
-            acc["wire_bytes"] += packet.numel()
-    return sends
+    sends, recvs = [], {}
+    with t.grouped():
+        for j in peers:
+            if fate.alive(t, j):
+                packet = stand_in if stand_in is not None else packets if isinstance(packets, torch.Tensor) \
+                    else packets[j]
+                sends.append((j, fate.send(t, packet, j, tag)))
+                acc["wire_bytes"] += packet.numel()
+        for j, n in lengths.items():
+            if fate.alive(t, j):
+                buf = torch.empty(n, dtype=torch.uint8, device=device)
+                recvs[j] = buf, fate.recv(t, buf, j, tag)
+    return sends, recvs
 
 
-def _post_recvs(t, fate: Fate, nbytes: int, tag: int, device) -> dict:
-    """{peer: (buffer, work)}: a receive of each live peer's packet into a buffer of ``nbytes``,
-    the codec's bound, posted at once: gloo takes a message shorter than the buffer, and the
-    piece's size mail says how long the packet is. Posting only once a peer's size had come
-    (behind the peer's previous piece on the same connection) held its data back: the 64 MiB
-    all-reduce in the 1 Gbit/s lab, alternating five times, 675-762 ms -> 625-693 ms (median
-    712 -> 653)."""
-    recvs = {}
-    for j in _peers(t):
-        if fate.alive(t, j):
-            buf = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
-            recvs[j] = buf, fate.recv(t, buf, j, tag)
-    return recvs
-
-
-def _land(t, acc: dict, sends: list, recvs: dict, sizes: _SizeMail, decode) -> None:
+def _land(t, acc: dict, sends: list, recvs: dict, sizes: _SizeMail, bound: int, decode) -> None:
     """Finish a piece: for each peer, its size (a poison code makes the call failed here),
     its packet, and ``decode(peer, packet)`` while the call has not failed; then this rank's
     sends and size mails. Every message of the piece is waited for, failed or not."""
@@ -103,9 +103,9 @@ def _land(t, acc: dict, sends: list, recvs: dict, sizes: _SizeMail, decode) -> N
         landed = timed(acc, "comm_seconds", fate.wait, t, work, j)
         if size is None or not landed or fate.failed:
             continue
-        if size > buf.numel():
+        if size > bound or size > buf.numel():
             fate.fail(SIZE, FormatError(f"rank {t.global_rank(j)} announced a packet of {size} bytes, above the "
-                                        f"codec's bound of {buf.numel()}"), rank=t.global_rank(j))
+                                        f"codec's bound of {bound}"), rank=t.global_rank(j))
             continue
         fate.decode(t, j, decode, j, buf[:size])
     for j, w in sends:
