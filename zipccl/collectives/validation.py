@@ -8,7 +8,7 @@ import torch
 from .. import config
 from ..errors import UnsupportedError
 from ..stats import record as _record
-from ..transport import TorchTransport
+from ..transport import NcclTransport, TorchTransport, transport_for
 from .metadata import Call
 from .resolve import _OPS, AUTO, NATIVE, check_op, resolve_codec
 
@@ -27,6 +27,8 @@ def _check_device(t, *tensors: torch.Tensor) -> None:
     dev = devices.pop()
     if isinstance(t, TorchTransport) and t.meta_device.type == "cpu" and dev.type != "cpu":
         raise UnsupportedError(f"the process group's backend (gloo) takes CPU tensors here, got a tensor on {dev}")
+    if isinstance(t, NcclTransport) and dev.type != "cuda":
+        raise UnsupportedError(f"the NCCL transport takes CUDA tensors, got a tensor on {dev}")
 
 
 def input_size(x) -> tuple[int, int]:
@@ -51,8 +53,8 @@ def prepare(name, group, tensors, op, codec, numel, nbytes, check):
     """Validate locally: (transport, the resolved codec (AUTO where "auto" learns), the error or
     None). A call with an error must still join the metadata exchange (``refuse``), in its
     place in the order of calls, so that no rank hangs."""
-    t = TorchTransport.of(group)
     dtype = tensors[-1].dtype if isinstance(tensors[-1], torch.Tensor) else None
+    t = transport_for(group, tensors[-1].device if dtype is not None else None)
     error, resolved = None, None
     try:
         for label, x in zip(("tensor",) if len(tensors) == 1 else ("output", "input"), tensors):
