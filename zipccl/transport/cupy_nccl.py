@@ -176,9 +176,10 @@ class NcclTransport(Transport):
         if self._open is None:
             raise ZipcclError("NcclTransport: sends and receives are issued inside grouped() (NCCL's group call)")
         host = None
-        if tensor.device.type == "cpu":  # metadata: staged through device memory
-            host, tensor = tensor, tensor.to(f"cuda:{self.device}", non_blocking=False) if send \
-                else torch.empty_like(tensor, device=f"cuda:{self.device}")
+        if tensor.device.type == "cpu":  # metadata: staged through device memory, on this transport's stream
+            with torch.cuda.stream(self.stream):
+                host, tensor = tensor, tensor.to(f"cuda:{self.device}") if send \
+                    else torch.empty_like(tensor, device=f"cuda:{self.device}")
         flat = tensor.view(-1).view(torch.uint8)
         name, _ = nccl_stack.DTYPES[torch.uint8]
         try:
