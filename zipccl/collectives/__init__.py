@@ -27,6 +27,13 @@ wait for the slowest rank and, on a shaped link, behind queued bulk data. A fail
 mid-call goes on poisoned to the end of the schedule and a status round ends the call, so
 that every rank raises RankFailure (zipccl.failure).
 
+Every message keeps NCCL's rules (DESIGN.md invariant 12): the sends and receives of one
+exchange are issued in one group call (``Transport.grouped``), both ranks of a pair issue their
+messages in the same order, so that they match without tags, and a receive has its packet's
+exact size, so it is posted once the piece's size mail has come; only a transport that declares
+``loose_receives`` (gloo) gets its receives posted early at the codec's bound (pipeline.post).
+The test suite runs under ZIPCCL_STRICT_TRANSPORT=1, which checks all three on gloo.
+
 One module per idea, imports pointing down this list:
 - resolve: which codec a call's codec argument means (NATIVE, AUTO, Raw, Lossless, TopK);
 - autoplan: codec "auto"'s policy per group, fed by the metadata exchanges;
