@@ -10,7 +10,8 @@ $(STAMP): pyproject.toml Makefile
 	if { ! command -v mpirun || ! command -v tc; } >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev iproute2; fi
 	$(PYTHON) -m pip install torch==2.13.0
-	$(PYTHON) -m pip install -e '.[test,bench,gpu]'
+	@# cuda12: CuPy + libnccl + NVML for the NCCL transport's CPU-runnable tests (about 470 MB; no GPU needed).
+	$(PYTHON) -m pip install -e '.[test,bench,gpu,cuda12]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import zipccl
-from zipccl import collectives as C, config
+from zipccl import config
+from zipccl.collectives import pipeline as P
 from zipccl.codecs import Lossless
 from zipccl.topk import TopK
 
@@ -91,12 +92,12 @@ class FaultyTopK(_Faulty, TopK):
 def pipeline(algorithm: str):
     """The reduce-scatter ``algorithm``, and pieces of 128 KiB (all ranks' chunks together) so
     that a small call has many: faults land in the first, a middle or the last."""
-    old = config.REDUCE_SCATTER, C.PIECE_BYTES
-    config.REDUCE_SCATTER, C.PIECE_BYTES = algorithm, 128 << 10
+    old = config.REDUCE_SCATTER, P.PIECE_BYTES
+    config.REDUCE_SCATTER, P.PIECE_BYTES = algorithm, 128 << 10
     try:
         yield
     finally:
-        config.REDUCE_SCATTER, C.PIECE_BYTES = old
+        config.REDUCE_SCATTER, P.PIECE_BYTES = old
 
 
 def _call(collective: str, codec, rank: int, n: int, group):

@@ -144,7 +144,11 @@ class Fate:
             t.wait(work)
             return True
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError for a closed pair or a timeout
-            self.lose(t, peer, e)
+            if getattr(e, "breaks_rule", False):  # strict mode (zipccl.transport.strict): this rank's call is
+                self.lost.add((id(t), peer))      # wrong, and the connection's messages are out of step
+                self.fail(OTHER, e)
+            else:
+                self.lose(t, peer, e)
             return False
 
     def settle(self, t) -> None:
@@ -154,8 +158,9 @@ class Fate:
             mine = torch.tensor([self.code], dtype=torch.int64)
             got = torch.zeros(t.size, dtype=torch.int64)
             peers = [j for j in range(t.size) if j != t.rank and self.alive(t, j)]
-            sends = [(j, self.send(t, mine, j, TAG_STATUS)) for j in peers]
-            recvs = [(j, self.recv(t, got[j:j + 1], j, TAG_STATUS)) for j in peers]
+            with t.grouped():
+                sends = [(j, self.send(t, mine, j, TAG_STATUS)) for j in peers]
+                recvs = [(j, self.recv(t, got[j:j + 1], j, TAG_STATUS)) for j in peers]
             for j, w in recvs:
                 if self.wait(t, w, j) and int(got[j]):
                     self.heard(int(got[j]))

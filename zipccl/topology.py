@@ -37,7 +37,7 @@ from .errors import MismatchError, UnsupportedError
 from .transport.shm import NodeMemory
 
 __all__ = ["Topology", "Levels", "topology", "levels", "known", "parse", "claim", "from_claims", "nvml_link",
-           "forget"]
+           "link_between", "forget"]
 
 _SOURCES = ("ZIPCCL_TOPOLOGY", "torchrun", "mpirun", "slurm", "hostname")
 
@@ -143,25 +143,59 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else -1
 
 
+def _bus(value) -> tuple[int, ...] | None:
+    """A PCI bus id ("00000000:3B:00.0" or "0000:3b:00.0", bytes or str) as numbers (domain, bus,
+    device, function), so that NVML's spellings of one device compare equal."""
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    m = re.fullmatch(r"\s*([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)\s*", text.rstrip("\x00"))
+    return tuple(int(g, 16) for g in m.groups()) if m else None
+
+
+def link_between(gpus: list, peers: dict) -> str:
+    """"nvlink" where every local GPU (``gpus``: their PCI bus ids) has an active NVLink to another
+    of them or to an NVSwitch (``peers``: bus id -> the bus ids at the far end of its active links,
+    "switch" for an NVSwitch), "pcie" where some has none, "unknown" for fewer than two GPUs."""
+    ids = {_bus(g) for g in gpus} - {None}
+    if len(ids) < 2:
+        return "unknown"
+    for g in gpus:
+        far = peers.get(g, ())
+        if "switch" not in far and not ({_bus(p) for p in far if p != "switch"} & (ids - {_bus(g)})):
+            return "pcie"
+    return "nvlink"
+
+
 def nvml_link() -> str:
-    """"nvlink" where this machine's first GPU has an active NVLink, "pcie" where it has GPUs but
-    none, "unknown" without NVML (the normal case on CPU machines: costs one failed import)."""
+    """How this machine's GPUs are linked, from NVML, each GPU and each link's far end named by
+    PCI bus id (never by index, which CUDA_VISIBLE_DEVICES and NVML may order differently): see
+    ``link_between``. "unknown" without NVML or where it fails (the normal case on CPU machines:
+    one failed import or init); it never raises."""
     try:
         import pynvml
         pynvml.nvmlInit()
     except Exception:
         return "unknown"
     try:
-        if pynvml.nvmlDeviceGetCount() < 2:
-            return "unknown"
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        for link in range(18):
-            try:
-                if pynvml.nvmlDeviceGetNvLinkState(handle, link):
-                    return "nvlink"
-            except Exception:
-                break
-        return "pcie"
+        gpus, peers = [], {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            bus = pynvml.nvmlDeviceGetPciInfo(handle).busId
+            gpus.append(bus)
+            far = peers.setdefault(bus, [])
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    if not pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        continue
+                except Exception:
+                    break  # no such link (or no NVLink at all)
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link) == 1:  # NVML_NVLINK_DEVICE_TYPE_SWITCH
+                        far.append("switch")
+                        continue
+                except Exception:
+                    pass
+                far.append(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+        return link_between(gpus, peers)
     except Exception:
         return "unknown"
     finally:

@@ -2,10 +2,18 @@
 
 Payloads are 1-D ``torch.uint8`` tensors (NCCL and cupyx lack bfloat16 in some
 paths, gloo rejects float8); metadata are small int64 vectors, exchanged pairwise.
+
+The rules are NCCL's (DESIGN.md invariant 12) unless a transport declares more: each receive
+has the exact size of its send, messages between two ranks match in issue order (tags are
+ignored), and sends and receives that must progress together are issued in one ``grouped()``
+block. A transport that tolerates more says so with ``loose_receives`` (a receive may be
+larger than its message) and ``tags`` (messages match by tag); zipccl's pipeline uses those
+only where they are declared.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -16,6 +24,16 @@ class Transport(ABC):
 
     rank: int
     size: int
+    #: A receive's buffer may be larger than its message (gloo): the pipeline then posts its
+    #: receives at the codec's bound before the packet's size has come.
+    loose_receives: bool = False
+    #: Messages between two ranks match by tag (gloo); False: in issue order, whatever the tag (NCCL).
+    tags: bool = False
+
+    def grouped(self):
+        """A block whose sends and receives are issued as one group (NCCL's groupStart/groupEnd):
+        none of them is waited for inside it. A no-op where the transport needs none."""
+        return contextlib.nullcontext()
 
     def global_rank(self, rank: int) -> int:
         """The job's rank of this group's ``rank`` (errors name ranks of the job)."""

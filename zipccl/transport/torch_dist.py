@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .. import config
 from .base import Transport
+from .strict import Strict
 
 _twins: dict = {}
 _twins_lock = threading.Lock()
@@ -40,7 +41,11 @@ atexit.register(_twins.clear)
 
 
 class TorchTransport(Transport):
-    """Collectives of ``torch.distributed`` on ``group`` (None: the default group)."""
+    """Collectives of ``torch.distributed`` on ``group`` (None: the default group). On gloo it
+    declares ``loose_receives`` and ``tags`` (gloo matches by tag and takes a message shorter
+    than its receive), except in strict mode (ZIPCCL_STRICT_TRANSPORT=1, zipccl.transport.strict),
+    where it keeps NCCL's rules and checks that every call does. On torch's own nccl backend it
+    declares neither."""
 
     @classmethod
     def of(cls, group=None) -> "TorchTransport":
@@ -66,6 +71,12 @@ class TorchTransport(Transport):
         self._upward = None if self.size == 1 else _twin(group)
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
         self._timeout = None if config.TIMEOUT is None else datetime.timedelta(seconds=config.TIMEOUT)
+        gloo = dist.get_backend(group) == "gloo"
+        self.strict = Strict(self.rank) if gloo and config.STRICT_TRANSPORT else None
+        self.loose_receives = self.tags = gloo and self.strict is None
+
+    def grouped(self):
+        return self.strict.grouped() if self.strict is not None else super().grouped()
 
     def global_rank(self, rank: int) -> int:
         return self._ranks[rank]
@@ -73,6 +84,12 @@ class TorchTransport(Transport):
     def wait(self, work) -> None:
         """Wait for ``work`` at most ZIPCCL_TIMEOUT seconds (unset: the group's timeout); a
         timeout raises and closes the connection (gloo), so the peer fails promptly too."""
+        if self.strict is not None:
+            self.strict.wait(work, self._wait)
+        else:
+            self._wait(work)
+
+    def _wait(self, work) -> None:
         if self._timeout is None:
             work.wait()
         else:
@@ -93,9 +110,19 @@ class TorchTransport(Transport):
         return recv
 
     def isend(self, send, dst, tag=0):
+        if self.strict is not None:  # one tag on the wire: matched in issue order, as NCCL does
+            return self.strict.send(lambda x, peer: self._isend(x, peer, 0), send, dst, tag)
+        return self._isend(send, dst, tag)
+
+    def _isend(self, send, dst, tag):
         return dist.isend(send, group=self._lane(self.rank, dst), group_dst=dst, tag=tag)
 
     def irecv(self, recv, src, tag=0):
+        if self.strict is not None:
+            return self.strict.recv(lambda x, peer: self._irecv(x, peer, 0), recv, src, tag)
+        return self._irecv(recv, src, tag)
+
+    def _irecv(self, recv, src, tag):
         return dist.irecv(recv, group=self._lane(src, self.rank), group_src=src, tag=tag)
 
     def native(self, name, *tensors, op=None):

@@ -1,0 +1,175 @@
+"""The NCCL transport's CPU-runnable parts, on the real CuPy and libnccl of the cuda12 extra (`make
+setup` installs it): zipccl's type and op tables against CuPy's constants and the wheel's nccl.h,
+the stack's detection, and NcclTransport's bootstrap in 2 and 4 real processes: one unique id on
+every rank, then the same ZipcclError carrying NCCL's message on every rank, in bounded time (no
+GPU here: NCCL refuses the communicator). GPU-only parts: tests/test_nccl_gpu.py."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from zipccl.launch import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+nccl = pytest.importorskip("cupy.cuda.nccl", reason="the cuda12 extra is not installed (make setup installs it)")
+
+from zipccl.transport import nccl_stack  # noqa: E402
+
+#: nccl.h's enumerator of each CuPy constant that zipccl's tables use.
+HEADER_NAMES = {"NCCL_INT8": "ncclInt8", "NCCL_UINT8": "ncclUint8", "NCCL_INT32": "ncclInt32",
+                "NCCL_INT64": "ncclInt64", "NCCL_FLOAT16": "ncclFloat16", "NCCL_FLOAT32": "ncclFloat32",
+                "NCCL_FLOAT64": "ncclFloat64", "NCCL_BFLOAT16": "ncclBfloat16", "NCCL_SUM": "ncclSum",
+                "NCCL_PROD": "ncclProd", "NCCL_MAX": "ncclMax", "NCCL_MIN": "ncclMin", "NCCL_AVG": "ncclAvg"}
+
+
+def _header() -> str:
+    import nvidia.nccl
+    path = Path(list(nvidia.nccl.__path__)[0]) / "include" / "nccl.h"
+    return path.read_text()
+
+
+def _enum(text: str, name: str) -> dict[str, int]:
+    """The enumerators of ``typedef enum { ... } name;`` in a C header, with their values."""
+    body = re.search(r"typedef\s+enum\s*(?:\w+\s*)?\{([^}]*)\}\s*" + name + r"\s*;", text, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/|//[^\n]*", "", body, flags=re.S)
+    out = {}
+    for item in body.split(","):
+        if "=" in item:
+            key, value = (s.strip() for s in item.split("=", 1))
+            if re.fullmatch(r"-?\d+", value):
+                out[key] = int(value)
+    return out
+
+
+def test_tables_match_cupy_and_nccl_h():
+    types, ops = _enum(_header(), "ncclDataType_t"), _enum(_header(), "ncclRedOp_t")
+    assert len(types) >= 10 and len(ops) >= 5, (types, ops)  # the parser found the enums
+    for table, enum in ((nccl_stack.DTYPES, types), (nccl_stack.OPS, ops)):
+        for key, (name, value) in table.items():
+            assert getattr(nccl, name) == value, (key, name, getattr(nccl, name), value)
+            assert enum[HEADER_NAMES[name]] == value, (key, name, enum[HEADER_NAMES[name]], value)
+
+
+def test_detection_reports_the_stack(monkeypatch):
+    stack = nccl_stack.detect()
+    assert stack.extra == "cuda12" and stack.problem is None, stack
+    assert "cupy-cuda12x" in str(stack) and "nvidia-nccl-cu12" in str(stack)
+    assert nccl.get_version() >= nccl_stack.MIN_VERSION
+    installed = {"cupy-cuda12x": "14", "nvidia-nccl-cu12": "2", "nvidia-nccl-cu13": "2"}
+    monkeypatch.setattr(nccl_stack, "_installed", installed.get)
+    both = nccl_stack.detect()
+    assert both.extra is None and "both the cuda12 and the cuda13" in both.problem
+    with pytest.raises(Exception, match="both the cuda12 and the cuda13"):
+        nccl_stack.load()
+    monkeypatch.setattr(nccl_stack, "_installed", {}.get)
+    assert "not installed" in nccl_stack.detect().problem
+
+
+def test_import_zipccl_never_imports_cupy():
+    code = ("import sys, zipccl, zipccl.transport, zipccl.collectives, zipccl.topology, zipccl.api; "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends')], 'cupy imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _bootstrap(rank: int, n: int, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from zipccl.transport.cupy_nccl import NcclTransport
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=60))
+    t0 = time.perf_counter()
+    seen = {}
+    real_init = NcclTransport._connect
+
+    def spy(self, uid):  # what each rank is given, before NCCL is asked
+        seen["uid"] = uid.hex()
+        return real_init(self, uid)
+
+    NcclTransport._connect = spy
+    try:
+        NcclTransport(None)
+        outcome = ("made", "")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome = (type(e).__name__, str(e))
+    seconds = time.perf_counter() - t0
+    from zipccl import config
+    from zipccl.transport import transport_for
+    chosen = [type(transport_for(None, torch.device("cpu"))).__name__]
+    config.TRANSPORT = "auto"  # a gloo group: torch, without asking NCCL
+    chosen.append(type(transport_for(None, torch.device("cuda"))).__name__)
+    config.TRANSPORT = "nccl"  # asked for: NCCL's error, never a silent fallback
+    try:
+        chosen.append(type(transport_for(None, torch.device("cuda"))).__name__)
+    except Exception as e:  # noqa: BLE001
+        chosen.append(type(e).__name__)
+    results.put((rank, (*outcome, seen.get("uid"), seconds, chosen)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bootstrap_fails_alike_on_every_rank(n, monkeypatch):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_bootstrap, args=(r, n, port, results)) for r in range(n)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + 180
+    try:
+        while len(got) < n and time.monotonic() < deadline:
+            try:
+                rank, value = results.get(timeout=1)
+                got[rank] = value
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert sorted(got) == list(range(n)), got  # every rank answered: none hung
+    uids = {v[2] for v in got.values()}
+    assert len(uids) == 1 and uids != {"00" * 128} and len(next(iter(uids))) == 256, uids
+    errors = {v[:2] for v in got.values()}
+    assert len(errors) == 1, errors  # the same error on every rank
+    kind, message = errors.pop()
+    assert kind == "NcclError" and "NCCL_ERROR" in message and f"group of {n} ranks" in message, message
+    assert max(v[3] for v in got.values()) < 60, got
+    assert all(v[4] == ["TorchTransport", "TorchTransport", "NcclError"] for v in got.values()), got
+
+
+def test_nvml_absent_means_unknown():
+    """pynvml (nvidia-ml-py) is installed here, but no driver: NVML cannot start, and the topology says "unknown"."""
+    import pynvml
+
+    from zipccl.topology import nvml_link
+    with pytest.raises(pynvml.NVMLError):
+        pynvml.nvmlInit()
+    assert nvml_link() == "unknown"
+
+
+def test_links_are_matched_by_bus_id():
+    from zipccl.topology import link_between
+    a, b, c = "00000000:3B:00.0", "00000000:5E:00.0", "00000000:86:00.0"
+    assert link_between([a], {a: []}) == "unknown"
+    assert link_between([a, b], {a: ["0000:5e:00.0"], b: [b"0000:3b:00.0"]}) == "nvlink"  # NVML's two spellings
+    assert link_between([a, b], {a: [], b: []}) == "pcie"
+    assert link_between([a, b, c], {a: [b], b: [a], c: []}) == "pcie"
+    assert link_between([a, b], {a: ["switch"], b: ["switch"]}) == "nvlink"
+    assert link_between([a, b], {a: [a], b: ["0000:99:00.0"]}) == "pcie"  # a link to itself or elsewhere is no peer

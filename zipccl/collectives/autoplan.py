@@ -1,0 +1,70 @@
+"""Codec "auto": one zipccl.auto Policy per group, fed by the times that the metadata exchanges carry."""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+
+import torch.distributed as dist
+
+from ..auto import Policy
+
+
+#: Plans that flat codec="auto" measures: the backend's own collective, zipccl's pipeline raw or lossless.
+FLAT_PLANS = ("native", "raw", "lossless")
+#: Times of finished auto calls that one metadata exchange carries (pending ones wait for the next).
+REPORT_SLOTS = 4
+
+
+class _AutoGroup:
+    """A group's auto policy, and this rank's times of its finished auto calls that no metadata
+    exchange has reported yet: {(class, plan): microseconds}, the lowest of a plan's calls
+    since (native calls carry no exchange: several may wait), in first-call order, which is the
+    same on every rank."""
+    __slots__ = ("policy", "pending")
+
+    def __init__(self):
+        self.policy, self.pending = Policy(), {}
+
+    def done(self, key, plan: str, seconds: float) -> None:
+        us = int(seconds * 1e6)
+        self.pending[(key, plan)] = min(us, self.pending.get((key, plan), us))
+
+    def take(self) -> list:
+        """Up to REPORT_SLOTS pending reports, oldest first, removed from the queue."""
+        taken = list(self.pending.items())[:REPORT_SLOTS]
+        for entry, _ in taken:
+            del self.pending[entry]
+        return taken
+
+
+_autos: dict = {}
+_autos_lock = threading.Lock()
+
+
+def _auto_group(group) -> _AutoGroup:
+    with _autos_lock:
+        return _autos.setdefault(group or dist.GroupMember.WORLD, _AutoGroup())
+
+
+def auto_policy(group=None) -> Policy:
+    """The policy behind codec="auto" on ``group`` (None: the default group): ``table()`` shows
+    what it has measured, ``explain()`` what it chose and why."""
+    return _auto_group(group).policy
+
+
+def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], run) -> None:
+    """``run(plan)`` with the plan that the group's auto policy chooses for this call among
+    ``candidates``, in call order on every rank; the call's time on this rank goes out with the
+    group's next metadata exchange."""
+    key = Policy.key(name, dtype, nbytes)
+    auto = _auto_group(group)
+    plan = auto.policy.choose(key, nbytes, candidates)
+    t0 = time.perf_counter()
+    run(plan)
+    auto.done(key, plan, time.perf_counter() - t0)
+
+
+def _report_id(entry) -> int:
+    return zlib.crc32(repr(entry).encode()) & 0x7FFFFFFF

@@ -1,0 +1,125 @@
+"""One flat collective: run with a decided codec (``run_flat``), or validated, planned and queued
+(``flat_collective``); the public all_reduce, reduce_scatter and all_gather of zipccl.collectives."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from ..executor import run as _run
+from ..failure import REDUCE, Fate
+from .algorithms import _Gather, _reduce_scatter_chunks
+from .autoplan import FLAT_PLANS, planned
+from .metadata import Call, timed
+from .pipeline import pieces
+from .resolve import AUTO, NATIVE, PLAN_CODECS
+from .sparse_reduce import _sparse_all_reduce
+from .validation import check_shapes, finish, input_size, new_acc, prepare, refuse
+
+# ---- one flat collective with a decided codec ----------------------------------------------------------------
+
+
+def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec, acc: dict, ready=None,
+             fate: Fate | None = None) -> None:
+    """``name`` on ``t``'s group with ``codec`` (NATIVE, None or a codec object), on this thread.
+    all_reduce works in place on ``input`` (``output`` is the same tensor); there ``ready(a, b)``
+    may fill columns [a, b) of the input's world-size chunks just before the pipeline needs them
+    (the input's length must then be a multiple of the group's size). ``fate``: the outcome of
+    the call this is part of (zipccl.failure), which the caller settles; None: this call's own,
+    settled here (every rank raises RankFailure if any failed)."""
+    own = fate is None
+    if own:
+        fate = Fate.of(name, t)
+    numel = input.numel()
+    if ready is not None and (name != "all_reduce" or numel % t.size or codec in (NATIVE, None)
+                              or not getattr(codec, "exact", True)):
+        if name != "all_reduce" or numel % t.size:
+            raise ValueError("ready() takes an all-reduce whose length is a multiple of the group's size")
+        fate.guard(REDUCE, ready, 0, numel // t.size)
+        ready = None
+    if codec is NATIVE or codec is None:
+        t0 = time.perf_counter()
+        if codec is None or config.CHECK_NATIVE:
+            Call(name, input.dtype, numel, op, None).exchange(t, [], None, fate)
+        tensors = (input.view(-1),) if name == "all_reduce" else (output.view(-1), input.view(-1))
+        try:  # in a failed call too: the peers are in it
+            if not fate.broken(t):
+                t.native(name, *tensors, op=op)
+        except RuntimeError as e:  # the backend lost a rank, or timed out (ZIPCCL_TIMEOUT)
+            fate.lose(t, -1, e)
+        acc["comm_seconds"] += time.perf_counter() - t0
+    elif name == "reduce_scatter":
+        call = Call(name, input.dtype, numel, op, codec)
+        result = _reduce_scatter_chunks(t, input.view(t.size, -1), op, codec, call, acc, fate)
+        if not fate.failed:
+            output.view(-1).copy_(result)
+    elif name == "all_gather":
+        mine, outs = input.view(-1), output.view(t.size, -1)
+        gather = _Gather(t, codec, Call(name, input.dtype, numel, None, codec), acc, lambda j, a, b: outs[j, a:b],
+                         fate)
+        for a, b in pieces(numel, t.size, input.element_size()):
+            gather.push(a, b, mine[a:b])
+        gather.finish()
+    elif not getattr(codec, "exact", True):
+        _sparse_all_reduce(t, input.view(-1), op, codec, Call(name, input.dtype, numel, op, codec), acc, fate)
+    else:
+        flat, n = input.view(-1), t.size
+        m = -(-numel // n)
+        padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
+        gather = _Gather(t, codec, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)], fate)
+        call = Call(name, input.dtype, numel, op, codec)
+        _reduce_scatter_chunks(t, padded.view(n, m), op, codec, call, acc, fate,
+                               on_piece=gather.push, ready=ready)  # gather each reduced piece as soon as it exists
+        gather.finish()
+    if own:
+        timed(acc, "comm_seconds", fate.settle, t)
+
+
+def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
+    """One flat collective (the public all_reduce, reduce_scatter and all_gather of this module):
+    validated, its codec decided ("auto": among FLAT_PLANS), run now or queued (async_op)."""
+    numel, nbytes = input_size(input)
+    t, c, error = prepare(name, group, (input,) if name == "all_reduce" else (output, input), op, codec, numel,
+                          nbytes, check_shapes(name, output, input))
+
+    def run():
+        if error is not None:
+            refuse(name, t, input, op, error)
+        acc, used = new_acc(), [c]
+        if c is AUTO:
+            def go(plan):
+                used[0] = PLAN_CODECS[plan]
+                run_flat(name, t, output, input, op, used[0], acc)
+            planned(t.group, name, input.dtype, nbytes, FLAT_PLANS, go)
+        else:
+            run_flat(name, t, output, input, op, c, acc)
+        return finish(name, used[0], acc)
+
+    return _run(run, async_op)
+
+
+# ---- public API: the flat collectives (zipccl.all_reduce & co. add topology and lossy state on top) -----------
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                   async_op: bool = False, *, codec="auto"):
+    """Like ``dist.reduce_scatter_single``: ``input`` holds world-size chunks of ``output.numel()``;
+    rank r receives the reduction of every rank's chunk r in ``output``."""
+    return flat_collective("reduce_scatter", group, output, input, op, codec, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *, codec="auto"):
+    """Like ``dist.all_gather_single``: ``output`` receives every rank's ``input`` in rank order."""
+    return flat_collective("all_gather", group, output, input, None, codec, async_op)
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *, codec="auto"):
+    """Like ``dist.all_reduce``, in place; every rank ends with bit-identical results.
+
+    codec: "auto" (the backend's own collective, raw or lossless, learned per group:
+    zipccl.auto; never lossy), "native", "raw", "lossless", or opt-in lossy: "topk"
+    (TopK(0.01)) or a TopK instance."""
+    return flat_collective("all_reduce", group, tensor, tensor, op, codec, async_op)

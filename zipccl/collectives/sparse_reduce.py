@@ -1,0 +1,168 @@
+"""Top-k (lossy) all-reduce: gather every rank's pairs, or scatter them to chunk owners and gather back."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import format as F
+from ..errors import FormatError, MismatchError
+from ..failure import DECODE, ENCODE, Fate
+from ..kernels import sparse
+from ..reference.packet import host_bytes
+from .algorithms import _acc_dtype
+from .metadata import Call, _meta_bytes, timed
+from .resolve import _OPS, _RAW
+
+
+def sparse_algorithm(n: int, density: float, itemsize: int) -> str:
+    """"gather" or "scatter": whichever moves fewer bytes per rank for a top-k all-reduce of
+    ``n`` ranks. Gather: every rank receives every other rank's k pairs, (n-1)·k·(4+s). Scatter:
+    pairs go to the owner of their chunk, k·(4+s)·(n-1)/n, then each owner's reduced chunk goes
+    to everyone, sparse or dense, (n-1)/n·N·min(u·(4+s), s), with u = 1-(1-d)^n the union's
+    density if ranks chose independently (an upper bound: gradients' top-k overlap). Both in
+    bytes per element N of the tensor."""
+    pair = 4 + itemsize
+    gather = (n - 1) * density * pair
+    union = 1 - (1 - density) ** n
+    scatter = density * pair * (n - 1) / n + (n - 1) / n * min(union * pair, itemsize)
+    return "scatter" if scatter < gather else "gather"
+
+
+def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict, fate: Fate) -> None:
+    """Top-k all-reduce. Both algorithms add the ranks' pairs in rank order into an fp32 (or
+    the dtype's) accumulator and round once, so they give the same bits on every rank. Each
+    metadata exchange carries the ranks' status: a failure before it (selection, encoding,
+    the owners' reduction) makes every rank raise there (zipccl.failure)."""
+    algorithm = getattr(codec, "algorithm", "auto")
+    if algorithm == "auto":
+        algorithm = sparse_algorithm(t.size, codec.density, flat.element_size())
+    acc["raw_bytes"] += 2 * (t.size - 1) * -(-flat.numel() // t.size) * flat.element_size()  # a dense all-reduce
+    selected = timed(acc, "codec_seconds", fate.guard, ENCODE, codec.select, flat)
+    if algorithm == "gather":
+        packet = timed(acc, "codec_seconds", fate.guard, ENCODE, lambda: codec.encode_selected(*selected, flat.numel()))
+        parts = _sparse_all_gather(t, packet, call, acc, fate)
+        t0 = time.perf_counter()
+        headers = _validate(t, fate, parts, codec, flat.numel())
+        fate.guard(DECODE, _sum_gathered, parts, headers, codec, flat, op, t.size)
+        acc["codec_seconds"] += time.perf_counter() - t0
+        return
+    # scatter: each owner reduces its chunk, then everyone gathers the reduced chunks
+    n, r, numel = t.size, t.rank, flat.numel()
+    m = -(-numel // n)
+    bounds = [min(numel, j * m) for j in range(n + 1)]
+
+    def split():
+        idx, values = selected
+        cut = torch.searchsorted(idx.to(torch.int64), torch.tensor(bounds, dtype=torch.int64)).tolist()
+        return [codec.encode_selected(idx[cut[j]:cut[j + 1]] - bounds[j], values[cut[j]:cut[j + 1]],
+                                      bounds[j + 1] - bounds[j]) for j in range(n)]
+
+    parts = timed(acc, "codec_seconds", fate.guard, ENCODE, split)
+    sizes = timed(acc, "comm_seconds", call.exchange, t, [p.numel() for p in parts] if parts else [], None, fate)
+    acc["meta_bytes"] += _meta_bytes(n)
+    fate.check()  # every rank knows every rank's status: all raise here, or none
+    send_splits = [0 if j == r else parts[j].numel() for j in range(n)]
+    recv_splits = [0 if j == r else int(sizes[j, r]) for j in range(n)]
+    send = torch.cat([parts[j] for j in range(n) if j != r])
+    recv = _all_to_all(t, fate, acc, send, send_splits, recv_splits)
+    acc["wire_bytes"] += int(send.numel())
+    mine = flat[bounds[r]:bounds[r + 1]]
+    received = _in_rank_order(recv, recv_splits, parts[r], r)
+    _validate(t, fate, received, codec, mine.numel())
+
+    def reduce_own():
+        total, sent = _sum_pairs(received, codec, mine, op, n)
+        return total.to(flat.dtype), torch.nonzero(sent).reshape(-1).to(torch.int32)
+
+    def encode_own(reduced, where):
+        as_pairs = where.numel() * (4 + flat.element_size()) < mine.numel() * flat.element_size()
+        return codec.encode_selected(where, reduced[where.long()], mine.numel()) if as_pairs else _RAW.encode(reduced)
+
+    own = timed(acc, "codec_seconds", fate.guard, DECODE, reduce_own)
+    packet = timed(acc, "codec_seconds", fate.guard, ENCODE, lambda: encode_own(*own))
+    gather = Call("all_reduce/gather", flat.dtype, numel, op, codec)
+
+    def unpack(parts):
+        for j, part in enumerate(parts):
+            chunk = flat[bounds[j]:bounds[j + 1]]
+            h = F.parse_header(host_bytes(part, 0, F.HEADER_SIZE).tobytes(), None, part.numel())
+            (_RAW if h.codec == F.CODEC_RAW else codec).decode(part, out=chunk)
+
+    gathered = _sparse_all_gather(t, packet, gather, acc, fate)
+    _validate(t, fate, gathered, None, m)
+    timed(acc, "codec_seconds", fate.guard, DECODE, unpack, gathered)
+
+
+def _validate(t, fate: Fate, parts: list, codec, max_numel: int) -> list:
+    """Every rank's packet header (``codec.header``, or the common header where None), checked
+    to claim at most ``max_numel`` elements; one that fails is blamed on its sender
+    (zipccl.failure) and is None in the list."""
+    def common(p, bound):
+        h = F.parse_header(host_bytes(p, 0, F.HEADER_SIZE).tobytes(), None, p.numel())
+        if h.numel > bound:
+            raise FormatError(f"packet claims {h.numel} elements, more than the {bound} expected")
+        return h
+    return [fate.decode(t, j, codec.header if codec is not None else common, part, max_numel)
+            for j, part in enumerate(parts)]
+
+
+def _sum_gathered(parts, headers, codec, flat: torch.Tensor, op, n: int) -> None:
+    """flat = the sum of every rank's top-k packet (``parts``, in rank order, with their
+    validated ``headers``), AVG divided."""
+    values_dtype = headers[0].dtype
+    if flat.device.type == "cpu" and flat.dtype in sparse.DTYPES and values_dtype in sparse.DTYPES:
+        if any((h.dtype, h.numel) != (values_dtype, flat.numel()) for h in headers):
+            raise MismatchError("top-k packets of the ranks differ in dtype or element count")
+        sparse.sum_pairs_into(parts, values_dtype, _OPS[op] == 2, n, flat)  # one pass, no fp32 copy
+    else:
+        total, _ = _sum_pairs(parts, codec, flat, op, n)
+        flat.copy_(total)
+
+
+def _sparse_all_gather(t, packet: torch.Tensor | None, call: Call, acc: dict, fate: Fate) -> list[torch.Tensor]:
+    """Every rank's packet, in rank order (this rank's own included), by one all-to-all; raises
+    on every rank instead if any rank's call has failed (``packet`` None here)."""
+    n, r = t.size, t.rank
+    sizes = timed(acc, "comm_seconds", lambda: call.exchange(t, [packet.numel()] if packet is not None else [],
+                                                             None, fate)[:, 0].tolist())
+    acc["meta_bytes"] += _meta_bytes(n)
+    fate.check()
+    send_splits = [0 if j == r else packet.numel() for j in range(n)]
+    recv_splits = [0 if j == r else sizes[j] for j in range(n)]
+    recv = _all_to_all(t, fate, acc, packet.repeat(n - 1), send_splits, recv_splits)
+    acc["wire_bytes"] += (n - 1) * packet.numel()
+    return _in_rank_order(recv, recv_splits, packet, r)
+
+
+def _all_to_all(t, fate: Fate, acc: dict, send, send_splits, recv_splits) -> torch.Tensor:
+    """The backend's all-to-all; a rank lost in it makes this rank raise RankFailure."""
+    try:
+        return timed(acc, "comm_seconds", t.all_to_all, send, send_splits, recv_splits)
+    except RuntimeError as e:
+        fate.lose(t, -1, e)
+        fate.check()
+
+
+def _in_rank_order(recv: torch.Tensor, recv_splits: list[int], own: torch.Tensor, r: int) -> list[torch.Tensor]:
+    """An all-to-all's received bytes cut per sender, with this rank's own packet in its place."""
+    out, offset = [], 0
+    for j, size in enumerate(recv_splits):
+        out.append(own if j == r else recv[offset:offset + size])
+        offset += size
+    return out
+
+
+def _sum_pairs(parts, codec, like: torch.Tensor, op, n: int):
+    """(sum of the packets' pairs in rank order, averaged for AVG, in fp32 for 16-bit types; mask of
+    the positions any packet named). Indices are unique within a packet, so each add is exact."""
+    total = torch.zeros(like.numel(), dtype=_acc_dtype(like.dtype), device=like.device)
+    named = torch.zeros(like.numel(), dtype=torch.bool, device=like.device)
+    for part in parts:
+        _, i, v = codec.parse(part, like.numel())
+        total.index_add_(0, i, v.to(total.dtype))
+        named[i] = True
+    if _OPS[op] == 2:
+        total.div_(n)
+    return total, named

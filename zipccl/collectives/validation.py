@@ -1,0 +1,104 @@
+"""A call's local checks (tensors, devices, sizes, op, codec) and its accounting; an invalid call still
+joins the metadata exchange (``refuse``) so that no rank hangs."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import config
+from ..errors import UnsupportedError
+from ..stats import record as _record
+from ..transport import NcclTransport, TorchTransport, transport_for
+from .metadata import Call
+from .resolve import _OPS, AUTO, NATIVE, check_op, resolve_codec
+
+
+def _check_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_contiguous():
+        raise UnsupportedError(f"{name} must be contiguous")
+
+
+def _check_device(t, *tensors: torch.Tensor) -> None:
+    devices = {x.device for x in tensors}
+    if len(devices) > 1:
+        raise UnsupportedError(f"tensors are on different devices: {sorted(map(str, devices))}")
+    dev = devices.pop()
+    if isinstance(t, TorchTransport) and t.meta_device.type == "cpu" and dev.type != "cpu":
+        raise UnsupportedError(f"the process group's backend (gloo) takes CPU tensors here, got a tensor on {dev}")
+    if isinstance(t, NcclTransport) and dev.type != "cuda":
+        raise UnsupportedError(f"the NCCL transport takes CUDA tensors, got a tensor on {dev}")
+
+
+def input_size(x) -> tuple[int, int]:
+    """(numel, bytes) of a call's input; -1 elements for a non-tensor (the call fails validation)."""
+    if not isinstance(x, torch.Tensor):
+        return -1, 0
+    return x.numel(), x.numel() * x.element_size()
+
+
+def _world_multiple(name, big_label, big, small_label, small):
+    """The size check of reduce-scatter and all-gather: one buffer holds world-size x the other."""
+    def check(t):
+        if big.dtype != small.dtype:
+            raise ValueError(f"{big_label} is {big.dtype} but {small_label} is {small.dtype}")
+        if big.numel() != t.size * small.numel():
+            raise ValueError(f"{name} {big_label} has {big.numel()} elements; it must have world size ({t.size}) "
+                             f"x {small_label} ({small.numel()}) = {t.size * small.numel()}")
+    return check
+
+
+def prepare(name, group, tensors, op, codec, numel, nbytes, check):
+    """Validate locally: (transport, the resolved codec (AUTO where "auto" learns), the error or
+    None). A call with an error must still join the metadata exchange (``refuse``), in its
+    place in the order of calls, so that no rank hangs."""
+    dtype = tensors[-1].dtype if isinstance(tensors[-1], torch.Tensor) else None
+    t = transport_for(group, tensors[-1].device if dtype is not None else None)
+    error, resolved = None, None
+    try:
+        for label, x in zip(("tensor",) if len(tensors) == 1 else ("output", "input"), tensors):
+            _check_tensor(label, x)
+        _check_device(t, *tensors)
+        if op is not None:
+            check_op(op)
+            if _OPS[op] == 2 and not dtype.is_floating_point:
+                raise UnsupportedError("AVG of integer tensors is not supported; use SUM and divide")
+        resolved = codec if codec is AUTO else resolve_codec(codec, dtype, nbytes)
+        if codec == "auto" and resolved is not NATIVE and config.AUTO_LEARN:
+            resolved = AUTO
+        if not getattr(resolved, "exact", True):
+            if name != "all_reduce":
+                raise UnsupportedError(f"lossy codec {resolved!r} works with all_reduce only, not {name}")
+            if _OPS.get(op) not in (1, 2):
+                raise UnsupportedError(f"lossy codec {resolved!r} reduces with SUM or AVG only")
+        check(t)
+    except (TypeError, ValueError, UnsupportedError) as e:
+        error = e
+    return t, resolved, error
+
+
+def refuse(name: str, t, input, op, error: Exception) -> None:
+    """Raise ``error`` here, and MismatchError on the group's other ranks, whose calls are in
+    their metadata exchange (an invalid call's only message)."""
+    numel, _ = input_size(input)
+    Call(name, input.dtype if isinstance(input, torch.Tensor) else None, numel, op, None).exchange(t, [], error)
+
+
+def check_shapes(name: str, output, input):
+    """The size check of a call: all-reduce has one tensor; reduce-scatter's input and
+    all-gather's output hold world-size x the other."""
+    if name == "all_reduce":
+        return lambda t: None
+    if name == "reduce_scatter":
+        return _world_multiple(name, "input", input, "output", output)
+    return _world_multiple(name, "output", output, "input", input)
+
+
+def finish(name, codec, acc) -> dict:
+    _record(name, getattr(codec, "name", "native") if codec is not None else "native", **acc)
+    return acc
+
+
+def new_acc():
+    return dict(raw_bytes=0, wire_bytes=0, meta_bytes=0, codec_seconds=0.0, comm_seconds=0.0)

@@ -1,0 +1,138 @@
+"""Strict transport mode (ZIPCCL_STRICT_TRANSPORT=1): gloo held to NCCL's rules, so that CPU tests
+prove the pipeline would run on NCCL (DESIGN.md invariant 12).
+
+NCCL matches a receive with the next send between the same two ranks, whatever the tag, and
+needs the receive to have the send's exact byte count; a send and a receive that wait on each
+other must be issued in one group (groupStart/groupEnd) or both ranks block. gloo forgives all
+three. In strict mode a TorchTransport declares NCCL's capabilities (no loose receives, no
+tags), sends every message on one tag, so that gloo matches in issue order as NCCL does, and
+puts a small header before each payload: its byte count, the tag the sender meant, the
+sender's group call and issue order. The receiving rank checks the header against its own
+receive: a different size breaks the exact-size rule, a different tag means the two ranks
+issued their messages in different orders (they would pair up wrongly without tags). Every
+send and receive must be issued inside ``grouped()``, and nothing may be waited for inside a
+group (NCCL launches a group's operations at its end). A violation raises TransportRuleError.
+Each rank keeps its last LOG_LENGTH operations (``log``) for the error messages and tests.
+
+This costs one 32-byte message per payload: a checking mode for tests, not for production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from ..errors import ZipcclError
+
+__all__ = ["TransportRuleError", "Strict", "Op", "LOG_LENGTH"]
+
+LOG_LENGTH = 4096
+_HEADER = 4  # int64s: bytes, the tag meant, the sender's group call, its issue order to this peer
+
+
+class TransportRuleError(ZipcclError):
+    """A send or receive broke NCCL's rules in strict mode (ZIPCCL_STRICT_TRANSPORT=1)."""
+
+    breaks_rule = True  # zipccl.failure: the call fails on this rank, and the connection is unusable
+
+
+class Op(NamedTuple):
+    """One send or receive as this rank issued it."""
+    kind: str   # "send" or "recv"
+    peer: int   # group rank
+    order: int  # issue order among this rank's operations of the same kind with this peer
+    nbytes: int
+    group: int  # this rank's group call that issued it (1, 2, ...)
+    tag: int    # the tag the caller meant (not used on the wire)
+
+
+class _Checked:
+    """A receive with its header: ``wait`` checks the header before the payload is awaited."""
+    __slots__ = ("strict", "op", "header", "head", "body")
+
+    def __init__(self, strict: "Strict", op: Op, header: torch.Tensor, head, body):
+        self.strict, self.op, self.header, self.head, self.body = strict, op, header, head, body
+
+    def wait(self, waiter) -> None:
+        waiter(self.head)
+        nbytes, tag, group, order = (int(v) for v in self.header)
+        op, here = self.op, f"rank {self.strict.rank}"
+        if tag != op.tag:
+            raise TransportRuleError(
+                f"strict transport: {here}'s receive #{op.order} from rank {op.peer} (tag {op.tag}, {op.nbytes} bytes, "
+                f"group call {op.group}) met that rank's send #{order} (tag {tag}, {nbytes} bytes, group call "
+                f"{group}): the two ranks issue their messages in different orders, which only tags keep apart")
+        if nbytes != op.nbytes:
+            raise TransportRuleError(
+                f"strict transport: {here}'s receive #{op.order} from rank {op.peer} (tag {op.tag}) has {op.nbytes} "
+                f"bytes, but the send it matches has {nbytes}: NCCL needs exact sizes")
+        waiter(self.body)
+
+
+class _Sent:
+    __slots__ = ("head", "body")
+
+    def __init__(self, head, body):
+        self.head, self.body = head, body
+
+    def wait(self, waiter) -> None:
+        waiter(self.head)
+        waiter(self.body)
+
+
+class Strict:
+    """One transport's record and checks on this rank (``rank``: its group rank)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.log: deque[Op] = deque(maxlen=LOG_LENGTH)
+        self.group = 0          # group calls opened so far
+        self.open = False
+        self._orders: dict = {}  # (kind, peer) -> operations issued
+
+    @contextlib.contextmanager
+    def grouped(self):
+        if self.open:
+            raise TransportRuleError("strict transport: a group call inside a group call")
+        self.group += 1
+        self.open = True
+        try:
+            yield
+        finally:
+            self.open = False
+
+    def _op(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Op:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not self.open:
+            raise TransportRuleError(f"strict transport: rank {self.rank}'s {kind} of {nbytes} bytes with rank {peer} "
+                                     f"(tag {tag}) is outside a group call: NCCL would block it until the peer's "
+                                     "matching operation starts, which may wait on this rank (use grouped())")
+        order = self._orders.get((kind, peer), 0)
+        self._orders[(kind, peer)] = order + 1
+        op = Op(kind, peer, order, nbytes, self.group, tag)
+        self.log.append(op)
+        return op
+
+    def send(self, post, tensor: torch.Tensor, peer: int, tag: int) -> _Sent:
+        """``post(tensor, peer)`` (one tag on the wire) of the header, then of ``tensor``."""
+        op = self._op("send", tensor, peer, tag)
+        header = torch.tensor([op.nbytes, tag, op.group, op.order], dtype=torch.int64)
+        return _Sent(post(header, peer), post(tensor, peer))
+
+    def recv(self, post, tensor: torch.Tensor, peer: int, tag: int) -> _Checked:
+        op = self._op("recv", tensor, peer, tag)
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        return _Checked(self, op, header, post(header, peer), post(tensor, peer))
+
+    def wait(self, work, waiter) -> None:
+        """Wait for ``work`` (``waiter`` waits for one gloo handle), checking a receive's header."""
+        if self.open:
+            raise TransportRuleError("strict transport: an operation waited for inside a group call, before the "
+                                     "group was issued (NCCL starts a group's operations at its end)")
+        if isinstance(work, (_Checked, _Sent)):
+            work.wait(waiter)
+        else:
+            waiter(work)
