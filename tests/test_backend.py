@@ -356,6 +356,29 @@ def test_subgroups_are_zipccl_groups_and_can_be_destroyed(zpool):
         assert is_zipccl and value == 6.0 and named
 
 
+def _many_small_calls(rank, groups, n):
+    """Calls that go to gloo underneath, back to back: with the GIL held across torch's C++ they
+    deadlocked with gloo's worker thread, which needs the GIL to free a finished call's tensors."""
+    size = dist.get_world_size()
+    total = 0.0
+    for i in range(n):
+        t = torch.tensor([float(rank + i)], dtype=torch.float64)
+        dist.all_reduce(t)                      # an override, passed through (float64)
+        dist.broadcast(t, src=i % size)         # not overridden by zipccl's planner
+        total += t.item()
+        if i % 4 == 0:
+            outs = [torch.empty(1, dtype=torch.int64) for _ in range(size)]
+            dist.all_gather(outs, torch.tensor([rank]))
+    return total
+
+
+@pytest.mark.timeout(300)
+def test_back_to_back_pass_through_calls_do_not_deadlock(zpool):
+    out = zpool().run(_many_small_calls, 4000, timeout=240)
+    assert all(not isinstance(v, BaseException) for v in out), out
+    assert len(set(out)) == 1
+
+
 def test_options_are_checked():
     from zipccl.backend import Options
     with pytest.raises(ValueError, match="codec"):

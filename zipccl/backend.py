@@ -142,6 +142,15 @@ def _options(kind, opts, op=None):
     return out
 
 
+def _first(tensors):
+    """The first tensor of a call's argument (a tensor, a list, or a list of lists), or None."""
+    while isinstance(tensors, (list, tuple)):
+        if not tensors:
+            return None
+        tensors = tensors[0]
+    return tensors if isinstance(tensors, torch.Tensor) else None
+
+
 def _factor(op) -> float | None:
     """PREMUL_SUM's factor (zipccl multiplies each input by it, in its dtype, then sums), or None."""
     if _red_type(op) != _RED.PREMUL_SUM:
@@ -163,11 +172,13 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             gloo.options.global_ranks_in_group = list(global_ranks)
         gloo.options.group_name = group_name
         gloo._set_sequence_number_for_group()
+        self._inner = {"cpu": gloo}
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
         if torch.cuda.is_available() and dist.is_nccl_available():
             nccl_options = dist.ProcessGroupNCCL.Options()
             nccl_options._timeout = timeout
             nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, nccl_options)
+            self._inner["cuda"] = nccl
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         self._compressor = None if self.options.lossy is None else Compressor(self.options.lossy, rules=None)
@@ -180,6 +191,13 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         return NAME
 
     # ---- the decision ---------------------------------------------------------------------------------------
+
+    def _inner_for(self, tensor: torch.Tensor):
+        """The backend underneath for ``tensor``'s device. Calls that zipccl does not take go to
+        it directly: through ``super()`` they would enter torch's C++ with the GIL held, and
+        deadlock with gloo's worker thread, which needs the GIL to free a finished call's
+        tensors while it holds the lock that a new call waits for (seen under load)."""
+        return self._inner.get(tensor.device.type if tensor is not None else "cpu", self._inner["cpu"])
 
     def _takes(self, tensors, op=None) -> bool:
         """zipccl takes the call: not from inside zipccl, a codec other than native, dense CPU
@@ -221,7 +239,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if len(tensors) != 1 or not self._takes(tensors, op):  # several: one sum over all of them, gloo's
-            return super().allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
+            return self._inner_for(tensors[0]).allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
         zop, factor, x = _ZIPCCL_OPS[_red_type(op)], _factor(op), tensors[0]
         lossy = self._lossy_name(x, zop)
 
@@ -238,7 +256,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         tensors = list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not tensors or not self._takes(tensors, op):
-            return super().allreduce_coalesced(tensors, _options(dist.AllreduceCoalescedOptions, opts, op))
+            return self._inner_for(tensors[0]).allreduce_coalesced(tensors, _options(dist.AllreduceCoalescedOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():  # one call for all of them: a flat copy, reduced, copied back
@@ -255,14 +273,14 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         async_op = getattr(opts, "asyncOp", True)
         if not self._takes([output, input]):
-            return super().all_gather_single(output, input, _options(AllgatherOptions, opts))
+            return self._inner_for(input)._allgather_base(output, input, _options(AllgatherOptions, opts))
         return self._run(lambda: api.all_gather(output, input, group=self, codec=self.codec,
                                                 algorithm=self.options.algorithm), [output], async_op)
 
     def reduce_scatter_single(self, output, input, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not self._takes([output, input], op):
-            return super().reduce_scatter_single(output, input, _options(dist.ReduceScatterOptions, opts, op))
+            return self._inner_for(input)._reduce_scatter_base(output, input, _options(dist.ReduceScatterOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
@@ -281,7 +299,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not (len(inputs) == 1 and len(outputs) == 1 and len(outputs[0]) == self.size()
                 and self._takes(list(outputs[0]) + inputs)
                 and all(o.shape == inputs[0].shape for o in outputs[0])):
-            return super().allgather(outputs, inputs, _options(AllgatherOptions, opts))
+            return self._inner_for(inputs[0]).allgather(outputs, inputs, _options(AllgatherOptions, opts))
         x, outs = inputs[0], list(outputs[0])
 
         def fn():
@@ -300,7 +318,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not (len(outputs) == 1 and len(inputs) == 1 and len(inputs[0]) == self.size()
                 and self._takes(outputs + list(inputs[0]), op)
                 and all(i.shape == outputs[0].shape for i in inputs[0])):
-            return super().reduce_scatter(outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
+            return self._inner_for(outputs[0]).reduce_scatter(outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
         out, chunks = outputs[0], list(inputs[0])
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
@@ -314,7 +332,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         async_op = getattr(opts, "asyncOp", True)
         if not self._takes(list(outputs) + list(inputs)):
-            return super().allgather_into_tensor_coalesced(outputs, inputs, _options(AllgatherOptions, opts))
+            return self._each(outputs, inputs, lambda b, o, i: b._allgather_base(o, i, _options(AllgatherOptions, opts)))
 
         def fn():
             for o, i in zip(outputs, inputs):
@@ -324,7 +342,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not self._takes(list(outputs) + list(inputs), op):
-            return super().reduce_scatter_tensor_coalesced(outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
+            return self._each(outputs, inputs, lambda b, o, i: b._reduce_scatter_base(
+                o, i, _options(dist.ReduceScatterOptions, opts, op)))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
@@ -333,7 +352,56 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                                    algorithm=self.options.algorithm)
         return self._run(fn, list(outputs), async_op)
 
+    # ---- every other call: to the backend underneath, directly (see _inner_for) ----------------------------
+
+    def _forward(self, name: str, tensor, *args, **kwargs):
+        backend = self._inner_for(tensor) if isinstance(tensor, torch.Tensor) else self._inner["cpu"]
+        return getattr(backend, name)(*args, **kwargs)
+
+    def broadcast(self, tensors, *args, **kwargs):
+        return self._forward("broadcast", _first(tensors), tensors, *args, **kwargs)
+
+    def reduce(self, tensors, *args, **kwargs):
+        return self._forward("reduce", _first(tensors), tensors, *args, **kwargs)
+
+    def gather(self, outputs, inputs, *args, **kwargs):
+        return self._forward("gather", _first(inputs), outputs, inputs, *args, **kwargs)
+
+    def scatter(self, outputs, inputs, *args, **kwargs):
+        return self._forward("scatter", _first(outputs), outputs, inputs, *args, **kwargs)
+
+    def alltoall_base(self, output, input, *args, **kwargs):
+        return self._forward("alltoall_base", input, output, input, *args, **kwargs)
+
+    def alltoall(self, outputs, inputs, *args, **kwargs):
+        return self._forward("alltoall", _first(inputs), outputs, inputs, *args, **kwargs)
+
+    def allgather_coalesced(self, outputs, inputs, *args, **kwargs):
+        return self._forward("allgather_coalesced", _first(inputs), outputs, inputs, *args, **kwargs)
+
+    def send(self, tensors, *args, **kwargs):
+        return self._forward("send", _first(tensors), tensors, *args, **kwargs)
+
+    def recv(self, tensors, *args, **kwargs):
+        return self._forward("recv", _first(tensors), tensors, *args, **kwargs)
+
+    def recv_anysource(self, tensors, *args, **kwargs):
+        return self._forward("recv_anysource", _first(tensors), tensors, *args, **kwargs)
+
+    def barrier(self, *args, **kwargs):
+        return self._inner["cpu"].barrier(*args, **kwargs)
+
     # ---- helpers --------------------------------------------------------------------------------------------
+
+    def _each(self, outputs, inputs, call) -> dist.Work:
+        """A coalesced call that zipccl does not take: one backend call per pair (the backends'
+        Python bindings have no coalesced form), waited for here."""
+        try:
+            for o, i in zip(outputs, inputs):
+                call(self._inner_for(i), o, i).wait()
+        except Exception as e:  # raised by wait(), as the backend's would be
+            return _finished(error=e)
+        return _finished(list(outputs))
 
     def _lossy_name(self, x: torch.Tensor, op) -> str | None:
         """The error-feedback key of a lossy all-reduce (Options' docstring), or None where this
