@@ -5,18 +5,19 @@ One word in the user's code, and every ``dist.all_reduce``, ``all_gather_into_te
 zipccl's planner, while every other call passes straight to the backend underneath.
 
 ``ProcessGroupZipccl`` is a ``torch.distributed.ProcessGroup`` with gloo registered on it as
-its backend for CPU tensors (NCCL for CUDA tensors where torch has it): whatever the class
-does not override (broadcast, send, recv, all_to_all, barrier, gather, scatter, ...) is
-gloo's, unchanged. It overrides the collectives zipccl compresses (``allreduce``,
-``allreduce_coalesced``, ``all_gather_single``, ``reduce_scatter_single``, the list forms
-``allgather`` and ``reduce_scatter`` and their coalesced variants) and routes a call to zipccl
-when zipccl can take it: a dense CPU bf16/fp16/fp32 tensor reduced with SUM, AVG, MAX, MIN or
-PREMUL_SUM (the factor applied, then SUM). Everything else (integer, complex and sparse
-tensors, PRODUCT and bitwise ops, CUDA tensors until zipccl's NCCL transport takes them) goes
-to the inner backend. zipccl's own traffic runs on the same group: its point-to-point and
-all-to-all calls are not overridden, and the collectives it issues from inside a call (the
-backend's collective chosen by the planner, its metadata) are marked by a thread-local flag
-and go to the inner backend, never back into zipccl.
+its backend for CPU tensors (NCCL for CUDA tensors where torch has it), so that torch's own
+machinery (group names, DeviceMesh, FSDP2, functional collectives) finds a backend. The
+collectives zipccl compresses (``allreduce``, ``allreduce_coalesced``, ``all_gather_single``,
+``reduce_scatter_single``, the list forms ``allgather`` and ``reduce_scatter`` and their
+coalesced variants) go to zipccl when it can take the call: a dense CPU bf16/fp16/fp32 tensor
+reduced with SUM, AVG, MAX, MIN or PREMUL_SUM (the factor applied, then SUM). Everything else
+(integer, complex and sparse tensors, PRODUCT and bitwise ops, CUDA tensors until zipccl's
+NCCL transport takes them, and broadcast, send, recv, all_to_all, gather, scatter, reduce,
+barrier) goes to the backend underneath through its own binding (``_inner_for`` says why not
+through ``super()``). zipccl's own traffic runs on the same group: its point-to-point and
+all-to-all calls pass through, and the collectives it issues from inside a call (the backend's
+collective chosen by the planner, its metadata) are marked by a thread-local flag and go to the
+backend underneath, never back into zipccl.
 
 The codec policy: ``Options(codec=...)`` through ``pg_options``, else ``ZIPCCL_CODEC``
 (``auto``, the default: the backend's own collective wherever compression cannot pay, so the
