@@ -54,7 +54,8 @@ class Pool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(nranks)]
         port = free_port()
-        self.procs = [ctx.Process(target=_serve, args=(r, nranks, port, self.tasks[r], self.results, backend, more_groups), daemon=True)
+        self.procs = [ctx.Process(target=_serve, daemon=True,
+                                  args=(r, nranks, port, self.tasks[r], self.results, backend, more_groups))
                       for r in range(nranks)]
         for p in self.procs:
             p.start()

@@ -10,5 +10,5 @@ from .stats import reset_stats, stats
 backend.register()  # dist.init_process_group(backend="zipccl")
 
 __version__ = "0.1.0"
-__all__ = ["ZipcclError", "FormatError", "MismatchError", "UnsupportedError", "RankFailure", "codecs", "topology", "backend",
-           "all_reduce", "reduce_scatter", "all_gather", "stats", "reset_stats"]
+__all__ = ["ZipcclError", "FormatError", "MismatchError", "UnsupportedError", "RankFailure", "codecs", "topology",
+           "backend", "all_reduce", "reduce_scatter", "all_gather", "stats", "reset_stats"]

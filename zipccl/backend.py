@@ -257,7 +257,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         tensors = list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not tensors or not self._takes(tensors, op):
-            return self._inner_for(tensors[0]).allreduce_coalesced(tensors, _options(dist.AllreduceCoalescedOptions, opts, op))
+            return self._inner_for(tensors[0]).allreduce_coalesced(
+                tensors, _options(dist.AllreduceCoalescedOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():  # one call for all of them: a flat copy, reduced, copied back
@@ -281,7 +282,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not self._takes([output, input], op):
-            return self._inner_for(input)._reduce_scatter_base(output, input, _options(dist.ReduceScatterOptions, opts, op))
+            return self._inner_for(input)._reduce_scatter_base(
+                output, input, _options(dist.ReduceScatterOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
@@ -319,7 +321,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not (len(outputs) == 1 and len(inputs) == 1 and len(inputs[0]) == self.size()
                 and self._takes(outputs + list(inputs[0]), op)
                 and all(i.shape == outputs[0].shape for i in inputs[0])):
-            return self._inner_for(outputs[0]).reduce_scatter(outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
+            return self._inner_for(outputs[0]).reduce_scatter(
+                outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
         out, chunks = outputs[0], list(inputs[0])
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
@@ -333,7 +336,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         async_op = getattr(opts, "asyncOp", True)
         if not self._takes(list(outputs) + list(inputs)):
-            return self._each(outputs, inputs, lambda b, o, i: b._allgather_base(o, i, _options(AllgatherOptions, opts)))
+            return self._each(outputs, inputs,
+                              lambda b, o, i: b._allgather_base(o, i, _options(AllgatherOptions, opts)))
 
         def fn():
             for o, i in zip(outputs, inputs):
