@@ -379,6 +379,24 @@ def test_back_to_back_pass_through_calls_do_not_deadlock(zpool):
     assert len(set(out)) == 1
 
 
+def test_work_wait_honours_its_timeout():
+    import datetime
+    from zipccl.backend import _Work
+    from zipccl.errors import TimeoutError as ZipcclTimeout
+    pending = torch.futures.Future()
+    work = _Work(pending)
+    with pytest.raises(ZipcclTimeout):
+        work.wait(datetime.timedelta(seconds=0.1))
+    assert not work.is_completed()
+    pending.set_result([torch.ones(1)])
+    assert work.wait(datetime.timedelta(seconds=0.1)) and work.is_completed()
+    assert work.get_future().value()[0].item() == 1.0
+    failed = torch.futures.Future()
+    failed.set_exception(ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        _Work(failed).wait()
+
+
 def test_options_are_checked():
     from zipccl.backend import Options
     with pytest.raises(ValueError, match="codec"):
