@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from . import api, config, executor
-from .errors import TimeoutError  # noqa: A004 - zipccl's, a subclass of the builtin
 from .format import DTYPE_CODES
 from .lossy import Compressor
 
@@ -101,24 +100,19 @@ class _Work(dist.Work):
 
     def __init__(self, future: torch.futures.Future):
         super().__init__()
-        self._future = future
-        self._done = threading.Event()
-        future.add_done_callback(lambda _: self._done.set())
+        self._handle = executor.Handle(future)
 
     def wait(self, timeout=None) -> bool:
         """Wait for the call and raise its error; ``timeout`` (a timedelta or seconds; zero or
-        None: none): raise zipccl.errors.TimeoutError if the call has not finished by then."""
+        None, as torch's C++ callers pass: none): zipccl.errors.TimeoutError past it."""
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-        if seconds and seconds > 0 and not self._done.wait(seconds):
-            raise TimeoutError(f"zipccl backend: the call did not finish within {seconds:g} s (it is still running)")
-        self._future.wait()
-        return True
+        return self._handle.wait(timeout if seconds and seconds > 0 else None)
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._handle.is_completed()
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        return self._handle.get_future()
 
 
 def _finished(result=None, error: BaseException | None = None) -> _Work:

@@ -23,8 +23,8 @@ class Handle:
 
     Do not issue other collectives on the same group until you have waited for the handle."""
 
-    def __init__(self):
-        self._future = torch.futures.Future()
+    def __init__(self, future: torch.futures.Future | None = None):
+        self._future = future if future is not None else torch.futures.Future()
         self._done = threading.Event()
         self._future.add_done_callback(lambda _: self._done.set())
 
