@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from . import config
 from .errors import MismatchError, UnsupportedError
+from .torch_compat import all_gather_single
 from .transport.shm import NodeMemory
 
 __all__ = ["Topology", "Levels", "topology", "levels", "known", "parse", "claim", "from_claims", "nvml_link",
@@ -232,7 +233,7 @@ def topology(group=None) -> Topology:
         else torch.device("cpu")
     size = dist.get_world_size(group)
     rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_single(rows, mine.to(device), group=group)
+    all_gather_single(rows, mine.to(device), group=group)
     found = from_claims(rows.view(size, -1).cpu().tolist())
     found = Topology(found.nodes, found.source, nvml_link())
     with _lock:

@@ -2,16 +2,16 @@
 busbw = algbw * (n-1)/n; in place, the input is this rank's slice of the output (nccl-tests)."""
 
 import torch
-import torch.distributed as dist
 
 import zipccl
 
+from ..torch_compat import all_gather_single
 from .common import Spec
 
 
 def _run(out, inp, op, group, codec, algorithm="auto"):
     if codec is None:
-        dist.all_gather_single(out, inp, group=group)
+        all_gather_single(out, inp, group=group)
     else:
         zipccl.all_gather(out, inp, group=group, codec=codec, algorithm=algorithm)
 

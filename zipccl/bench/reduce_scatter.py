@@ -2,17 +2,17 @@
 busbw = algbw * (n-1)/n; in place, the output is this rank's slice of the input (nccl-tests)."""
 
 import torch
-import torch.distributed as dist
 
 import zipccl
 
+from ..torch_compat import reduce_scatter_single
 from .all_reduce import reduce_all
 from .common import Spec
 
 
 def _run(out, inp, op, group, codec, algorithm="auto"):
     if codec is None:
-        dist.reduce_scatter_single(out, inp, op=op, group=group)
+        reduce_scatter_single(out, inp, op=op, group=group)
     else:
         zipccl.reduce_scatter(out, inp, op=op, group=group, codec=codec, algorithm=algorithm)
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
+from ..torch_compat import all_gather_single, reduce_scatter_single
 from .base import Transport
 from .strict import Strict
 
@@ -132,10 +133,10 @@ class TorchTransport(Transport):
         if name == "all_reduce":
             work = dist.all_reduce(tensors[0], op=op, group=self.group, async_op=self._timeout is not None)
         elif name == "reduce_scatter":
-            work = dist.reduce_scatter_single(tensors[0], tensors[1], op=op, group=self.group,
+            work = reduce_scatter_single(tensors[0], tensors[1], op=op, group=self.group,
                                               async_op=self._timeout is not None)
         elif name == "all_gather":
-            work = dist.all_gather_single(tensors[0], tensors[1], group=self.group, async_op=self._timeout is not None)
+            work = all_gather_single(tensors[0], tensors[1], group=self.group, async_op=self._timeout is not None)
         else:
             raise ValueError(f"unknown collective {name!r}")
         if work is not None:
