@@ -1,13 +1,15 @@
 """Codec benchmark: zipccl lossless against ZipNN, zstd and memcpy, in one run.
 
-    python -m zipccl.bench.codec [--size N] [--repeat R] [--json FILE]
+    python -m zipccl.bench.codec [--size N] [--repeat R] [--json FILE] [--device cuda]
 
 Every codec sees the same bytes: bf16, fp16 and fp32 views of the real
 gradient bucket in ../shared/data, gradients of a small model this script
 trains for a few steps, and Gaussian and Laplace data. Throughput is the
 median of R runs on one thread, in GB/s of uncompressed bytes (GB = 1e9); the
 single-threaded codecs take turns within each run, so that the load of a shared
-machine falls on all of them alike.
+machine falls on all of them alike. With ``--device cuda`` the Triton kernels run on the GPU
+against a device-to-device copy, timed from call to a synchronised result (host planning and
+the encoder's one histogram read included), and the card's name heads the table.
 """
 
 from __future__ import annotations
@@ -140,6 +142,56 @@ def _case(x: torch.Tensor, entries: list, repeat: int) -> list[tuple]:
     return out
 
 
+def _cuda_case(x: torch.Tensor, repeat: int) -> list[tuple]:
+    """The Triton codec and a device copy on one CUDA tensor, round-robin as in _case; each time
+    runs from the call to its synchronised result."""
+    z = Lossless("triton")
+    out = torch.empty_like(x)
+    entries = [("zipccl-lossless", z.encode, lambda p: z.decode(p, out)), ("copy", torch.clone, torch.clone)]
+
+    def timed(fn, arg):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        result = fn(arg)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, result
+
+    for _, enc, dec in entries:  # warm-up: Triton's compilation, the caching allocator
+        dec(enc(x))
+    times = {name: ([], []) for name, _, _ in entries}
+    results = {}
+    for _ in range(repeat):
+        for name, enc, dec in entries:
+            t, packet = timed(enc, x)
+            times[name][0].append(t)
+            t, decoded = timed(dec, packet)
+            times[name][1].append(t)
+            results[name] = (packet, decoded)
+    rows = []
+    for name, _, _ in entries:
+        packet, decoded = results[name]
+        size = packet.numel() * packet.element_size()
+        ok = torch.equal(decoded.view(torch.uint8), x.view(torch.uint8))
+        rows.append((name, size, float(np.median(times[name][0])), float(np.median(times[name][1])), bool(ok)))
+    return rows
+
+
+def run_cuda(size: int | None, repeat: int, data_file: Path | None, dtypes: list[str]) -> list[dict]:
+    """The codec's GPU throughput per dataset and dtype (rows as ``run``'s, with the card's name)."""
+    name = torch.cuda.get_device_name()
+    rows = []
+    for data_name, base in datasets(size, data_file).items():
+        for dt in dtypes:
+            x = base.to(DTYPES[dt]).contiguous().cuda()
+            print(f"# {name}: {data_name} {dt} ...", file=sys.stderr, flush=True)
+            nbytes = x.numel() * x.element_size()
+            for codec, size_out, t_enc, t_dec, ok in _cuda_case(x, repeat):
+                rows.append(dict(data=data_name, dtype=dt, codec=codec, bytes=nbytes, ratio=size_out / nbytes,
+                                 encode_GBps=nbytes / t_enc / 1e9, decode_GBps=nbytes / t_dec / 1e9,
+                                 roundtrip_ok=ok, device=name))
+    return rows
+
+
 def run(size: int | None, repeat: int, data_file: Path | None, dtypes: list[str], zipnn: bool = True,
         zstd: bool = True) -> list[dict]:
     """Single-threaded codecs round-robin per tensor (see _case); ZipNN's multi-threaded
@@ -179,7 +231,8 @@ def speedups(rows: list[dict], baseline: str = "zipnn-1thread") -> str:
     for r in rows:
         if r["codec"] != "zipccl-lossless":
             continue
-        b = next((s for s in rows if s["codec"] == baseline and s["data"] == r["data"] and s["dtype"] == r["dtype"]), None)
+        b = next((s for s in rows
+                  if s["codec"] == baseline and (s["data"], s["dtype"]) == (r["data"], r["dtype"])), None)
         if b:
             out.append(f"# {r['data']} {r['dtype']}: ratio {r['ratio']:.4f} vs {b['ratio']:.4f}, encode "
                        f"{r['encode_GBps'] / b['encode_GBps']:.2f}x, decode {r['decode_GBps'] / b['decode_GBps']:.2f}x "
@@ -198,15 +251,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-zipnn", action="store_true")
     ap.add_argument("--no-zstd", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the Triton kernels on the GPU against a device copy (no ZipNN or zstd there)")
     args = ap.parse_args(argv)
     dtypes = args.dtypes.split(",")
     if any(d not in DTYPES for d in dtypes) or args.repeat < 1:
         ap.error(f"--dtypes takes a comma list of {', '.join(DTYPES)}; --repeat >= 1")
     if not args.data.exists():
         print(f"# {args.data} not found: benchmarking without the real gradient bucket", file=sys.stderr)
-    rows = run(args.size, args.repeat, args.data, dtypes, not args.no_zipnn, not args.no_zstd)
-    print(format_table(rows))
-    print(speedups(rows))
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: no CUDA device here")
+        rows = run_cuda(args.size, args.repeat, args.data, dtypes)
+        print(f"# {rows[0]['device']}, torch {torch.__version__}")
+        print(format_table(rows))
+        for r in rows:
+            if r["codec"] != "copy":
+                copy = next(c for c in rows
+                            if c["codec"] == "copy" and (c["data"], c["dtype"]) == (r["data"], r["dtype"]))
+                print(f"# {r['data']} {r['dtype']}: encode {r['encode_GBps'] / copy['encode_GBps']:.3f}x, "
+                      f"decode {r['decode_GBps'] / copy['decode_GBps']:.3f}x a device copy")
+    else:
+        rows = run(args.size, args.repeat, args.data, dtypes, not args.no_zipnn, not args.no_zstd)
+        print(format_table(rows))
+        print(speedups(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["roundtrip_ok"] for r in rows) else 1

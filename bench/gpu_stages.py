@@ -1,0 +1,91 @@
+"""Where the GPU codec's time goes: torch.profiler over encode and decode of one large bf16
+gradient tensor, kernels against host work (planning, the histogram read, launches).
+
+    python bench/gpu_stages.py [--numel N] [--dtype bf16] [--data FILE]
+
+Prints the card, the wall time per call, the host's planning steps (code tables, layout, packet
+validation: numpy and numba, invisible to the profiler, timed by wrapping them) and the profiler's
+table (device time per kernel and copy, host time per operator), sorted by device time. Needs a
+CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import zipccl.codecs as codecs
+import zipccl.kernels.gpu as gpu
+from zipccl.codecs import Lossless
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _timed_host_steps() -> dict:
+    """Wrap the GPU codec's host steps so that each call's time adds up per step."""
+    spent = {}
+
+    def wrap(module, name):
+        fn = getattr(module, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                key = f"{module.__name__}.{name}"
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
+        setattr(module, name, timed)
+
+    for module, name in ((gpu, "choose"), (gpu, "plan"), (gpu, "parse_lossless"), (codecs, "parse_lossless")):
+        wrap(module, name)
+    return spent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", type=int, default=32 * 1024 * 1024)
+    ap.add_argument("--dtype", choices=DTYPES, default="bf16")
+    ap.add_argument("--data", type=Path, default=Path("../shared/data/grads_step050_bucket0_fp32.npy"))
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    base = torch.from_numpy(np.load(args.data)) if args.data.exists() else torch.randn(1 << 22) * 0.02
+    x = base.repeat(-(-args.numel // base.numel()))[:args.numel].to(DTYPES[args.dtype]).cuda()
+    z, out = Lossless("triton"), torch.empty_like(x)
+    z.decode(z.encode(x), out)  # compile
+    spent = _timed_host_steps()
+    walls = {"encode": [], "decode": []}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.repeat):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            packet = z.encode(x)
+            torch.cuda.synchronize()
+            walls["encode"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            z.decode(packet, out)
+            torch.cuda.synchronize()
+            walls["decode"].append(time.perf_counter() - t)
+    nbytes = x.numel() * x.element_size()
+    print(f"# {torch.cuda.get_device_name()}, {args.numel} {args.dtype} elements ({nbytes / 2**20:.0f} MiB), "
+          f"ratio {packet.numel() / nbytes:.4f}")
+    for k, v in walls.items():
+        m = float(np.median(v))
+        print(f"# {k}: median {m * 1e3:.3f} ms per call, {nbytes / m / 1e9:.1f} GB/s of input")
+    for k, v in spent.items():
+        print(f"# host step {k}: {v / args.repeat * 1e3:.3f} ms per call")
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=48))
+            break
+        except (AttributeError, KeyError, ValueError):
+            continue
+
+
+if __name__ == "__main__":
+    main()
