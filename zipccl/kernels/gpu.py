@@ -4,13 +4,14 @@ GPU-only in production: on CPU tensors they run only under TRITON_INTERPRET=1
 (how the tests prove them here), and ``compile_for`` builds them for sm_80 /
 sm_90 without a GPU. docs/GPU.md explains the design; in short:
 
-encode, two passes over the input and one round trip to the host:
+encode, two passes over the input and a few small reads by the host:
   1. ``_analyse``: one program per block reads it once and writes the block's
      reference exponent and two 32-bin symbol histograms of 16-bit counts, of
      its sample and of all its elements (132 bytes per block).
-  2. The host reads those statistics (the one device-to-host copy), builds the
-     code tables and every block's offsets (reference/plan.py), and sends
-     tables, per-block offsets and the packet's front back (host-to-device).
+  2. kernels/device_plan.py clusters the blocks and lays the packet out with
+     torch operations on the device, as reference/plan.py does on the host;
+     the host reads each round's summed histograms (8 x 32 counts) to build
+     the code lengths, and the two data section sizes, which size the packet.
   3. ``_encode``: one program per block reads it again and writes its codes and
      sign+mantissa bytes at the planned offsets. Bit positions come from an
      in-block prefix sum of code widths; the codes of each 32-bit word are
@@ -37,7 +38,7 @@ from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAY
                       RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
 from ..reference import tables as T
 from ..reference.packet import LosslessPacket, parse_lossless
-from ..reference.plan import choose, plan
+from . import device_plan
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 LANES = 32  # blocks decoded in lock step by one program
@@ -249,20 +250,17 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     if nb:
         _analyse[(nb,)](bits, n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=block_warps(block_size),
                         **_shape_args(layout))
-    # The encoder's one device-to-host copy: 132 bytes per block, needed for the tables and sizes.
-    hist_h = hist.cpu().numpy().view(np.uint16).astype(np.int64)
-    tables = choose(np.ascontiguousarray(hist_h[:, 0]), layout)
-    exact = hist_h[:, 1]
-    pl = plan(tables, ref.cpu().numpy().astype(np.int64), tables.cost(exact, layout), exact[:, SYM_ZERO].copy(), n,
-              block_size, layout)
-    packet = torch.empty(pl.total_size, dtype=torch.uint8, device=dev)
-    front = pl.front()
-    p = HEADER_SIZE + len(front)
-    packet[HEADER_SIZE:p] = torch.from_numpy(front).to(dev)
+    # The plan on the device (kernels/device_plan.py): the host reads only tables x 32 summed
+    # counts per clustering round and the two data section sizes, which size the packet.
+    counts = hist.to(torch.int64) & 0xFFFF  # the 16-bit counts are unsigned
+    pl = device_plan.plan(counts[:, 0], counts[:, 1], ref.to(torch.int64), n, block_size, layout)
+    packet = torch.empty(HEADER_SIZE + sum(pl.sizes), dtype=torch.uint8, device=dev)
+    p = HEADER_SIZE + len(pl.packed)
+    packet[HEADER_SIZE:p] = torch.from_numpy(pl.packed).to(dev)
+    packet[p:p + pl.sizes[1]] = pl.index
+    p += pl.sizes[1]
     if nb:
-        blocks = np.stack([pl.ref, pl.table, pl.word_start[:-1], pl.rest_start[:-1]], axis=1)
-        _encode[(nb,)](bits, n, torch.from_numpy(blocks).to(dev),
-                       torch.from_numpy(pl.codes.astype(np.int32)).to(dev),
+        _encode[(nb,)](bits, n, pl.blocks, torch.from_numpy(pl.codes.astype(np.int32)).to(dev),
                        torch.from_numpy(pl.lengths.astype(np.int32)).to(dev),
                        packet[p:p + pl.sizes[2]].view(torch.int32), packet[p + pl.sizes[2]:],
                        BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,

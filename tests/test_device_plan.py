@@ -1,0 +1,90 @@
+"""The GPU encoder's device plan (kernels/device_plan.py) against the host plan it replaces
+(reference/plan.py: choose, plan, the block index), on the CPU: torch's operations are the same
+on either device, and the Triton encoder that uses it is checked byte for byte against the
+reference in test_triton.py, test_codec.py and, on a GPU, test_nccl_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zipccl.format import LAYOUTS, NSYM, SYM_ESC, num_blocks
+from zipccl.kernels import device_plan
+from zipccl.reference.plan import choose, plan
+
+
+def _host(sampled, exact, ref, numel, block_size, layout):
+    tables = choose(sampled, layout)
+    pl = plan(tables, ref, tables.cost(exact, layout), exact[:, 0].copy(), numel, block_size, layout)
+    blocks = np.stack([pl.ref, pl.table, pl.word_start[:-1], pl.rest_start[:-1]], axis=1)
+    return pl.lengths, pl.codes, pl.packed, pl.front()[len(pl.packed):], blocks, pl.sizes
+
+
+def _check(sampled, exact, ref, numel, block_size, dtype):
+    layout = LAYOUTS[dtype]
+    want = _host(sampled, exact, ref, numel, block_size, layout)
+    got = device_plan.plan(torch.from_numpy(sampled), torch.from_numpy(exact), torch.from_numpy(ref), numel,
+                           block_size, layout)
+    np.testing.assert_array_equal(got.lengths, want[0])
+    np.testing.assert_array_equal(got.codes, want[1])
+    np.testing.assert_array_equal(got.packed, want[2])
+    np.testing.assert_array_equal(got.index.numpy(), want[3])
+    np.testing.assert_array_equal(got.blocks.numpy().reshape(-1, 4), want[4].reshape(-1, 4))
+    assert got.sizes == want[4 + 1]
+
+
+@st.composite
+def histograms(draw):
+    """Blocks' sampled and whole histograms as an encoder's first pass could report them: peaked
+    or flat, some with escapes enough to stay raw, the last block possibly short."""
+    block_size = draw(st.sampled_from([256, 1024, 4096]))
+    nb = draw(st.integers(1, 70))
+    numel = (nb - 1) * block_size + draw(st.integers(1, block_size))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    exact = np.zeros((nb, NSYM), np.int64)
+    for b in range(nb):
+        n = min(block_size, numel - b * block_size)
+        kind = draw(st.sampled_from(["peaked", "flat", "escapes", "zeros"]))
+        p = {"peaked": np.exp(-0.5 * ((np.arange(NSYM) - 27) / 1.5) ** 2), "flat": np.ones(NSYM),
+             "escapes": np.eye(NSYM)[SYM_ESC] + 0.01, "zeros": np.eye(NSYM)[0] + 0.001}[kind]
+        exact[b] = rng.multinomial(n, p / p.sum())
+    sampled = np.minimum(exact, rng.integers(0, 1 + exact // 4 + 1))  # a sample of each block
+    ref = rng.integers(0, 256, nb).astype(np.int64)
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+    return sampled, exact, ref, numel, block_size, dtype
+
+
+@settings(max_examples=60, deadline=None)
+@given(histograms())
+def test_device_plan_equals_host_plan(case):
+    _check(*case)
+
+
+def test_ties_between_tables_and_peaks():
+    """Identical blocks: every peak ties (order by block number) and every table costs the same
+    for each block (the lowest id wins): the cases where a careless argsort or argmin differs."""
+    nb = 33
+    exact = np.tile(np.bincount([27] * 900 + [28] * 100 + [0] * 24, minlength=NSYM), (nb, 1)).astype(np.int64)
+    _check(exact // 8, exact, np.full(nb, 120, np.int64), nb * 1024, 1024, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_real_gradients(real_grads, dtype):
+    """Histograms of the real bucket, as the reference computes them, planned both ways."""
+    from zipccl.reference.lossless import block_symbols, float_bits, sample_mask
+    block_size = 1024
+    layout = LAYOUTS[dtype]
+    ref, sym, _, _, valid, _ = block_symbols(float_bits(real_grads.to(dtype)), layout, block_size)
+    nb = num_blocks(real_grads.numel(), block_size)
+    exact = torch.zeros(nb, NSYM, dtype=torch.int64).scatter_add_(1, sym, valid.to(torch.int64))
+    sampled = torch.zeros(nb, NSYM, dtype=torch.int64).scatter_add_(
+        1, sym, (valid & sample_mask(block_size, "cpu")).to(torch.int64))
+    _check(sampled.numpy(), exact.numpy(), ref.numpy(), real_grads.numel(), block_size, dtype)
+
+
+def test_no_blocks():
+    empty = np.zeros((0, NSYM), np.int64)
+    _check(empty, empty, np.zeros(0, np.int64), 0, 1024, torch.bfloat16)
