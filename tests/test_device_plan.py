@@ -88,3 +88,34 @@ def test_real_gradients(real_grads, dtype):
 def test_no_blocks():
     empty = np.zeros((0, NSYM), np.int64)
     _check(empty, empty, np.zeros(0, np.int64), 0, 1024, torch.bfloat16)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([256, 4096]), st.integers(0, 2**32 - 1),
+       st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=6))
+def test_index_read_on_the_device_equals_the_host_read(nb, block_size, seed, mutations):
+    """A real packet's block index, then with bytes overwritten: the same rows, the same first
+    invalid entry and the same totals from both readers (so the same FormatError, or none)."""
+    from zipccl.codecs import Lossless
+    from zipccl.format import CODEC_LOSSLESS, HEADER_SIZE, TABLE_BYTES, parse_header
+    from zipccl.reference.packet import read_index
+    g = torch.Generator().manual_seed(seed)
+    numel = nb * block_size - int(torch.randint(0, block_size, (1,), generator=g))
+    x = (torch.randn(numel, generator=g) * 0.02).to(torch.bfloat16)
+    x[torch.randint(0, numel, (numel // 7,), generator=g)] = 0.0
+    if seed % 2:
+        x[:block_size] = 0.0  # a block of +0.0 only: nzero == nvalid, the bound of a check
+    packet = Lossless("numba", block_size=block_size).encode(x)
+    h = parse_header(packet[:HEADER_SIZE].numpy().tobytes(), CODEC_LOSSLESS, packet.numel())
+    start = HEADER_SIZE + h.ntables * TABLE_BYTES
+    stop = start + h.sections[1]
+    for where, value in mutations:
+        packet[start + where % (stop - start)] = value
+    layout = LAYOUTS[torch.bfloat16]
+    host = read_index(packet, start, stop, numel, block_size, h.ntables, layout)
+    dev = device_plan.read_index(packet, start, stop, numel, block_size, h.ntables, layout)
+    assert dev[1] == host[1]
+    if host[1] < 0:  # valid: every row and total, as the decoder uses them
+        assert dev[2:] == host[2:]
+        for got, want in zip(dev[0], host[0]):
+            np.testing.assert_array_equal(got.numpy(), want[:len(got.numpy())])

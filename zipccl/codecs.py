@@ -14,7 +14,7 @@ from . import format as F
 from .format import check_input
 from .errors import FormatError, UnsupportedError
 from .kernels import IMPLS, resolve
-from .reference.packet import assemble, host_bytes, parse_lossless
+from .reference.packet import assemble, host_bytes, parse_lossless, read_index
 from .topk import TopK
 
 __all__ = ["Codec", "Raw", "Lossless", "TopK", "packet_size", "check_input"]
@@ -121,13 +121,14 @@ class Lossless:
     def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
                max_numel: int | None = None) -> torch.Tensor:
         """The tensor (1-D) a lossless packet holds, into ``out`` if given. The header, tables and
-        block index are validated on the host (every size against the packet, ``max_numel``: FormatError
-        for a packet that claims more elements) before the output is allocated or a kernel runs."""
+        block index are validated (on the host; the GPU's index where it is) against the packet, and
+        ``max_numel`` (FormatError for a packet that claims more elements), before the output is
+        allocated or a kernel runs."""
         packet = _check_packet(packet)
         kernels = resolve(self.impl, packet.device)
         h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_LOSSLESS, packet.numel())
         F.check_numel(h, max_numel)
-        parsed = parse_lossless(packet, h)
+        parsed = parse_lossless(packet, h, getattr(kernels, "read_index", read_index))  # GPU: on the device
         out = _output(h, out, packet.device)
         if out.device != packet.device:
             raise UnsupportedError(f"out is on {out.device}, the packet on {packet.device}")

@@ -3,7 +3,9 @@
 An implementation is a module with ``encode(x, block_size, checksum) -> uint8
 tensor`` and ``decode(packet, out, header=None) -> out`` for the lossless format (``header``:
 the packet's parsed header, or the packet validated by reference.packet.parse_lossless, where
-the caller has it).
+the caller has it). A module whose decoder wants the block index where the packet is also
+exports ``read_index`` (reference.packet.read_index's signature), which the caller's
+validation then uses.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The GPU encoder's packet plan, computed with torch operations where the histograms are.
+"""The GPU codec's per-block bookkeeping, computed with torch operations on the device.
 
+Encode (``plan``):
 reference/plan.py turns the blocks' histograms into code tables (reference/tables.py's
 clustering) and a layout (raw blocks, offsets, the block index). Run on the host, it cost the
 GPU encoder a read of 132 bytes per block and, on an H200's host, 12 ms of numba per 64 MiB of
@@ -13,6 +14,10 @@ Costs are products of counts (at most 32768) and bit widths (at most 31) summed 
 symbols, below 2^53: the float64 matrix products that compute them are exact. Ties between
 tables go to the lowest id and ties between blocks' peaks to the lowest block number, as in
 tables._choose, by making every compared key unique.
+
+Decode (``read_index``): reference/packet.py's checks of the block index and its prefix sums,
+where the packet is; the host reads three numbers (the first invalid entry, the stream and rest
+totals) instead of 8 bytes per block, and sends no per-block rows back.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from ..format import (INDEX_ENTRY, MAXLEN, NSYM, OFFSET_BIAS, RAW_BLOCK, SYM_ZER
 from ..reference import tables as T
 from ..reference.plan import _encoder_tables
 
-__all__ = ["DevicePlan", "plan"]
+__all__ = ["DevicePlan", "plan", "read_index"]
 
 
 @dataclass
@@ -96,3 +101,25 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
     blocks = torch.stack([ref, table, word_start, rest_start], dim=1)
     sizes = (ntables * TABLE_BYTES, nb * INDEX_ENTRY, words * 4, rest_bytes)
     return DevicePlan(lengths, codes, packed, index, blocks, sizes)
+
+
+def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout):
+    """reference/packet.py's read_index on the packet's device: the same rows as int64 tensors
+    there, the first invalid entry (-1 if none), stream words and rest bytes."""
+    e = packet[start:stop].view(-1, INDEX_ENTRY).to(torch.int64)
+    nb, dev = e.shape[0], packet.device
+    blocks = torch.arange(nb, device=dev)
+    ref, table = e[:, 0], e[:, 1]
+    nwords, nzero = e[:, 2] | (e[:, 3] << 8), e[:, 4] | (e[:, 5] << 8)
+    nvalid = (n - blocks * bs).clamp_max(bs)
+    raw = table == RAW_BLOCK
+    ok = torch.where(raw, (nwords == 0) & (nzero == 0) & (ref == 0),  # coded: a bit per element at least
+                     (table < ntables) & (ref <= layout.emax) & (nzero <= nvalid) & (nvalid <= 32 * nwords))
+    ok &= (e[:, 6] == 0) & (e[:, 7] == 0)
+    rest = torch.where(raw, nvalid * layout.itemsize, (nvalid - nzero) * layout.rest_bytes)
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    word_start = torch.cat([zero, torch.cumsum(nwords, 0)])
+    rest_start = torch.cat([zero, torch.cumsum(rest, 0)])
+    first_bad = torch.where(ok, nb, blocks).min() if nb else zero[0] + nb
+    bad, words, rest_total = (int(v) for v in torch.stack([first_bad, word_start[-1], rest_start[-1]]).cpu())
+    return (ref, table, nwords, nzero, nvalid, word_start, rest_start), (-1 if bad == nb else bad), words, rest_total

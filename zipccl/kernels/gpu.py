@@ -18,8 +18,9 @@ encode, two passes over the input and a few small reads by the host:
      joined by a segmented OR scan, and one element per word stores it, so
      there are no atomics and no zero-filling.
 
-decode, one pass: the host validates header, tables and block index (reads
-8 bytes per block) before launching; ``_decode`` then runs LANES blocks per
+decode, one pass: header and tables are validated on the host and the block
+index on the device (device_plan.read_index: the host reads three numbers)
+before launching; ``_decode`` then runs LANES blocks per
 program in lock step, one symbol per block per iteration, and reports errors
 per block, which the host reads once at the end.
 """
@@ -39,6 +40,7 @@ from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAY
 from ..reference import tables as T
 from ..reference.packet import LosslessPacket, parse_lossless
 from . import device_plan
+from .device_plan import read_index
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 LANES = 32  # blocks decoded in lock step by one program
@@ -276,31 +278,32 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
 
 
 def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
-    p = parse_lossless(packet, header)  # host validation of header, tables and index before any launch
+    # Validation before any launch: header and tables on the host, the block index on the device.
+    p = parse_lossless(packet, header, read_index)
     layout, h = p.layout, p.header
     n, bs, dev = h.numel, h.block_size, packet.device
     if n == 0:
         return out
     view = _ints(out)
-    rest = packet[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
-    raw = np.nonzero(p.table == RAW_BLOCK)[0]
-    coded = np.nonzero(p.table != RAW_BLOCK)[0]
+    rest = packet[p.rest_offset:p.rest_offset + h.sections[3]]
+    is_raw = p.table == RAW_BLOCK
+    raw, coded = torch.nonzero(is_raw).flatten(), torch.nonzero(~is_raw).flatten()
     if len(raw):
-        _decode_raw[(len(raw),)](rest, view, n, torch.from_numpy(raw).to(dev), torch.from_numpy(p.rest_start).to(dev),
-                                 BS=bs, ITEMSIZE=layout.itemsize, num_warps=block_warps(bs))
+        _decode_raw[(len(raw),)](rest, view, n, raw, p.rest_start, BS=bs, ITEMSIZE=layout.itemsize,
+                                 num_warps=block_warps(bs))
     if len(coded):
-        nwords = int(p.word_start[-1])
+        nwords = h.sections[2] // 4
         stream = packet[p.stream_offset:p.rest_offset]
         words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
-        blocks = np.stack([p.ref, p.table, p.word_start[:-1], p.word_start[1:], p.rest_start[:-1],
-                           p.rest_start[1:], p.nzero], axis=1)
+        blocks = torch.stack([p.ref, p.table, p.word_start[:-1], p.word_start[1:], p.rest_start[:-1],
+                              p.rest_start[1:], p.nzero], dim=1)
         err = torch.zeros(len(coded), dtype=torch.int32, device=dev)
         _decode[(triton.cdiv(len(coded), LANES),)](
-            words, nwords, rest, view, n, torch.from_numpy(coded).to(dev), len(coded), torch.from_numpy(blocks).to(dev),
+            words, nwords, rest, view, n, coded, len(coded), blocks,
             torch.from_numpy(T.decode_luts(p.lengths)).to(dev), err, BS=bs, LANES=LANES, MBITS=layout.mbits,
             EBITS=layout.ebits, REST_BYTES=layout.rest_bytes, INLINE_BITS=layout.inline_bits,
             num_warps=DECODE_WARPS)
-        codes = int(np.bitwise_or.reduce(err.cpu().numpy()))  # the decoder's one device-to-host read
+        codes = int(np.bitwise_or.reduce(err.cpu().numpy()))  # the blocks' errors, read once at the end
         if codes:
             raise FormatError(_ERRORS[codes & -codes])
     return out

@@ -1,8 +1,10 @@
 """Assembling packets and validating lossless packets: shared by every implementation.
 
-Validation runs on the host over the header, the code tables and the block
-index (a few bytes per 4096 elements) before any payload is touched, so a
-decoder that passes it can trust every offset it computes.
+Validation runs over the header, the code tables and the block index (a few
+bytes per 4096 elements) before any payload is touched, so a decoder that
+passes it can trust every offset it computes. The header and tables are read
+on the host; the index there too, or, for the GPU decoder, where the packet is
+(kernels/device_plan.py's read_index, the same checks with torch operations).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def host_bytes(packet: torch.Tensor, start: int, stop: int) -> np.ndarray:
 
 @dataclass
 class LosslessPacket:
-    """A validated lossless packet: everything a decoder needs, as host arrays."""
+    """A validated lossless packet: everything a decoder needs. The per-block rows are numpy
+    arrays, or int64 tensors on the packet's device where the index was read there."""
     header: Header
     layout: FloatLayout
     lengths: np.ndarray     # (ntables, NSYM) code lengths
@@ -62,9 +65,19 @@ class LosslessPacket:
     rest_offset: int        # byte offset of section 3 in the packet
 
 
-def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None = None) -> LosslessPacket:
+def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout):
+    """The block index in packet[start:stop], read on the host: (rows as _read_index's, the first
+    invalid entry or -1, stream words, rest bytes)."""
+    fields, bad = _read_index(host_bytes(packet, start, stop), n, bs, ntables, layout.emax, layout.itemsize,
+                              layout.rest_bytes)
+    return fields, bad, int(fields[5, -1]), int(fields[6, -1])
+
+
+def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None = None,
+                   index_reader=read_index) -> LosslessPacket:
     """Validate a lossless packet; ``header``: its header if the caller has parsed it already, or the
-    packet already validated (returned as it is)."""
+    packet already validated (returned as it is). ``index_reader``: read_index, or a reader with its
+    signature and checks that leaves the rows where the packet is."""
     if isinstance(header, LosslessPacket):
         return header
     h = header or parse_header(host_bytes(packet, 0, HEADER_SIZE).tobytes(), CODEC_LOSSLESS, packet.numel())
@@ -85,13 +98,12 @@ def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None 
     pos = HEADER_SIZE
     lengths = unpack_tables(host_bytes(packet, pos, pos + s0), h.ntables) if nb else np.zeros((0, NSYM), np.int64)
     pos += s0
-    fields, bad = _read_index(host_bytes(packet, pos, pos + s1), n, bs, h.ntables, layout.emax, layout.itemsize,
-                              layout.rest_bytes)
+    fields, bad, words, rest = index_reader(packet, pos, pos + s1, n, bs, h.ntables, layout)
     pos += s1
     if bad >= 0:
         raise FormatError(f"block index entry {bad} is invalid")
     ref, table, nwords, nzero, nvalid, word_start, rest_start = fields
-    if word_start[-1] * 4 != s2 or rest_start[-1] != s3:
+    if words * 4 != s2 or rest != s3:
         raise FormatError("block index does not add up to the section sizes")
     if h.flags & FLAG_CRC:
         check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
