@@ -3,8 +3,9 @@ gradient tensor, kernels against host work (planning, the histogram read, launch
 
     python bench/gpu_stages.py [--numel N] [--dtype bf16] [--data FILE]
 
-Prints the card, the wall time per call, the host's planning steps (code tables, layout, packet
-validation: numpy and numba, invisible to the profiler, timed by wrapping them) and the profiler's
+Prints the card, the wall time per call, the wall time of the bookkeeping steps (the packet plan
+and its clustering rounds, the packet's validation: torch operations, small reads and host code
+between kernels, timed by wrapping them) and the profiler's
 table (device time per kernel and copy, host time per operator), sorted by device time. Needs a
 CUDA device.
 """
@@ -20,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import zipccl.codecs as codecs
-import zipccl.kernels.gpu as gpu
+import zipccl.kernels.device_plan as device_plan
 from zipccl.codecs import Lossless
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -42,7 +43,7 @@ def _timed_host_steps() -> dict:
                 spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
         setattr(module, name, timed)
 
-    for module, name in ((gpu, "choose"), (gpu, "plan"), (gpu, "parse_lossless"), (codecs, "parse_lossless")):
+    for module, name in ((device_plan, "plan"), (device_plan, "_clusters"), (codecs, "parse_lossless")):
         wrap(module, name)
     return spent
 
@@ -78,7 +79,7 @@ def main() -> None:
         m = float(np.median(v))
         print(f"# {k}: median {m * 1e3:.3f} ms per call, {nbytes / m / 1e9:.1f} GB/s of input")
     for k, v in spent.items():
-        print(f"# host step {k}: {v / args.repeat * 1e3:.3f} ms per call")
+        print(f"# step {k}: {v / args.repeat * 1e3:.3f} ms per call (wall)")
     for key in ("self_device_time_total", "self_cuda_time_total"):
         try:
             print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=48))

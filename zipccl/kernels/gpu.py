@@ -258,7 +258,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     pl = device_plan.plan(counts[:, 0], counts[:, 1], ref.to(torch.int64), n, block_size, layout)
     packet = torch.empty(HEADER_SIZE + sum(pl.sizes), dtype=torch.uint8, device=dev)
     p = HEADER_SIZE + len(pl.packed)
-    packet[HEADER_SIZE:p] = torch.from_numpy(pl.packed).to(dev)
+    packet[HEADER_SIZE:p] = torch.from_numpy(pl.packed.copy()).to(dev)  # packed is cached, read-only
     packet[p:p + pl.sizes[1]] = pl.index
     p += pl.sizes[1]
     if nb:
