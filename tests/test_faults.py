@@ -153,6 +153,8 @@ CASES = [(c, "lossless", a, k, p) for c in ("all_reduce", "reduce_scatter", "all
          if p == "middle" or a == "direct"]
 CASES += [("all_reduce", f, "direct", k, p) for f in ("topk-gather", "topk-scatter")
           for k in ("encode", "decode", "corrupt") for p in ("first", "last")]
+CASES += [("reduce_scatter", "topk-scatter", "direct", k, p) for k in ("encode", "decode", "corrupt")
+          for p in ("first", "last")]
 
 
 def _log(case, seconds) -> None:

@@ -189,9 +189,9 @@ class ReduceScatter(_ReduceScatterABC):
     PREMUL_SUM(f) as f times the input, then SUM. Exact (``codec``: "auto", "native", "raw",
     "lossless") unless ``lossy`` (a rule group's state, from ``compress``): then the module's
     padded gradient goes through top-k with error feedback (zipccl.lossy.Compressor: a sparse
-    all-reduce of this rank's residual-compensated gradient) and this rank keeps its chunk.
-    The residual covers this rank's whole contribution to the module (the unsharded size):
-    error feedback must remember what *this rank* did not send, for every chunk."""
+    reduce-scatter of this rank's residual-compensated gradient, each chunk's pairs to its
+    owner). The residual covers this rank's whole contribution to the module (the unsharded
+    size): error feedback must remember what *this rank* did not send, for every chunk."""
 
     def __init__(self, codec="auto", name: str = "", lossy: _Lossy | None = None):
         if codec not in EXACT_CODECS:
@@ -206,13 +206,12 @@ class ReduceScatter(_ReduceScatterABC):
         plain, factor = _plain_op(op)
         if factor is not None:
             input_tensor.mul_(factor)  # FSDP's scratch copy of the gradients: ours to change
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        n = dist.get_world_size(group)
         raw = _ring_bytes(output_tensor.numel(), n, output_tensor.element_size())
         if self.lossy is not None and input_tensor.dtype in DTYPE_CODES:
             step, first = self.lossy.step_of(self.name)
-            flat = input_tensor.view(-1)
-            call = self.lossy.compressor.reduce(flat, self.name, step, first, group, plain)
-            output_tensor.view(-1).copy_(flat.view(n, -1)[rank])
+            call = self.lossy.compressor.reduce_scatter(input_tensor.view(-1), output_tensor.view(-1), self.name,
+                                                        step, first, group, plain)
         else:
             api.reduce_scatter(output_tensor, input_tensor, op=plain, group=group,
                                codec=_exact_codec(self.codec, input_tensor.dtype))

@@ -94,6 +94,27 @@ class Compressor:
         collectives.all_reduce(wire, op=op, group=group, codec=codec)
         return after()
 
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, key, step: int, first: bool, group,
+                       op=dist.ReduceOp.AVG) -> dict:
+        """Reduce-scatter ``flat`` (world size x ``out``) into ``out``: residual added, top-k
+        sent, each chunk's pairs to its owner only, the rest of ``flat`` kept for later. The
+        residual covers this rank's whole contribution, every chunk of it. Returns the call's
+        counters."""
+        density = self.choose(step, first, flat, group)
+        if density is None:  # entropy warm-up: lossless
+            collectives.reduce_scatter(out, flat, op=op, group=group, codec="lossless")
+            return _snapshot()["last"]
+        codec = self.codec if isinstance(self.codec, TopK) else TopK(density, sampled=self.sampled)
+        try:
+            wire, _ = self._select(flat, key, codec, None)
+        except Exception as e:  # noqa: BLE001 - no message of the call has left: the peers wait in its exchange
+            collectives.refuse("reduce_scatter", TorchTransport.of(group), flat, op, e)  # raises e here
+        result = out if wire.dtype == out.dtype else torch.empty_like(out, dtype=wire.dtype)
+        collectives.reduce_scatter(result, wire, op=op, group=group, codec=codec)
+        if result is not out:
+            out.copy_(result)
+        return _snapshot()["last"]
+
     def _select(self, flat, key, codec, exact):
         """Select with error feedback: (the tensor the top-k all-reduce sends, with the selection
         remembered by ``codec``; what to do after it, which returns ``reduce``'s result)."""

@@ -10,7 +10,8 @@ Algorithms (DESIGN.md):
 - all-reduce = reduce-scatter + all-gather of each owner's reduced chunk,
   encoded once by its owner, so every rank ends with the owner's exact bits;
 - top-k (lossy) all-reduce: every rank's (index, value) packet to everyone, or
-  to the owner of each chunk and back (sparse_algorithm), added in rank order.
+  to the owner of each chunk and back (sparse_algorithm), added in rank order;
+  top-k reduce-scatter: the pairs of each chunk to its owner only.
 
 Each phase moves in pipeline pieces, several in flight: a piece's packets are
 posted before the previous piece is awaited, so the links never wait for a
@@ -40,7 +41,7 @@ One module per idea, imports pointing down this list:
 - metadata: the per-call exchange (Call), the pairwise size mails, the messages' tags;
 - pipeline: pipeline pieces, and how one piece's packets are sized, posted and landed;
 - algorithms: the dense reduce-scatters (direct, ring) and the all-gather pipeline;
-- sparse_reduce: the top-k all-reduce;
+- sparse_reduce: the top-k all-reduce and reduce-scatter;
 - validation: a call's local checks and accounting;
 - flat: one flat collective, run (run_flat) or validated, planned and queued (async: zipccl.executor),
   and the public all_reduce, reduce_scatter and all_gather.

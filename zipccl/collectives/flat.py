@@ -16,7 +16,7 @@ from .autoplan import FLAT_PLANS, planned
 from .metadata import Call, timed
 from .pipeline import pieces
 from .resolve import AUTO, NATIVE, PLAN_CODECS
-from .sparse_reduce import _sparse_all_reduce
+from .sparse_reduce import _sparse_all_reduce, _sparse_reduce_scatter
 from .validation import check_shapes, finish, input_size, new_acc, prepare, refuse
 
 # ---- one flat collective with a decided codec ----------------------------------------------------------------
@@ -51,6 +51,9 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
         except RuntimeError as e:  # the backend lost a rank, or timed out (ZIPCCL_TIMEOUT)
             fate.lose(t, -1, e)
         acc["comm_seconds"] += time.perf_counter() - t0
+    elif name == "reduce_scatter" and not getattr(codec, "exact", True):
+        _sparse_reduce_scatter(t, input.view(-1), output, op, codec, Call(name, input.dtype, numel, op, codec), acc,
+                               fate)
     elif name == "reduce_scatter":
         call = Call(name, input.dtype, numel, op, codec)
         result = _reduce_scatter_chunks(t, input.view(t.size, -1), op, codec, call, acc, fate)

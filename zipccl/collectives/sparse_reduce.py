@@ -1,4 +1,5 @@
-"""Top-k (lossy) all-reduce: gather every rank's pairs, or scatter them to chunk owners and gather back."""
+"""Top-k (lossy) all-reduce and reduce-scatter: gather every rank's pairs, or scatter them to chunk owners
+(and, for the all-reduce, gather the reduced chunks back)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,46 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict, 
     n, r, numel = t.size, t.rank, flat.numel()
     m = -(-numel // n)
     bounds = [min(numel, j * m) for j in range(n + 1)]
+    mine = flat[bounds[r]:bounds[r + 1]]
+    summed = _to_owners(t, flat, selected, bounds, op, codec, call, acc, fate)  # None once poisoned
+    own = timed(acc, "codec_seconds", fate.guard, DECODE,
+                lambda: (summed[0].to(flat.dtype), torch.nonzero(summed[1]).reshape(-1).to(torch.int32)))
+
+    def encode_own(reduced, where):
+        as_pairs = where.numel() * (4 + flat.element_size()) < mine.numel() * flat.element_size()
+        return codec.encode_selected(where, reduced[where.long()], mine.numel()) if as_pairs else _RAW.encode(reduced)
+
+    packet = timed(acc, "codec_seconds", fate.guard, ENCODE, lambda: encode_own(*own))
+    gather = Call("all_reduce/gather", flat.dtype, numel, op, codec)
+
+    def unpack(parts):
+        for j, part in enumerate(parts):
+            chunk = flat[bounds[j]:bounds[j + 1]]
+            h = F.parse_header(host_bytes(part, 0, F.HEADER_SIZE).tobytes(), None, part.numel())
+            (_RAW if h.codec == F.CODEC_RAW else codec).decode(part, out=chunk)
+
+    gathered = _sparse_all_gather(t, packet, gather, acc, fate)
+    _validate(t, fate, gathered, None, m)
+    timed(acc, "codec_seconds", fate.guard, DECODE, unpack, gathered)
+
+
+def _sparse_reduce_scatter(t, flat: torch.Tensor, out: torch.Tensor, op, codec, call: Call, acc: dict,
+                           fate: Fate) -> None:
+    """Top-k reduce-scatter: each rank's pairs go only to the owner of their chunk, which adds
+    them in rank order (fp32 for 16-bit types), rounds once and keeps the result: (n-1)/n of the
+    pairs cross the network, against the all-reduce's (n-1) times all of them."""
+    n, m = t.size, out.numel()
+    acc["raw_bytes"] += (n - 1) * m * flat.element_size()  # a dense reduce-scatter
+    selected = timed(acc, "codec_seconds", fate.guard, ENCODE, codec.select, flat)
+    summed = _to_owners(t, flat, selected, [j * m for j in range(n + 1)], op, codec, call, acc, fate)
+    timed(acc, "codec_seconds", fate.guard, DECODE, lambda: out.view(-1).copy_(summed[0]))  # rounded once
+
+
+def _to_owners(t, flat: torch.Tensor, selected, bounds: list, op, codec, call: Call, acc: dict, fate: Fate):
+    """Send each chunk's pairs (chunk j: flat[bounds[j]:bounds[j + 1]]) to its owner, rank j;
+    return this rank's reduced chunk (the accumulator dtype) and the mask of its positions that
+    any rank named. Every rank raises in the size exchange if any rank's selection failed."""
+    n, r = t.size, t.rank
 
     def split():
         idx, values = selected
@@ -71,28 +112,7 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict, 
     mine = flat[bounds[r]:bounds[r + 1]]
     received = _in_rank_order(recv, recv_splits, parts[r], r)
     _validate(t, fate, received, codec, mine.numel())
-
-    def reduce_own():
-        total, sent = _sum_pairs(received, codec, mine, op, n)
-        return total.to(flat.dtype), torch.nonzero(sent).reshape(-1).to(torch.int32)
-
-    def encode_own(reduced, where):
-        as_pairs = where.numel() * (4 + flat.element_size()) < mine.numel() * flat.element_size()
-        return codec.encode_selected(where, reduced[where.long()], mine.numel()) if as_pairs else _RAW.encode(reduced)
-
-    own = timed(acc, "codec_seconds", fate.guard, DECODE, reduce_own)
-    packet = timed(acc, "codec_seconds", fate.guard, ENCODE, lambda: encode_own(*own))
-    gather = Call("all_reduce/gather", flat.dtype, numel, op, codec)
-
-    def unpack(parts):
-        for j, part in enumerate(parts):
-            chunk = flat[bounds[j]:bounds[j + 1]]
-            h = F.parse_header(host_bytes(part, 0, F.HEADER_SIZE).tobytes(), None, part.numel())
-            (_RAW if h.codec == F.CODEC_RAW else codec).decode(part, out=chunk)
-
-    gathered = _sparse_all_gather(t, packet, gather, acc, fate)
-    _validate(t, fate, gathered, None, m)
-    timed(acc, "codec_seconds", fate.guard, DECODE, unpack, gathered)
+    return timed(acc, "codec_seconds", fate.guard, DECODE, _sum_pairs, received, codec, mine, op, n)
 
 
 def _validate(t, fate: Fate, parts: list, codec, max_numel: int) -> list:

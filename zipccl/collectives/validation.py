@@ -68,8 +68,9 @@ def prepare(name, group, tensors, op, codec, numel, nbytes, check):
         if codec == "auto" and resolved is not NATIVE and config.AUTO_LEARN:
             resolved = AUTO
         if not getattr(resolved, "exact", True):
-            if name != "all_reduce":
-                raise UnsupportedError(f"lossy codec {resolved!r} works with all_reduce only, not {name}")
+            if name == "all_gather":
+                raise UnsupportedError(f"lossy codec {resolved!r} reduces: all_reduce and reduce_scatter only, "
+                                       f"not {name}")
             if _OPS.get(op) not in (1, 2):
                 raise UnsupportedError(f"lossy codec {resolved!r} reduces with SUM or AVG only")
         check(t)
