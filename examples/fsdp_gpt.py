@@ -129,7 +129,9 @@ def train(rank: int, nranks: int, args) -> dict:
         moved = zipccl.stats()
         st = dict(raw_bytes=moved.get("total", {}).get("raw_bytes", 0), wire_bytes=moved.get("total", {}).get(
             "wire_bytes", 0), **{k: moved.get(k, dict(wire_bytes=0)) for k in ("all_gather", "reduce_scatter")})
-    flat = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])  # collective: all ranks
+    # collective on all ranks; --no-reshard leaves the evaluation's parameters unsharded (full already)
+    flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                      for p in model.parameters()])
     later = times[len(times) // 2:]
     return dict(comm=args.comm, backend=dist.get_backend(), mesh=args.mesh, mp=args.mp, reduce_dtype=args.reduce_dtype, nranks=nranks,
                 steps=args.steps, losses=losses, eval_loss=eval_loss,
