@@ -18,7 +18,8 @@ group's timeout), which closes them. The survivors skip it, finish poisoned, and
 in the status round itself may have told some survivors its status and not others; those
 that lose it there have all the call's messages and do not raise for it (``settle``), so no
 survivor leaves the group's schedule alone: every one of them loses it at the first
-exchange of the group's next call, and raises there.
+exchange of the group's next call, and raises there (a call that goes to the backend's own
+collective fails as torch.distributed does).
 """
 
 from __future__ import annotations
