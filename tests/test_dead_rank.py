@@ -151,7 +151,7 @@ def _run_killed(monkeypatch, plan: dict) -> None:
 
 class _Round:
     """A stand-in transport for one rank's status round: ``statuses[j]``, what peer j sends
-    (None: its operations fail, as a dead rank's do)."""
+    (None: its operations fail, as a dead rank's do; "hung": the wait runs out)."""
 
     def __init__(self, rank: int, statuses: dict):
         self.rank, self.size, self.statuses = rank, N, statuses
@@ -172,6 +172,10 @@ class _Round:
         peer, tensor = work
         if self.statuses[peer] is None:
             raise RuntimeError(f"Connection closed by peer {peer}")
+        if self.statuses[peer] == "hung":  # as TorchTransport.wait marks a wait that ran out
+            error = RuntimeError(f"Timed out waiting 5000ms for recv operation to complete (peer {peer})")
+            error.timed_out = True
+            raise error
         if tensor is not None:
             tensor.fill_(self.statuses[peer])
 
@@ -215,3 +219,10 @@ def test_status_round_keeps_earlier_failures():
     fate = failure.Fate("all_reduce", 2)
     fate.heard(failure.code(1, failure.LOST))  # a peer's poison code: its loss of rank 1, before the round
     assert _settle(2, {0: 0, 1: None, 3: 0}, fate) == (1, "lost", True)
+
+
+def test_status_round_timeout_still_raises():
+    """A peer given up on in the round (ZIPCCL_TIMEOUT: gloo has closed every connection of
+    the group on this rank, which could name no one in a next call) fails the call here, as
+    on every survivor that waits on the hung rank."""
+    assert _settle(2, {0: 0, 1: 0, 3: "hung"}) == (3, "lost", True)
