@@ -17,10 +17,10 @@ group's timeout), which closes them. The survivors skip it, finish poisoned, and
 ``RankFailure`` naming it, with ``broken=True``: the group must be rebuilt. A rank that dies
 in the status round itself may have told some survivors its status and not others; those
 that see its connection break there have all the call's messages and do not raise for it
-(``settle``; one that gave up waiting on it, ZIPCCL_TIMEOUT, does), so no
-survivor leaves the group's schedule alone: every one of them loses it at the first
-exchange of the group's next call, and raises there (a call that goes to the backend's own
-collective fails as torch.distributed does).
+(``settle``; one that gave up waiting on it does), so no survivor leaves the group's
+schedule alone: every one of them loses it at the first exchange of the group's next call,
+and raises there (a call that goes to the backend's own collective fails as
+torch.distributed does).
 """
 
 from __future__ import annotations
