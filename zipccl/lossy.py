@@ -86,11 +86,7 @@ class Compressor:
         if density is None:  # entropy warm-up: lossless (all of the bucket, if given)
             collectives.all_reduce(flat if exact is None else exact[0], op=op, group=group, codec="lossless")
             return _snapshot()["last"]
-        codec = self.codec if isinstance(self.codec, TopK) else TopK(density, sampled=self.sampled)
-        try:
-            wire, after = self._select(flat, key, codec, exact)
-        except Exception as e:  # noqa: BLE001 - no message of the call has left: the peers wait in its exchange
-            collectives.refuse("all_reduce", TorchTransport.of(group), flat, op, e)  # raises e here
+        codec, wire, after = self._selected("all_reduce", flat, key, density, exact, group, op)
         collectives.all_reduce(wire, op=op, group=group, codec=codec)
         return after()
 
@@ -104,16 +100,22 @@ class Compressor:
         if density is None:  # entropy warm-up: lossless
             collectives.reduce_scatter(out, flat, op=op, group=group, codec="lossless")
             return _snapshot()["last"]
-        codec = self.codec if isinstance(self.codec, TopK) else TopK(density, sampled=self.sampled)
-        try:
-            wire, _ = self._select(flat, key, codec, None)
-        except Exception as e:  # noqa: BLE001 - no message of the call has left: the peers wait in its exchange
-            collectives.refuse("reduce_scatter", TorchTransport.of(group), flat, op, e)  # raises e here
+        codec, wire, _ = self._selected("reduce_scatter", flat, key, density, None, group, op)
         result = out if wire.dtype == out.dtype else torch.empty_like(out, dtype=wire.dtype)
         collectives.reduce_scatter(result, wire, op=op, group=group, codec=codec)
         if result is not out:
             out.copy_(result)
         return _snapshot()["last"]
+
+    def _selected(self, name: str, flat, key, density: float, exact, group, op):
+        """(the top-k codec at ``density``, then ``_select``'s pair). A failure here is refused on
+        every rank of the collective ``name``: no message of the call has left, the peers wait in
+        its exchange."""
+        codec = self.codec if isinstance(self.codec, TopK) else TopK(density, sampled=self.sampled)
+        try:
+            return (codec, *self._select(flat, key, codec, exact))
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            collectives.refuse(name, TorchTransport.of(group), flat, op, e)  # raises e here
 
     def _select(self, flat, key, codec, exact):
         """Select with error feedback: (the tensor the top-k all-reduce sends, with the selection
