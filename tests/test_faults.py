@@ -259,7 +259,11 @@ def _lossy_bad_input(rank, groups, case):
         lossy.sparse.compensated_topk = broken
     try:
         t0 = time.perf_counter()
-        Compressor("topk", density=0.01, rules=None).all_reduce(torch.randn(100_000), "w", group=group)
+        comp = Compressor("topk", density=0.01, rules=None)
+        if case == "selection":
+            comp.all_reduce(torch.randn(100_000), "w", group=group)
+        else:  # the reduce-scatter's selection (FSDP's lossy modules)
+            comp.reduce_scatter(torch.randn(100_000), torch.empty(100_000 // n), "w", 0, True, group)
         return "ok"
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e), time.perf_counter() - t0
@@ -274,11 +278,12 @@ def test_lossy_bad_input(pool):
     densities, nonfinite, skipped = res[0]
     assert nonfinite > 0 and skipped == [False, False, True, False], res[0]
     assert pool.run(_lossy_bad_input, "noncontiguous") == [True] * 4
-    res = pool.run(_lossy_bad_input, "selection")
-    assert res[CULPRIT][:2] == ("RuntimeError", "injected selection failure"), res
-    for rank, r in enumerate(res):
-        if rank != CULPRIT:
-            assert r[0] == "MismatchError" and f"[{CULPRIT}]" in r[1] and r[2] < BUDGET, (rank, r)
+    for case in ("selection", "selection_rs"):
+        res = pool.run(_lossy_bad_input, case)
+        assert res[CULPRIT][:2] == ("RuntimeError", "injected selection failure"), res
+        for rank, r in enumerate(res):
+            if rank != CULPRIT:
+                assert r[0] == "MismatchError" and f"[{CULPRIT}]" in r[1] and r[2] < BUDGET, (rank, r)
 
 
 # ---- hierarchical calls: a failure on one level, in one node, reaches every rank of the group ----------------
