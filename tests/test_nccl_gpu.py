@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from zipccl.codecs import Lossless
+from zipccl.format import GPU_BLOCK_SIZE
 from zipccl.launch import free_port
 
 NO_CUDA = "no CUDA device: the gpu suite runs on a GPU machine (docs/GPU.md)"
@@ -27,6 +29,13 @@ def _digest(x: torch.Tensor) -> str:
     return hashlib.sha1(x.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+@pytest.fixture
+def compiled():
+    """The Triton kernels compiled for the GPU, not in Triton's interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1: run the gpu suite with TRITON_INTERPRET=0 (docs/GPU.md)")
+
+
 def _data(rank: int, n: int, dtype) -> torch.Tensor:
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank)) * 0.02
     x[:8] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 65504.0])
@@ -34,26 +43,20 @@ def _data(rank: int, n: int, dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_on_cuda_matches_the_reference(dtype):
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1: run the gpu suite with TRITON_INTERPRET=0 (docs/GPU.md)")
-    from zipccl.codecs import Lossless
+def test_triton_on_cuda_matches_the_reference(compiled, dtype):
     x = _data(0, (1 << 22) + 77, dtype)
     packet = Lossless("triton").encode(x.cuda())
     assert packet.is_cuda
-    from zipccl.format import GPU_BLOCK_SIZE  # Triton's default block; the reference's is the CPU's
-    assert torch.equal(packet.cpu(), Lossless("reference", block_size=GPU_BLOCK_SIZE).encode(x))  # the spec
+    # the specification's bytes, at Triton's default block size (the reference's default is the CPU's)
+    assert torch.equal(packet.cpu(), Lossless("reference", block_size=GPU_BLOCK_SIZE).encode(x))
     back = Lossless("triton").decode(packet)
     assert _digest(back) == _digest(x)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [256, 1024, 32768])
-def test_every_16bit_pattern_on_cuda(dtype, block_size):
+def test_every_16bit_pattern_on_cuda(compiled, dtype, block_size):
     """All 2^16 patterns, shuffled, through the compiled kernels at the smallest, default and largest block."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1: run the gpu suite with TRITON_INTERPRET=0 (docs/GPU.md)")
-    from zipccl.codecs import Lossless
     x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(2))].repeat(3)
     packet = Lossless("triton", block_size=block_size).encode(x.cuda())
@@ -62,15 +65,11 @@ def test_every_16bit_pattern_on_cuda(dtype, block_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_real_gradients_on_cuda(real_grads, dtype):
+def test_real_gradients_on_cuda(compiled, real_grads, dtype):
     """The whole real bucket (3.3M elements, not a block multiple) on the GPU: the reference's bytes,
     and the same bits back; the numba decoder reads the GPU's packet too."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1: run the gpu suite with TRITON_INTERPRET=0 (docs/GPU.md)")
-    from zipccl.codecs import Lossless
     x = real_grads.to(dtype)
     packet = Lossless("triton").encode(x.cuda())
-    from zipccl.format import GPU_BLOCK_SIZE
     assert torch.equal(packet.cpu(), Lossless("reference", block_size=GPU_BLOCK_SIZE).encode(x))
     assert _digest(Lossless("triton").decode(packet)) == _digest(x)
     assert _digest(Lossless("numba").decode(packet.cpu())) == _digest(x)
