@@ -21,17 +21,15 @@ import hashlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt import GPT, batches, stdlib_text  # noqa: E402  the same model, data and batches as DDP's example
+from train_gpt import GPT, optimizer, run_steps, stdlib_text  # noqa: E402  the same model, data and steps as DDP's
 
 import zipccl.collectives  # noqa: E402
 import zipccl.entropy  # noqa: E402
@@ -94,36 +92,14 @@ def train(rank: int, nranks: int, args) -> dict:
     model = GPT(args.d_model, args.layers, args.heads, args.ctx)
     nparams = sum(p.numel() for p in model.parameters())
     comms = shard(model, args, replicas, shards)
-    decay = [p for p in model.parameters() if p.dim() == 2]
-    rest = [p for p in model.parameters() if p.dim() != 2]
-    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
-                            lr=args.lr, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    losses, times = [], []
+    opt, sched = optimizer(model, args.lr)
     if rank == 0:
         print(f"# {nranks} ranks, mesh {args.mesh}, comm {args.comm}, mp {args.mp}, {nparams / 1e6:.2f}M parameters",
               flush=True)
         if comms is not None:
             print(f"# rule groups: {comms.groups()}", flush=True)
-    for step in range(args.steps):
-        x, y = batches(text[:split], args.batch, args.ctx, gen)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if rank == 0 and (step % max(1, args.steps // 10) == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {loss.item():.4f}  {times[-1] * 1e3:.0f} ms", flush=True)
-    gen_eval = torch.Generator().manual_seed(12345)
-    with torch.no_grad():
-        x, y = batches(text[split:], 32, args.ctx, gen_eval)
-        eval_loss = F.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1)).item()
+    losses, times, eval_loss = run_steps(model, model, opt, sched, text, split, args, rank,
+                                         logits=lambda out: out.float())
     st = comms.stats() if comms is not None else {}
     if comms is None and dist.get_backend() == "zipccl":  # the drop-in's own counters (before full_tensor's)
         moved = zipccl.stats()

@@ -147,33 +147,27 @@ def register(ddp: DDP, comm: str, dtype: str, group, timing: dict, density: floa
     return state
 
 
-def train(rank: int, nranks: int, args) -> dict:
-    torch.manual_seed(args.seed)
-    text = stdlib_text(args.text_bytes)
-    split = int(text.numel() * 0.95)
-    model = GPT(args.d_model, args.layers, args.heads, args.ctx)
-    ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-    timing = dict(comm_seconds=0.0)
-    state = register(ddp, args.comm, args.dtype, None, timing, args.density,
-                     dict(start=args.start_density, warmup=args.warmup, min_density=args.min_density,
-                          max_density=args.max_density, rules=not args.no_rules, sampled=args.sampled,
-                          bf16_values=args.bf16_values, algorithm=args.algorithm))
+def optimizer(model: torch.nn.Module, lr: float):
+    """AdamW with weight decay on the weight matrices only, and 20 steps of linear warm-up."""
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
-                            lr=args.lr, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+                            lr=lr, betas=(0.9, 0.95))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+
+
+def run_steps(forward, model: torch.nn.Module, opt, sched, text: torch.Tensor, split: int, args, rank: int,
+              logits=lambda out: out) -> tuple[list, list, float]:
+    """``args.steps`` steps on ``text[:split]`` (``forward``: the wrapped model), each timed from a
+    barrier; then the loss of ``model`` on 32 held-out windows. ``logits`` maps the model's output
+    to what the loss takes. Returns (losses, seconds per step, eval loss)."""
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     losses, times = [], []
-    nparams = sum(p.numel() for p in model.parameters())
-    if rank == 0:
-        print(f"# {nranks} ranks, backend {dist.get_backend()}, comm {args.comm}, dtype {args.dtype}, {nparams / 1e6:.2f}M parameters, "
-              f"{nparams * (2 if args.dtype == 'bf16' else 4) / 1e6:.1f} MB of gradients per step", flush=True)
     for step in range(args.steps):
         x, y = batches(text[:split], args.batch, args.ctx, gen)
         dist.barrier()
         t0 = time.perf_counter()
-        loss = F.cross_entropy(ddp(x).reshape(-1, 256), y.reshape(-1))
+        loss = F.cross_entropy(logits(forward(x)).reshape(-1, 256), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -186,7 +180,27 @@ def train(rank: int, nranks: int, args) -> dict:
     gen_eval = torch.Generator().manual_seed(12345)
     with torch.no_grad():
         x, y = batches(text[split:], 32, args.ctx, gen_eval)
-        eval_loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).item()
+        eval_loss = F.cross_entropy(logits(model(x)).reshape(-1, 256), y.reshape(-1)).item()
+    return losses, times, eval_loss
+
+
+def train(rank: int, nranks: int, args) -> dict:
+    torch.manual_seed(args.seed)
+    text = stdlib_text(args.text_bytes)
+    split = int(text.numel() * 0.95)
+    model = GPT(args.d_model, args.layers, args.heads, args.ctx)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+    timing = dict(comm_seconds=0.0)
+    state = register(ddp, args.comm, args.dtype, None, timing, args.density,
+                     dict(start=args.start_density, warmup=args.warmup, min_density=args.min_density,
+                          max_density=args.max_density, rules=not args.no_rules, sampled=args.sampled,
+                          bf16_values=args.bf16_values, algorithm=args.algorithm))
+    opt, sched = optimizer(model, args.lr)
+    nparams = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"# {nranks} ranks, backend {dist.get_backend()}, comm {args.comm}, dtype {args.dtype}, {nparams / 1e6:.2f}M parameters, "
+              f"{nparams * (2 if args.dtype == 'bf16' else 4) / 1e6:.1f} MB of gradients per step", flush=True)
+    losses, times, eval_loss = run_steps(ddp, model, opt, sched, text, split, args, rank)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     later = times[len(times) // 2:]  # past the learning calls of --comm auto (12 per bucket size)
     st = state.stats() if state else dict(timing, raw_bytes=None, wire_bytes=None)
