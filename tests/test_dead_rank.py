@@ -9,17 +9,16 @@ import contextlib
 import datetime
 import json
 import os
-import queue
 import signal
 import threading
 import time
 
 import pytest
-import torch.multiprocessing as mp
 
 from zipccl import failure
 from zipccl.errors import RankFailure
 from zipccl.launch import free_port
+from workers import spawn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,27 +107,7 @@ def test_rank_killed_in_status_round(monkeypatch):
 def _run_killed(monkeypatch, plan: dict) -> None:
     collective, codec, after, sig = plan["collective"], plan["codec"], plan["after"], plan["signal"].name[3:]
     monkeypatch.setenv("ZIPCCL_TIMEOUT", str(TIMEOUT))  # read by the ranks' zipccl.config
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, plan, results)) for r in range(N)]
-    for p in procs:
-        p.start()
-    got, deadline = {}, time.monotonic() + 240
-    try:
-        while len(got) < N - 1 and time.monotonic() < deadline:
-            try:
-                rank, value = results.get(timeout=1)
-                got[rank] = value
-            except queue.Empty:
-                pass
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    got, procs = spawn(_rank, N, (free_port(), plan), answers=N - 1, seconds=240)
     assert sorted(got) == [r for r in range(N) if r != VICTIM], got  # every survivor answered: none hung
     assert procs[VICTIM].exitcode == -signal.SIGKILL
     if os.environ.get("ZIPCCL_FAULT_LOG"):  # docs/RELIABILITY.md: time from the call loop's start, kill at `after`

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import re
 import subprocess
 import sys
@@ -16,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from zipccl.launch import free_port
+from workers import spawn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -122,27 +121,7 @@ def _bootstrap(rank: int, n: int, port: int, results) -> None:
 @pytest.mark.parametrize("n", [2, 4])
 def test_bootstrap_fails_alike_on_every_rank(n, monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_bootstrap, args=(r, n, port, results)) for r in range(n)]
-    for p in procs:
-        p.start()
-    got, deadline = {}, time.monotonic() + 180
-    try:
-        while len(got) < n and time.monotonic() < deadline:
-            try:
-                rank, value = results.get(timeout=1)
-                got[rank] = value
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    got, _ = spawn(_bootstrap, n, (n, free_port()), seconds=180, stop_on_crash=True)
     assert sorted(got) == list(range(n)), got  # every rank answered: none hung
     uids = {v[2] for v in got.values()}
     assert len(uids) == 1 and uids != {"00" * 128} and len(next(iter(uids))) == 256, uids

@@ -8,16 +8,14 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-import queue
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from zipccl.codecs import Lossless
 from zipccl.format import GPU_BLOCK_SIZE
 from zipccl.launch import free_port
+from workers import spawn
 
 NO_CUDA = "no CUDA device: the gpu suite runs on a GPU machine (docs/GPU.md)"
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
@@ -125,24 +123,7 @@ def _worker(rank: int, n: int, port: int, results) -> None:
 
 
 def _run(n: int) -> list:
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, results)) for r in range(n)]
-    for p in procs:
-        p.start()
-    got, deadline = {}, time.monotonic() + 500
-    try:
-        while len(got) < n and time.monotonic() < deadline:
-            try:
-                rank, value = results.get(timeout=1)
-                got[rank] = value
-            except queue.Empty:
-                pass
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got, _ = spawn(_worker, n, (n, free_port()), seconds=500)
     assert sorted(got) == list(range(n)), got
     return [got[r] for r in range(n)]
 

@@ -95,3 +95,34 @@ class Pool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def spawn(target, n: int, args: tuple, answers: int | None = None, seconds: float = 180,
+          stop_on_crash: bool = False) -> tuple[dict, list]:
+    """Fresh processes for tests a pool cannot host (a rank that dies, one world per test): start
+    ``target(rank, *args, results)`` on n spawned processes and collect their ``(rank, value)``
+    until ``answers`` ranks (default: all) have answered or ``seconds`` have passed
+    (``stop_on_crash``: or a process has exited with an error); then join each for up to 30 s and
+    kill what still lives. Returns ({rank: value}, the processes): a rank that hung is missing."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, results)) for r in range(n)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + seconds
+    try:
+        while len(got) < (n if answers is None else answers) and time.monotonic() < deadline:
+            try:
+                rank, value = results.get(timeout=1)
+                got[rank] = value
+            except queue.Empty:
+                if stop_on_crash and any(p.exitcode not in (None, 0) for p in procs):
+                    break
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return got, procs
