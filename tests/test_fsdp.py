@@ -279,6 +279,16 @@ def test_error_feedback_across_steps_and_checkpoints(pool):
     assert runs["fresh"][0]["digest"] != whole["digest"]   # and they matter
 
 
+def _sgd_steps(model, rank: int, steps: int = 10) -> None:
+    """``steps`` steps of SGD with momentum on this rank's inputs."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        x, y = _inputs(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _hsdp(rank, groups, comm):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -290,12 +300,7 @@ def _hsdp(rank, groups, comm):
     fully_shard(model, mesh=fsdp_mesh)
     if comm != "torch":
         zipccl.fsdp.compress(model, codec=comm, replicate_group=mesh["replicate"].get_group())
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for step in range(10):
-        x, y = _inputs(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    _sgd_steps(model, rank)
     return _digest(model)
 
 
@@ -319,12 +324,7 @@ def _fsdp1(rank, groups, n, comm, strategy):
     if comm != "torch":
         state = zipccl.fsdp.State1(groups[n], codec=comm)
         model.register_comm_hook(state, zipccl.fsdp.hook1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for step in range(10):
-        x, y = _inputs(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    _sgd_steps(model, rank)
     with FSDP.summon_full_params(model):
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return hashlib.sha1(flat.numpy().tobytes()).hexdigest(), flat, state.counters.calls if state else None
