@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt import GPT, optimizer, run_steps, stdlib_text  # noqa: E402  the same model, data and steps as DDP's
+# the same model, data, flags and steps as DDP's example
+from train_gpt import GPT, add_run_args, optimizer, run_steps, stdlib_text  # noqa: E402
 
 import zipccl.collectives  # noqa: E402
 import zipccl.entropy  # noqa: E402
@@ -158,15 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-reshard", dest="no_reshard", action="store_true",
                     help="reshard_after_forward=False (one all-gather per step instead of two)")
     ap.add_argument("--backend", default="gloo", help="torch.distributed backend for init_process_group")
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    ap.add_argument("--ctx", type=int, default=128)
-    ap.add_argument("--d-model", dest="d_model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--text-bytes", dest="text_bytes", type=int, default=8 << 20)
+    add_run_args(ap)
     ap.add_argument("--netlab", metavar="RATE", help="run the ranks in the network lab (root); HSDP: one node per "
                     "replica, its shards inside it")
     ap.add_argument("--json", help="write the summary of rank 0 here")

@@ -227,6 +227,19 @@ def finish(result: dict, args) -> None:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
 
+def add_run_args(ap) -> None:
+    """The model, data and schedule flags this example shares with fsdp_gpt.py."""
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--d-model", dest="d_model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--text-bytes", dest="text_bytes", type=int, default=8 << 20)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--comm", default="lossless",
@@ -249,17 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-rules", dest="no_rules", action="store_true",
                     help="lossy: sparsify whole buckets (default: biases, norms, small tensors stay lossless)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="gradient dtype on the wire")
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nranks", type=int, default=2, help="local ranks when not under a launcher")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    ap.add_argument("--ctx", type=int, default=128)
-    ap.add_argument("--d-model", dest="d_model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=25.0)
-    ap.add_argument("--text-bytes", dest="text_bytes", type=int, default=8 << 20)
+    add_run_args(ap)
     ap.add_argument("--backend", default="gloo", choices=["gloo", "zipccl"],
                     help="init_process_group's backend: zipccl compresses DDP's own all-reduce (--comm torch)")
     ap.add_argument("--netlab", metavar="RATE", help="run the ranks in the network lab (root)")
