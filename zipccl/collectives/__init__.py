@@ -52,7 +52,7 @@ from .algorithms import reduce_in_rank_order
 from .autoplan import FLAT_PLANS, auto_policy, planned
 from .flat import all_gather, all_reduce, flat_collective, reduce_scatter, run_flat
 from .metadata import Call, timed
-from .pipeline import PIECE_BYTES, pieces
+from .pipeline import pieces
 from .resolve import AUTO, AUTO_MIN_BYTES, NATIVE, PLAN_CODECS, check_op, resolve_codec
 from .sparse_reduce import _sum_pairs, sparse_algorithm
 from .validation import check_shapes, finish, input_size, new_acc, prepare, refuse
