@@ -1,21 +1,24 @@
 """A rank killed (SIGKILL) in the middle of a collective: every survivor raises RankFailure naming
 it, within ZIPCCL_TIMEOUT, and exits cleanly (no hang, no extra thread, no zombie). Its own
-processes, not the shared pool: the group is broken afterwards."""
+processes, not the shared pool: the group is broken afterwards. And the status round
+(zipccl.failure.Fate.settle) with a rank lost in it, on a stand-in transport."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
-import queue
 import signal
 import threading
 import time
 
 import pytest
-import torch.multiprocessing as mp
 
+from zipccl import failure
+from zipccl.errors import RankFailure
 from zipccl.launch import free_port
+from workers import spawn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,7 +40,9 @@ def _rank(rank: int, port: int, plan: dict, results) -> None:
     call()  # warm: the group's connections and the second lane exist
     dist.barrier()
     threads = threading.active_count()
-    if rank == VICTIM:
+    if rank == VICTIM and plan.get("in_status_round"):
+        _die_in_status_round(plan["in_status_round"])
+    elif rank == VICTIM:
         threading.Timer(plan["after"], os.kill, (os.getpid(), plan["signal"])).start()
     t0 = time.perf_counter()
     try:
@@ -53,6 +58,31 @@ def _rank(rank: int, port: int, plan: dict, results) -> None:
     os._exit(0)  # the group is broken: tearing it down would wait on the dead rank's connections
 
 
+def _die_in_status_round(call: int) -> None:
+    """Make this rank die in the status round of its ``call``-th call from now: its status goes
+    to every peer but the last, then SIGKILL, as a rank killed at that instant would."""
+    import torch
+
+    from zipccl import failure
+
+    settle, calls = failure.Fate.settle, [0]
+
+    def dying(fate, t):
+        calls[0] += 1
+        if calls[0] < call:
+            return settle(fate, t)
+        mine, got = torch.tensor([fate.code], dtype=torch.int64), torch.zeros(t.size, dtype=torch.int64)
+        told = [j for j in range(t.size) if j != t.rank][:-1]
+        with t.grouped():
+            works = [t.isend(mine, j, failure.TAG_STATUS) for j in told] + \
+                [t.irecv(got[j:j + 1], j, failure.TAG_STATUS) for j in told]
+        for w in works:
+            t.wait(w)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    failure.Fate.settle = dying
+
+
 @pytest.mark.parametrize("collective,codec,after,sig", [("all_reduce", "lossless", 0.5, "KILL"),
                                                         ("all_reduce", "raw", 0.2, "KILL"),
                                                         ("all_gather", "lossless", 0.3, "KILL"),
@@ -60,34 +90,30 @@ def _rank(rank: int, port: int, plan: dict, results) -> None:
 def test_killed_rank(monkeypatch, collective, codec, after, sig):
     """SIGKILL: the survivors see its connections close at once. SIGSTOP: it hangs, and they
     give up on it after ZIPCCL_TIMEOUT."""
+    _run_killed(monkeypatch, dict(collective=collective, codec=codec, after=after, numel=2_000_000,
+                                  signal=getattr(signal, "SIG" + sig)))
+
+
+def test_rank_killed_in_status_round(monkeypatch):
+    """The victim dies in a call's status round (zipccl.failure.Fate.settle) after telling every
+    peer but one that it is well: ranks 0 and 1 have its status, rank 2 loses it there. The
+    order of events of a CI failure of test_killed_rank[all_reduce-raw-0.2-KILL], where rank 2
+    raised at the end of that call and ranks 0 and 1, whose call had succeeded, waited on it
+    in the next one and named it (LOST) once it exited."""
+    _run_killed(monkeypatch, dict(collective="all_reduce", codec="raw", after=0.0, numel=200_000,
+                                  signal=signal.SIGKILL, in_status_round=3))
+
+
+def _run_killed(monkeypatch, plan: dict) -> None:
+    collective, codec, after, sig = plan["collective"], plan["codec"], plan["after"], plan["signal"].name[3:]
     monkeypatch.setenv("ZIPCCL_TIMEOUT", str(TIMEOUT))  # read by the ranks' zipccl.config
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    plan = dict(collective=collective, codec=codec, after=after, numel=2_000_000, signal=getattr(signal, "SIG" + sig))
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, plan, results)) for r in range(N)]
-    for p in procs:
-        p.start()
-    got, deadline = {}, time.monotonic() + 240
-    try:
-        while len(got) < N - 1 and time.monotonic() < deadline:
-            try:
-                rank, value = results.get(timeout=1)
-                got[rank] = value
-            except queue.Empty:
-                pass
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    got, procs = spawn(_rank, N, (free_port(), plan), answers=N - 1, seconds=240)
     assert sorted(got) == [r for r in range(N) if r != VICTIM], got  # every survivor answered: none hung
     assert procs[VICTIM].exitcode == -signal.SIGKILL
     if os.environ.get("ZIPCCL_FAULT_LOG"):  # docs/RELIABILITY.md: time from the call loop's start, kill at `after`
         with open(os.environ["ZIPCCL_FAULT_LOG"], "a") as f:
-            f.write(json.dumps(dict(case=["killed", collective, codec, after, sig],
+            case = ["killed", collective, codec, after, sig] + (["status round"] if plan.get("in_status_round") else [])
+            f.write(json.dumps(dict(case=case,
                                     seconds=max(v[4] for v in got.values()) - after)) + "\n")
     # A hung rank (SIGSTOP) also holds up the peers that wait for it: a survivor whose own wait
     # ran out on such a peer names that peer (docs/RELIABILITY.md); a killed rank is named by all.
@@ -100,3 +126,82 @@ def test_killed_rank(monkeypatch, collective, codec, after, sig):
         assert sig == "KILL" or seconds > TIMEOUT, (rank, seconds)  # a hung rank is waited for that long
         assert extra_threads == 0, (rank, extra_threads)
         assert procs[rank].exitcode == 0, (rank, procs[rank].exitcode)  # exited, reaped: no zombie
+
+
+class _Round:
+    """A stand-in transport for one rank's status round: ``statuses[j]``, what peer j sends
+    (None: its operations fail, as a dead rank's do; "hung": the wait runs out)."""
+
+    def __init__(self, rank: int, statuses: dict):
+        self.rank, self.size, self.statuses = rank, N, statuses
+
+    def grouped(self):
+        return contextlib.nullcontext()
+
+    def global_rank(self, rank: int) -> int:
+        return rank
+
+    def isend(self, tensor, peer: int, tag: int):
+        return peer, None
+
+    def irecv(self, tensor, peer: int, tag: int):
+        return peer, tensor
+
+    def wait(self, work) -> None:
+        peer, tensor = work
+        if self.statuses[peer] is None:
+            raise RuntimeError(f"Connection closed by peer {peer}")
+        if self.statuses[peer] == "hung":  # as TorchTransport.wait marks a wait that ran out
+            error = RuntimeError(f"Timed out waiting 5000ms for recv operation to complete (peer {peer})")
+            error.timed_out = True
+            raise error
+        if tensor is not None:
+            tensor.fill_(self.statuses[peer])
+
+
+def _settle(rank: int, statuses: dict, fate: failure.Fate | None = None):
+    """What ``rank``'s settle does: None where it returns, else its RankFailure's (rank, kind, broken)."""
+    fate = fate if fate is not None else failure.Fate("all_reduce", rank)
+    try:
+        fate.settle(_Round(rank, statuses))
+    except RankFailure as e:
+        return e.rank, e.kind, e.broken
+    return None
+
+
+def test_rank_lost_in_status_round_ends_the_call_alike():
+    """The victim told ranks 0 and 1 that it is well and died before rank 2 had its status
+    (the order of events of test_rank_killed_in_status_round). Ranks 0 and 1 return; rank 2,
+    which knew of no failure before the round, returns too (its call is whole), so that
+    no survivor waits in the group's next call on a rank that left it: there every survivor
+    loses the victim at the first exchange and names it."""
+    assert _settle(0, {1: 0, 2: 0, 3: 0}) is None
+    assert _settle(1, {0: 0, 2: 0, 3: 0}) is None
+    fate = failure.Fate("all_reduce", 2)
+    assert _settle(2, {0: 0, 1: 0, 3: None}, fate) is None
+    assert len(fate.lost) == 1 and not fate.failed  # lost here all the same
+
+
+def test_status_round_failure_heard_beats_loss_there():
+    """A failure heard in the round is raised where a peer is lost there too, ahead of the loss
+    (the survivors that have no loss name the same rank); the group is broken here."""
+    bad = failure.code(3, failure.DECODE)
+    assert _settle(0, {1: 0, 2: 0, 3: bad}) == (3, "decode", False)
+    assert _settle(2, {0: 0, 1: None, 3: bad}) == (3, "decode", True)
+
+
+def test_status_round_keeps_earlier_failures():
+    """A failure known before the round is raised whatever the round loses."""
+    fate = failure.Fate("all_reduce", 2)
+    fate.fail(failure.ENCODE, ValueError("no"))
+    assert _settle(2, {0: 0, 1: 0, 3: None}, fate) == (2, "encode", True)
+    fate = failure.Fate("all_reduce", 2)
+    fate.heard(failure.code(1, failure.LOST))  # a peer's poison code: its loss of rank 1, before the round
+    assert _settle(2, {0: 0, 1: None, 3: 0}, fate) == (1, "lost", True)
+
+
+def test_status_round_timeout_still_raises():
+    """A peer given up on in the round (ZIPCCL_TIMEOUT: gloo has closed every connection of
+    the group on this rank, which could name no one in a next call) fails the call here, as
+    on every survivor that waits on the hung rank."""
+    assert _settle(2, {0: 0, 1: 0, 3: "hung"}) == (3, "lost", True)

@@ -14,7 +14,13 @@ failure anywhere makes every rank raise ``RankFailure`` naming the rank that fai
 A rank that dies breaks its connections: operations with it fail at once (gloo sees the
 socket close) or, where it hangs instead, after ``ZIPCCL_TIMEOUT`` seconds (default: the
 group's timeout), which closes them. The survivors skip it, finish poisoned, and raise
-``RankFailure`` naming it, with ``broken=True``: the group must be rebuilt.
+``RankFailure`` naming it, with ``broken=True``: the group must be rebuilt. A rank that dies
+in the status round itself may have told some survivors its status and not others; those
+that see its connection break there have all the call's messages and do not raise for it
+(``settle``; one that gave up waiting on it does), so no survivor leaves the group's
+schedule alone: every one of them loses it at the first exchange of the group's next call,
+and raises there (a call that goes to the backend's own collective fails as
+torch.distributed does).
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ _WHAT = {CORRUPT: "it sent a packet that failed validation", ENCODE: "encoding f
 def code(rank: int, kind: int) -> int:
     """The positive poison code of ``kind`` on ``rank``; sizes carry it negated."""
     return 1 + kind + _KINDS * rank
+
+
+def timed_out(error: BaseException | None) -> bool:
+    """Whether ``error`` is a wait that ran out (this rank gave up on its peer), not a broken
+    connection: a TimeoutError, or an error its transport marked ``timed_out``."""
+    return isinstance(error, TimeoutError) or bool(getattr(error, "timed_out", False))
 
 
 def describe(value: int) -> tuple[int, int]:
@@ -153,19 +165,33 @@ class Fate:
 
     def settle(self, t) -> None:
         """The call's end on ``t``'s group: every rank's status to every other, pairwise; raises
-        RankFailure on every rank if any failed."""
+        RankFailure on every rank if any failed.
+
+        A peer lost in the round itself, where nothing had failed here before, does not fail
+        the call on this rank: its status (well) had gone out already, and the peers that had
+        the lost rank's status in time return from the call. Raising here would leave them
+        waiting on this rank in the group's next call, to name it once they gave up on it.
+        Every message of the call has come here, so its result is whole; the group's next call
+        loses that rank at its first exchange, on every survivor alike, and raises there
+        naming it. A failure heard in the round is raised all the same, ahead of the loss. Not
+        where this rank gave up waiting on the peer (``timed_out``): the transport has closed
+        this rank's connections then (gloo: all of the group's), so it could not name the
+        peer in a next call; it raises here, as every survivor that waits on a hung rank does."""
         if t.size > 1:
+            known = self.first
             mine = torch.tensor([self.code], dtype=torch.int64)
             got = torch.zeros(t.size, dtype=torch.int64)
             peers = [j for j in range(t.size) if j != t.rank and self.alive(t, j)]
             with t.grouped():
                 sends = [(j, self.send(t, mine, j, TAG_STATUS)) for j in peers]
                 recvs = [(j, self.recv(t, got[j:j + 1], j, TAG_STATUS)) for j in peers]
-            for j, w in recvs:
-                if self.wait(t, w, j) and int(got[j]):
-                    self.heard(int(got[j]))
+            heard = [int(got[j]) for j, w in recvs if self.wait(t, w, j) and int(got[j])]
             for j, w in sends:
                 self.wait(t, w, j)
+            if known is None and self.first is not None and self.first[1] == LOST and not timed_out(self.error):
+                self.first, self.error = None, None  # lost in the round: see above (self.lost keeps it)
+            for value in heard:
+                self.heard(value)
         self.check()
 
     def check(self) -> None:

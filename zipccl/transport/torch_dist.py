@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -84,17 +85,27 @@ class TorchTransport(Transport):
 
     def wait(self, work) -> None:
         """Wait for ``work`` at most ZIPCCL_TIMEOUT seconds (unset: the group's timeout); a
-        timeout raises and closes the connection (gloo), so the peer fails promptly too."""
+        timeout raises and closes the connection (gloo: every connection of the group on this
+        rank), so the peer fails promptly too. The error of a wait that ran out says so
+        (``timed_out``, as zipccl.failure reads it): this rank gave up, the peer may live."""
         if self.strict is not None:
             self.strict.wait(work, self._wait)
         else:
             self._wait(work)
 
     def _wait(self, work) -> None:
-        if self._timeout is None:
-            work.wait()
-        else:
-            work.wait(self._timeout)
+        t0 = time.monotonic()
+        try:
+            if self._timeout is None:
+                work.wait()
+            else:
+                work.wait(self._timeout)
+        except RuntimeError as e:
+            text = str(e).lower()
+            if "timed out" in text or "timeout" in text or \
+                    (self._timeout is not None and time.monotonic() - t0 >= self._timeout.total_seconds()):
+                e.timed_out = True
+            raise
 
     def barrier(self) -> None:
         self.wait(dist.barrier(group=self.group, async_op=True))
