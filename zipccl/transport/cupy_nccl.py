@@ -201,15 +201,19 @@ class NcclTransport(Transport):
     def irecv(self, recv, src, tag=0):
         return self._p2p(recv, src, False)
 
-    def wait(self, work) -> None:
+    def wait(self, work, deadline: float | None = None) -> None:
         """Device tensors: torch's current stream waits for the operation (no host wait). Staged
-        CPU tensors: the host waits, at most ZIPCCL_TIMEOUT seconds, checking NCCL's async errors."""
+        CPU tensors: the host waits, at most ZIPCCL_TIMEOUT seconds and not past ``deadline``,
+        checking NCCL's async errors."""
         if work.event is None:
             raise ZipcclError("NcclTransport: an operation waited for inside its group, before NCCL issued it")
         if work.host is None:
             torch.cuda.current_stream(self.device).wait_event(work.event)
             return
-        deadline = None if config.TIMEOUT is None else time.monotonic() + config.TIMEOUT
+        if config.TIMEOUT is None:
+            deadline = None
+        else:
+            deadline = min(time.monotonic() + config.TIMEOUT, deadline if deadline is not None else float("inf"))
         while not work.event.query():
             try:
                 self.comm.check_async_error()
