@@ -22,13 +22,22 @@ _twins: dict = {}
 _twins_lock = threading.Lock()
 
 
+def _wire(group) -> str:
+    """The torch backend that carries ``group``'s messages: the drop-in backend (zipccl.backend)
+    hands the CPU tensors of its pass-through calls, which are all this transport sends on it,
+    to gloo; so its groups get gloo's treatment here (the second lane, early receives): without
+    them the drop-in's lossless DDP steps took 10-12% longer than zipccl's hook in the 1 Gbit/s lab."""
+    name = dist.get_backend(group)
+    return "gloo" if name == "zipccl" else name
+
+
 def _twin(group):
     """For a gloo group that spans the whole job: a second gloo group over the same ranks that
     carries the payloads sent to higher ranks, so that each connection carries payloads one way
     only (config.SPLIT_DIRECTIONS says why). None where that does not apply. Made on first use,
     which is a collective call on ``group``, so every rank makes it at the same point; creating
     a group needs every rank of the job, hence the whole-job condition."""
-    if not config.SPLIT_DIRECTIONS or dist.get_backend(group) != "gloo" \
+    if not config.SPLIT_DIRECTIONS or _wire(group) != "gloo" \
             or dist.get_world_size(group) != dist.get_world_size():
         return None
     key = group if group is not None else dist.GroupMember.WORLD
@@ -76,7 +85,7 @@ class TorchTransport(Transport):
         self._upward = None if self.size == 1 else _twin(group)
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
         self._timeout = None if config.TIMEOUT is None else datetime.timedelta(seconds=config.TIMEOUT)
-        gloo = dist.get_backend(group) == "gloo"
+        gloo = _wire(group) == "gloo"
         self.strict = Strict(self.rank) if gloo and config.STRICT_TRANSPORT else None
         self.loose_receives = self.tags = gloo and self.strict is None
 
