@@ -472,3 +472,32 @@ def test_auto_probes_both_codecs_the_same_way_on_every_rank(pool):
     assert used0 == used1 == ["native", "raw", "lossless"] * 2
     assert same0 and same1
     assert table0 == table1 and ["lossless", "native", "raw"] in table0.values()
+
+
+def _native_alone(rank, groups):
+    from zipccl import failure
+    settle, calls = failure.Fate.settle, []
+
+    def counted(fate, t):
+        calls.append(fate.name)
+        return settle(fate, t)
+
+    failure.Fate.settle = counted
+    try:
+        x0 = data(rank, 1 << 20, torch.float32)
+        x, ref = x0.clone(), x0.clone()
+        zipccl.all_reduce(x, codec="native")
+        dist.all_reduce(ref)
+        native = list(calls)
+        zipccl.all_reduce(x0.clone(), codec="raw")
+    finally:
+        failure.Fate.settle = settle
+    return native, calls[len(native):], torch.equal(x.view(torch.int32), ref.view(torch.int32))
+
+
+def test_native_calls_run_the_backends_collective_alone(pool):
+    """A call that goes to the backend's collective (codec="native", or auto's choice) is that
+    collective alone, as torch.distributed's: no status round after it (under DDP on 4 ranks
+    sharing 2 cores the round cost auto several ms a step); zipccl's own pipeline keeps it."""
+    for rank, (native, raw, same) in enumerate(pool.run(_native_alone, timeout=120)):
+        assert native == [] and raw == ["all_reduce"] and same, (rank, native, raw, same)
