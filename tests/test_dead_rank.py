@@ -232,7 +232,7 @@ def test_waits_after_a_loss_share_one_deadline(monkeypatch):
     from zipccl import config
     monkeypatch.setattr(config, "TIMEOUT", TIMEOUT)
     grace = failure.GRACE * TIMEOUT
-    fate, t = failure.Fate("all_reduce", 2), _Waits({1}, delay=0.05)
+    fate, t = failure.Fate("all_reduce", 2), _Waits({1}, delay=0.5)  # from the loss, not from the wait's start
     assert fate.wait(t, 0, 0)  # a wait that succeeds sets no deadline
     assert not fate.wait(t, 1, 1)
     lost = time.monotonic()
@@ -240,7 +240,7 @@ def test_waits_after_a_loss_share_one_deadline(monkeypatch):
     assert [p for p, _ in t.deadlines] == [0, 1, 3, 0]
     assert t.deadlines[0][1] is None and t.deadlines[1][1] is None
     deadline = t.deadlines[2][1]
-    assert deadline is not None and lost - 0.04 <= deadline - grace <= lost
+    assert deadline is not None and lost - 0.25 <= deadline - grace <= lost
     assert t.deadlines[3][1] == deadline  # one deadline for the call's remaining waits
     for kind, hurried in [(failure.LOST, True), (failure.DECODE, False)]:
         fate, t = failure.Fate("all_reduce", 2), _Waits(set())
@@ -248,7 +248,7 @@ def test_waits_after_a_loss_share_one_deadline(monkeypatch):
         heard = time.monotonic()
         fate.wait(t, 3, 3)
         assert (t.deadlines[0][1] is not None) == hurried, kind
-        assert not hurried or heard - 0.04 <= t.deadlines[0][1] - grace <= heard
+        assert not hurried or heard - 0.25 <= t.deadlines[0][1] - grace <= heard
     monkeypatch.setattr(config, "TIMEOUT", None)  # unset: the group's timeout bounds each wait
     fate, t = failure.Fate("all_reduce", 2), _Waits({1})
     fate.wait(t, 1, 1), fate.wait(t, 3, 3)
