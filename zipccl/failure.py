@@ -65,7 +65,7 @@ class Fate:
     """One call's outcome on this rank, shared by the phases and levels of the call. Ranks are
     the job's (as dist.get_rank()): the levels of a hierarchical call are other groups."""
 
-    __slots__ = ("name", "rank", "first", "error", "lost", "deadline")
+    __slots__ = ("name", "rank", "first", "error", "lost", "hurry", "gave_up")
 
     def __init__(self, name: str, rank: int):
         """``rank``: this rank in the job."""
@@ -73,7 +73,8 @@ class Fate:
         self.first: tuple[int, int] | None = None  # (rank, kind) of the first failure known here
         self.error: BaseException | None = None    # this rank's own exception, if it failed
         self.lost: set = set()                      # (transport id, peer) whose connections broke
-        self.deadline: float | None = None          # time.monotonic() by which every wait ends (_hurry)
+        self.hurry: float | None = None             # seconds each later wait may take, once a rank is lost (_hurry)
+        self.gave_up = False                        # a wait of this call ran out (this rank closed its connections)
 
     @classmethod
     def of(cls, name: str, t) -> "Fate":
@@ -101,16 +102,17 @@ class Fate:
             self._hurry()
 
     def _hurry(self) -> None:
-        """A rank is lost (here, or a peer says so): the group is broken, and the call's waits
-        from now on end by one deadline, GRACE of ZIPCCL_TIMEOUT from now. A rank that gives up
-        on a hung peer closes its connections, and a rank that was waiting on *it* (not on the
-        hung one) learns of the loss only then, a full timeout in; a fresh timeout for each of
-        its waits on the hung rank would double its time (a survivor of a SIGSTOP raised
-        10.06 s after it, not 5.03, in about 1 run of 6). What remains is the poisoned end of
-        the schedule and the status round: live peers answer at once. Without ZIPCCL_TIMEOUT
-        each wait has the group's timeout."""
-        if self.deadline is None and config.TIMEOUT is not None:
-            self.deadline = time.monotonic() + GRACE * config.TIMEOUT
+        """A rank is lost (here, or a peer says so): the group is broken, and each of the call's
+        later waits may take GRACE of ZIPCCL_TIMEOUT, not all of it. A rank that gives up on a
+        hung peer closes its connections, and a rank that was waiting on *it* (not on the hung
+        one) learns of the loss only then, a full timeout in; a full timeout for its next wait,
+        on the hung rank, would double its time (a survivor of a SIGSTOP raised 10.06 s after
+        it, not 5.03, in about 1 run of 6). What remains is the poisoned end of the schedule
+        and the status round, where live peers answer at once; a live peer busier than that
+        in one stretch is given up on and named. Without ZIPCCL_TIMEOUT each wait has the
+        group's timeout."""
+        if self.hurry is None and config.TIMEOUT is not None:
+            self.hurry = GRACE * config.TIMEOUT
 
     def blame(self, t, peer: int, error: BaseException) -> None:
         """A packet from ``peer`` of transport ``t`` failed validation: a corrupt packet is its sender's failure."""
@@ -168,14 +170,15 @@ class Fate:
             return None
 
     def wait(self, t, work, peer: int) -> bool:
-        """Wait for ``work`` with ``peer``, not past ``deadline`` (see ``_hurry``); False (and the
-        peer lost) if it failed or timed out."""
+        """Wait for ``work`` with ``peer`` (at most ``hurry`` seconds once a rank is lost: see
+        ``_hurry``); False (and the peer lost) if it failed or timed out."""
         if work is None or not self.alive(t, peer):  # a lost peer's other operations are not waited for
             return False
         try:
-            t.wait(work, deadline=self.deadline)
+            t.wait(work, timeout=self.hurry)
             return True
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError for a closed pair or a timeout
+            self.gave_up |= timed_out(e)
             if getattr(e, "breaks_rule", False):  # strict mode (zipccl.transport.strict): this rank's call is
                 self.lost.add((id(t), peer))      # wrong, and the connection's messages are out of step
                 self.fail(OTHER, e)
@@ -194,9 +197,9 @@ class Fate:
         Every message of the call has come here, so its result is whole; the group's next call
         loses that rank at its first exchange, on every survivor alike, and raises there
         naming it. A failure heard in the round is raised all the same, ahead of the loss. Not
-        where this rank gave up waiting on the peer (``timed_out``): the transport has closed
-        this rank's connections then (gloo: all of the group's), so it could not name the
-        peer in a next call; it raises here, as every survivor that waits on a hung rank does."""
+        where this rank gave up waiting on any peer of the call (``gave_up``): the transport has
+        closed this rank's connections then (gloo: all of the group's), so it could not name
+        the peer in a next call; it raises here, as every survivor that waits on a hung rank does."""
         if t.size > 1:
             known = self.first
             mine = torch.tensor([self.code], dtype=torch.int64)
@@ -208,7 +211,7 @@ class Fate:
             heard = [int(got[j]) for j, w in recvs if self.wait(t, w, j) and int(got[j])]
             for j, w in sends:
                 self.wait(t, w, j)
-            if known is None and self.first is not None and self.first[1] == LOST and not timed_out(self.error):
+            if known is None and self.first is not None and self.first[1] == LOST and not (self.gave_up or timed_out(self.error)):
                 self.first, self.error = None, None  # lost in the round: see above (self.lost keeps it)
             for value in heard:
                 self.heard(value)
@@ -231,7 +234,7 @@ class Fate:
         raise RankFailure(text, rank=rank, kind=NAMES[kind], broken=broken) from self.error
 
 
-#: Once a call has lost a rank, its remaining waits end within this share of ZIPCCL_TIMEOUT.
+#: Once a call has lost a rank, each of its later waits may take this share of ZIPCCL_TIMEOUT.
 GRACE = 0.25
 
 #: The tag of the status exchange at the end of a call (the pipeline's tags are below it).

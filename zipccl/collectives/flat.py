@@ -31,6 +31,7 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
     the call this is part of (zipccl.failure), which the caller settles; None: this call's own,
     settled here (every rank raises RankFailure if any failed)."""
     own = fate is None
+    alone = own and codec is NATIVE and ready is None and not config.CHECK_NATIVE  # the same on every rank
     if own:
         fate = Fate.of(name, t)
     numel = input.numel()
@@ -77,7 +78,7 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
         _reduce_scatter_chunks(t, padded.view(n, m), op, codec, call, acc, fate,
                                on_piece=gather.push, ready=ready)  # gather each reduced piece as soon as it exists
         gather.finish()
-    if own and codec is NATIVE and not config.CHECK_NATIVE:
+    if alone:
         fate.check()  # the backend's collective alone: it fails as torch.distributed's does, no status round
     elif own:
         timed(acc, "comm_seconds", fate.settle, t)

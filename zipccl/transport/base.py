@@ -39,11 +39,11 @@ class Transport(ABC):
         """The job's rank of this group's ``rank`` (errors name ranks of the job)."""
         return rank
 
-    def wait(self, work, deadline: float | None = None) -> None:
+    def wait(self, work, timeout: float | None = None) -> None:
         """Wait for a handle that ``isend``, ``irecv`` or a collective returned (a transport may
         bound the wait: zipccl.failure counts a peer whose operation fails or times out as lost).
-        ``deadline`` (a time.monotonic() instant): where the transport bounds its waits, this one
-        ends by then at the latest, as a wait that ran out."""
+        ``timeout`` (seconds): where the transport bounds its waits, this one runs out after at
+        most that long."""
         work.wait()
 
     @abstractmethod

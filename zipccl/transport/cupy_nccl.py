@@ -201,26 +201,24 @@ class NcclTransport(Transport):
     def irecv(self, recv, src, tag=0):
         return self._p2p(recv, src, False)
 
-    def wait(self, work, deadline: float | None = None) -> None:
+    def wait(self, work, timeout: float | None = None) -> None:
         """Device tensors: torch's current stream waits for the operation (no host wait). Staged
-        CPU tensors: the host waits, at most ZIPCCL_TIMEOUT seconds and not past ``deadline``,
-        checking NCCL's async errors."""
+        CPU tensors: the host waits, at most ZIPCCL_TIMEOUT seconds (or ``timeout`` where that
+        is shorter), checking NCCL's async errors."""
         if work.event is None:
             raise ZipcclError("NcclTransport: an operation waited for inside its group, before NCCL issued it")
         if work.host is None:
             torch.cuda.current_stream(self.device).wait_event(work.event)
             return
-        if config.TIMEOUT is None:
-            deadline = None
-        else:
-            deadline = min(time.monotonic() + config.TIMEOUT, deadline if deadline is not None else float("inf"))
+        limit = config.TIMEOUT if timeout is None or config.TIMEOUT is None else min(config.TIMEOUT, timeout)
+        deadline = None if limit is None else time.monotonic() + limit
         while not work.event.query():
             try:
                 self.comm.check_async_error()
             except Exception as e:  # noqa: BLE001
                 raise self._fail(e) from e
             if deadline is not None and time.monotonic() > deadline:
-                raise self._fail(TimeoutError(f"no progress within ZIPCCL_TIMEOUT={config.TIMEOUT} s"))
+                raise self._fail(TimeoutError(f"no progress within {limit:g} s (ZIPCCL_TIMEOUT={config.TIMEOUT})"))
             time.sleep(1e-4)
         work.host.copy_(work.staged)
 

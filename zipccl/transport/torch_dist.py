@@ -15,9 +15,6 @@ from ..torch_compat import all_gather_single, reduce_scatter_single
 from .base import Transport
 from .strict import Strict
 
-#: A wait whose deadline has passed still gets this long (seconds): what has arrived is taken.
-_LEAST_WAIT = 0.01
-
 _twins: dict = {}
 _twins_lock = threading.Lock()
 
@@ -95,21 +92,22 @@ class TorchTransport(Transport):
     def global_rank(self, rank: int) -> int:
         return self._ranks[rank]
 
-    def wait(self, work, deadline: float | None = None) -> None:
-        """Wait for ``work`` at most ZIPCCL_TIMEOUT seconds (unset: the group's timeout), and not
-        past ``deadline``; a timeout raises and closes the connection (gloo: every connection of
-        the group on this rank), so the peer fails promptly too. The error of a wait that ran
-        out says so (``timed_out``, as zipccl.failure reads it): this rank gave up, the peer may live."""
+    def wait(self, work, timeout: float | None = None) -> None:
+        """Wait for ``work`` at most ZIPCCL_TIMEOUT seconds (unset: the group's timeout), or
+        ``timeout`` where that is shorter; a timeout raises and closes the connection (gloo:
+        every connection of the group on this rank), so the peer fails promptly too. The error
+        of a wait that ran out says so (``timed_out``, as zipccl.failure reads it): this rank
+        gave up, the peer may live."""
         if self.strict is not None:
-            self.strict.wait(work, lambda w: self._wait(w, deadline))
+            self.strict.wait(work, lambda w: self._wait(w, timeout))
         else:
-            self._wait(work, deadline)
+            self._wait(work, timeout)
 
-    def _wait(self, work, deadline: float | None) -> None:
+    def _wait(self, work, timeout: float | None) -> None:
         t0 = time.monotonic()
         limit = None if self._timeout is None else self._timeout.total_seconds()
-        if limit is not None and deadline is not None:
-            limit = max(min(limit, deadline - t0), _LEAST_WAIT)
+        if limit is not None and timeout is not None:
+            limit = min(limit, timeout)
         try:
             if limit is None:
                 work.wait()
