@@ -25,8 +25,6 @@ torch.distributed does).
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from . import config
@@ -211,7 +209,8 @@ class Fate:
             heard = [int(got[j]) for j, w in recvs if self.wait(t, w, j) and int(got[j])]
             for j, w in sends:
                 self.wait(t, w, j)
-            if known is None and self.first is not None and self.first[1] == LOST and not (self.gave_up or timed_out(self.error)):
+            lost_here = known is None and self.first is not None and self.first[1] == LOST
+            if lost_here and not (self.gave_up or timed_out(self.error)):
                 self.first, self.error = None, None  # lost in the round: see above (self.lost keeps it)
             for value in heard:
                 self.heard(value)
