@@ -254,11 +254,10 @@ def test_status_round_gave_up_raises():
     assert _settle(2, {0: None, 1: 0, 3: 0}) is None
 
 
-def test_torch_wait_takes_the_shorter_timeout():
+def test_torch_wait_takes_the_shorter_timeout(monkeypatch):
     """TorchTransport waits min(ZIPCCL_TIMEOUT, ``timeout``) and marks the error of a wait that
     ran out ``timed_out``."""
-    import types
-
+    from zipccl import config
     from zipccl.transport import torch_dist
 
     class Hung:
@@ -266,9 +265,9 @@ def test_torch_wait_takes_the_shorter_timeout():
             self.timeout = timeout.total_seconds()
             raise RuntimeError("Timed out waiting for recv operation to complete")
 
-    t = types.SimpleNamespace(_timeout=datetime.timedelta(seconds=TIMEOUT))
+    monkeypatch.setattr(config, "TIMEOUT", TIMEOUT)
     for timeout, expected in [(None, TIMEOUT), (100.0, TIMEOUT), (1.25, 1.25)]:
         work = Hung()
         with pytest.raises(RuntimeError) as caught:
-            torch_dist.TorchTransport._wait(t, work, timeout)
+            torch_dist.TorchTransport._wait(None, work, timeout)
         assert caught.value.timed_out and work.timeout == expected

@@ -94,9 +94,10 @@ class Fate:
 
     def heard(self, value: int) -> None:
         """A poison code from a peer."""
+        rank, kind = describe(value)
         if self.first is None:
-            self.first = describe(value)
-        if describe(value)[1] == LOST:
+            self.first = rank, kind
+        if kind == LOST:
             self._hurry()
 
     def _hurry(self) -> None:

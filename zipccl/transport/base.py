@@ -18,6 +18,16 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from .. import config
+
+
+def wait_limit(timeout: float | None) -> float | None:
+    """The longest one wait may take, in seconds: ZIPCCL_TIMEOUT, or ``timeout`` where that is
+    shorter; None where ZIPCCL_TIMEOUT is unset (the group's own timeout applies)."""
+    if config.TIMEOUT is None:
+        return None
+    return config.TIMEOUT if timeout is None else min(config.TIMEOUT, timeout)
+
 
 class Transport(ABC):
     """One process group seen from one rank."""

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import config
 from ..errors import UnsupportedError, ZipcclError
 from . import nccl_stack
-from .base import Transport
+from .base import Transport, wait_limit
 
 __all__ = ["NcclTransport", "NcclError"]
 
@@ -210,7 +210,7 @@ class NcclTransport(Transport):
         if work.host is None:
             torch.cuda.current_stream(self.device).wait_event(work.event)
             return
-        limit = config.TIMEOUT if timeout is None or config.TIMEOUT is None else min(config.TIMEOUT, timeout)
+        limit = wait_limit(timeout)
         deadline = None if limit is None else time.monotonic() + limit
         while not work.event.query():
             try:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..torch_compat import all_gather_single, reduce_scatter_single
-from .base import Transport
+from .base import Transport, wait_limit
 from .strict import Strict
 
 _twins: dict = {}
@@ -29,13 +29,12 @@ def _wire(group) -> str:
 
 
 def _twin(group):
-    """For a gloo group that spans the whole job: a second gloo group over the same ranks that
+    """For a group whose messages gloo carries (``_wire``) that spans the whole job: a second gloo group over the same ranks that
     carries the payloads sent to higher ranks, so that each connection carries payloads one way
     only (config.SPLIT_DIRECTIONS says why). None where that does not apply. Made on first use,
     which is a collective call on ``group``, so every rank makes it at the same point; creating
     a group needs every rank of the job, hence the whole-job condition."""
-    if not config.SPLIT_DIRECTIONS or _wire(group) != "gloo" \
-            or dist.get_world_size(group) != dist.get_world_size():
+    if not config.SPLIT_DIRECTIONS or dist.get_world_size(group) != dist.get_world_size():
         return None
     key = group if group is not None else dist.GroupMember.WORLD
     with _twins_lock:
@@ -79,10 +78,9 @@ class TorchTransport(Transport):
             raise ValueError("this process is not a member of the given process group")
         self.meta_device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        self._upward = None if self.size == 1 else _twin(group)
-        self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
-        self._timeout = None if config.TIMEOUT is None else datetime.timedelta(seconds=config.TIMEOUT)
         gloo = _wire(group) == "gloo"
+        self._upward = _twin(group) if gloo and self.size > 1 else None
+        self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
         self.strict = Strict(self.rank) if gloo and config.STRICT_TRANSPORT else None
         self.loose_receives = self.tags = gloo and self.strict is None
 
@@ -104,10 +102,7 @@ class TorchTransport(Transport):
             self._wait(work, timeout)
 
     def _wait(self, work, timeout: float | None) -> None:
-        t0 = time.monotonic()
-        limit = None if self._timeout is None else self._timeout.total_seconds()
-        if limit is not None and timeout is not None:
-            limit = min(limit, timeout)
+        t0, limit = time.monotonic(), wait_limit(timeout)
         try:
             if limit is None:
                 work.wait()
@@ -154,12 +149,12 @@ class TorchTransport(Transport):
         if avg:  # gloo has no AVG: its SUM, then one division (rounded once more)
             op = dist.ReduceOp.SUM
         if name == "all_reduce":
-            work = dist.all_reduce(tensors[0], op=op, group=self.group, async_op=self._timeout is not None)
+            work = dist.all_reduce(tensors[0], op=op, group=self.group, async_op=config.TIMEOUT is not None)
         elif name == "reduce_scatter":
             work = reduce_scatter_single(tensors[0], tensors[1], op=op, group=self.group,
-                                              async_op=self._timeout is not None)
+                                              async_op=config.TIMEOUT is not None)
         elif name == "all_gather":
-            work = all_gather_single(tensors[0], tensors[1], group=self.group, async_op=self._timeout is not None)
+            work = all_gather_single(tensors[0], tensors[1], group=self.group, async_op=config.TIMEOUT is not None)
         else:
             raise ValueError(f"unknown collective {name!r}")
         if work is not None:
