@@ -18,6 +18,7 @@ import zipccl.topk
 from zipccl import format as F
 from zipccl.bench import fuzz
 from zipccl.codecs import Lossless, Raw, TopK
+from zipccl.reference.packet import parse_lossless
 
 IMPLS = ["reference", "numba", "triton"]
 CODECS = [Raw(), *(Lossless(impl, block_size=256) for impl in IMPLS), TopK(density=0.1)]
@@ -134,6 +135,32 @@ def test_corrupt_index_entries_raise(impl):
     with pytest.raises(zipccl.FormatError):
         codec.decode(moved, out=out[64:664].view(torch.bfloat16))
     assert torch.equal(out[:64], guard[:64]) and torch.equal(out[664:], guard[664:])
+
+
+@pytest.mark.parametrize("impl", ["numba", "triton"])
+def test_a_stream_flip_that_changes_a_zero_count_is_named(impl):
+    """Flipped bits of the exponent stream that still parse but change a block's count of zeros:
+    the reference names the zero count (it chooses the packets), and so must each fast decoder, its
+    own check, not only some error (the Triton kernels OR every check of a block)."""
+    ref = Lossless("reference", block_size=256)
+    p = ref.encode(_data(600))
+    lp = parse_lossless(p)
+    found = []
+    for off in range(lp.stream_offset, lp.rest_offset):
+        for bit in range(8):
+            q = p.clone()
+            q[off] ^= 1 << bit
+            try:
+                ref.decode(q)
+            except zipccl.FormatError as e:
+                if "zero count" in str(e):
+                    found.append(q)
+        if len(found) >= 4:
+            break
+    assert found
+    for q in found:
+        with pytest.raises(zipccl.FormatError, match="zero count"):
+            Lossless(impl, block_size=256).decode(q)
 
 
 def test_alloc_guard_and_guard_bytes_catch_what_they_guard(monkeypatch):

@@ -1,0 +1,132 @@
+"""The GPU codec's kernels timed, and its bytes checked, for whichever checkout is on the path.
+
+    PYTHONPATH=CHECKOUT python bench/gpu_ab.py --data FILE --label v1 [--cases 33554432:bf16,...]
+
+Written for format A/Bs (v1 on main against v2 on the branch `codec`, issue 25): it uses only
+`zipccl.codecs.Lossless`, which both formats share, so one script times both in one run on one
+card. Per case (the real bucket tiled to N elements): the Triton packet must equal the numba
+encoder's bytes (the CPU path, itself tested byte for byte against the reference) and decode to
+the same bits; then the profiler's device time per kernel, summed per call, and the wall time per
+call. One JSON line per case on stdout; `--json` appends them to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import zipccl
+from zipccl.codecs import Lossless
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+INT = {2: torch.int16, 4: torch.int32}
+
+
+def _kernel_times(prof, calls: int) -> dict[str, float]:
+    """Device microseconds per call for each Triton kernel of the codec (names start with '_')."""
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if e.key.startswith("_") and us:
+            out[e.key] = out.get(e.key, 0.0) + us / calls
+    return out
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _profiled(fn, repeat: int, device: str) -> tuple[float, dict[str, float]]:
+    """Median wall seconds per call of fn(), and the kernels' device microseconds per call."""
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
+        for _ in range(repeat):
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            walls.append(time.perf_counter() - t)
+    return float(np.median(walls)), _kernel_times(prof, repeat)
+
+
+def join_sweep(settings: str, gpu: Lossless, packet: torch.Tensor, x: torch.Tensor, repeat: int, device: str) -> dict:
+    """Decode again under each _decode_join setting ("CHUNKxWARPS"), where the checkout has that kernel."""
+    from zipccl.kernels import gpu as kernels
+    if not settings or not hasattr(kernels, "JOIN_CHUNK"):
+        return {}
+    saved, rows = (kernels.JOIN_CHUNK, kernels.JOIN_WARPS), {}
+    ints = INT[x.element_size()]
+    try:
+        for s in settings.split(","):
+            kernels.JOIN_CHUNK, kernels.JOIN_WARPS = (int(v) for v in s.split("x"))
+            out = torch.empty(x.shape, dtype=x.dtype, device=packet.device)
+            gpu.decode(packet, out)
+            wall, kern = _profiled(lambda: gpu.decode(packet, out), repeat, device)
+            rows[s] = {"same_bits": torch.equal(out.cpu().view(ints), x.view(ints)), "wall_ms": round(wall * 1e3, 4),
+                       "kernels_us": {k: round(v, 1) for k, v in kern.items()}}
+    finally:
+        kernels.JOIN_CHUNK, kernels.JOIN_WARPS = saved
+    return rows
+
+
+def case(base: torch.Tensor, numel: int, dtype: str, block: int, repeat: int, device: str = "cuda",
+         join: str = "") -> dict:
+    x = base.repeat(-(-numel // base.numel()))[:numel].to(DTYPES[dtype]).contiguous()
+    xc = x.to(device)
+    gpu = Lossless("triton", block_size=block)
+    packet = gpu.encode(xc)
+    same_bytes = torch.equal(packet.cpu(), Lossless("numba", block_size=block).encode(x))
+    out = torch.empty_like(xc)
+    gpu.decode(packet, out)
+    ints = INT[x.element_size()]
+    same_bits = torch.equal(out.cpu().view(ints), x.view(ints))
+    timed = {"encode": _profiled(lambda: gpu.encode(xc), repeat, device),
+             "decode": _profiled(lambda: gpu.decode(packet, out), repeat, device)}
+    nbytes = x.numel() * x.element_size()
+    row = {"card": torch.cuda.get_device_name() if device == "cuda" else device, "zipccl": zipccl.__file__,
+           "numel": numel, "dtype": dtype, "block": block, "ratio": round(packet.numel() / nbytes, 5),
+           "same_bytes": same_bytes, "same_bits": same_bits}
+    for side, (wall, kernels) in timed.items():
+        kern = sum(kernels.values())
+        row[side] = {"wall_ms": round(wall * 1e3, 4), "wall_GBps": round(nbytes / wall / 1e9, 1),
+                     "kernels_us": {k: round(v, 1) for k, v in kernels.items()},
+                     "kernels_GBps": round(nbytes / (kern * 1e-6) / 1e9, 1) if kern else None}
+    sweep = join_sweep(join, gpu, packet, x, repeat, device)
+    if sweep:
+        row["join_sweep"] = sweep
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--cases", default="4194304:bf16,33554432:bf16,134217728:bf16,33554432:fp16,16777216:fp32")
+    ap.add_argument("--block", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--join", default="", help="CHUNKxWARPS,...: also decode under these _decode_join settings")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script under TRITON_INTERPRET=1")
+    args = ap.parse_args()
+    base = torch.from_numpy(np.load(args.data))
+    for spec in args.cases.split(","):
+        n, dt = spec.split(":")
+        row = {"label": args.label, **case(base, int(n), dt, args.block, args.repeat, args.device, args.join)}
+        line = json.dumps(row)
+        print(line, flush=True)
+        if args.json:
+            with args.json.open("a") as f:
+                f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
