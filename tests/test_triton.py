@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import zipccl
+from zipccl import format as F
 from zipccl.codecs import Lossless
 from test_codec import assert_same_bits
 
@@ -47,6 +48,35 @@ def test_every_16bit_pattern(dtype):
     p = gpu.encode(x)
     assert torch.equal(p, Lossless("reference", block_size=512).encode(x))  # the specification's bytes
     assert_same_bits(gpu.decode(p), x)
+
+
+def test_decode_in_spans_of_bounded_scratch(monkeypatch):
+    """A packet whose codes outgrow the decoder's scratch is decoded span by span, around a raw
+    block: same bits, and a corrupt block in a later span is still reported."""
+    from zipccl.kernels import gpu
+    from zipccl.reference.packet import parse_lossless
+    monkeypatch.setattr(gpu, "DECODE_SCRATCH", 256 * gpu.LANES)  # one program's blocks per launch
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(256 * 70 + 77, generator=g) * 0.01).to(torch.bfloat16)
+    x[::13] = 0.0
+    x[256 * 5:256 * 6] = torch.randint(-2**15, 2**15, (256,), generator=g, dtype=torch.int16).view(torch.bfloat16)
+    ref, tri = Lossless("reference", block_size=256), Lossless("triton", block_size=256)
+    p = ref.encode(x)
+    lp = parse_lossless(p)
+    assert int((torch.as_tensor(lp.table) == F.RAW_BLOCK).sum()) == 1  # block 5: 70 coded blocks, 3 spans
+    assert_same_bits(tri.decode(p), x)
+    first, end = (lp.stream_offset + 4 * int(lp.word_start[b]) for b in (60, 61))
+    for off in range(first, end):  # the first flip in block 60 that the reference rejects
+        q = p.clone()
+        q[off] ^= 1
+        try:
+            ref.decode(q)
+        except zipccl.FormatError:
+            break
+    else:
+        pytest.fail("no flip of block 60's stream is rejected by the reference")
+    with pytest.raises(zipccl.FormatError):
+        tri.decode(q)
 
 
 def test_needs_cuda_or_the_interpreter(monkeypatch):

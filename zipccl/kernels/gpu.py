@@ -53,6 +53,7 @@ BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 LANES = 32  # blocks decoded in lock step by one program
 DECODE_WARPS = 1  # LANES lanes fill one warp
 JOIN_CHUNK, JOIN_WARPS = 32, 4  # _decode_join's program: elements of each of LANES blocks (divides every block size)
+DECODE_SCRATCH = 1 << 27  # elements decoded per pair of launches (their 16-bit codes: 256 MiB)
 
 # Format constants as Triton compile-time constants (kernels may read only constexpr globals).
 _NSYM, _BIAS, _ESC, _ZERO, _RAW, _LUT, _STRIDE = (tl.constexpr(v) for v in (
@@ -353,17 +354,22 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         blocks = torch.stack([p.ref, p.table, p.word_start[:-1], p.word_start[1:], p.rest_start[:-1],
                               p.rest_start[1:], p.nzero], dim=1)
         err = torch.zeros(len(coded), dtype=torch.int32, device=dev)
-        programs = triton.cdiv(len(coded), LANES)
-        symbols = torch.empty(programs * bs * LANES, dtype=torch.int16, device=dev)  # [program][element][lane]
-        counts = torch.empty(programs * (bs // JOIN_CHUNK) * LANES, dtype=torch.int32, device=dev)
-        _decode_symbols[(programs,)](
-            words, nwords, symbols, counts, coded, len(coded), n, blocks,
-            torch.from_numpy(T.decode_luts(p.lengths)).to(dev), err, BS=bs, LANES=LANES, CHUNK=JOIN_CHUNK,
-            EBITS=layout.ebits, INLINE_BITS=layout.inline_bits, num_warps=DECODE_WARPS)
-        _decode_join[(programs, bs // JOIN_CHUNK)](
-            symbols, counts, rest, view, n, coded, len(coded), blocks, err, BS=bs, LANES=LANES, CHUNK=JOIN_CHUNK,
-            MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes, INLINE_BITS=layout.inline_bits,
-            num_warps=JOIN_WARPS)
+        luts = torch.from_numpy(T.decode_luts(p.lengths)).to(dev)
+        # The codes between the two kernels take 2 bytes per element: at most DECODE_SCRATCH
+        # elements' worth at a time, so that a large packet does not need a second output's memory.
+        span = LANES * max(1, DECODE_SCRATCH // (bs * LANES))  # coded blocks per pair of launches
+        symbols = torch.empty(min(span, triton.cdiv(len(coded), LANES) * LANES) * bs, dtype=torch.int16, device=dev)
+        counts = torch.empty(symbols.numel() // JOIN_CHUNK, dtype=torch.int32, device=dev)
+        for first in range(0, len(coded), span):
+            lanes, errs = coded[first:first + span], err[first:first + span]
+            programs = triton.cdiv(len(lanes), LANES)
+            _decode_symbols[(programs,)](
+                words, nwords, symbols, counts, lanes, len(lanes), n, blocks, luts, errs, BS=bs, LANES=LANES,
+                CHUNK=JOIN_CHUNK, EBITS=layout.ebits, INLINE_BITS=layout.inline_bits, num_warps=DECODE_WARPS)
+            _decode_join[(programs, bs // JOIN_CHUNK)](
+                symbols, counts, rest, view, n, lanes, len(lanes), blocks, errs, BS=bs, LANES=LANES,
+                CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
+                INLINE_BITS=layout.inline_bits, num_warps=JOIN_WARPS)
         codes = int(np.bitwise_or.reduce(err.cpu().numpy()))  # the blocks' errors, read once at the end
         if codes:
             raise FormatError(_ERRORS[codes & -codes])
