@@ -65,18 +65,21 @@ def test_decode_in_spans_of_bounded_scratch(monkeypatch):
     lp = parse_lossless(p)
     assert int((torch.as_tensor(lp.table) == F.RAW_BLOCK).sum()) == 1  # block 5: 70 coded blocks, 3 spans
     assert_same_bits(tri.decode(p), x)
-    first, end = (lp.stream_offset + 4 * int(lp.word_start[b]) for b in (60, 61))
-    for off in range(first, end):  # the first flip in block 60 that the reference rejects
-        q = p.clone()
-        q[off] ^= 1
-        try:
-            ref.decode(q)
-        except zipccl.FormatError:
-            break
-    else:
-        pytest.fail("no flip of block 60's stream is rejected by the reference")
-    with pytest.raises(zipccl.FormatError):
-        tri.decode(q)
+    # A corrupt block in each span (coded blocks 2, 59 and 65), each packet the first flip of that
+    # block's stream that the reference rejects: a later span must neither lose nor overwrite it.
+    for b in (2, 60, 66):
+        first, end = (lp.stream_offset + 4 * int(lp.word_start[i]) for i in (b, b + 1))
+        for off in range(first, end):
+            q = p.clone()
+            q[off] ^= 1
+            try:
+                ref.decode(q)
+            except zipccl.FormatError:
+                break
+        else:
+            pytest.fail(f"no flip of block {b}'s stream is rejected by the reference")
+        with pytest.raises(zipccl.FormatError):
+            tri.decode(q)
 
 
 def test_needs_cuda_or_the_interpreter(monkeypatch):

@@ -357,6 +357,7 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         luts = torch.from_numpy(T.decode_luts(p.lengths)).to(dev)
         # The codes between the two kernels take 2 bytes per element: at most DECODE_SCRATCH
         # elements' worth at a time, so that a large packet does not need a second output's memory.
+        assert bs % JOIN_CHUNK == 0, (bs, JOIN_CHUNK)  # a join program's chunk lies in one block
         span = LANES * max(1, DECODE_SCRATCH // (bs * LANES))  # coded blocks per pair of launches
         symbols = torch.empty(min(span, triton.cdiv(len(coded), LANES) * LANES) * bs, dtype=torch.int16, device=dev)
         counts = torch.empty(symbols.numel() // JOIN_CHUNK, dtype=torch.int32, device=dev)
