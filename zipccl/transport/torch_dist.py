@@ -19,21 +19,22 @@ _twins: dict = {}
 _twins_lock = threading.Lock()
 
 
-def _wire(group) -> str:
-    """The torch backend that carries ``group``'s messages: the drop-in backend (zipccl.backend)
-    hands the CPU tensors of its pass-through calls, which are all this transport sends on it,
-    to gloo; so its groups get gloo's treatment here (the second lane, early receives): without
-    them the drop-in's lossless DDP steps took 10-12% longer than zipccl's hook in the 1 Gbit/s lab."""
-    name = dist.get_backend(group)
-    return "gloo" if name == "zipccl" else name
+def _wire(backend: str) -> str:
+    """The torch backend that carries the messages of a group of ``backend``: the drop-in backend
+    (zipccl.backend) hands the CPU tensors of its pass-through calls, which are all this transport
+    sends on it, to gloo; so its groups get gloo's treatment here (the second lane, early
+    receives): without them the drop-in's lossless DDP steps took 10-12% longer than zipccl's hook
+    in the 1 Gbit/s lab."""
+    return "gloo" if backend == "zipccl" else backend
 
 
 def _twin(group):
-    """For a group whose messages gloo carries (``_wire``) that spans the whole job: a second gloo group over the same ranks that
-    carries the payloads sent to higher ranks, so that each connection carries payloads one way
-    only (config.SPLIT_DIRECTIONS says why). None where that does not apply. Made on first use,
-    which is a collective call on ``group``, so every rank makes it at the same point; creating
-    a group needs every rank of the job, hence the whole-job condition."""
+    """For a group whose messages gloo carries (``_wire``) that spans the whole job: a second
+    gloo group over the same ranks that carries the payloads sent to higher ranks, so that each
+    connection carries payloads one way only (config.SPLIT_DIRECTIONS says why). None where that
+    does not apply. Made on first use, which is a collective call on ``group``, so every rank
+    makes it at the same point; creating a group needs every rank of the job, hence the whole-job
+    condition."""
     if not config.SPLIT_DIRECTIONS or dist.get_world_size(group) != dist.get_world_size():
         return None
     key = group if group is not None else dist.GroupMember.WORLD
@@ -76,9 +77,10 @@ class TorchTransport(Transport):
         self.size = dist.get_world_size(group)
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process group")
+        self.backend = dist.get_backend(group)
         self.meta_device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        gloo = _wire(group) == "gloo"
+            if self.backend == "nccl" else torch.device("cpu")
+        gloo = _wire(self.backend) == "gloo"
         self._upward = _twin(group) if gloo and self.size > 1 else None
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
         self.strict = Strict(self.rank) if gloo and config.STRICT_TRANSPORT else None
@@ -145,7 +147,7 @@ class TorchTransport(Transport):
         return dist.irecv(recv, group=self._lane(src, self.rank), group_src=src, tag=tag)
 
     def native(self, name, *tensors, op=None):
-        avg = op == dist.ReduceOp.AVG and dist.get_backend(self.group) == "gloo"
+        avg = op == dist.ReduceOp.AVG and self.backend == "gloo"
         if avg:  # gloo has no AVG: its SUM, then one division (rounded once more)
             op = dist.ReduceOp.SUM
         if name == "all_reduce":
