@@ -4,7 +4,7 @@ This script compiles the kernels for sm_90 (zipccl.kernels.aot), counts the
 SASS instructions they execute per element, and combines three bounds per bf16
 element: HBM bytes moved, instruction issue, and (decode) the latency of its
 serial per-block loop. The assumptions are printed with the numbers;
-docs/GPU.md discusses them, and the measurements on a lent H100, which found
+docs/GPU.md discusses them, and the measurements on an NVIDIA H100 (2026-11-26), which found
 the bound this model lacks (scattered per-lane accesses, one L1 wavefront per
 lane and instruction).
 
