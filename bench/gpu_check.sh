@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, for a lent GPU machine (docs/GPU.md): the stack's versions, the gpu
+# The GPU checks in one run, on one GPU machine (docs/GPU.md): the stack's versions, the gpu
 # test suite, the codec's GPU throughput and where its time goes. Every file lands in OUTDIR.
 #   ZIPCCL_DATA=folder-with-the-real-gradients bash bench/gpu_check.sh OUTDIR
 set -u

@@ -1,7 +1,7 @@
 """bench/soak.py at small counts: memory and open files stay flat over many collectives and DDP steps.
 
 The full soak (2,000 calls, 1,000 steps per hook, target under 1 MiB per 1,000) is a recorded
-benchmark (docs/bench/2026-11-25-s5/soak.json). Here the counts are small, so the bound is
+benchmark (docs/bench/2026-11-25-reliability/soak.json). Here the counts are small, so the bound is
 looser than the target but far below a real leak: a 64 KiB tensor kept per all-reduce reads
 +72-76 MiB per 1,000 calls in the collectives phase and more in DDP (one all-reduce per bucket,
 four buckets per step: about 200), while clean runs read between -8 and +0.5 MiB per 1,000.

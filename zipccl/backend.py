@@ -24,7 +24,7 @@ The codec policy: ``Options(codec=...)`` through ``pg_options``, else ``ZIPCCL_C
 drop-in never makes a job slower; ``raw``, ``lossless`` or ``native`` force it for every
 float tensor, however small). Lossy compression only with ``Options(lossy=...)``.
 
-Limits (the README's): ``monitored_barrier`` accepts only groups whose backend is named gloo;
+Limits (docs/USAGE.md's): ``monitored_barrier`` accepts only groups whose backend is named gloo;
 functional collectives reach zipccl only where torch dispatches them to the group's methods
 (DTensor's ``full_tensor()`` on CPU does).
 """
