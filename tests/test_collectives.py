@@ -399,28 +399,6 @@ def test_one_connection_per_direction_on_whole_job_groups(pool):
     assert len({d for _, _, digests in res for d in digests.values()}) == 1
 
 
-def _lab_schedules(rank, groups):
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("lab_schedules", Path(__file__).parents[1] / "bench/lab_schedules.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.MESSAGE = 1000
-    names = []
-    for name, run, _ in mod._schedules(dist, torch, rank, dist.get_world_size()):
-        run()
-        names.append(name)
-    return names
-
-
-def test_lab_schedules_smoke(pool):
-    """bench/lab_schedules.py's message schedules run (tiny messages, loopback), so the script cannot rot."""
-    res = pool.run(_lab_schedules, timeout=120)
-    for r in res:
-        assert not isinstance(r, BaseException), r
-    assert all(len(r) == 7 for r in res)
-
-
 def _transport_bound(rank, groups):
     import importlib.util
     from pathlib import Path
