@@ -78,7 +78,8 @@ def device_entry() -> dict:
     """This rank's GPU as nccl-tests' "Using devices" line names it."""
     d = torch.cuda.current_device()
     p = torch.cuda.get_device_properties(d)
-    bus = f"{getattr(p, 'pci_domain_id', 0):04x}:{getattr(p, 'pci_bus_id', 0):02x}:{getattr(p, 'pci_device_id', 0):02x}"
+    domain, bus, dev = (getattr(p, f"pci_{k}_id", 0) for k in ("domain", "bus", "device"))
+    bus = f"{domain:04x}:{bus:02x}:{dev:02x}"
     return dict(device=d, device_hex=bus, device_info=f"{p.name} (torch {torch.__version__}, CUDA {torch.version.cuda})")
 
 
