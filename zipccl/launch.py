@@ -58,10 +58,11 @@ def lab_env(rank: int, ifname: str = "lo") -> dict[str, str]:
     (src/misc/utils.cc, getHostHashOnce), so a different NCCL_HOSTID per rank makes each rank a
     host of its own. Between hosts NCCL uses neither P2P nor shared memory (both require equal
     host hashes: src/transport/p2p.cc and shm.cc, canConnect) but its network transport:
-    NCCL_NET=Socket picks the built-in socket one (no IB or plugin), NCCL_IB_DISABLE=1 keeps IB
-    out, NCCL_SOCKET_IFNAME its interface (lo, or a lab's veth: src/misc/socket.cc), and
-    NCCL_MNNVL_ENABLE=0 keeps the "hosts" from being joined over a multi-node NVLink fabric
-    (src/mnnvl.cc). NCCL_P2P_DISABLE and NCCL_SHM_DISABLE do not help: the refusal comes first."""
+    NCCL_NET=Socket picks the built-in socket one by name (src/plugin/net.cc, ncclNetInit; no
+    IB, no plugin), NCCL_IB_DISABLE=1 keeps IB out, NCCL_SOCKET_IFNAME names its interface (lo,
+    or a network lab's veth: src/misc/socket.cc), and NCCL_MNNVL_ENABLE=0 keeps the "hosts"
+    from being joined over a multi-node NVLink fabric (src/mnnvl.cc). NCCL_P2P_DISABLE and
+    NCCL_SHM_DISABLE do not help: the refusal comes first."""
     return {"NCCL_HOSTID": f"zipccl-lab-rank{rank}", "NCCL_SOCKET_IFNAME": ifname, "NCCL_IB_DISABLE": "1",
             "NCCL_NET": "Socket", "NCCL_MNNVL_ENABLE": "0"}
 
