@@ -4,8 +4,9 @@
 # --device cuda --share-gpu, 4 ranks on loopback: NCCL's own collective, raw, lossless and auto),
 # the codec's GPU throughput and where its time goes. Every file lands in OUTDIR ($OUT if set).
 #   ZIPCCL_DATA=folder-with-the-real-gradients bash bench/gpu_check.sh [OUTDIR]
-# Each step is bounded by `timeout` (about 7.5 minutes in all) and the run goes on after a failed
-# step; OUTDIR/steps.txt lists every step's exit code (124: its time ran out) and seconds.
+# Each step is bounded by `timeout` (450 s in all, plus at most 2 s per step to kill: under 8
+# minutes) and the run goes on after a failed step; OUTDIR/steps.txt lists every step's exit code
+# (124: its time ran out) and seconds.
 set -u
 out=${1:-${OUT:-gpu_out}}
 mkdir -p "$out"
@@ -21,7 +22,7 @@ step() {
     shift 2
     local cmd="$*"
     echo "### $name (at most ${limit} s): ${cmd:0:300}" | tee -a "$out/$name.txt"
-    timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$out/$name.txt"
+    timeout -k 2 "$limit" "$@" 2>&1 | tee -a "$out/$name.txt"
     local rc=${PIPESTATUS[0]}
     echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$out/steps.txt"
 }
@@ -94,12 +95,12 @@ PY
 )
 
 step env "${ENV_S:-30}" $py -c "$env_py"
-step gpu_suite "${SUITE_S:-160}" $py -m pytest -m gpu -rs -v -p no:cacheprovider \
+step gpu_suite "${SUITE_S:-150}" $py -m pytest -m gpu -rs -v -p no:cacheprovider \
     tests/test_gpu_lab.py tests/test_nccl_gpu.py
 # The one-GPU NCCL lab: 4 ranks on cuda:0, each its own NCCL host, NCCL's socket transport on
 # loopback (no namespaces here); bf16 from 64 KiB to 256 MiB, one table per variant.
 for coll in all_reduce reduce_scatter all_gather; do
-    step "lab_$coll" "${LAB_S:-65}" $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 \
+    step "lab_$coll" "${LAB_S:-60}" $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 \
         --collective "$coll" -b 64K -e 256M -f 4 -d bfloat16 --codec all -n 5 -w 2 -J "$out/lab_$coll.json"
 done
 step codec_cuda "${CODEC_S:-30}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
