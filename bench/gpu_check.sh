@@ -95,7 +95,7 @@ PY
 )
 
 step env "${ENV_S:-30}" $py -c "$env_py"
-step gpu_suite "${SUITE_S:-150}" $py -m pytest -m gpu -rs -v -p no:cacheprovider \
+step gpu_suite "${SUITE_S:-170}" $py -m pytest -m gpu -rs -v -p no:cacheprovider \
     tests/test_gpu_lab.py tests/test_nccl_gpu.py
 # The one-GPU NCCL lab: 4 ranks on cuda:0, each its own NCCL host, NCCL's socket transport on
 # loopback (no namespaces here); bf16 from 64 KiB to 256 MiB, one table per variant.
@@ -105,10 +105,10 @@ for coll in all_reduce reduce_scatter all_gather; do
 done
 step codec_cuda "${CODEC_S:-30}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
     --json "$out/codec_cuda.json"
-step codec_ab "${AB_S:-30}" $py bench/gpu_ab.py --data "$data" --label "$(git rev-parse --short HEAD 2>/dev/null \
+step codec_ab "${AB_S:-20}" $py bench/gpu_ab.py --data "$data" --label "$(git rev-parse --short HEAD 2>/dev/null \
     || echo checkout)" --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json"
-for case in ${STAGES:-33554432:bf16 16777216:fp32}; do
-    step "stages_${case/:/_}" "${STAGES_S:-15}" $py bench/gpu_stages.py --numel "${case%:*}" --dtype "${case#*:}" \
+for case in ${STAGES:-33554432:bf16}; do
+    step "stages_${case/:/_}" "${STAGES_S:-20}" $py bench/gpu_stages.py --numel "${case%:*}" --dtype "${case#*:}" \
         --data "$data"
 done
 echo "### done: $out/steps.txt"
