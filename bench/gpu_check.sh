@@ -21,7 +21,7 @@ step() {
     local name=$1 limit=$2 t0=$SECONDS
     shift 2
     local cmd="$*"
-    echo "### $name (at most ${limit} s): ${cmd:0:300}" | tee -a "$out/$name.txt"
+    echo "### $name (at most ${limit} s): ${cmd%%$'\n'*}" | tee -a "$out/$name.txt"
     timeout -k 2 "$limit" "$@" 2>&1 | tee -a "$out/$name.txt"
     local rc=${PIPESTATUS[0]}
     echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$out/steps.txt"
