@@ -191,8 +191,8 @@ def test_perf_lab_tables_and_json(tmp_path):
     """zipccl-perf --device cuda --share-gpu on 2 ranks: the NCCL baseline table first, then each
     codec's; every checked row right (#wrong 0); the JSON names the device and the lab."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="0")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK"):
-        env.pop(k, None)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "NCCL_SOCKET_IFNAME"):
+        env.pop(k, None)  # no launcher; the lab's default interface, lo
     out = tmp_path / "lab.json"
     r = subprocess.run([sys.executable, "-m", "zipccl.bench", "--device", "cuda", "--share-gpu", "--nranks", "2",
                         "-b", "1M", "-e", "4M", "-f", "4", "-d", "bfloat16", "--codec", "all", "-n", "3", "-w", "1",
@@ -203,8 +203,8 @@ def test_perf_lab_tables_and_json(tmp_path):
     tables = doc["zipccl"]["tables"]
     assert [t["codec"] for t in tables] == ["torch", "raw", "lossless", "auto"], tables
     assert all(t["out_of_bounds"]["count"] == 0 for t in tables), tables
-    checked = [r for r in doc["results"] if r["zipccl"]["codec"] in ("raw", "lossless")]
-    assert checked and all(r[p]["nwrong"] == 0 for r in checked for p in ("out_of_place", "in_place")), checked
+    checked = [row for row in doc["results"] if row["zipccl"]["codec"] in ("raw", "lossless")]
+    assert checked and all(row[p]["nwrong"] == 0 for row in checked for p in ("out_of_place", "in_place")), checked
     assert "NCCL_HOSTID=zipccl-lab-rank0" in doc["env"] and "NCCL_SOCKET_IFNAME=lo" in doc["env"], doc["env"]
     devices = doc["config"]["devices"]
     assert [d["device"] for d in devices] == [0, 0], devices
