@@ -1,26 +1,114 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, on one GPU machine (docs/GPU.md): the stack's versions, the gpu
-# test suite, the codec's GPU throughput and where its time goes. Every file lands in OUTDIR.
-#   ZIPCCL_DATA=folder-with-the-real-gradients bash bench/gpu_check.sh OUTDIR
+# test suite (its multi-rank tests on the one-GPU lab), the one-GPU NCCL lab's tables (zipccl-perf
+# --device cuda --share-gpu, 4 ranks on loopback: NCCL's own collective, raw, lossless and auto),
+# the codec's GPU throughput and where its time goes. Every file lands in OUTDIR ($OUT if set).
+#   ZIPCCL_DATA=folder-with-the-real-gradients bash bench/gpu_check.sh [OUTDIR]
+# Each step is bounded by `timeout` (450 s in all, plus at most 2 s per step to kill: under 8
+# minutes) and the run goes on after a failed step; OUTDIR/steps.txt lists every step's exit code
+# (124: its time ran out) and seconds.
 set -u
-out=${1:-gpu_out}
+out=${1:-${OUT:-gpu_out}}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 NCCL_SOCKET_IFNAME=lo
 py=${PYTHON:-python3}
 data=${ZIPCCL_DATA:-../shared/data}/grads_step050_bucket0_fp32.npy
-{
-    date -u
-    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total --format=csv
-    $py -c "import sys, torch, triton, cupy; print('python', sys.version.split()[0], 'torch', torch.__version__,
-'triton', triton.__version__, 'cupy', cupy.__version__, '|', torch.cuda.get_device_name())"
-    $py -c "from cupy.cuda import nccl; print('libnccl', nccl.get_version())"
-    $py -c "from zipccl.transport import nccl_stack; print(nccl_stack.detect())"
-    $py -c "from zipccl.topology import nvml_link; print('NVML link between local GPUs:', nvml_link())"
-} 2>&1 | tee "$out/env.txt"
-timeout "${SUITE_S:-240}" $py -m pytest -m gpu -rs -v -p no:cacheprovider tests/test_nccl_gpu.py 2>&1 \
-    | tee "$out/gpu_suite.txt"
-timeout "${CODEC_S:-150}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
-    --json "$out/codec_cuda.json" 2>&1 | tee "$out/codec_cuda.txt"
-for case in ${STAGES:-4194304:bf16 33554432:bf16 134217728:bf16 33554432:fp16 16777216:fp32}; do
-    timeout "${STAGES_S:-60}" $py bench/gpu_stages.py --numel "${case%:*}" --dtype "${case#*:}" --data "$data" 2>&1
-done | tee "$out/stages.txt"
+: > "$out/steps.txt"
+
+# step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, its output to OUTDIR/NAME.txt
+# (and here), its exit code and time to OUTDIR/steps.txt.
+step() {
+    local name=$1 limit=$2 t0=$SECONDS
+    shift 2
+    local cmd="$*"
+    echo "### $name (at most ${limit} s): ${cmd%%$'\n'*}" | tee -a "$out/$name.txt"
+    timeout -k 2 "$limit" "$@" 2>&1 | tee -a "$out/$name.txt"
+    local rc=${PIPESTATUS[0]}
+    echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$out/steps.txt"
+}
+
+# The stack: date, commit, the card (nvidia-smi), torch, torch's NCCL, Triton, CuPy's NCCL, NVML.
+env_py=$(cat <<'PY'
+import datetime
+import os
+import subprocess
+import sys
+
+
+def torch_version():
+    import torch
+    return f"{torch.__version__}, CUDA {torch.version.cuda}"
+
+
+def gpu():
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else \
+        "no CUDA device (torch.cuda.is_available() is False)"
+
+
+def torch_nccl():
+    import torch
+    return ".".join(map(str, torch.cuda.nccl.version()))
+
+
+def triton_version():
+    import triton
+    return triton.__version__
+
+
+def cupy_nccl():
+    import cupy
+    from cupy.cuda import nccl
+    return f"cupy {cupy.__version__}, libnccl {nccl.get_version()}"
+
+
+def stack():
+    from zipccl.transport import nccl_stack
+    return nccl_stack.detect()
+
+
+def link():
+    from zipccl.topology import nvml_link
+    return nvml_link()
+
+
+def run(*argv):
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+        return (r.stdout or r.stderr).strip() or f"exit code {r.returncode}"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unavailable ({type(e).__name__}: {e})"
+
+
+print("date", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+print("commit", os.environ.get("ZIPCCL_COMMIT") or run("git", "rev-parse", "HEAD"))
+print("nvidia-smi:", run("nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total",
+                         "--format=csv"))
+print("python", sys.version.split()[0])
+for what, get in [("torch", torch_version), ("GPU", gpu), ("torch's NCCL", torch_nccl), ("triton", triton_version),
+                  ("CuPy", cupy_nccl), ("zipccl's GPU stack", stack), ("NVML link between local GPUs", link)]:
+    try:
+        print(f"{what}: {get()}")
+    except Exception as e:  # the next line still prints
+        print(f"{what}: unavailable ({type(e).__name__}: {e})")
+PY
+)
+
+step env "${ENV_S:-30}" $py -c "$env_py"
+step gpu_suite "${SUITE_S:-170}" $py -m pytest -m gpu -rs -v -p no:cacheprovider \
+    tests/test_gpu_lab.py tests/test_nccl_gpu.py
+# The one-GPU NCCL lab: 4 ranks on cuda:0, each its own NCCL host, NCCL's socket transport on
+# loopback (no namespaces here); bf16 from 64 KiB to 256 MiB, one table per variant.
+for coll in all_reduce reduce_scatter all_gather; do
+    step "lab_$coll" "${LAB_S:-60}" $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 \
+        --collective "$coll" -b 64K -e 256M -f 4 -d bfloat16 --codec all -n 5 -w 2 -J "$out/lab_$coll.json"
+done
+step codec_cuda "${CODEC_S:-30}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
+    --json "$out/codec_cuda.json"
+step codec_ab "${AB_S:-20}" $py bench/gpu_ab.py --data "$data" --label "$(git rev-parse --short HEAD 2>/dev/null \
+    || echo checkout)" --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json"
+for case in ${STAGES:-33554432:bf16}; do
+    step "stages_${case/:/_}" "${STAGES_S:-20}" $py bench/gpu_stages.py --numel "${case%:*}" --dtype "${case#*:}" \
+        --data "$data"
+done
+echo "### done: $out/steps.txt"

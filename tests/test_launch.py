@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from zipccl import launch
+from zipccl.errors import UnsupportedError
 from zipccl.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,3 +111,71 @@ def test_dropin_backend_under_mpirun():
                          capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr + out.stdout
     _check_dropin(out.stdout, 4)
+
+
+# ---- the one-GPU lab: what each rank's environment holds, checked without a GPU -------------------------------
+
+def test_lab_env_makes_each_rank_its_own_nccl_host():
+    assert launch.lab_env(0) == {"NCCL_HOSTID": "zipccl-lab-rank0", "NCCL_SOCKET_IFNAME": "lo",
+                                 "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_MNNVL_ENABLE": "0"}
+    assert launch.lab_env(3, "zcl-v1a") == {"NCCL_HOSTID": "zipccl-lab-rank3", "NCCL_SOCKET_IFNAME": "zcl-v1a",
+                                            "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_MNNVL_ENABLE": "0"}
+    assert len({launch.lab_env(r)["NCCL_HOSTID"] for r in range(64)}) == 64  # a host hash per rank
+
+
+def test_rank_env():
+    assert launch.rank_env(2, 4, 29600) == dict(RANK="2", WORLD_SIZE="4", LOCAL_RANK="2", MASTER_ADDR="127.0.0.1",
+                                                MASTER_PORT="29600")
+    assert launch.rank_env(2, 4, 29600, share_gpu=True) == dict(
+        RANK="2", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29600", GROUP_RANK="2",
+        LOCAL_WORLD_SIZE="1")
+
+
+def test_gpu_for():
+    assert launch.gpu_for(0, 1) == 0
+    assert launch.gpu_for(3, 8) == 3                       # one GPU per local rank
+    assert launch.gpu_for(3, 1, share_gpu=True) == 0       # the lab: every rank on GPU 0
+    with pytest.raises(UnsupportedError, match="local rank 2 has no CUDA device of its own.*share_gpu=True"):
+        launch.gpu_for(2, 2)
+    for share in (False, True):
+        with pytest.raises(UnsupportedError, match="no CUDA device"):
+            launch.gpu_for(0, 0, share_gpu=share)
+
+
+def _fake_cuda(monkeypatch, count: int) -> list:
+    import torch
+    bound = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    return bound
+
+
+def test_use_gpu_sets_the_lab_variables(monkeypatch):
+    for name in ("NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_NET", "NCCL_MNNVL_ENABLE"):
+        monkeypatch.delenv(name, raising=False)
+    bound = _fake_cuda(monkeypatch, 1)
+    monkeypatch.setenv("NCCL_HOSTID", "one-host-for-all")  # a job-wide setting would defeat the lab: replaced
+    assert launch.use_gpu(2, 0, share_gpu=True) == 0
+    assert bound == [0]
+    assert {k: os.environ[k] for k in launch.lab_env(2)} == launch.lab_env(2)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "zcl-v1a")   # a network lab's veth is kept
+    launch.use_gpu(3, 0, share_gpu=True)
+    assert os.environ["NCCL_HOSTID"] == "zipccl-lab-rank3" and os.environ["NCCL_SOCKET_IFNAME"] == "zcl-v1a"
+
+
+def test_use_gpu_without_the_lab_sets_no_nccl_variable(monkeypatch):
+    monkeypatch.delenv("NCCL_HOSTID", raising=False)
+    bound = _fake_cuda(monkeypatch, 4)
+    assert launch.use_gpu(5, 3) == 3
+    assert bound == [3] and "NCCL_HOSTID" not in os.environ
+
+
+def test_spawn_share_gpu_needs_cuda(monkeypatch):
+    _fake_cuda(monkeypatch, 0)
+    with pytest.raises(UnsupportedError, match=r"share_gpu=True.*no CUDA device"):
+        launch.spawn(_never_called, 2, share_gpu=True)
+
+
+def _never_called(rank, nranks):
+    raise AssertionError("spawn started ranks without CUDA")

@@ -126,3 +126,19 @@ def spawn(target, n: int, args: tuple, answers: int | None = None, seconds: floa
                 p.kill()
                 p.join()
     return got, procs
+
+
+def join_gpu_world(rank: int, n: int, port: int, timeout: float = 120.0) -> int:
+    """For a process of ``spawn``: this rank's GPU (cuda:rank where the machine has n GPUs, else
+    the one-GPU lab's cuda:0, each rank its own NCCL host: zipccl.launch.use_gpu), then a gloo
+    world of n on ``port``. Returns the device index."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from zipccl import launch
+    device = launch.use_gpu(rank, rank, share_gpu=torch.cuda.device_count() < n)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=timeout))
+    return device

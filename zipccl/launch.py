@@ -6,6 +6,11 @@
   127.0.0.1:29500 (single node; pass ``-x MASTER_ADDR=host`` to mpirun for several).
 - ``spawn(fn, nranks)`` starts N local ranks over gloo: the embedded default of the
   examples and benchmarks.
+
+GPUs: a rank that uses NCCL (``backend`` "nccl", or ``share_gpu``) is bound to one GPU before
+its group exists: its local rank's under a launcher with one GPU per local rank, or GPU 0 for
+every rank of the one-GPU lab (``share_gpu=True``), where each rank is an NCCL host of its own
+(``lab_env``) and NCCL connects the ranks with its socket transport.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .errors import UnsupportedError
 
 DEFAULT_ADDR, DEFAULT_PORT = "127.0.0.1", 29500
 
@@ -41,13 +48,59 @@ def detect() -> World | None:
     return None
 
 
-def init(backend: str = "gloo", timeout: float = 600.0) -> World:
-    """Initialise torch.distributed from the launcher's environment (idempotent).
+def lab_env(rank: int, ifname: str = "lo") -> dict[str, str]:
+    """NCCL's variables for rank ``rank`` of the one-GPU lab, where several ranks share one GPU.
+
+    NCCL refuses two ranks of a communicator on one GPU when they look like one host: the
+    check is "same host hash and same bus id" (NCCL 2.28.9, src/init.cc, "Duplicate GPU
+    detected"; from 2.30 the GPU's UUID, "Multiple Ranks are using the same GPU"). The host hash
+    is a hash of NCCL_HOSTID where that is set, in place of the host name and boot id
+    (src/misc/utils.cc, getHostHashOnce), so a different NCCL_HOSTID per rank makes each rank a
+    host of its own. Between hosts NCCL uses neither P2P nor shared memory (both require equal
+    host hashes: src/transport/p2p.cc and shm.cc, canConnect) but its network transport:
+    NCCL_NET=Socket picks the built-in socket one by name (src/plugin/net.cc, ncclNetInit; no
+    IB, no plugin), NCCL_IB_DISABLE=1 keeps IB out, NCCL_SOCKET_IFNAME names its interface (lo,
+    or a network lab's veth: src/misc/socket.cc), and NCCL_MNNVL_ENABLE=0 keeps the "hosts"
+    from being joined over a multi-node NVLink fabric (src/mnnvl.cc). NCCL_P2P_DISABLE and
+    NCCL_SHM_DISABLE do not help: the refusal comes first."""
+    return {"NCCL_HOSTID": f"zipccl-lab-rank{rank}", "NCCL_SOCKET_IFNAME": ifname, "NCCL_IB_DISABLE": "1",
+            "NCCL_NET": "Socket", "NCCL_MNNVL_ENABLE": "0"}
+
+
+def gpu_for(local_rank: int, ngpus: int, share_gpu: bool = False) -> int:
+    """The CUDA device of a rank: 0 for every rank of the one-GPU lab, else one GPU per local rank."""
+    if ngpus < 1:
+        raise UnsupportedError("these ranks run on CUDA, and torch finds no CUDA device here "
+                               "(torch.cuda.is_available() is False)")
+    if share_gpu:
+        return 0
+    if local_rank >= ngpus:
+        raise UnsupportedError(f"local rank {local_rank} has no CUDA device of its own ({ngpus} here): run at most "
+                               f"{ngpus} ranks per node, or share one GPU (share_gpu=True, zipccl-perf --share-gpu)")
+    return local_rank
+
+
+def use_gpu(rank: int, local_rank: int, share_gpu: bool = False) -> int:
+    """Bind this process to its GPU before any NCCL communicator exists (NCCL reads its host id
+    once per process); in the lab, with ``lab_env``'s variables (an NCCL_SOCKET_IFNAME already
+    set, such as a network lab's veth, is kept). Returns the device index."""
+    device = gpu_for(local_rank, torch.cuda.device_count() if torch.cuda.is_available() else 0, share_gpu)
+    if share_gpu:
+        os.environ.update(lab_env(rank, os.environ.get("NCCL_SOCKET_IFNAME", "lo")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def init(backend: str = "gloo", timeout: float = 600.0, share_gpu: bool = False) -> World:
+    """Initialise torch.distributed from the launcher's environment (idempotent); with NCCL
+    (``backend`` naming it, or ``share_gpu``), bind the rank to its GPU first (``use_gpu``).
 
     Without a launcher this is a single-process world of size 1."""
     world = detect() or World(0, 1, 0, "single")
     if dist.is_initialized():
         return World(dist.get_rank(), dist.get_world_size(), world.local_rank, world.launcher)
+    if share_gpu or "nccl" in backend:
+        use_gpu(world.rank, world.local_rank, share_gpu)
     os.environ.setdefault("MASTER_ADDR", DEFAULT_ADDR)
     os.environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
     if world.launcher == "mpirun" and "OMP_NUM_THREADS" not in os.environ:
@@ -74,11 +127,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, fn, nranks, port, backend, timeout, results, args):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nranks), LOCAL_RANK=str(rank),
-                      MASTER_ADDR=DEFAULT_ADDR, MASTER_PORT=str(port))
+def rank_env(rank: int, nranks: int, port: int, share_gpu: bool = False) -> dict[str, str]:
+    """A spawned rank's launcher variables (torchrun's names). In the one-GPU lab each rank is a
+    node of its own, as NCCL sees it there: GROUP_RANK = rank, local rank 0 of 1 (zipccl.topology
+    reads these; ZIPCCL_TOPOLOGY overrides them)."""
+    env = dict(RANK=str(rank), WORLD_SIZE=str(nranks), LOCAL_RANK=str(rank), MASTER_ADDR=DEFAULT_ADDR,
+               MASTER_PORT=str(port))
+    if share_gpu:
+        env.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    return env
+
+
+def _child(rank, fn, nranks, port, backend, timeout, results, args, share_gpu=False):
+    os.environ.update(rank_env(rank, nranks, port, share_gpu))
     torch.set_num_threads(1)  # N ranks share the machine's cores
-    init(backend, timeout)
+    init(backend, timeout, share_gpu)
     try:
         out = fn(rank, nranks, *args)
         results.put((rank, out))
@@ -88,15 +151,22 @@ def _child(rank, fn, nranks, port, backend, timeout, results, args):
     shutdown()
 
 
-def spawn(fn, nranks: int, *args, backend: str = "gloo", timeout: float = 600.0) -> list:
+def spawn(fn, nranks: int, *args, backend: str = "gloo", timeout: float = 600.0, share_gpu: bool = False) -> list:
     """Run ``fn(rank, nranks, *args)`` on ``nranks`` local processes with torch.distributed
     initialised over ``backend``; returns each rank's return value (which must pickle).
-    ``fn`` must be importable (defined at module level)."""
+    ``fn`` must be importable (defined at module level).
+
+    ``share_gpu``: every rank on the visible GPU (cuda:0), each its own NCCL host and its own
+    node (GROUP_RANK = rank), so that NCCL, zipccl's NCCL transport included, connects them
+    with its socket transport over loopback: the one-GPU lab (docs/GPU.md)."""
     if nranks < 1:
         raise ValueError(f"nranks must be >= 1, got {nranks}")
+    if share_gpu and not torch.cuda.is_available():
+        raise UnsupportedError("spawn(share_gpu=True) runs every rank on the visible CUDA device, and torch finds "
+                               "no CUDA device here (torch.cuda.is_available() is False)")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_child, args=(fn, nranks, free_port(), backend, timeout, results, args),
+    mp.start_processes(_child, args=(fn, nranks, free_port(), backend, timeout, results, args, share_gpu),
                        nprocs=nranks, join=True, start_method="spawn")
     out = [None] * nranks
     while not results.empty():

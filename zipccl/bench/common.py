@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -18,6 +17,8 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .cuda import Clock
 
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -227,12 +228,13 @@ def zipccl_codec(args, codec):
     return codec
 
 
-def placed(spec: Spec, in_place: bool, numel_in: int, numel_out: int, rank: int, nranks: int, dtype):
-    """(out, inp) for one placement, as nccl-tests places them: separate buffers out of place;
-    in place, the collective's own aliasing (spec.in_place)."""
-    if in_place:
-        return spec.in_place(numel_in, numel_out, rank, nranks, dtype)
-    return torch.empty(numel_out, dtype=dtype), torch.empty(numel_in, dtype=dtype)
+def placed(spec: Spec, in_place: bool, numel_in: int, numel_out: int, rank: int, nranks: int, dtype, device="cpu"):
+    """(out, inp) for one placement on ``device``, as nccl-tests places them: separate buffers
+    out of place; in place, the collective's own aliasing (spec.in_place)."""
+    with torch.device(device):
+        if in_place:
+            return spec.in_place(numel_in, numel_out, rank, nranks, dtype)
+        return torch.empty(numel_out, dtype=dtype), torch.empty(numel_in, dtype=dtype)
 
 
 def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out: int, dtype, op, codec,
@@ -243,24 +245,24 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     (bitwise; wrong elements summed over the ranks). Returns the placement's figures and
     zipccl's counters over the timed calls."""
     import zipccl
-    out, inp = placed(spec, in_place, numel_in, numel_out, rank, nranks, dtype)
+    out, inp = placed(spec, in_place, numel_in, numel_out, rank, nranks, dtype, args.device)
     inp.copy_(data)
     restore = in_place and spec.name != "all_gather"  # a gather writes back this rank's own data
-    times = []
     zipccl.reset_stats()
+    clock = Clock(args.device)
     dist.barrier()
     for _ in range(args.iters):
         if restore:
             inp.copy_(data)
-        t0 = time.perf_counter()
-        spec.run(out, inp, op, group, codec, args.algorithm)
-        times.append(time.perf_counter() - t0)
+        with clock:
+            spec.run(out, inp, op, group, codec, args.algorithm)
+    times = clock.seconds()
     st = zipccl.stats()
     wrong = 0
     for _ in range(args.check if reference is not None else 0):
         inp.copy_(data)
         spec.run(out, inp, op, group, codec, args.algorithm)
-        wrong += count_wrong(out, reference, op)
+        wrong += count_wrong(out.cpu(), reference, op)
     wrong = sum_over_ranks(wrong) if reference is not None and args.check else None
     seconds = combine_time(sum(times) / len(times), args.average)
     size = max(numel_in, numel_out) * inp.element_size()
@@ -279,7 +281,8 @@ def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, d
     calls are those, on a zipccl group, and their zipccl figures are reported too)."""
     label, codec = label or codec or BASELINE, zipccl_codec(args, codec)
     dropin = codec is None and dist.get_backend(group) == "zipccl"
-    out, inp = placed(spec, False, numel_in, numel_out, rank, nranks, dtype)
+    data = data.to(args.device)
+    out, inp = placed(spec, False, numel_in, numel_out, rank, nranks, dtype, args.device)
     inp.copy_(data)
     for _ in range(args.warmup_iters):
         spec.run(out, inp, op, group, codec, args.algorithm)

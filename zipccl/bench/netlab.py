@@ -13,7 +13,9 @@ veth end), so each node gets RATE in and RATE out through a non-blocking switch.
 The M ranks of a node share its namespace and address: their traffic to each other
 stays inside it, over its loopback, unshaped (as NVLink and shared memory stay
 inside a machine). Ranks get torchrun's variables (GROUP_RANK = node, LOCAL_RANK,
-LOCAL_WORLD_SIZE), from which zipccl.topology finds the nodes.
+LOCAL_WORLD_SIZE), from which zipccl.topology finds the nodes. On a GPU machine,
+``zipccl-perf --share-gpu --netlab RATE`` runs every rank on its one GPU, each an NCCL host of
+its own (zipccl.launch.lab_env) whose socket transport uses its node's veth (NCCL_SOCKET_IFNAME).
 Every name starts with ``zcl-``; addresses exist only inside the lab's own
 namespaces. Measured on these 2-core machines: 1 Gbit/s per rank is accurate
 (iperf3 0.95 Gbit/s); netem (delay) is not in this kernel; above about 2 Gbit/s
@@ -169,6 +171,7 @@ class NetLab:
         return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.nranks), GROUP_RANK=str(node),
                     LOCAL_RANK=str(rank % self.per_node), LOCAL_WORLD_SIZE=str(self.per_node),
                     MASTER_ADDR=rank_ip(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=rank_if(node),
+                    NCCL_SOCKET_IFNAME=rank_if(node),  # NCCL's sockets too (zipccl-perf --share-gpu --netlab)
                     OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
     def popen(self, rank: int, argv: list[str], env: dict, **kw) -> subprocess.Popen:

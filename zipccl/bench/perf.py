@@ -25,7 +25,9 @@ import torch.distributed as dist
 
 from .. import __version__, config, launch, topology
 from ..collectives import auto_policy
+from ..errors import UnsupportedError
 from . import all_gather, all_reduce, reduce_scatter, report
+from . import cuda
 from .common import (BASELINE, CODECS, DTYPES, OPS, load_data, measure, parser, plot, progress, rank_order_reduce,
                      real, sizes, validate, verifiable)
 
@@ -46,6 +48,8 @@ def _plan(args):
     variants = [(c, c, "world") for c in (list(CODECS) if args.codec == "all" else [args.codec])]
     if args.baseline:
         variants = [(BASELINE, None, "world")] + variants
+    if args.device == "cuda":
+        variants = cuda.with_baseline(variants, BASELINE)
     return dtypes, ops, variants
 
 
@@ -59,11 +63,13 @@ def run_config(args) -> dict:
                 per_iter_timing="true" if args.per_iter_timing else "false", per_iter_skip=0, parallel_init="false")
 
 
-def devices() -> list[dict]:
+def devices(device: str = "cpu") -> list[dict]:
     """One entry per rank (nccl-tests' "Using devices"): CPU ranks have no device (-1) and say so."""
     mine = dict(rank=dist.get_rank(), group=0, pid=os.getpid(), hostname=socket.gethostname().split(".")[0],
                 device=-1, device_hex="0000:00:00",
                 device_info=f"CPU {platform.machine()} ({dist.get_backend()}, torch {torch.__version__})")
+    if device == "cuda":
+        mine.update(cuda.device_entry())
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return every
@@ -92,21 +98,22 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
     points = [(d, o, s) for d in dtypes for o in ops for s in sizes(args.minbytes, args.maxbytes, args.stepfactor,
                                                                       args.stepbytes)]
     say = print if rank == 0 else (lambda *a, **k: None)
-    start, cfg, devs = report.now(), run_config(args), devices()
+    start, cfg, devs = report.now(), run_config(args), devices(args.device)
     version = (f"zipccl-perf version {__version__} (nccl-tests {report.FORMAT_VERSION} output format) "
                f"torch {torch.__version__} backend {dist.get_backend()}")
     if args.output_file:
         say(f"# Writing JSON output to {args.output_file}")
     tables, k, total = [], 0, len(points) * len(variants)
-    gloo = dist.new_group(backend="gloo") if any(where == "gloo" for _, _, where in variants) else None
+    groups = _groups(variants)
     for label, variant, where in variants:
-        group = gloo if where == "gloo" else None
+        group = groups.get(where)
         name = f"{spec.name}_perf:{label}"
         what = {BASELINE: "plain torch.distributed (--baseline)", GLOO: "plain torch.distributed on gloo",
                 DROPIN: f"plain torch.distributed on the zipccl backend (ZIPCCL_CODEC={config.CODEC})"}.get(
                     label, f"zipccl codec {label}")
         extra = [f"# zipccl-perf table: {what}; {spec.name}, {nranks} ranks ({how}), algorithm {args.algorithm}, "
                  f"data {args.data or 'verifiable gaussian-like'}; busbw on uncompressed bytes"]
+        extra += cuda.table_lines(args, nranks)
         for line in report.preamble_lines(name, version, cfg, devs, extra) + report.header_lines(args.per_iter_timing):
             say(line, flush=True)
         rows, notes = [], []
@@ -144,6 +151,13 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
         plot(rows, args.plot, f"zipccl-perf {spec.name}, {nranks} ranks ({how})")
     _quiet_exit()
     return rows
+
+
+def _groups(variants) -> dict:
+    """The groups of their own that the variants run on, by name: a gloo group (--backend
+    zipccl's torch-gloo table), torch's NCCL (the baseline on CUDA). The world is None."""
+    wanted = {where for _, _, where in variants} & {"gloo", cuda.NCCL_GROUP}
+    return {where: dist.new_group(backend=where) for where in sorted(wanted)}
 
 
 def zipccl_lines(rows: list[dict], notes: list[str], auto: bool) -> list[str]:
@@ -209,13 +223,20 @@ def _wrong(rows: list[dict]) -> int:
 
 
 def _spawned(rank, nranks, args):
+    cuda.bind(args)
     return _wrong(run_rank(rank, nranks, args, argv=args.argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser("zipccl-perf")
+    cuda.add_options(ap)
     args = ap.parse_args(argv)
     validate(ap, args)
+    refused = cuda.refusal(args, launch.detect() is not None)
+    if refused:
+        print(f"zipccl-perf: {refused}", file=sys.stderr)
+        return 2
+    cuda.apply(args)
     given = list(argv if argv is not None else sys.argv[1:])
     args.argv = ["zipccl-perf", *given]  # the JSON's "args", as nccl-tests records its command line
     if args.netlab:
@@ -226,11 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         config.TOPOLOGY = os.environ["ZIPCCL_TOPOLOGY"]
     world = launch.detect()
     if world is not None:
-        launch.init(args.backend)
+        try:
+            launch.init(args.backend, share_gpu=args.share_gpu)
+            cuda.bind(args)
+        except UnsupportedError as e:  # this rank's GPU (one per local rank)
+            print(f"zipccl-perf: rank {world.rank}: {e}", file=sys.stderr)
+            return 2
         rows = run_rank(world.rank, world.size, args, args.how or world.launcher, args.argv)
         launch.shutdown()
         return 1 if _wrong(rows) else 0
-    wrong = launch.spawn(_spawned, args.nranks, args, backend=args.backend)
+    wrong = launch.spawn(_spawned, args.nranks, args, backend=args.backend, share_gpu=args.share_gpu)
     return 1 if any(w for w in wrong) else 0
 
 
