@@ -220,3 +220,40 @@ def test_failed_all_reduce_raises_in_backward(dpool):
     for rank, value in enumerate(out):
         assert isinstance(value, str) and f"ValueError: bucket refused on rank {rank}" in value, value
     assert pool.alive
+
+
+def _work_contract(rank, groups, backend):
+    """What a Work of an async all-reduce gives: result() and get_future().value() are the
+    tensor itself, reduced; after a failure, wait() and result() raise the call's error and the
+    future raises in C++ (a RuntimeError naming it)."""
+    import zipccl.backend
+    t = torch.full((3000,), float(rank + 1))
+    work = dist.all_reduce(t, group=groups[backend], async_op=True)
+    out = dict(result=work.result()[0] is t, future=work.get_future().wait()[0] is t, sum=t.eq(3.0).all().item())
+    api_all_reduce = zipccl.backend.api.all_reduce
+
+    def broken(*args, **kwargs):
+        raise ValueError("refused")
+
+    zipccl.backend.api.all_reduce = broken
+    try:
+        work = dist.all_reduce(t, group=groups[backend], async_op=True)
+        for name, call in (("wait", work.wait), ("result", work.result), ("future", work.get_future().wait)):
+            try:
+                call()
+                out[name + " error"] = None
+            except Exception as e:  # the test asserts which
+                out[name + " error"] = f"{type(e).__name__}: {e}"
+    finally:
+        zipccl.backend.api.all_reduce = api_all_reduce
+    return out
+
+
+@pytest.mark.parametrize("backend", CODECS)
+def test_work_gives_what_gloo_gives(dpool, backend):
+    res = dpool().run(_work_contract, backend, timeout=120)
+    for value in res:
+        assert not isinstance(value, BaseException), value
+        assert value["result"] and value["future"] and value["sum"], value
+        assert value["wait error"] == value["result error"] == "ValueError: refused", value
+        assert value["future error"].startswith("RuntimeError: ") and "ValueError: refused" in value["future error"]

@@ -122,6 +122,12 @@ class _Work(dist.Work):
     def get_future(self) -> torch.futures.Future:
         return self._future
 
+    def result(self) -> list[torch.Tensor]:
+        """The call's output tensors, as gloo's Work gives them, once the call is done (its
+        error raised)."""
+        self.wait()
+        return self._handle.get_future().value()
+
 
 def _result(future: torch.futures.Future):
     """The call's value, or its error raised (``_Work``: a failure C++ sees)."""
