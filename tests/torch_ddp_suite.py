@@ -8,6 +8,11 @@ drop-in backend: a runner, as torch's test/distributed/test_distributed_spawn.py
 Not collected by pytest: each test spawns its ranks afresh (test_ddp_create_graph: about 100 s
 on 2 cores). Each rank is a spawned process that imports this module, hence zipccl, which
 registers "zipccl".
+
+Run on 2026-11-26 (torch 2.13.0+cpu, 2 cores, ZIPCCL_CODEC=lossless, commit 511d8ee on):
+test_DistributedDataParallelCPU, test_DistributedDataParallelCPU_grad_is_view and
+test_ddp_create_graph pass (test_ddp_create_graph died with SIGSEGV before); torch gates its
+other DDP tests on 2 GPUs or on the backend's name (nccl, gloo, ucc).
 """
 
 import zipccl  # noqa: F401 - registers the "zipccl" backend in every rank's process
