@@ -62,16 +62,18 @@ class Pool:
         self._collect(start_timeout)
 
     def _collect(self, timeout: float) -> list:
+        """Every rank's answer; a rank that died (a segfault) or the deadline kills the pool and
+        fails the test, a dead rank within a second (the queue is polled, not waited on)."""
         out, deadline = {}, time.monotonic() + timeout
         while len(out) < self.nranks:
             try:
-                rank, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, value = self.results.get(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                dead = {r: p.exitcode for r, p in enumerate(self.procs) if not p.is_alive()}
                 if time.monotonic() >= deadline or dead:
                     self.close(kill=True)
                     raise TimeoutError(f"ranks {sorted(set(range(self.nranks)) - set(out))} did not answer "
-                                       f"within {timeout:.0f} s (dead: {dead})") from None
+                                       f"(limit {timeout:.0f} s; dead, with exit codes: {dead})") from None
                 continue
             out[rank] = value
         return [out[r] for r in range(self.nranks)]

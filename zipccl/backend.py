@@ -96,11 +96,19 @@ class _Inside:
 
 class _Work(dist.Work):
     """torch's Work over a future: ``wait()`` raises the call's error (a Work that torch makes
-    from a failed future does not), ``get_future().value()`` is the list of result tensors."""
+    from a failed future does not), ``get_future().value()`` is the list of result tensors.
+
+    ``get_future()`` is what torch's C++ reads (DDP's reducer takes the first tensor of its
+    value), so it must fail as a C++ future fails. A Python future's ``set_exception`` only
+    stores the exception as the future's value, raised by Python's ``wait()``: C++ sees a
+    success whose value holds no tensor, and the reducer read past the end of that empty list
+    (SIGSEGV in ``parseCppCommHookResult``). A future made by ``then`` whose callback raises
+    is failed in C++ itself, so the reducer raises a RuntimeError naming the error instead."""
 
     def __init__(self, future: torch.futures.Future):
         super().__init__()
         self._handle = executor.Handle(future)
+        self._future = future.then(_result)
 
     def wait(self, timeout=None) -> bool:
         """Wait for the call and raise its error; ``timeout`` (a timedelta or seconds; zero or
@@ -112,7 +120,18 @@ class _Work(dist.Work):
         return self._handle.is_completed()
 
     def get_future(self) -> torch.futures.Future:
-        return self._handle.get_future()
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        """The call's output tensors, as gloo's Work gives them, once the call is done (its
+        error raised)."""
+        self.wait()
+        return self._handle.get_future().value()
+
+
+def _result(future: torch.futures.Future):
+    """The call's value, or its error raised (``_Work``: a failure C++ sees)."""
+    return future.wait()
 
 
 def _finished(result=None, error: BaseException | None = None) -> _Work:
@@ -152,6 +171,14 @@ def _first(tensors):
             return None
         tensors = tensors[0]
     return tensors if isinstance(tensors, torch.Tensor) else None
+
+
+def _data(tensors) -> list:
+    """The tensors as a C++ backend sees them: their storage, outside autograd (``.data``: no
+    op recorded, no version bump, numpy() allowed). gloo and NCCL write results so; DDP with
+    ``create_graph=True`` hands buckets that require grad, which zipccl's numpy() kernels and
+    in-place writes would otherwise refuse (a leaf) or record into the graph."""
+    return [t.data for t in tensors]
 
 
 def _factor(op) -> float | None:
@@ -243,7 +270,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if len(tensors) != 1 or not self._takes(tensors, op):  # several: one sum over all of them, gloo's
             return self._inner_for(tensors[0]).allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
-        zop, factor, x = _ZIPCCL_OPS[_red_type(op)], _factor(op), tensors[0]
+        zop, factor, x = _ZIPCCL_OPS[_red_type(op)], _factor(op), tensors[0].data
         lossy = self._lossy_name(x, zop)
 
         def fn():
@@ -261,15 +288,15 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not tensors or not self._takes(tensors, op):
             return self._inner_for(tensors[0]).allreduce_coalesced(
                 tensors, _options(dist.AllreduceCoalescedOptions, opts, op))
-        zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
+        zop, factor, data = _ZIPCCL_OPS[_red_type(op)], _factor(op), _data(tensors)
 
         def fn():  # one call for all of them: a flat copy, reduced, copied back
-            flat = torch.cat([x.reshape(-1) for x in tensors])
+            flat = torch.cat([x.reshape(-1) for x in data])
             if factor is not None:
                 flat.mul_(factor)
             api.all_reduce(flat, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
             offset = 0
-            for x in tensors:
+            for x in data:
                 x.copy_(flat[offset:offset + x.numel()].view_as(x))
                 offset += x.numel()
         return self._run(fn, tensors, async_op)
@@ -278,7 +305,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         async_op = getattr(opts, "asyncOp", True)
         if not self._takes([output, input]):
             return self._inner_for(input)._allgather_base(output, input, _options(AllgatherOptions, opts))
-        return self._run(lambda: api.all_gather(output, input, group=self, codec=self.codec,
+        out, src = _data([output, input])
+        return self._run(lambda: api.all_gather(out, src, group=self, codec=self.codec,
                                                 algorithm=self.options.algorithm), [output], async_op)
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -287,10 +315,11 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             return self._inner_for(input)._reduce_scatter_base(
                 output, input, _options(dist.ReduceScatterOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
+        out, data = _data([output, input])
 
         def fn():
-            src = input if factor is None else input * factor
-            api.reduce_scatter(output, src, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
+            src = data if factor is None else data * factor
+            api.reduce_scatter(out, src, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
         return self._run(fn, [output], async_op)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -305,12 +334,12 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                 and self._takes(list(outputs[0]) + inputs)
                 and all(o.shape == inputs[0].shape for o in outputs[0])):
             return self._inner_for(inputs[0]).allgather(outputs, inputs, _options(AllgatherOptions, opts))
-        x, outs = inputs[0], list(outputs[0])
+        x, outs = inputs[0].data, list(outputs[0])
 
         def fn():
             flat = x.new_empty((self.size(), x.numel()))
             api.all_gather(flat, x, group=self, codec=self.codec, algorithm=self.options.algorithm)
-            for j, o in enumerate(outs):
+            for j, o in enumerate(_data(outs)):
                 o.copy_(flat[j].view_as(o))
         return self._run(fn, outs, async_op)
 
@@ -325,7 +354,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                 and all(i.shape == outputs[0].shape for i in inputs[0])):
             return self._inner_for(outputs[0]).reduce_scatter(
                 outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
-        out, chunks = outputs[0], list(inputs[0])
+        out, chunks = outputs[0].data, _data(inputs[0])
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
@@ -333,7 +362,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             if factor is not None:
                 flat.mul_(factor)
             api.reduce_scatter(out, flat, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
-        return self._run(fn, [out], async_op)
+        return self._run(fn, outputs, async_op)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         async_op = getattr(opts, "asyncOp", True)
@@ -342,7 +371,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                               lambda b, o, i: b._allgather_base(o, i, _options(AllgatherOptions, opts)))
 
         def fn():
-            for o, i in zip(outputs, inputs):
+            for o, i in zip(_data(outputs), _data(inputs)):
                 api.all_gather(o, i, group=self, codec=self.codec, algorithm=self.options.algorithm)
         return self._run(fn, list(outputs), async_op)
 
@@ -354,7 +383,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
-            for o, i in zip(outputs, inputs):
+            for o, i in zip(_data(outputs), _data(inputs)):
                 api.reduce_scatter(o, i if factor is None else i * factor, zop, group=self, codec=self.codec,
                                    algorithm=self.options.algorithm)
         return self._run(fn, list(outputs), async_op)
