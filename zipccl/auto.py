@@ -51,9 +51,14 @@ class Policy:
     def key(collective: str, dtype, nbytes: int) -> tuple:
         return collective, str(dtype), nbytes.bit_length()
 
+    def measures(self, nbytes: int, candidates: tuple[str, ...]) -> bool:
+        """Whether a call's time can change a choice: below ``probe_min_bytes`` or with one
+        candidate the first always runs (its time needs no synchronised clock)."""
+        return nbytes >= self.probe_min_bytes and len(candidates) > 1
+
     def choose(self, key: tuple, nbytes: int, candidates: tuple[str, ...]) -> str:
         """The plan of the class's next call, among ``candidates`` (the first is the default)."""
-        if nbytes < self.probe_min_bytes or len(candidates) == 1:
+        if not self.measures(nbytes, candidates):
             return candidates[0]
         i = self.calls.get(key, 0)
         self.calls[key] = i + 1

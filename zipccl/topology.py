@@ -252,11 +252,19 @@ class Levels:
     memory: NodeMemory | None = None  # the node's shared memory, where its ranks can map one (ZIPCCL_SHM)
 
 
+def shares_memory(backend: str) -> bool:
+    """Whether the hierarchical levels of a group of torch backend ``backend`` try the nodes'
+    shared memory: where ZIPCCL_SHM allows, not on nccl, whose tensors live on the GPU (and
+    whose groups cannot carry the CPU tensors that set the memory up); the CUDA calls of other
+    groups do not use it either (zipccl.api)."""
+    return config.SHM and backend != "nccl"
+
+
 def levels(group=None) -> Levels | None:
     """The intra- and inter-node groups of ``group``, created on the first call (every rank of the
     job, in the same order: each node's group in node order, then each local rank's group), or
     None where there is no second level or ``group`` does not span the job. Then, where
-    ZIPCCL_SHM allows, each node's shared memory (zipccl.transport.shm), used only if every
+    ``shares_memory``, each node's shared memory (zipccl.transport.shm), used only if every
     node could map its own."""
     key = _group_key(group)
     with _lock:
@@ -278,7 +286,7 @@ def levels(group=None) -> Levels | None:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
             return bool(flag.item())
 
-        memory = NodeMemory.available(intra[node], local, topo.local_size, agree) if config.SHM else None
+        memory = NodeMemory.available(intra[node], local, topo.local_size, agree) if shares_memory(backend) else None
         made = Levels(topo, intra[node], inter[local], node, local, memory)
     with _lock:
         return _levels.setdefault(key, made)

@@ -12,6 +12,8 @@ the host does not wait for the device, except where the pipeline needs a size on
 tensors (metadata, sizes) are staged through device memory and copied back when waited for.
 NCCL's rules hold (DESIGN.md invariant 12): exact-size receives, no tags (messages between two
 ranks match in issue order), sends and receives issued inside ``grouped()`` (groupStart/End).
+Codec "native" is NCCL's own collective: torch's, on the group, where its backend is nccl
+(``native_by_torch``), else on this communicator.
 
 GPU-only beyond construction: what runs without a GPU (the bootstrap, its agreed error, the type
 and op tables) is tested in CI (tests/test_nccl.py); the rest is covered by the ``gpu`` suite
@@ -33,11 +35,20 @@ from .. import config
 from ..errors import UnsupportedError, ZipcclError
 from . import nccl_stack
 from .base import Transport, wait_limit
+from .torch_dist import TorchTransport
 
-__all__ = ["NcclTransport", "NcclError"]
+__all__ = ["NcclTransport", "NcclError", "native_by_torch"]
 
 _transports: dict = {}
 atexit.register(_transports.clear)
+
+
+def native_by_torch(backend: str) -> bool:
+    """Whether codec "native" (the backend's own collective) on a group of torch backend
+    ``backend`` is torch's collective on the group (nccl: torch's own NCCL, the baseline that
+    "auto" measures zipccl against) rather than NCCL's on zipccl's communicator (any other
+    group, whose torch backend takes no CUDA tensors)."""
+    return backend == "nccl"
 
 
 class NcclError(ZipcclError, RuntimeError):
@@ -75,7 +86,9 @@ class NcclTransport(Transport):
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
-        self._cpu = dist.get_backend(group) != "nccl"  # where the group's own collectives take CPU tensors
+        backend = dist.get_backend(group)
+        self._cpu = backend != "nccl"  # where the group's own collectives take CPU tensors
+        self._by_torch = native_by_torch(backend)
         self._open: list | None = None
         self.comm, error = None, None
         try:
@@ -238,6 +251,9 @@ class NcclTransport(Transport):
         return recv
 
     def native(self, name, *tensors, op=None):
+        if self._by_torch:
+            TorchTransport.of(self.group).native(name, *tensors, op=op)
+            return
         out = tensors[0]
         inp = tensors[1] if len(tensors) > 1 else out
         if out.dtype not in nccl_stack.DTYPES:
