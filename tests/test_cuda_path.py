@@ -18,7 +18,7 @@ from zipccl import api, auto, backend, config, hierarchical, lossy, topology
 from zipccl import collectives as C
 from zipccl.codecs import Raw
 from zipccl.collectives import autoplan, metadata, sparse_reduce, validation
-from zipccl.errors import UnsupportedError, ZipcclError
+from zipccl.errors import RankFailure, UnsupportedError, ZipcclError
 from zipccl.failure import Fate
 from zipccl.transport import NcclTransport, TorchTransport, cupy_nccl, select, torch_dist
 from zipccl.transport.strict import Strict, TransportRuleError
@@ -401,3 +401,43 @@ def test_measures_follows_the_probe_floor():
     p = auto.Policy(probe_min_bytes=1 << 20)
     assert [p.measures(n, c) for n, c in [((1 << 20) - 1, ("native", "raw")), (1 << 20, ("native", "raw")),
                                           (1 << 30, ("native",))]] == [False, True, False]
+
+
+# ---- failures on NCCL: a hung peer is named, the communicator aborted, never the transport's own error ---------
+
+class _Comm:
+    """A CuPy communicator that never fails and counts its aborts."""
+
+    def __init__(self):
+        self.aborted = 0
+
+    def check_async_error(self):
+        return None
+
+    def abort(self):
+        self.aborted += 1
+
+
+class _Pending:
+    """A CUDA event that never passes: the peer's message never comes."""
+
+    def query(self):
+        return False
+
+
+def test_a_hung_peer_on_nccl_is_named_with_the_communicator_aborted(monkeypatch):
+    monkeypatch.setattr(config, "TIMEOUT", 0.05)
+    comm = _Comm()
+    t = object.__new__(NcclTransport)  # three ranks, this one the job's rank 5; no GPU needed from here on
+    t.rank, t.size, t._ranks, t.comm, t._open = 0, 3, [5, 9, 11], comm, None
+    size = cupy_nccl._Work(None, host=torch.zeros(1, dtype=torch.int64), staged=None)
+    size.event = _Pending()
+    fate = Fate.of("all_reduce", t)
+    assert not fate.wait(t, size, 1)  # gave up on group rank 1 after ZIPCCL_TIMEOUT
+    assert comm.aborted == 1 and t.comm is None and fate.gave_up
+    # the status round on the aborted communicator: rank 2's operations fail and count it lost too,
+    # and the call raises RankFailure naming the hung rank (the job's 9), never NcclError
+    with pytest.raises(RankFailure, match=r"rank 9 failed: it stopped answering.*must be rebuilt") as e:
+        fate.settle(t)
+    assert (e.value.rank, e.value.kind, e.value.broken) == (9, "lost", True)
+    assert (id(t), 2) in fate.lost

@@ -55,6 +55,10 @@ class NcclError(ZipcclError, RuntimeError):
     """NCCL failed (its own message is in the text); the communicator has been aborted."""
 
 
+def _aborted() -> NcclError:
+    return NcclError("the NCCL communicator was aborted after an earlier failure: rebuild the group")
+
+
 class _Work:
     """An operation issued in a group: done when the event recorded after the group's end has
     passed. ``host``: a CPU tensor to fill from ``staged`` once done (a received size)."""
@@ -163,14 +167,24 @@ class NcclTransport(Transport):
     def _ready(self) -> int:
         """This transport's stream, after torch's current stream's work so far."""
         if self.comm is None:
-            raise NcclError("the NCCL communicator was aborted after an earlier failure: rebuild the group")
+            raise _aborted()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         return self.stream.cuda_stream
 
     @contextlib.contextmanager
     def grouped(self):
+        """NCCL's group call. On an aborted communicator an empty one, whose every operation raises
+        NcclError: zipccl.failure counts those peers lost, and the call still ends in RankFailure
+        on this rank (the status round included) rather than in this transport's error."""
         if self._open is not None:
             raise ZipcclError("NcclTransport.grouped() inside another group")
+        if self.comm is None:
+            self._open = []
+            try:
+                yield
+            finally:
+                self._open = None
+            return
         self._ready()
         self._open = []
         self.nccl.groupStart()
@@ -190,6 +204,8 @@ class NcclTransport(Transport):
     def _p2p(self, tensor: torch.Tensor, peer: int, send: bool) -> _Work:
         if self._open is None:
             raise ZipcclError("NcclTransport: sends and receives are issued inside grouped() (NCCL's group call)")
+        if self.comm is None:
+            raise _aborted()
         host = None
         if tensor.device.type == "cpu":  # metadata: staged through device memory, on this transport's stream
             with torch.cuda.stream(self.stream):
@@ -217,7 +233,9 @@ class NcclTransport(Transport):
     def wait(self, work, timeout: float | None = None) -> None:
         """Device tensors: torch's current stream waits for the operation (no host wait). Staged
         CPU tensors: the host waits, at most ZIPCCL_TIMEOUT seconds (or ``timeout`` where that
-        is shorter), checking NCCL's async errors."""
+        is shorter), checking NCCL's async errors; a timeout or an error aborts the communicator
+        (ncclCommAbort), and the error of a timeout says so (``timed_out``, as for
+        TorchTransport)."""
         if work.event is None:
             raise ZipcclError("NcclTransport: an operation waited for inside its group, before NCCL issued it")
         if work.host is None:
@@ -226,12 +244,16 @@ class NcclTransport(Transport):
         limit = wait_limit(timeout)
         deadline = None if limit is None else time.monotonic() + limit
         while not work.event.query():
+            if self.comm is None:  # aborted by another wait of the call
+                raise _aborted()
             try:
                 self.comm.check_async_error()
             except Exception as e:  # noqa: BLE001
                 raise self._fail(e) from e
             if deadline is not None and time.monotonic() > deadline:
-                raise self._fail(TimeoutError(f"no progress within {limit:g} s (ZIPCCL_TIMEOUT={config.TIMEOUT})"))
+                error = self._fail(TimeoutError(f"no progress within {limit:g} s (ZIPCCL_TIMEOUT={config.TIMEOUT})"))
+                error.timed_out = True  # this rank gave up; the peer may live (zipccl.failure)
+                raise error
             time.sleep(1e-4)
         work.host.copy_(work.staged)
 
