@@ -441,3 +441,23 @@ def test_a_hung_peer_on_nccl_is_named_with_the_communicator_aborted(monkeypatch)
         fate.settle(t)
     assert (e.value.rank, e.value.kind, e.value.broken) == (9, "lost", True)
     assert (id(t), 2) in fate.lost
+
+
+# ---- NVML's view of the links feeds the planner -----------------------------------------------------------------
+
+def test_the_link_is_agreed_by_every_rank():
+    assert topology.agreed_link(["nvlink", "nvlink", "nvlink"]) == "nvlink"
+    assert topology.agreed_link(["pcie", "pcie"]) == "pcie"
+    assert topology.agreed_link(["nvlink", "pcie", "nvlink"]) == "unknown"  # ranks that disagree: nothing follows
+    assert topology.agreed_link(["nvlink", "unknown"]) == "unknown"
+
+
+@pytest.mark.parametrize("device,link,nodes,expected", [
+    ("cuda", "nvlink", 1, ("native",)),                  # NVLink inside one node: NCCL's own, nothing measured
+    ("cuda", "nvlink", 2, ("native", "raw", "lossless")),  # a slower link between the nodes: measured
+    ("cuda", "pcie", 1, ("native", "raw", "lossless")),
+    ("cuda", "unknown", 1, ("native", "raw", "lossless")),
+    ("cpu", "nvlink", 1, ("native", "raw", "lossless")),
+])
+def test_auto_measures_nothing_but_native_over_nvlink(device, link, nodes, expected):
+    assert C.candidates(C.FLAT_PLANS, device, link, nodes) == expected

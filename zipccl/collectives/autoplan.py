@@ -55,6 +55,17 @@ def auto_policy(group=None) -> Policy:
     return _auto_group(group).policy
 
 
+def candidates(plans: tuple[str, ...], device: str, link: str, nodes: int) -> tuple[str, ...]:
+    """The plans that codec "auto" measures for a call on ``device`` (a device type) in a group
+    of ``nodes`` nodes whose GPUs are joined by ``link`` (zipccl.topology.LINKS, the same on every
+    rank): on CUDA within one node joined by NVLink, the backend's own collective alone, since
+    the codec (about 120 GB/s each way on an H100) cannot beat links of hundreds of GB/s, and
+    measuring the others would cost the calls that try them; else ``plans``."""
+    if device == "cuda" and link == "nvlink" and nodes == 1:
+        return ("native",)
+    return plans
+
+
 def clock(device: torch.device):
     """The clock that times a plan on ``device``: the host's, on CUDA read once the device has
     finished the work queued so far (torch.cuda.synchronize), since a CUDA call returns once its
