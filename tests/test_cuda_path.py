@@ -461,3 +461,20 @@ def test_the_link_is_agreed_by_every_rank():
 ])
 def test_auto_measures_nothing_but_native_over_nvlink(device, link, nodes, expected):
     assert C.candidates(C.FLAT_PLANS, device, link, nodes) == expected
+
+
+def _found_link(rank, groups, links):
+    """The link that topology() finds on a fresh group of the pool's four ranks, where rank r's
+    NVML says ``links[r]``."""
+    g = dist.new_group([0, 1, 2, 3], backend="gloo")
+    real, topology.nvml_link = topology.nvml_link, lambda: links[rank]
+    try:
+        return topology.topology(g).link
+    finally:
+        topology.nvml_link = real
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_finds_the_agreed_link(pool):
+    assert pool.run(_found_link, ["nvlink"] * 4, timeout=120) == ["nvlink"] * 4
+    assert pool.run(_found_link, ["nvlink", "nvlink", "pcie", "nvlink"], timeout=120) == ["unknown"] * 4
