@@ -355,6 +355,17 @@ def test_entropy_sums_go_on_the_groups_device(monkeypatch):
     assert summed == []
 
 
+def test_entropy_density_sums_through_the_groups_device(monkeypatch):
+    summed = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: summed.append(t.device.type))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    comp = lossy.Compressor("entropy")
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):  # the estimate's first sum, moved to cuda:0
+        comp.choose(0, True, torch.randn(10_000), "g")
+    assert summed == []
+
+
 def test_scatter_cuts_are_made_on_the_index_device():
     idx = torch.tensor([1, 5, 9, 10], dtype=torch.int32)
     assert sparse_reduce._cuts(idx, [0, 4, 8, 12]).tolist() == [0, 1, 2, 4]
