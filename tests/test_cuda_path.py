@@ -471,7 +471,7 @@ def test_the_link_is_agreed_by_every_rank():
     ("cpu", "nvlink", 1, ("native", "raw", "lossless")),
 ])
 def test_auto_measures_nothing_but_native_over_nvlink(device, link, nodes, expected):
-    assert C.candidates(C.FLAT_PLANS, device, link, nodes) == expected
+    assert C.plans_for(C.FLAT_PLANS, device, link, nodes) == expected
 
 
 def _found_link(rank, groups, links):

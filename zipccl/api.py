@@ -157,7 +157,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             plans = HIERARCHICAL_PLANS if algorithm == "hierarchical" else \
                 C.FLAT_PLANS + (HIERARCHICAL_PLANS if levels is not None else ())
             topo = topology.topology(group)
-            plans = C.candidates(plans, input.device.type, topo.link, len(topo.nodes))
+            plans = C.plans_for(plans, input.device.type, topo.link, len(topo.nodes))
 
             def go(plan: str) -> None:
                 if plan.startswith("hierarchical/"):

@@ -55,7 +55,7 @@ def auto_policy(group=None) -> Policy:
     return _auto_group(group).policy
 
 
-def candidates(plans: tuple[str, ...], device: str, link: str, nodes: int) -> tuple[str, ...]:
+def plans_for(plans: tuple[str, ...], device: str, link: str, nodes: int) -> tuple[str, ...]:
     """The plans that codec "auto" measures for a call on ``device`` (a device type) in a group
     of ``nodes`` nodes whose GPUs are joined by ``link`` (zipccl.topology.LINKS, the same on every
     rank): on CUDA within one node joined by NVLink, the backend's own collective alone, since
