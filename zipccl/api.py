@@ -28,7 +28,8 @@ __all__ = ["all_reduce", "reduce_scatter", "all_gather", "ALGORITHMS", "HIERARCH
 
 ALGORITHMS = ("auto", "flat", "hierarchical")
 #: Plans that codec="auto" adds where the group has two levels: inside the nodes shared memory
-#: (else the backend's collective), between nodes the backend's collective, raw or lossless.
+#: (else, and for CUDA tensors, the backend's collective), between nodes the backend's
+#: collective, raw or lossless.
 HIERARCHICAL_PLANS = ("hierarchical/native", "hierarchical/raw", "hierarchical/lossless")
 LEVELS = ("intra", "inter")
 _FLOATS = frozenset(DTYPE_CODES)
@@ -69,10 +70,11 @@ def _level_codecs(codec, dtype, nbytes: int) -> tuple:
     return tuple(out)
 
 
-def _intra(levels) -> object:
-    """The intra-node level of auto's hierarchical plans: the node's shared memory where it has
-    one, else the backend's collective."""
-    return hierarchical.SHM if levels.memory is not None else C.NATIVE
+def _intra(levels, device: torch.device) -> object:
+    """The intra-node level of auto's hierarchical plans: for CPU tensors the node's shared
+    memory where it has one, else (and always for CUDA tensors: NCCL's own) the backend's
+    collective."""
+    return hierarchical.SHM if levels.memory is not None and device.type == "cpu" else C.NATIVE
 
 
 def _small(name: str, group, output, input, op) -> bool:
@@ -149,18 +151,21 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             else:  # one level: a single node's codec is "intra", single-rank nodes' "inter"
                 used[0] = flat(fixed[0] if len(topology.topology(group).nodes) == 1 else fixed[1], acc)
         elif c is not C.AUTO:  # not a float type, or ZIPCCL_AUTO_LEARN=0: what "auto" resolved to
-            used[0] = hier(levels, (_intra(levels), c), acc) if algorithm == "hierarchical" else flat(c, acc)
+            used[0] = hier(levels, (_intra(levels, input.device), c), acc) if algorithm == "hierarchical" \
+                else flat(c, acc)
         else:
             plans = HIERARCHICAL_PLANS if algorithm == "hierarchical" else \
                 C.FLAT_PLANS + (HIERARCHICAL_PLANS if levels is not None else ())
+            topo = topology.topology(group)
+            plans = C.plans_for(plans, input.device.type, topo.link, len(topo.nodes))
 
             def go(plan: str) -> None:
                 if plan.startswith("hierarchical/"):
-                    used[0] = hier(levels, (_intra(levels), C.PLAN_CODECS[plan.split("/", 1)[1]]), acc)
+                    used[0] = hier(levels, (_intra(levels, input.device), C.PLAN_CODECS[plan.split("/", 1)[1]]), acc)
                 else:
                     used[0] = flat(C.PLAN_CODECS[plan], acc)
 
-            C.planned(t.group, name, dtype, nbytes, plans, go)
+            C.planned(t.group, name, dtype, nbytes, plans, go, input.device)
         return C.finish(name, used[0], acc)
 
     return _run(run, async_op)

@@ -18,7 +18,9 @@ time). Per class of calls (collective, dtype, power of two of the bytes):
   plans, one 3x slower is re-tried every 200 calls, one 10% slower every 32), so that a
   changed link or load is still noticed within a few hundred calls at most.
 
-A call's time reaches the policy with the group's next metadata exchange, so decisions lag.
+A call's time reaches the policy with the group's next metadata exchange, so decisions lag. On
+CUDA a call returns once its work is queued, so a measured call is timed to the end of its
+device work (zipccl.collectives.autoplan.clock), never by its queued host time.
 Native calls carry no exchange (it would double a small call's time): their times wait on each
 rank and travel with the next call that has one.
 """
@@ -51,9 +53,14 @@ class Policy:
     def key(collective: str, dtype, nbytes: int) -> tuple:
         return collective, str(dtype), nbytes.bit_length()
 
+    def measures(self, nbytes: int, candidates: tuple[str, ...]) -> bool:
+        """Whether a call's time can change a choice: below ``probe_min_bytes`` or with one
+        candidate the first always runs (its time needs no synchronised clock)."""
+        return nbytes >= self.probe_min_bytes and len(candidates) > 1
+
     def choose(self, key: tuple, nbytes: int, candidates: tuple[str, ...]) -> str:
         """The plan of the class's next call, among ``candidates`` (the first is the default)."""
-        if nbytes < self.probe_min_bytes or len(candidates) == 1:
+        if not self.measures(nbytes, candidates):
             return candidates[0]
         i = self.calls.get(key, 0)
         self.calls[key] = i + 1

@@ -9,15 +9,16 @@ its backend for CPU tensors (NCCL for CUDA tensors where torch has it), so that 
 machinery (group names, DeviceMesh, FSDP2, functional collectives) finds a backend. The
 collectives zipccl compresses (``allreduce``, ``allreduce_coalesced``, ``all_gather_single``,
 ``reduce_scatter_single``, the list forms ``allgather`` and ``reduce_scatter`` and their
-coalesced variants) go to zipccl when it can take the call: a dense CPU bf16/fp16/fp32 tensor
-reduced with SUM, AVG, MAX, MIN or PREMUL_SUM (the factor applied, then SUM). Everything else
-(integer, complex and sparse tensors, PRODUCT and bitwise ops, CUDA tensors until zipccl's
-NCCL transport takes them, and broadcast, send, recv, all_to_all, gather, scatter, reduce,
-barrier) goes to the backend underneath through its own binding (``_inner_for`` says why not
-through ``super()``). zipccl's own traffic runs on the same group: its point-to-point and
-all-to-all calls pass through, and the collectives it issues from inside a call (the backend's
-collective chosen by the planner, its metadata) are marked by a thread-local flag and go to the
-backend underneath, never back into zipccl.
+coalesced variants) go to zipccl when it can take the call: a dense CPU or CUDA
+bf16/fp16/fp32 tensor (CUDA: over zipccl's NCCL transport; ``takes_device``) reduced with SUM,
+AVG, MAX, MIN or PREMUL_SUM (the factor applied, then SUM). Everything else (integer, complex
+and sparse tensors, PRODUCT and bitwise ops, CUDA tensors with ZIPCCL_TRANSPORT=torch, and
+broadcast, send, recv, all_to_all, gather, scatter, reduce, barrier) goes to the backend
+underneath through its own binding (``_inner_for`` says why not through ``super()``).
+zipccl's own traffic runs on the same group: its point-to-point and all-to-all calls pass
+through, and the collectives it issues from inside a call (the backend's collective chosen by
+the planner, its metadata) are marked by a thread-local flag and go to the backend underneath,
+never back into zipccl.
 
 The codec policy: ``Options(codec=...)`` through ``pg_options``, else ``ZIPCCL_CODEC``
 (``auto``, the default: the backend's own collective wherever compression cannot pay, so the
@@ -42,7 +43,7 @@ from . import api, config, executor
 from .format import DTYPE_CODES
 from .lossy import Compressor
 
-__all__ = ["NAME", "Options", "ProcessGroupZipccl", "register"]
+__all__ = ["NAME", "Options", "ProcessGroupZipccl", "register", "takes_device"]
 
 NAME = "zipccl"
 _FLOATS = frozenset(DTYPE_CODES)
@@ -77,6 +78,16 @@ class Options:
             raise ValueError(f"zipccl backend lossy {self.lossy!r}: use None, 'topk' or 'entropy'")
         if self.lossy_min_numel < 1:
             raise ValueError(f"lossy_min_numel must be >= 1, got {self.lossy_min_numel}")
+
+
+def takes_device(device: str, setting: str | None = None) -> bool:
+    """Whether the drop-in hands the compressible calls of tensors on ``device`` (a device type)
+    to zipccl's planner: CPU tensors, and CUDA tensors (over zipccl's NCCL transport, which
+    zipccl.transport.select picks for a zipccl group, or refuses naming the GPU extra to install)
+    unless ZIPCCL_TRANSPORT (``setting``, None: config.TRANSPORT) is "torch": then torch's NCCL
+    backend underneath carries them as it is, uncompressed."""
+    setting = config.TRANSPORT if setting is None else setting
+    return device == "cpu" or (device == "cuda" and setting != "torch")
 
 
 _inside = threading.local()
@@ -230,15 +241,15 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         return self._inner.get(tensor.device.type if tensor is not None else "cpu", self._inner["cpu"])
 
     def _takes(self, tensors, op=None) -> bool:
-        """zipccl takes the call: not from inside zipccl, a codec other than native, dense CPU
-        float tensors of one dtype, an op zipccl reduces with."""
+        """zipccl takes the call: not from inside zipccl, a codec other than native, dense float
+        tensors of one dtype on a device zipccl takes (``takes_device``), an op zipccl reduces with."""
         if getattr(_inside, "on", False) or self.codec == "native":
             return False
         if op is not None and _red_type(op) not in _ZIPCCL_OPS:
             return False
         dtype = None
         for x in tensors:
-            if not (isinstance(x, torch.Tensor) and x.layout == torch.strided and x.device.type == "cpu"
+            if not (isinstance(x, torch.Tensor) and x.layout == torch.strided and takes_device(x.device.type)
                     and x.dtype in _FLOATS and x.is_contiguous()):
                 return False
             if dtype is not None and x.dtype != dtype:

@@ -105,13 +105,15 @@ CODEC = _choice("ZIPCCL_CODEC", "auto", ("auto", "native", "raw", "lossless"))
 #: "1": strict transport mode (zipccl.transport.strict): gloo keeps NCCL's rules (exact-size
 #: receives, messages matched in issue order whatever their tag, sends and receives that wait on
 #: each other issued in one group) and every point-to-point message is checked against them; a
-#: violation raises TransportRuleError. For tests (tests/conftest.py turns it on): it adds a small
-#: message per payload, and gloo loses its early receives at the codec's bound.
+#: violation raises TransportRuleError, as does a message on another device than the group's (a
+#: CPU tensor on nccl). For tests (tests/conftest.py turns it on): it adds a small message per
+#: payload, and gloo loses its early receives at the codec's bound.
 STRICT_TRANSPORT = _choice("ZIPCCL_STRICT_TRANSPORT", "0", ("0", "1")) == "1"
 
 
-#: Which transport carries the collectives' bytes (zipccl.transport.select): "torch"
-#: (torch.distributed on the group), "nccl" (CuPy's NCCL for CUDA tensors: the cuda12 or cuda13
-#: extra; its errors are raised), or "auto": NCCL for CUDA tensors on a group whose backend is
-#: nccl where the extra is installed and the communicator can be made, else torch.
+#: Which transport carries CUDA tensors' bytes (zipccl.transport.select, whose table says all):
+#: "auto" (CuPy's NCCL, the cuda12 or cuda13 extra, on any group; torch's NCCL on an nccl group
+#: without the extra or where the communicator cannot be made), "nccl" (CuPy's NCCL, its errors
+#: raised), or "torch" (torch.distributed: CUDA tensors on nccl groups only). CPU tensors always
+#: go through torch.distributed.
 TRANSPORT = _choice("ZIPCCL_TRANSPORT", "auto", ("auto", "torch", "nccl"))

@@ -74,7 +74,7 @@ class EntropyRate:
             return None
         sigma = 2.0 ** (q[0].item() / q[1].item() / 16)
         edges = torch.clamp(((values / (8 * sigma) + 0.5) * self.bins).floor(), 0, self.bins - 1).long()
-        hist = torch.bincount(edges, minlength=self.bins).to(torch.int64)
+        hist = torch.bincount(edges, minlength=self.bins).to(torch.int64).cpu()  # error() works on the host
         allreduce(hist)
         return hist
 

@@ -21,7 +21,9 @@ differ from a flat all-reduce in the last bits (another order of additions, and 
 types two roundings instead of one); lossless still equals raw under the same algorithm,
 bit for bit.
 
-The intra-node level may also be the node's shared memory (SHM, zipccl.transport.shm), which
+On CUDA tensors both levels go over NCCL (zipccl.transport.select), and codec "native" on
+the intra-node level is NCCL's own collective (NVLink where it exists). For CPU tensors the
+intra-node level may also be the node's shared memory (SHM, zipccl.transport.shm), which
 sums like zipccl's raw level; the all-reduce then makes each piece of the node's sum just
 before the nodes' pipeline encodes it (_shm_all_reduce).
 """
@@ -36,7 +38,7 @@ from .collectives import run_flat
 from .errors import UnsupportedError
 from .failure import MEMORY, REDUCE, Fate
 from .topology import Levels
-from .transport import TorchTransport
+from .transport import TorchTransport, transport_for
 
 __all__ = ["run", "SHM"]
 
@@ -53,8 +55,10 @@ class _Shm:
 SHM = _Shm()
 
 
-def _transports(levels: Levels) -> tuple[TorchTransport, TorchTransport]:
-    return TorchTransport.of(levels.intra), TorchTransport.of(levels.inter)
+def _transports(levels: Levels, device: torch.device) -> tuple:
+    """Each level's transport for tensors on ``device`` (zipccl.transport.select): on CUDA NCCL
+    at both levels, the intra-node one running NCCL's own collective where its codec is native."""
+    return transport_for(levels.intra, device), transport_for(levels.inter, device)
 
 
 def _arrangement(levels: Levels) -> torch.Tensor:
@@ -85,16 +89,19 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
     ``codecs`` = (intra, inter), each NATIVE, None or a codec object; the intra level may also be SHM.
     A failure on any level goes on poisoned through the others (zipccl.failure); the caller
     settles ``fate`` on the whole group."""
-    intra, inter = _transports(levels)
     nodes = len(levels.topology.nodes)
     local = levels.topology.local_size
     size = nodes * local
     avg = op == dist.ReduceOp.AVG
     level_op = dist.ReduceOp.SUM if avg else op
     memory = levels.memory
+    if codecs[0] is SHM and input.device.type != "cpu":
+        raise UnsupportedError(f"the intra-node codec 'shm' (host shared memory) takes CPU tensors, not tensors on "
+                               f"{input.device}: use 'native' (NCCL's own collective inside the node)")
     if codecs[0] is SHM and memory is None:
         raise UnsupportedError("the intra-node codec 'shm' needs the nodes' shared memory, which this group does not "
                                "have (ranks of a node on different machines, no /dev/shm, or ZIPCCL_SHM=0)")
+    intra, inter = _transports(levels, input.device)
 
     def intra_reduce_scatter(out, inp):
         if codecs[0] is SHM:

@@ -24,7 +24,8 @@ from .kernels import sparse
 from .rules import LayerRules
 from .stats import stats as _snapshot
 from .topk import TopK
-from .transport import TorchTransport
+from .transport import transport_for
+from .transport.torch_dist import wire_device
 
 __all__ = ["Compressor", "default"]
 
@@ -63,7 +64,7 @@ class Compressor:
         elif self.codec == "topk":
             density = self.density
         elif first:
-            density = self.rate.update(step, grad, lambda t: dist.all_reduce(t, group=group))
+            density = self.rate.update(step, grad, _sum_across(group))
         else:
             density = self.rate.density
         if first:
@@ -110,12 +111,12 @@ class Compressor:
     def _selected(self, name: str, flat, key, density: float, exact, group, op):
         """(the top-k codec at ``density``, then ``_select``'s pair). A failure here is refused on
         every rank of the collective ``name``: no message of the call has left, the peers wait in
-        its exchange."""
+        its exchange, on the transport that the call's tensors choose (NCCL's for CUDA tensors)."""
         codec = self.codec if isinstance(self.codec, TopK) else TopK(density, sampled=self.sampled)
         try:
             return (codec, *self._select(flat, key, codec, exact))
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
-            collectives.refuse(name, TorchTransport.of(group), flat, op, e)  # raises e here
+            collectives.refuse(name, transport_for(group, flat.device), flat, op, e)  # raises e here
 
     def _select(self, flat, key, codec, exact):
         """Select with error feedback: (the tensor the top-k all-reduce sends, with the selection
@@ -177,12 +178,27 @@ def _with_exact_ranges(idx: torch.Tensor, values: torch.Tensor, bucket: torch.Te
     positions, merged with every element of the exact ranges: (int32 ascending, values)."""
     pieces, at = [], 0
     for a, b in lossy_ranges:
-        lo, hi = torch.searchsorted(idx, torch.tensor([at, at + b - a], dtype=idx.dtype)).tolist()
+        span = torch.tensor([at, at + b - a], dtype=idx.dtype, device=idx.device)
+        lo, hi = torch.searchsorted(idx, span).tolist()
         pieces.append((a, idx[lo:hi] + (a - at), values[lo:hi]))
         at += b - a
-    pieces += [(a, torch.arange(a, b, dtype=idx.dtype), bucket[a:b]) for a, b in exact_ranges]
+    pieces += [(a, torch.arange(a, b, dtype=idx.dtype, device=idx.device), bucket[a:b]) for a, b in exact_ranges]
     pieces.sort(key=lambda p: p[0])
     return torch.cat([p[1] for p in pieces]), torch.cat([p[2] for p in pieces])
+
+
+def _sum_across(group):
+    """The in-place int64 sum across ``group``'s ranks that the entropy estimate makes
+    (zipccl.entropy), on the device that the group carries (the GPU on nccl, whose groups
+    cannot send a CPU tensor)."""
+    device = wire_device(dist.get_backend(group))
+
+    def allreduce(t: torch.Tensor) -> None:
+        wire = t if t.device == device else t.to(device)
+        dist.all_reduce(wire, group=group)
+        if wire is not t:
+            t.copy_(wire)
+    return allreduce
 
 
 def default(codec: str) -> Compressor:

@@ -38,7 +38,7 @@ from .torch_compat import all_gather_single
 from .transport.shm import NodeMemory
 
 __all__ = ["Topology", "Levels", "topology", "levels", "known", "parse", "claim", "from_claims", "nvml_link",
-           "link_between", "forget"]
+           "link_between", "forget", "LINKS", "agreed_link", "shares_memory"]
 
 _SOURCES = ("ZIPCCL_TOPOLOGY", "torchrun", "mpirun", "slurm", "hostname")
 
@@ -48,7 +48,7 @@ class Topology:
     """The nodes of a group: ``nodes[i]`` lists the group ranks on node i, in rank order."""
     nodes: tuple[tuple[int, ...], ...]
     source: str
-    link: str = "unknown"  # between this node's GPUs, from NVML: "nvlink", "pcie" or "unknown"
+    link: str = "unknown"  # between the nodes' GPUs, from NVML, the same on every rank: one of LINKS
 
     @property
     def uniform(self) -> bool:
@@ -166,6 +166,16 @@ def link_between(gpus: list, peers: dict) -> str:
     return "nvlink"
 
 
+#: What NVML can say of the links between a node's GPUs (``nvml_link``).
+LINKS = ("unknown", "pcie", "nvlink")
+
+
+def agreed_link(links: list[str]) -> str:
+    """The link of a group from each rank's ``nvml_link``: theirs where every rank saw the same,
+    else "unknown" (decisions that follow from it must be the same on every rank)."""
+    return links[0] if len(set(links)) == 1 else "unknown"
+
+
 def nvml_link() -> str:
     """How this machine's GPUs are linked, from NVML, each GPU and each link's far end named by
     PCI bus id (never by index, which CUDA_VISIBLE_DEVICES and NVML may order differently): see
@@ -228,14 +238,16 @@ def topology(group=None) -> Topology:
             return _found[key]
     override = (-1, -1) if config.TOPOLOGY is None else parse(config.TOPOLOGY)
     source, node, local, local_size = claim()
-    mine = torch.tensor([*override, _SOURCES.index(source), node, local, local_size], dtype=torch.int64)
+    mine = torch.tensor([*override, _SOURCES.index(source), node, local, local_size, LINKS.index(nvml_link())],
+                        dtype=torch.int64)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
     size = dist.get_world_size(group)
     rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
     all_gather_single(rows, mine.to(device), group=group)
-    found = from_claims(rows.view(size, -1).cpu().tolist())
-    found = Topology(found.nodes, found.source, nvml_link())
+    claims = rows.view(size, -1).cpu().tolist()
+    found = from_claims([row[:-1] for row in claims])
+    found = Topology(found.nodes, found.source, agreed_link([LINKS[row[-1]] for row in claims]))
     with _lock:
         return _found.setdefault(key, found)
 
@@ -252,11 +264,19 @@ class Levels:
     memory: NodeMemory | None = None  # the node's shared memory, where its ranks can map one (ZIPCCL_SHM)
 
 
+def shares_memory(backend: str) -> bool:
+    """Whether the hierarchical levels of a group of torch backend ``backend`` try the nodes'
+    shared memory: where ZIPCCL_SHM allows, not on nccl, whose tensors live on the GPU (and
+    whose groups cannot carry the CPU tensors that set the memory up); the CUDA calls of other
+    groups do not use it either (zipccl.api)."""
+    return config.SHM and backend != "nccl"
+
+
 def levels(group=None) -> Levels | None:
     """The intra- and inter-node groups of ``group``, created on the first call (every rank of the
     job, in the same order: each node's group in node order, then each local rank's group), or
     None where there is no second level or ``group`` does not span the job. Then, where
-    ZIPCCL_SHM allows, each node's shared memory (zipccl.transport.shm), used only if every
+    ``shares_memory``, each node's shared memory (zipccl.transport.shm), used only if every
     node could map its own."""
     key = _group_key(group)
     with _lock:
@@ -278,7 +298,7 @@ def levels(group=None) -> Levels | None:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
             return bool(flag.item())
 
-        memory = NodeMemory.available(intra[node], local, topo.local_size, agree) if config.SHM else None
+        memory = NodeMemory.available(intra[node], local, topo.local_size, agree) if shares_memory(backend) else None
         made = Levels(topo, intra[node], inter[local], node, local, memory)
     with _lock:
         return _levels.setdefault(key, made)

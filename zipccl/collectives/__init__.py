@@ -49,7 +49,7 @@ One module per idea, imports pointing down this list:
 
 from ..executor import Handle, submit
 from .algorithms import reduce_in_rank_order
-from .autoplan import FLAT_PLANS, auto_policy, planned
+from .autoplan import FLAT_PLANS, auto_policy, planned, plans_for
 from .flat import all_gather, all_reduce, flat_collective, reduce_scatter, run_flat
 from .metadata import Call, timed
 from .pipeline import pieces

@@ -6,6 +6,7 @@ import threading
 import time
 import zlib
 
+import torch
 import torch.distributed as dist
 
 from ..auto import Policy
@@ -54,16 +55,43 @@ def auto_policy(group=None) -> Policy:
     return _auto_group(group).policy
 
 
-def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], run) -> None:
+def plans_for(plans: tuple[str, ...], device: str, link: str, nodes: int) -> tuple[str, ...]:
+    """The plans that codec "auto" measures for a call on ``device`` (a device type) in a group
+    of ``nodes`` nodes whose GPUs are joined by ``link`` (zipccl.topology.LINKS, the same on every
+    rank): on CUDA within one node joined by NVLink, the backend's own collective alone, since
+    the codec (about 120 GB/s each way on an H100) cannot beat links of hundreds of GB/s, and
+    measuring the others would cost the calls that try them; else ``plans``."""
+    if device == "cuda" and link == "nvlink" and nodes == 1:
+        return ("native",)
+    return plans
+
+
+def clock(device: torch.device):
+    """The clock that times a plan on ``device``: the host's, on CUDA read once the device has
+    finished the work queued so far (torch.cuda.synchronize), since a CUDA call returns once its
+    work is queued: a native call, queued on torch's NCCL stream, would look free."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def synchronised() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return synchronised
+
+
+def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], run,
+            device: torch.device = torch.device("cpu")) -> None:
     """``run(plan)`` with the plan that the group's auto policy chooses for this call among
-    ``candidates``, in call order on every rank; the call's time on this rank goes out with the
-    group's next metadata exchange."""
+    ``candidates``, in call order on every rank; the call's time on this rank (``clock`` of the
+    call's ``device``, where the policy measures this call: the host's clock elsewhere, with no
+    synchronisation) goes out with the group's next metadata exchange."""
     key = Policy.key(name, dtype, nbytes)
     auto = _auto_group(group)
     plan = auto.policy.choose(key, nbytes, candidates)
-    t0 = time.perf_counter()
+    now = clock(device) if auto.policy.measures(nbytes, candidates) else time.perf_counter
+    t0 = now()
     run(plan)
-    auto.done(key, plan, time.perf_counter() - t0)
+    auto.done(key, plan, now() - t0)
 
 
 def _report_id(entry) -> int:

@@ -99,7 +99,7 @@ def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
             def go(plan):
                 used[0] = PLAN_CODECS[plan]
                 run_flat(name, t, output, input, op, used[0], acc)
-            planned(t.group, name, input.dtype, nbytes, FLAT_PLANS, go)
+            planned(t.group, name, input.dtype, nbytes, FLAT_PLANS, go, input.device)
         else:
             run_flat(name, t, output, input, op, c, acc)
         return finish(name, used[0], acc)

@@ -96,7 +96,7 @@ def _to_owners(t, flat: torch.Tensor, selected, bounds: list, op, codec, call: C
 
     def split():
         idx, values = selected
-        cut = torch.searchsorted(idx.to(torch.int64), torch.tensor(bounds, dtype=torch.int64)).tolist()
+        cut = _cuts(idx, bounds).tolist()
         return [codec.encode_selected(idx[cut[j]:cut[j + 1]] - bounds[j], values[cut[j]:cut[j + 1]],
                                       bounds[j + 1] - bounds[j]) for j in range(n)]
 
@@ -113,6 +113,12 @@ def _to_owners(t, flat: torch.Tensor, selected, bounds: list, op, codec, call: C
     received = _in_rank_order(recv, recv_splits, parts[r], r)
     _validate(t, fate, received, codec, mine.numel())
     return timed(acc, "codec_seconds", fate.guard, DECODE, _sum_pairs, received, codec, mine, op, n)
+
+
+def _cuts(idx: torch.Tensor, bounds: list) -> torch.Tensor:
+    """Where each of ``bounds`` falls in the ascending indices ``idx``: the bounds made on the
+    indices' device (a CUDA index searched with CPU bounds fails)."""
+    return torch.searchsorted(idx.to(torch.int64), torch.tensor(bounds, dtype=torch.int64, device=idx.device))
 
 
 def _validate(t, fate: Fate, parts: list, codec, max_numel: int) -> list:

@@ -25,8 +25,9 @@ def _check_device(t, *tensors: torch.Tensor) -> None:
     if len(devices) > 1:
         raise UnsupportedError(f"tensors are on different devices: {sorted(map(str, devices))}")
     dev = devices.pop()
-    if isinstance(t, TorchTransport) and t.meta_device.type == "cpu" and dev.type != "cpu":
-        raise UnsupportedError(f"the process group's backend (gloo) takes CPU tensors here, got a tensor on {dev}")
+    if isinstance(t, TorchTransport) and t.meta_device.type != dev.type:
+        raise UnsupportedError(f"the process group's backend ({t.backend}) takes {t.meta_device.type.upper()} "
+                               f"tensors here, got a tensor on {dev}")
     if isinstance(t, NcclTransport) and dev.type != "cuda":
         raise UnsupportedError(f"the NCCL transport takes CUDA tensors, got a tensor on {dev}")
 

@@ -12,6 +12,8 @@ the host does not wait for the device, except where the pipeline needs a size on
 tensors (metadata, sizes) are staged through device memory and copied back when waited for.
 NCCL's rules hold (DESIGN.md invariant 12): exact-size receives, no tags (messages between two
 ranks match in issue order), sends and receives issued inside ``grouped()`` (groupStart/End).
+Codec "native" is NCCL's own collective: torch's, on the group, where its backend is nccl
+(``native_by_torch``), else on this communicator.
 
 GPU-only beyond construction: what runs without a GPU (the bootstrap, its agreed error, the type
 and op tables) is tested in CI (tests/test_nccl.py); the rest is covered by the ``gpu`` suite
@@ -33,15 +35,28 @@ from .. import config
 from ..errors import UnsupportedError, ZipcclError
 from . import nccl_stack
 from .base import Transport, wait_limit
+from .torch_dist import TorchTransport
 
-__all__ = ["NcclTransport", "NcclError"]
+__all__ = ["NcclTransport", "NcclError", "native_by_torch"]
 
 _transports: dict = {}
 atexit.register(_transports.clear)
 
 
+def native_by_torch(backend: str) -> bool:
+    """Whether codec "native" (the backend's own collective) on a group of torch backend
+    ``backend`` is torch's collective on the group (nccl: torch's own NCCL, the baseline that
+    "auto" measures zipccl against) rather than NCCL's on zipccl's communicator (any other
+    group, whose torch backend takes no CUDA tensors)."""
+    return backend == "nccl"
+
+
 class NcclError(ZipcclError, RuntimeError):
     """NCCL failed (its own message is in the text); the communicator has been aborted."""
+
+
+def _aborted() -> NcclError:
+    return NcclError("the NCCL communicator was aborted after an earlier failure: rebuild the group")
 
 
 class _Work:
@@ -75,7 +90,9 @@ class NcclTransport(Transport):
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
-        self._cpu = dist.get_backend(group) != "nccl"  # where the group's own collectives take CPU tensors
+        backend = dist.get_backend(group)
+        self._cpu = backend != "nccl"  # where the group's own collectives take CPU tensors
+        self._by_torch = native_by_torch(backend)
         self._open: list | None = None
         self.comm, error = None, None
         try:
@@ -150,14 +167,24 @@ class NcclTransport(Transport):
     def _ready(self) -> int:
         """This transport's stream, after torch's current stream's work so far."""
         if self.comm is None:
-            raise NcclError("the NCCL communicator was aborted after an earlier failure: rebuild the group")
+            raise _aborted()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         return self.stream.cuda_stream
 
     @contextlib.contextmanager
     def grouped(self):
+        """NCCL's group call. On an aborted communicator an empty one, whose every operation raises
+        NcclError: zipccl.failure counts those peers lost, and the call still ends in RankFailure
+        on this rank (the status round included) rather than in this transport's error."""
         if self._open is not None:
             raise ZipcclError("NcclTransport.grouped() inside another group")
+        if self.comm is None:
+            self._open = []
+            try:
+                yield
+            finally:
+                self._open = None
+            return
         self._ready()
         self._open = []
         self.nccl.groupStart()
@@ -177,6 +204,8 @@ class NcclTransport(Transport):
     def _p2p(self, tensor: torch.Tensor, peer: int, send: bool) -> _Work:
         if self._open is None:
             raise ZipcclError("NcclTransport: sends and receives are issued inside grouped() (NCCL's group call)")
+        if self.comm is None:
+            raise _aborted()
         host = None
         if tensor.device.type == "cpu":  # metadata: staged through device memory, on this transport's stream
             with torch.cuda.stream(self.stream):
@@ -204,7 +233,9 @@ class NcclTransport(Transport):
     def wait(self, work, timeout: float | None = None) -> None:
         """Device tensors: torch's current stream waits for the operation (no host wait). Staged
         CPU tensors: the host waits, at most ZIPCCL_TIMEOUT seconds (or ``timeout`` where that
-        is shorter), checking NCCL's async errors."""
+        is shorter), checking NCCL's async errors; a timeout or an error aborts the communicator
+        (ncclCommAbort), and the error of a timeout says so (``timed_out``, as for
+        TorchTransport)."""
         if work.event is None:
             raise ZipcclError("NcclTransport: an operation waited for inside its group, before NCCL issued it")
         if work.host is None:
@@ -213,12 +244,16 @@ class NcclTransport(Transport):
         limit = wait_limit(timeout)
         deadline = None if limit is None else time.monotonic() + limit
         while not work.event.query():
+            if self.comm is None:  # aborted by another wait of the call
+                raise _aborted()
             try:
                 self.comm.check_async_error()
             except Exception as e:  # noqa: BLE001
                 raise self._fail(e) from e
             if deadline is not None and time.monotonic() > deadline:
-                raise self._fail(TimeoutError(f"no progress within {limit:g} s (ZIPCCL_TIMEOUT={config.TIMEOUT})"))
+                error = self._fail(TimeoutError(f"no progress within {limit:g} s (ZIPCCL_TIMEOUT={config.TIMEOUT})"))
+                error.timed_out = True  # this rank gave up; the peer may live (zipccl.failure)
+                raise error
             time.sleep(1e-4)
         work.host.copy_(work.staged)
 
@@ -238,6 +273,9 @@ class NcclTransport(Transport):
         return recv
 
     def native(self, name, *tensors, op=None):
+        if self._by_torch:
+            TorchTransport.of(self.group).native(name, *tensors, op=op)
+            return
         out = tensors[0]
         inp = tensors[1] if len(tensors) > 1 else out
         if out.dtype not in nccl_stack.DTYPES:

@@ -1,11 +1,21 @@
-"""Which transport carries a call: ZIPCCL_TRANSPORT (config.TRANSPORT) and the call's device.
+"""Which transport carries a call: the call's device, the group's backend, ZIPCCL_TRANSPORT
+(config.TRANSPORT) and whether the GPU extra (CuPy with NCCL) is installed.
 
-"torch": torch.distributed on the group (TorchTransport). "nccl": CuPy's NCCL (NcclTransport)
-for CUDA tensors; its errors are raised, never hidden. "auto" (default): NCCL for CUDA tensors
-on a group whose torch backend is nccl when a GPU extra is installed, else torch; where the
-communicator cannot be made, every rank of the group says why once and stays on torch (the
-failure is agreed by all ranks, so they choose alike). CPU tensors always go through torch:
-NCCL moves device memory only.
+``choose`` is the decision, pure, so that it is tested on machines without a GPU; its table:
+
+- CPU tensors (or no tensor): "torch", always (NCCL moves device memory only).
+- CUDA tensors, ZIPCCL_TRANSPORT "auto" (default) or "nccl": "nccl" (NcclTransport) whatever
+  the group's backend name (nccl, the drop-in "zipccl", gloo), for every codec: "native" on
+  an nccl group is torch's own NCCL collective (NcclTransport.native hands it to the group),
+  elsewhere NCCL's collective on zipccl's communicator. Without the extra: "torch" on an nccl
+  group (torch's NCCL carries everything, the metadata staged on the GPU), an error naming the
+  extra on any other group, where nothing could carry a CUDA tensor's bytes.
+- CUDA tensors, ZIPCCL_TRANSPORT=torch: "torch" on an nccl group; an error on any other
+  group (its torch backend takes CPU tensors).
+
+With "auto", where the communicator cannot be made on an nccl group, every rank of the group
+says why once and stays on torch (the failure is agreed by all ranks, so they choose alike);
+on any other group, and with "nccl", NCCL's error is raised, never hidden.
 """
 
 from __future__ import annotations
@@ -16,26 +26,51 @@ import warnings
 import torch.distributed as dist
 
 from .. import config
-from ..errors import ZipcclError
+from ..errors import UnsupportedError, ZipcclError
 from . import nccl_stack
 from .base import Transport
 from .cupy_nccl import NcclTransport
 from .torch_dist import TorchTransport
 
-__all__ = ["transport_for"]
+__all__ = ["transport_for", "choose"]
 
 _refused: dict = {}
 _lock = threading.Lock()
 
+_EXTRA = "pip install 'zipccl[cuda12]' (or 'zipccl[cuda13]', matching torch's CUDA)"
+
+
+def choose(device: str | None, backend: str, setting: str, extra: bool) -> str:
+    """"torch" or "nccl": the transport of a call with tensors on ``device`` (a device type, None:
+    not a tensor) on a group of torch backend ``backend``, ZIPCCL_TRANSPORT ``setting``, with
+    (``extra``) or without the GPU extra; UnsupportedError where no transport can carry it."""
+    if device != "cuda":
+        return "torch"
+    if setting == "torch":
+        if backend == "nccl":
+            return "torch"
+        raise UnsupportedError(f"ZIPCCL_TRANSPORT=torch carries CUDA tensors only on a group whose backend is nccl; "
+                               f"this group's is {backend!r}: unset ZIPCCL_TRANSPORT for zipccl's NCCL transport "
+                               f"({_EXTRA})")
+    if extra or setting == "nccl":
+        return "nccl"
+    if backend == "nccl":
+        return "torch"
+    raise UnsupportedError(f"CUDA tensors on a group of backend {backend!r} need zipccl's NCCL transport, which "
+                           f"needs CuPy with NCCL: {_EXTRA}")
+
 
 def transport_for(group, device) -> Transport:
     """The transport of a call on ``group`` with tensors on ``device`` (None: not a tensor)."""
-    if device is None or device.type != "cuda" or config.TRANSPORT == "torch":
+    if device is None or device.type != "cuda":
         return TorchTransport.of(group)
-    if config.TRANSPORT == "nccl":
+    backend = dist.get_backend(group)
+    if choose(device.type, backend, config.TRANSPORT, nccl_stack.detect().extra is not None) == "torch":
+        return TorchTransport.of(group)
+    if config.TRANSPORT == "nccl" or backend != "nccl":
         return NcclTransport.of(group)
     key = group if group is not None else dist.GroupMember.WORLD
-    if key in _refused or dist.get_backend(group) != "nccl" or nccl_stack.detect().extra is None:
+    if key in _refused:
         return TorchTransport.of(group)
     with _lock:
         try:

@@ -11,7 +11,11 @@ sender's group call and issue order. The receiving rank checks the header agains
 receive: a different size breaks the exact-size rule, a different tag means the two ranks
 issued their messages in different orders (they would pair up wrongly without tags). Every
 send and receive must be issued inside ``grouped()``, and nothing may be waited for inside a
-group (NCCL launches a group's operations at its end). A violation raises TransportRuleError.
+group (NCCL launches a group's operations at its end). Every message, header included, is on
+the device that the group's backend carries (``device``: the CPU on gloo, the GPU on nccl):
+NCCL cannot send a CPU tensor, so a host tensor on an NCCL group is the fourth broken rule
+(DESIGN.md invariant 9); a test gives another device (``meta``) to check, on gloo's machines,
+that every message of a path is staged onto it. A violation raises TransportRuleError.
 Each rank keeps its last LOG_LENGTH operations (``log``) for the error messages and tests.
 
 This costs one 32-byte message per payload: a checking mode for tests, not for production.
@@ -58,7 +62,7 @@ class _Checked:
 
     def wait(self, waiter) -> None:
         waiter(self.head)
-        nbytes, tag, group, order = (int(v) for v in self.header)
+        nbytes, tag, group, order = self.header.tolist()
         op, here = self.op, f"rank {self.strict.rank}"
         if tag != op.tag:
             raise TransportRuleError(
@@ -86,8 +90,8 @@ class _Sent:
 class Strict:
     """One transport's record and checks on this rank (``rank``: its group rank)."""
 
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, rank: int, device: torch.device = torch.device("cpu")):
+        self.rank, self.device = rank, device
         self.log: deque[Op] = deque(maxlen=LOG_LENGTH)
         self.group = 0          # group calls opened so far
         self.open = False
@@ -110,6 +114,10 @@ class Strict:
             raise TransportRuleError(f"strict transport: rank {self.rank}'s {kind} of {nbytes} bytes with rank {peer} "
                                      f"(tag {tag}) is outside a group call: NCCL would block it until the peer's "
                                      "matching operation starts, which may wait on this rank (use grouped())")
+        if tensor.device != self.device:
+            raise TransportRuleError(f"strict transport: rank {self.rank}'s {kind} of {nbytes} bytes with rank {peer} "
+                                     f"(tag {tag}) is a tensor on {tensor.device}, but this group carries tensors on "
+                                     f"{self.device} (NCCL moves device memory only)")
         order = self._orders.get((kind, peer), 0)
         self._orders[(kind, peer)] = order + 1
         op = Op(kind, peer, order, nbytes, self.group, tag)
@@ -119,12 +127,12 @@ class Strict:
     def send(self, post, tensor: torch.Tensor, peer: int, tag: int) -> _Sent:
         """``post(tensor, peer)`` (one tag on the wire) of the header, then of ``tensor``."""
         op = self._op("send", tensor, peer, tag)
-        header = torch.tensor([op.nbytes, tag, op.group, op.order], dtype=torch.int64)
+        header = torch.tensor([op.nbytes, tag, op.group, op.order], dtype=torch.int64, device=self.device)
         return _Sent(post(header, peer), post(tensor, peer))
 
     def recv(self, post, tensor: torch.Tensor, peer: int, tag: int) -> _Checked:
         op = self._op("recv", tensor, peer, tag)
-        header = torch.empty(_HEADER, dtype=torch.int64)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         return _Checked(self, op, header, post(header, peer), post(tensor, peer))
 
     def wait(self, work, waiter) -> None:

@@ -28,6 +28,22 @@ def _wire(backend: str) -> str:
     return "gloo" if backend == "zipccl" else backend
 
 
+def wire_device(backend: str) -> torch.device:
+    """The device of the tensors that a group of torch backend ``backend`` carries: the current
+    GPU on nccl (which moves device memory only), the CPU on every other (gloo; the drop-in
+    "zipccl", whose CUDA tensors zipccl's NCCL transport carries: zipccl.transport.select)."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+class _Staged:
+    """A receive into ``wire`` (on the group's device) for ``host``, a tensor elsewhere (a CPU
+    size or status on an NCCL group), which ``TorchTransport.wait`` fills once it has come."""
+    __slots__ = ("work", "host", "wire")
+
+    def __init__(self, work, host: torch.Tensor, wire: torch.Tensor):
+        self.work, self.host, self.wire = work, host, wire
+
+
 def _twin(group):
     """For a group whose messages gloo carries (``_wire``) that spans the whole job: a second
     gloo group over the same ranks that carries the payloads sent to higher ranks, so that each
@@ -56,7 +72,10 @@ class TorchTransport(Transport):
     declares ``loose_receives`` and ``tags`` (gloo matches by tag and takes a message shorter
     than its receive), except in strict mode (ZIPCCL_STRICT_TRANSPORT=1, zipccl.transport.strict),
     where it keeps NCCL's rules and checks that every call does. On torch's own nccl backend it
-    declares neither."""
+    declares neither. A message on another device than the group's (``meta_device``:
+    ``wire_device``), such as the pipeline's CPU sizes and statuses on an nccl group, is staged
+    onto it: sent from a copy, received into one and copied back when waited for, so that no
+    CPU tensor is ever sent on an NCCL group."""
 
     @classmethod
     def of(cls, group=None) -> "TorchTransport":
@@ -78,12 +97,11 @@ class TorchTransport(Transport):
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process group")
         self.backend = dist.get_backend(group)
-        self.meta_device = torch.device("cuda", torch.cuda.current_device()) \
-            if self.backend == "nccl" else torch.device("cpu")
+        self.meta_device = wire_device(self.backend)
         gloo = _wire(self.backend) == "gloo"
         self._upward = _twin(group) if gloo and self.size > 1 else None
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
-        self.strict = Strict(self.rank) if gloo and config.STRICT_TRANSPORT else None
+        self.strict = Strict(self.rank, self.meta_device) if config.STRICT_TRANSPORT else None
         self.loose_receives = self.tags = gloo and self.strict is None
 
     def grouped(self):
@@ -98,10 +116,15 @@ class TorchTransport(Transport):
         every connection of the group on this rank), so the peer fails promptly too. The error
         of a wait that ran out says so (``timed_out``, as zipccl.failure reads it): this rank
         gave up, the peer may live."""
+        staged = work if isinstance(work, _Staged) else None
+        if staged is not None:
+            work = staged.work
         if self.strict is not None:
             self.strict.wait(work, lambda w: self._wait(w, timeout))
         else:
             self._wait(work, timeout)
+        if staged is not None:
+            staged.host.copy_(staged.wire)
 
     def _wait(self, work, timeout: float | None) -> None:
         t0, limit = time.monotonic(), wait_limit(timeout)
@@ -131,6 +154,7 @@ class TorchTransport(Transport):
         return recv
 
     def isend(self, send, dst, tag=0):
+        send = send if send.device == self.meta_device else send.to(self.meta_device)
         if self.strict is not None:  # one tag on the wire: matched in issue order, as NCCL does
             return self.strict.send(lambda x, peer: self._isend(x, peer, 0), send, dst, tag)
         return self._isend(send, dst, tag)
@@ -139,9 +163,12 @@ class TorchTransport(Transport):
         return dist.isend(send, group=self._lane(self.rank, dst), group_dst=dst, tag=tag)
 
     def irecv(self, recv, src, tag=0):
+        wire = recv if recv.device == self.meta_device else torch.empty_like(recv, device=self.meta_device)
         if self.strict is not None:
-            return self.strict.recv(lambda x, peer: self._irecv(x, peer, 0), recv, src, tag)
-        return self._irecv(recv, src, tag)
+            work = self.strict.recv(lambda x, peer: self._irecv(x, peer, 0), wire, src, tag)
+        else:
+            work = self._irecv(wire, src, tag)
+        return work if wire is recv else _Staged(work, recv, wire)
 
     def _irecv(self, recv, src, tag):
         return dist.irecv(recv, group=self._lane(src, self.rank), group_src=src, tag=tag)

@@ -1,0 +1,491 @@
+"""The CUDA path's decisions, on a machine without a GPU: which transport each (device, group
+backend, ZIPCCL_TRANSPORT, GPU extra) gets, which combinations are refused and how, where
+codec "native" runs, that no CPU tensor is sent on an NCCL group (the pipeline's messages are
+staged onto the group's device, and strict mode checks every message's device), the
+hierarchical levels on CUDA, the drop-in's routing, the lossy path's devices and the planner's
+clock. Where a device is needed, ``meta`` stands for the GPU: a tensor there has a device other
+than the CPU and no data; the expected values are written out."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zipccl import api, auto, backend, config, hierarchical, lossy, topology
+from zipccl import collectives as C
+from zipccl.codecs import Raw
+from zipccl.collectives import autoplan, metadata, sparse_reduce, validation
+from zipccl.errors import RankFailure, UnsupportedError, ZipcclError
+from zipccl.failure import Fate
+from zipccl.transport import NcclTransport, TorchTransport, cupy_nccl, select, torch_dist
+from zipccl.transport.strict import Strict, TransportRuleError
+
+META = torch.device("meta")
+
+# ---- transport selection: the table --------------------------------------------------------------------------
+
+#: (device, group backend, ZIPCCL_TRANSPORT, GPU extra installed) -> transport, or the error's text.
+TABLE = {
+    # CPU tensors, and calls without a tensor: torch.distributed, whatever else holds
+    **{("cpu", b, s, e): "torch" for b in ("nccl", "zipccl", "gloo") for s in ("auto", "nccl", "torch")
+       for e in (True, False)},
+    **{(None, b, s, e): "torch" for b in ("nccl", "zipccl", "gloo") for s in ("auto", "nccl", "torch")
+       for e in (True, False)},
+    # CUDA tensors, default setting: NCCL whatever the group's backend, where the extra is there
+    ("cuda", "nccl", "auto", True): "nccl",
+    ("cuda", "zipccl", "auto", True): "nccl",
+    ("cuda", "gloo", "auto", True): "nccl",
+    ("cuda", "nccl", "auto", False): "torch",  # torch's own NCCL group carries it all
+    ("cuda", "zipccl", "auto", False): "install",
+    ("cuda", "gloo", "auto", False): "install",
+    # ZIPCCL_TRANSPORT=nccl: NCCL, and NCCL's own error where it cannot load
+    ("cuda", "nccl", "nccl", True): "nccl",
+    ("cuda", "zipccl", "nccl", True): "nccl",
+    ("cuda", "gloo", "nccl", True): "nccl",
+    ("cuda", "nccl", "nccl", False): "nccl",
+    ("cuda", "zipccl", "nccl", False): "nccl",
+    ("cuda", "gloo", "nccl", False): "nccl",
+    # ZIPCCL_TRANSPORT=torch: only an nccl group's torch backend carries CUDA tensors
+    ("cuda", "nccl", "torch", True): "torch",
+    ("cuda", "nccl", "torch", False): "torch",
+    ("cuda", "zipccl", "torch", True): "torch-only-nccl",
+    ("cuda", "zipccl", "torch", False): "torch-only-nccl",
+    ("cuda", "gloo", "torch", True): "torch-only-nccl",
+    ("cuda", "gloo", "torch", False): "torch-only-nccl",
+}
+ERRORS = {"install": r"CUDA tensors on a group of backend '\w+' need zipccl's NCCL transport.*"
+                     r"pip install 'zipccl\[cuda12\]'",
+          "torch-only-nccl": r"ZIPCCL_TRANSPORT=torch carries CUDA tensors only on a group whose backend is nccl; "
+                             r"this group's is '\w+'.*pip install 'zipccl\[cuda12\]'"}
+
+
+def test_table_covers_every_case():
+    assert len(TABLE) == 3 * 3 * 3 * 2
+
+
+@pytest.mark.parametrize("case", sorted(TABLE, key=str), ids=str)
+def test_transport_choice(case):
+    expected = TABLE[case]
+    if expected in ERRORS:
+        with pytest.raises(UnsupportedError, match=ERRORS[expected]):
+            select.choose(*case)
+    else:
+        assert select.choose(*case) == expected
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """transport_for with the group's backend, the extra and both transports' ``of`` faked:
+    returns a function (backend, setting, extra, device) -> the name of what it made."""
+    made = []
+
+    def setup(backend_name, setting, extra, nccl_fails=False):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: backend_name)
+        monkeypatch.setattr(config, "TRANSPORT", setting)
+        stack = types.SimpleNamespace(extra="cuda12" if extra else None)
+        monkeypatch.setattr(select.nccl_stack, "detect", lambda: stack)
+        monkeypatch.setattr(select, "_refused", {})
+
+        def nccl_of(group=None):
+            made.append("nccl")
+            if nccl_fails:
+                raise ZipcclError("no communicator (test)")
+            return "NcclTransport"
+        monkeypatch.setattr(NcclTransport, "of", staticmethod(nccl_of))
+        monkeypatch.setattr(TorchTransport, "of", staticmethod(lambda group=None: made.append("torch") or
+                                                               "TorchTransport"))
+        return made
+    return setup
+
+
+@pytest.mark.parametrize("backend_name,setting,extra,device,expected", [
+    ("nccl", "auto", True, "cuda", "NcclTransport"),
+    ("zipccl", "auto", True, "cuda", "NcclTransport"),
+    ("gloo", "auto", True, "cuda", "NcclTransport"),
+    ("nccl", "auto", False, "cuda", "TorchTransport"),
+    ("nccl", "torch", True, "cuda", "TorchTransport"),
+    ("nccl", "nccl", False, "cuda", "NcclTransport"),
+    ("nccl", "auto", True, "cpu", "TorchTransport"),
+    ("zipccl", "auto", True, "cpu", "TorchTransport"),
+])
+def test_transport_for_follows_the_table(routed, backend_name, setting, extra, device, expected):
+    made = routed(backend_name, setting, extra)
+    assert select.transport_for(None, torch.device(device)) == expected
+    assert made == [expected.removesuffix("Transport").lower()]
+
+
+def test_transport_for_refuses_what_nothing_carries(routed):
+    made = routed("zipccl", "auto", False)
+    with pytest.raises(UnsupportedError, match=r"pip install 'zipccl\[cuda12\]'"):
+        select.transport_for(None, torch.device("cuda"))
+    assert made == []  # nothing made, nothing sent: the same error on every rank, at once
+
+
+def test_a_failed_communicator_falls_back_only_on_nccl_groups(routed):
+    made = routed("nccl", "auto", True, nccl_fails=True)
+    with pytest.warns(RuntimeWarning, match="go through torch.distributed"):
+        assert select.transport_for(None, torch.device("cuda")) == "TorchTransport"
+    assert made == ["nccl", "torch"]
+    assert select.transport_for(None, torch.device("cuda")) == "TorchTransport"  # not asked again
+    assert made == ["nccl", "torch", "torch"]
+    for backend_name in ("zipccl", "gloo"):  # no torch backend there carries CUDA tensors: NCCL's error
+        made = routed(backend_name, "auto", True, nccl_fails=True)
+        made.clear()
+        with pytest.raises(ZipcclError, match="no communicator"):
+            select.transport_for(None, torch.device("cuda"))
+        assert made == ["nccl"]
+
+
+# ---- codec "native" on CUDA ----------------------------------------------------------------------------------
+
+def test_native_is_torchs_collective_on_nccl_groups_only():
+    assert [cupy_nccl.native_by_torch(b) for b in ("nccl", "zipccl", "gloo")] == [True, False, False]
+
+
+def test_nccl_transport_hands_native_to_the_nccl_group(monkeypatch):
+    calls = []
+    fake = types.SimpleNamespace(native=lambda name, *tensors, op=None: calls.append((name, len(tensors), op)))
+    monkeypatch.setattr(TorchTransport, "of", staticmethod(lambda group=None: fake))
+    t = object.__new__(NcclTransport)  # no communicator: torch's collective must not need one
+    t.group, t._by_torch = "the nccl group", True
+    x = torch.zeros(4)
+    t.native("all_reduce", x, op=dist.ReduceOp.SUM)
+    t.native("all_gather", torch.zeros(8), x)
+    assert calls == [("all_reduce", 1, dist.ReduceOp.SUM), ("all_gather", 2, None)]
+
+
+# ---- no CPU tensor on an NCCL group ----------------------------------------------------------------------------
+
+def test_strict_mode_rejects_a_message_off_the_groups_device():
+    posted = []
+
+    def post(x, peer):
+        posted.append((x.device.type, x.dtype, x.numel()))
+        return None
+
+    s = Strict(0, META)
+    with s.grouped():
+        s.send(post, torch.zeros(8, dtype=torch.uint8, device=META), 1, 3)
+        s.recv(post, torch.empty(2, dtype=torch.int64, device=META), 1, 3)
+        with pytest.raises(TransportRuleError, match=r"a tensor on cpu, but this group carries tensors on meta"):
+            s.send(post, torch.zeros(8, dtype=torch.uint8), 1, 3)
+    # each message behind its header, the headers on the group's device too
+    assert posted == [("meta", torch.int64, 4), ("meta", torch.uint8, 8), ("meta", torch.int64, 4),
+                      ("meta", torch.int64, 2)]
+    gloo = Strict(0)  # gloo: the CPU, and a CUDA-like tensor is refused alike
+    with gloo.grouped(), pytest.raises(TransportRuleError, match="a tensor on meta, but this group carries tensors "
+                                                                 "on cpu"):
+        gloo.send(post, torch.zeros(8, dtype=torch.uint8, device=META), 1, 0)
+
+
+class _Work:
+    def wait(self, timeout=None):
+        return True
+
+
+@pytest.fixture(params=[True, False], ids=["strict", "plain"])
+def nccl_group(request, monkeypatch):
+    """A TorchTransport on a fake group of two ranks whose backend is nccl, ``meta`` standing for
+    its GPU: every tensor handed to torch.distributed is recorded as (call, device, dtype, numel)."""
+    sent = []
+    monkeypatch.setattr(config, "STRICT_TRANSPORT", request.param)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group=None: [0, 1])
+    monkeypatch.setattr(torch_dist, "wire_device", lambda b: META if b == "nccl" else torch.device("cpu"))
+    for name in ("isend", "irecv"):
+        monkeypatch.setattr(dist, name, lambda x, *a, _n=name, **k: sent.append((_n, x.device.type, x.dtype,
+                                                                                x.numel())) or _Work())
+    t = TorchTransport(object())
+    assert t.meta_device == META and (t.strict is not None) == request.param
+    return t, sent, request.param
+
+
+def _expected(strict: bool, *messages):
+    """The recorded calls of ``messages`` ((call, numel) of int64 tensors), each behind its strict header."""
+    out = []
+    for name, numel in messages:
+        out += ([(name, "meta", torch.int64, 4)] if strict else []) + [(name, "meta", torch.int64, numel)]
+    return out
+
+
+def test_metadata_exchange_sends_no_cpu_tensor_on_nccl(nccl_group):
+    t, sent, strict = nccl_group
+    fate = Fate.of("all_reduce", t)
+    metadata.Call("all_reduce", torch.bfloat16, 1000, dist.ReduceOp.SUM, Raw()).start(t, [10, 12], None, fate)
+    row = 1 + 6 + 2 * autoplan.REPORT_SLOTS + 2  # status, signature, auto reports, sizes
+    assert sent == _expected(strict, ("isend", row), ("irecv", row))
+
+
+def test_size_mails_and_status_round_send_no_cpu_tensor_on_nccl(nccl_group):
+    t, sent, strict = nccl_group
+    fate, acc = Fate.of("all_reduce", t), C.new_acc()
+    mail = metadata._SizeMail(t, [5, 7], metadata._TAG_AG_SIZES, acc, fate)
+    assert isinstance(mail.recvs[1], torch_dist._Staged) and mail.recvs[1].host.device.type == "cpu"
+    assert mail.recvs[1].wire.device == META  # received on the device, copied to the host when waited for
+    assert sent == _expected(strict, ("isend", 1), ("irecv", 1))
+    sent.clear()
+    t.wait = lambda work, timeout=None: None  # a meta tensor has no data to copy back
+    fate.settle(t)
+    assert sent == _expected(strict, ("isend", 1), ("irecv", 1))
+
+
+def test_a_device_message_is_sent_as_it_is(nccl_group):
+    t, sent, strict = nccl_group
+    payload = torch.zeros(16, dtype=torch.uint8, device=META)
+    with t.grouped():
+        t.isend(payload, 1)
+        work = t.irecv(payload, 1)
+    assert not isinstance(work, torch_dist._Staged)
+    header = [("meta", torch.int64, 4)] if strict else []
+    assert [s[1:] for s in sent] == header + [("meta", torch.uint8, 16)] + header + [("meta", torch.uint8, 16)]
+
+
+def test_a_call_on_the_wrong_device_for_its_group_is_refused():
+    t = object.__new__(TorchTransport)
+    t.backend, t.meta_device = "nccl", torch.device("cuda", 0)
+    with pytest.raises(UnsupportedError, match=r"backend \(nccl\) takes CUDA tensors here, got a tensor on cpu"):
+        validation._check_device(t, torch.zeros(4))
+    t.backend, t.meta_device = "gloo", torch.device("cpu")
+    with pytest.raises(UnsupportedError, match=r"backend \(gloo\) takes CPU tensors here, got a tensor on meta"):
+        validation._check_device(t, torch.zeros(4, device=META))
+    validation._check_device(t, torch.zeros(4))
+
+
+# ---- hierarchical on CUDA: NCCL's collective inside the node, no host shared memory --------------------------
+
+def test_shared_memory_only_off_nccl(monkeypatch):
+    monkeypatch.setattr(config, "SHM", True)
+    assert [topology.shares_memory(b) for b in ("nccl", "zipccl", "gloo")] == [False, True, True]
+    monkeypatch.setattr(config, "SHM", False)
+    assert [topology.shares_memory(b) for b in ("nccl", "zipccl", "gloo")] == [False, False, False]
+
+
+def test_auto_intra_level_is_native_on_cuda():
+    with_memory, without = types.SimpleNamespace(memory=object()), types.SimpleNamespace(memory=None)
+    assert api._intra(with_memory, torch.device("cpu")) is hierarchical.SHM
+    assert api._intra(with_memory, torch.device("cuda", 0)) is C.NATIVE
+    assert api._intra(without, torch.device("cpu")) is C.NATIVE
+    assert api._intra(without, torch.device("cuda", 0)) is C.NATIVE
+
+
+def _levels():
+    topo = types.SimpleNamespace(nodes=[[0, 1], [2, 3]], local_size=2)
+    return types.SimpleNamespace(topology=topo, intra="intra group", inter="inter group", memory=object(),
+                                 local_rank=0, node=0)
+
+
+def test_hierarchical_refuses_shared_memory_for_device_tensors(monkeypatch):
+    monkeypatch.setattr(hierarchical, "transport_for", lambda g, d: pytest.fail("no transport before the check"))
+    x = torch.zeros(16, device=META)
+    with pytest.raises(UnsupportedError, match=r"'shm' \(host shared memory\) takes CPU tensors, not tensors on meta"):
+        hierarchical.run("all_reduce", _levels(), x, x, dist.ReduceOp.SUM, (hierarchical.SHM, C.NATIVE), C.new_acc(),
+                         Fate("all_reduce", 0))
+
+
+def test_hierarchical_levels_take_the_data_devices_transport(monkeypatch):
+    asked = []
+    monkeypatch.setattr(hierarchical, "transport_for", lambda g, d: asked.append((g, d)) or g)
+    assert hierarchical._transports(_levels(), META) == ("intra group", "inter group")
+    assert asked == [("intra group", META), ("inter group", META)]
+
+
+# ---- the drop-in backend's routing ----------------------------------------------------------------------------
+
+def test_drop_in_takes_cuda_tensors_unless_transport_torch():
+    cases = {("cpu", "auto"): True, ("cpu", "torch"): True, ("cpu", "nccl"): True,
+             ("cuda", "auto"): True, ("cuda", "nccl"): True, ("cuda", "torch"): False,
+             ("meta", "auto"): False, ("mps", "auto"): False}
+    assert {k: backend.takes_device(*k) for k in cases} == cases
+
+
+def test_drop_in_routing_asks_takes_device(monkeypatch):
+    takes = backend.ProcessGroupZipccl._takes  # the decision alone: a group needs a store and ranks
+    pg = types.SimpleNamespace(codec="auto")
+    x = torch.zeros(8, dtype=torch.bfloat16, device=META)
+    assert not takes(pg, [x], dist.ReduceOp.SUM)
+    monkeypatch.setattr(backend, "takes_device", lambda device: device in ("cpu", "meta"))
+    assert takes(pg, [x], dist.ReduceOp.SUM)
+    assert not takes(pg, [x.int()], dist.ReduceOp.SUM)  # still float tensors only
+    pg.codec = "native"
+    assert not takes(pg, [x], dist.ReduceOp.SUM)
+
+
+# ---- the lossy path on CUDA ---------------------------------------------------------------------------------
+
+def test_failed_selection_is_refused_on_the_calls_transport(monkeypatch):
+    asked, refused = [], []
+    monkeypatch.setattr(lossy, "transport_for", lambda group, device: asked.append((group, device)) or "transport")
+
+    def refuse(name, t, input, op, error):
+        refused.append((name, t, input.device))
+        raise error
+    monkeypatch.setattr(lossy.collectives, "refuse", refuse)
+    comp = lossy.Compressor("topk")
+    monkeypatch.setattr(comp, "_select", lambda *a: (_ for _ in ()).throw(RuntimeError("selection failed")))
+    flat = torch.zeros(64, device=META)
+    with pytest.raises(RuntimeError, match="selection failed"):
+        comp._selected("all_reduce", flat, "w", 0.1, None, "the group", dist.ReduceOp.SUM)
+    assert asked == [("the group", META)]
+    assert refused == [("all_reduce", "transport", META)]
+
+
+def test_entropy_sums_go_on_the_groups_device(monkeypatch):
+    summed = []
+
+    def all_reduce(t, group=None):
+        summed.append((t.device.type, group))
+        t.mul_(2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    x = torch.tensor([1, 2, 3], dtype=torch.int64)
+    lossy._sum_across("g")(x)
+    assert x.tolist() == [2, 4, 6] and summed == [("cpu", "g")]
+    summed.clear()
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # torch without CUDA here: the move to cuda:0 fails, and nothing reached the NCCL group from the host
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        lossy._sum_across("g")(x)
+    assert summed == []
+
+
+def test_entropy_density_sums_through_the_groups_device(monkeypatch):
+    summed = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: summed.append(t.device.type))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    comp = lossy.Compressor("entropy")
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):  # the estimate's first sum, moved to cuda:0
+        comp.choose(0, True, torch.randn(10_000), "g")
+    assert summed == []
+
+
+def test_scatter_cuts_are_made_on_the_index_device():
+    idx = torch.tensor([1, 5, 9, 10], dtype=torch.int32)
+    assert sparse_reduce._cuts(idx, [0, 4, 8, 12]).tolist() == [0, 1, 2, 4]
+    assert sparse_reduce._cuts(idx.to(META), [0, 4, 8, 12]).device == META
+
+
+# ---- the planner's clock ----------------------------------------------------------------------------------------
+
+class _Device:
+    """A fake clock and GPU: a call queues ``device`` seconds of work and returns after ``host``."""
+
+    def __init__(self, monkeypatch):
+        self.now, self.queued, self.syncs = 100.0, 0.0, 0
+        monkeypatch.setattr(autoplan.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
+
+    def synchronize(self, device=None):
+        self.syncs += 1
+        self.now += self.queued
+        self.queued = 0.0
+
+    def call(self, host: float, device: float):
+        def run(plan):
+            self.now += host
+            self.queued += device
+        return run
+
+
+@pytest.mark.parametrize("device,nbytes,expected_us,syncs", [
+    (torch.device("cuda", 0), 4 << 20, 501_000, 2),  # the queued work's end: 1 ms queuing + 500 ms on the device
+    (torch.device("cpu"), 4 << 20, 1_000, 0),
+    (torch.device("cuda", 0), 64 << 10, 1_000, 0),   # below the probe floor: never measured, never synchronised
+])
+def test_planner_times_cuda_calls_to_their_end(monkeypatch, device, nbytes, expected_us, syncs):
+    fake = _Device(monkeypatch)
+    group = object()
+    autoplan.planned(group, "all_reduce", torch.bfloat16, nbytes, C.FLAT_PLANS, fake.call(0.001, 0.5), device)
+    key = auto.Policy.key("all_reduce", torch.bfloat16, nbytes)
+    assert autoplan._auto_group(group).pending == {(key, "native"): expected_us}
+    assert fake.syncs == syncs
+
+
+def test_measures_follows_the_probe_floor():
+    p = auto.Policy(probe_min_bytes=1 << 20)
+    assert [p.measures(n, c) for n, c in [((1 << 20) - 1, ("native", "raw")), (1 << 20, ("native", "raw")),
+                                          (1 << 30, ("native",))]] == [False, True, False]
+
+
+# ---- failures on NCCL: a hung peer is named, the communicator aborted, never the transport's own error ---------
+
+class _Comm:
+    """A CuPy communicator that never fails and counts its aborts."""
+
+    def __init__(self):
+        self.aborted = 0
+
+    def check_async_error(self):
+        return None
+
+    def abort(self):
+        self.aborted += 1
+
+
+class _Pending:
+    """A CUDA event that never passes: the peer's message never comes."""
+
+    def query(self):
+        return False
+
+
+def test_a_hung_peer_on_nccl_is_named_with_the_communicator_aborted(monkeypatch):
+    monkeypatch.setattr(config, "TIMEOUT", 0.05)
+    comm = _Comm()
+    t = object.__new__(NcclTransport)  # three ranks, this one the job's rank 5; no GPU needed from here on
+    t.rank, t.size, t._ranks, t.comm, t._open = 0, 3, [5, 9, 11], comm, None
+    size = cupy_nccl._Work(None, host=torch.zeros(1, dtype=torch.int64), staged=None)
+    size.event = _Pending()
+    fate = Fate.of("all_reduce", t)
+    assert not fate.wait(t, size, 1)  # gave up on group rank 1 after ZIPCCL_TIMEOUT
+    assert comm.aborted == 1 and t.comm is None and fate.gave_up
+    # the status round on the aborted communicator: rank 2's operations fail and count it lost too,
+    # and the call raises RankFailure naming the hung rank (the job's 9), never NcclError
+    with pytest.raises(RankFailure, match=r"rank 9 failed: it stopped answering.*must be rebuilt") as e:
+        fate.settle(t)
+    assert (e.value.rank, e.value.kind, e.value.broken) == (9, "lost", True)
+    assert (id(t), 2) in fate.lost
+
+
+# ---- NVML's view of the links feeds the planner -----------------------------------------------------------------
+
+def test_the_link_is_agreed_by_every_rank():
+    assert topology.agreed_link(["nvlink", "nvlink", "nvlink"]) == "nvlink"
+    assert topology.agreed_link(["pcie", "pcie"]) == "pcie"
+    assert topology.agreed_link(["nvlink", "pcie", "nvlink"]) == "unknown"  # ranks that disagree: nothing follows
+    assert topology.agreed_link(["nvlink", "unknown"]) == "unknown"
+
+
+@pytest.mark.parametrize("device,link,nodes,expected", [
+    ("cuda", "nvlink", 1, ("native",)),                  # NVLink inside one node: NCCL's own, nothing measured
+    ("cuda", "nvlink", 2, ("native", "raw", "lossless")),  # a slower link between the nodes: measured
+    ("cuda", "pcie", 1, ("native", "raw", "lossless")),
+    ("cuda", "unknown", 1, ("native", "raw", "lossless")),
+    ("cpu", "nvlink", 1, ("native", "raw", "lossless")),
+])
+def test_auto_measures_nothing_but_native_over_nvlink(device, link, nodes, expected):
+    assert C.plans_for(C.FLAT_PLANS, device, link, nodes) == expected
+
+
+def _found_link(rank, groups, links):
+    """The link that topology() finds on a fresh group of the pool's four ranks, where rank r's
+    NVML says ``links[r]``."""
+    g = dist.new_group([0, 1, 2, 3], backend="gloo")
+    real, topology.nvml_link = topology.nvml_link, lambda: links[rank]
+    try:
+        return topology.topology(g).link
+    finally:
+        topology.nvml_link = real
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_finds_the_agreed_link(pool):
+    assert pool.run(_found_link, ["nvlink"] * 4, timeout=120) == ["nvlink"] * 4
+    assert pool.run(_found_link, ["nvlink", "nvlink", "pcie", "nvlink"], timeout=120) == ["unknown"] * 4
