@@ -298,10 +298,14 @@ def test_hierarchical_levels_take_the_data_devices_transport(monkeypatch):
 # ---- the drop-in backend's routing ----------------------------------------------------------------------------
 
 def test_drop_in_takes_cuda_tensors_unless_transport_torch():
-    cases = {("cpu", "auto"): True, ("cpu", "torch"): True, ("cpu", "nccl"): True,
-             ("cuda", "auto"): True, ("cuda", "nccl"): True, ("cuda", "torch"): False,
-             ("meta", "auto"): False, ("mps", "auto"): False}
-    assert {k: backend.takes_device(*k) for k in cases} == cases
+    # (device, ZIPCCL_TRANSPORT, GPU extra installed) -> zipccl takes the call
+    cases = {("cpu", "auto", False): True, ("cpu", "torch", False): True, ("cpu", "nccl", True): True,
+             ("cuda", "auto", True): True, ("cuda", "nccl", True): True, ("cuda", "torch", True): False,
+             ("cuda", "auto", False): False,  # no extra: torch's NCCL underneath carries it, uncompressed
+             ("cuda", "nccl", False): True,   # asked for explicitly: the transport raises, naming the extra
+             ("meta", "auto", True): False, ("mps", "auto", True): False}
+    with pytest.warns(UserWarning, match="uncompressed"):
+        assert {k: backend.takes_device(*k) for k in cases} == cases
 
 
 def test_drop_in_routing_asks_takes_device(monkeypatch):

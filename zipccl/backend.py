@@ -10,7 +10,8 @@ machinery (group names, DeviceMesh, FSDP2, functional collectives) finds a backe
 collectives zipccl compresses (``allreduce``, ``allreduce_coalesced``, ``all_gather_single``,
 ``reduce_scatter_single``, the list forms ``allgather`` and ``reduce_scatter`` and their
 coalesced variants) go to zipccl when it can take the call: a dense CPU or CUDA
-bf16/fp16/fp32 tensor (CUDA: over zipccl's NCCL transport; ``takes_device``) reduced with SUM,
+bf16/fp16/fp32 tensor (CUDA: over zipccl's NCCL transport where the GPU extra is installed;
+``takes_device``) reduced with SUM,
 AVG, MAX, MIN or PREMUL_SUM (the factor applied, then SUM). Everything else (integer, complex
 and sparse tensors, PRODUCT and bitwise ops, CUDA tensors with ZIPCCL_TRANSPORT=torch, and
 broadcast, send, recv, all_to_all, gather, scatter, reduce, barrier) goes to the backend
@@ -32,7 +33,9 @@ functional collectives reach zipccl only where torch dispatches them to the grou
 
 from __future__ import annotations
 
+import functools
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +45,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from . import api, config, executor
 from .format import DTYPE_CODES
 from .lossy import Compressor
+from .transport import nccl_stack
 
 __all__ = ["NAME", "Options", "ProcessGroupZipccl", "register", "takes_device"]
 
@@ -80,14 +84,32 @@ class Options:
             raise ValueError(f"lossy_min_numel must be >= 1, got {self.lossy_min_numel}")
 
 
-def takes_device(device: str, setting: str | None = None) -> bool:
+def takes_device(device: str, setting: str | None = None, extra: bool | None = None) -> bool:
     """Whether the drop-in hands the compressible calls of tensors on ``device`` (a device type)
-    to zipccl's planner: CPU tensors, and CUDA tensors (over zipccl's NCCL transport, which
-    zipccl.transport.select picks for a zipccl group, or refuses naming the GPU extra to install)
-    unless ZIPCCL_TRANSPORT (``setting``, None: config.TRANSPORT) is "torch": then torch's NCCL
-    backend underneath carries them as it is, uncompressed."""
+    to zipccl's planner: CPU tensors always; CUDA tensors over zipccl's NCCL transport where the
+    GPU extra is installed (``extra``, None: nccl_stack.detect()) or ZIPCCL_TRANSPORT (``setting``,
+    None: config.TRANSPORT) is "nccl" (then a missing extra raises, naming it). Otherwise, with
+    "auto" and no extra, or with "torch", torch's NCCL backend underneath carries them as they
+    are, uncompressed: changing one word must not break a job on a machine without the extra
+    (warned once per process)."""
     setting = config.TRANSPORT if setting is None else setting
-    return device == "cpu" or (device == "cuda" and setting != "torch")
+    if device == "cpu":
+        return True
+    if device != "cuda" or setting == "torch":
+        return False
+    if setting == "nccl":
+        return True
+    if extra is None:
+        extra = nccl_stack.detect().extra is not None
+    if not extra:
+        _warn_uncompressed()
+    return extra
+
+
+@functools.cache
+def _warn_uncompressed() -> None:
+    warnings.warn("zipccl: CUDA tensors pass to torch's NCCL uncompressed: zipccl's NCCL transport needs the GPU "
+                  "extra (pip install 'zipccl[cuda12]' or 'zipccl[cuda13]', matching torch's CUDA)", stacklevel=3)
 
 
 _inside = threading.local()
