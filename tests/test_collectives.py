@@ -479,3 +479,35 @@ def test_native_calls_run_the_backends_collective_alone(pool):
     sharing 2 cores the round cost auto several ms a step); zipccl's own pipeline keeps it."""
     for rank, (native, raw, same) in enumerate(pool.run(_native_alone, timeout=120)):
         assert native == [] and raw == ["all_reduce"] and same, (rank, native, raw, same)
+
+
+def _requires_grad(rank, groups):
+    """Parameters (requires_grad) reduced in place and scattered from, as dist.all_reduce allows."""
+    g = groups[4]
+    out = {}
+    for codec in ("raw", "lossless"):
+        w = torch.nn.Parameter(data(rank, 3000, torch.float32))
+        zipccl.all_reduce(w, group=g, codec=codec)
+        src = torch.nn.Parameter(data(rank, 4 * 500, torch.float32, seed=1))
+        rs = torch.empty(500)
+        zipccl.reduce_scatter(rs, src, group=g, codec=codec)
+        out[codec] = (w.detach().clone(), w.requires_grad, w.grad_fn, rs)
+    return out
+
+
+def test_tensors_that_require_grad(pool):
+    """zipccl's calls take tensors that require grad (reduced outside autograd, as torch's backends
+    do); results against plain torch: the fp32 sum of the ranks' inputs in rank order."""
+    res = pool.run(_requires_grad, timeout=120)
+    want = torch.zeros(3000)
+    for r in range(4):
+        want += data(r, 3000, torch.float32)
+    rs_full = torch.zeros(2000)
+    for r in range(4):
+        rs_full += data(r, 2000, torch.float32, seed=1)
+    for rank, out in enumerate(res):
+        assert not isinstance(out, BaseException), out
+        for codec, (w, requires_grad, grad_fn, rs) in out.items():
+            assert torch.equal(w, want), codec
+            assert requires_grad and grad_fn is None, codec  # still a leaf parameter, nothing recorded
+            assert torch.equal(rs, rs_full[rank * 500:(rank + 1) * 500]), codec

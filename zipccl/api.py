@@ -104,7 +104,14 @@ def _small(name: str, group, output, input, op) -> bool:
     return True
 
 
+def _outside_autograd(x):
+    """A tensor that requires grad, as its ``.data`` (same storage): reduced outside autograd,
+    as torch.distributed's backends do (no graph recorded, no version bump)."""
+    return x.data if isinstance(x, torch.Tensor) and x.requires_grad else x
+
+
 def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: bool):
+    output, input = _outside_autograd(output), _outside_autograd(input)
     if codec == "auto" and algorithm == "auto" and not async_op and _small(name, group, output, input, op):
         return None
     if algorithm not in ALGORITHMS:
