@@ -49,6 +49,6 @@ def pool(pool_factory):
     return pool_factory()
 
 
-# Skips are printed with their reasons (-rs in `make test`), and under CI a skip that is not allowed,
-# at collection or at run time, fails the run: tests/ci_skips.py.
-pytest_plugins = ("ci_skips",)
+# Skips are printed with their reasons (-rs in `make test`); under CI a skip that is not allowed, at
+# collection or at run time, fails the run, and hypothesis is derandomized: tests/ci_rules.py.
+pytest_plugins = ("ci_rules",)

@@ -1,5 +1,6 @@
-"""Under CI an unexpected skip fails the run, a module skipped at import included: real pytest runs
-of small test modules with the suite's own skip plugin (tests/ci_skips.py)."""
+"""Under CI an unexpected skip fails the run, a module skipped at import included, and hypothesis
+draws the same examples every run: real pytest runs of small test modules with the suite's own CI
+plugin (tests/ci_rules.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ HERE = Path(__file__).resolve().parent
 
 def _pytest(tmp_path: Path, modules: dict[str, str], ci: bool = True) -> subprocess.CompletedProcess:
     """pytest on `modules` (file name -> source) in tmp_path, with the plugin that tests/conftest.py loads."""
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ("ci_skips",)\n')
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ("ci_rules",)\n')
     for name, source in modules.items():
         (tmp_path / name).write_text(source)
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
@@ -76,5 +78,21 @@ def test_skips_pass_without_ci(tmp_path):
 
 def test_suite_loads_the_plugin(request):
     """tests/conftest.py points at the plugin tested above, so the checks hold for this suite."""
-    import ci_skips
-    assert request.config.pluginmanager.get_plugin("ci_skips") is ci_skips
+    import ci_rules
+    assert request.config.pluginmanager.get_plugin("ci_rules") is ci_rules
+
+
+DRAWS = ("from hypothesis import given, strategies as st\n"
+         "@given(st.integers(0, 2**62))\n"
+         "def test_draws(x):\n"
+         "    with open('draws.txt', 'a') as f:\n"
+         "        f.write(f'{x}\\n')\n")
+
+
+def test_hypothesis_derandomized_in_ci(tmp_path):
+    draws = []
+    for run in range(2):
+        out = _pytest(tmp_path / str(run), {"test_draws.py": DRAWS})
+        assert out.returncode == 0, out.stdout + out.stderr
+        draws.append((tmp_path / str(run) / "draws.txt").read_text().split())
+    assert len(draws[0]) > 10 and draws[0] == draws[1]

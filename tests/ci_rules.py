@@ -1,12 +1,22 @@
-"""Under CI a skip other than the allowed ones fails the run, at collection as at run time.
+"""What a CI run (CI set) holds the suite to: a skip other than the allowed ones fails the run, at
+collection as at run time, and hypothesis draws the same examples on every run.
 
-A pytest plugin (tests/conftest.py loads it) kept free of torch, so that tests/test_ci_skips.py can
-load it into a small pytest run of its own and watch it fail that run.
+A pytest plugin (tests/conftest.py loads it) kept free of torch, so that tests/test_ci_rules.py can
+load it into small pytest runs of its own and watch them fail.
 """
 
 from __future__ import annotations
 
 import os
+
+from hypothesis import settings
+
+# A CI failure must reproduce from the commit alone: examples seeded from each test, none replayed
+# from a local example database. Recent hypothesis loads a profile like this one by itself when it
+# sees CI; registering it here keeps it so whatever version pip installs.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 #: Skip reasons CI accepts (substrings), each with why; every other skip fails a run with CI set, so
 #: that a test CI is meant to run cannot pass unnoticed by skipping (a missing tool or data file).
@@ -44,6 +54,6 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter):
     if _unexpected:
         terminalreporter.write_line(f"CI: {len(_unexpected)} unexpected skip(s), which fail this run "
-                                    "(tests/ci_skips.py ALLOWED_SKIPS):", red=True)
+                                    "(tests/ci_rules.py ALLOWED_SKIPS):", red=True)
         for line in _unexpected:
             terminalreporter.write_line(f"  {line}")
