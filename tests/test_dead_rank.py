@@ -39,9 +39,11 @@ def _rank(rank: int, port: int, plan: dict, results) -> None:
     import zipccl
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=N, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(plan.get("backend", "gloo"), rank=rank, world_size=N,
+                            timeout=datetime.timedelta(seconds=120))
     x = torch.randn(plan["numel"], generator=torch.Generator().manual_seed(rank))
     call = {"all_reduce": lambda: zipccl.all_reduce(x, codec=plan["codec"], algorithm="flat"),
+            "dist.all_reduce": lambda: dist.all_reduce(x),  # on backend="zipccl": ZIPCCL_CODEC's codec
             "all_gather": lambda: zipccl.all_gather(torch.empty(N * x.numel()), x, codec=plan["codec"],
                                                     algorithm="flat")}[plan["collective"]]
     call()  # warm: the group's connections and the second lane exist
@@ -106,6 +108,14 @@ def test_killed_rank(monkeypatch, tmp_path, collective, codec, after, sig):
     give up on it after ZIPCCL_TIMEOUT."""
     _run_killed(monkeypatch, tmp_path, dict(collective=collective, codec=codec, after=after, numel=2_000_000,
                                   signal=getattr(signal, "SIG" + sig)))
+
+
+def test_killed_rank_on_the_zipccl_backend(monkeypatch, tmp_path):
+    """The drop-in (init_process_group(backend="zipccl"), ZIPCCL_CODEC=lossless): dist.all_reduce
+    raises the same RankFailure on every survivor."""
+    monkeypatch.setenv("ZIPCCL_CODEC", "lossless")
+    _run_killed(monkeypatch, tmp_path, dict(collective="dist.all_reduce", codec="lossless", after=0.3,
+                                            numel=2_000_000, signal=signal.SIGKILL, backend="zipccl"))
 
 
 def test_rank_killed_in_status_round(monkeypatch, tmp_path):
