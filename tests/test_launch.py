@@ -102,6 +102,15 @@ def _check_dropin(out: str, ranks: int) -> None:
 
 
 @pytest.mark.timeout(180)
+def test_dropin_backend_under_local_spawn():
+    """No launcher: examples/dropin.py starts its ranks with zipccl.launch.spawn(..., backend="zipccl")."""
+    out = subprocess.run([sys.executable, DROPIN, "--nranks", "2"], env=dict(_clean_env(), ZIPCCL_CODEC="lossless"),
+                         capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr
+    _check_dropin(out.stdout, 2)
+
+
+@pytest.mark.timeout(180)
 def test_dropin_backend_under_torchrun():
     out = subprocess.run(_torchrun(DROPIN), env=_without_torchrun(dict(_clean_env(), ZIPCCL_CODEC="lossless")),
                          capture_output=True, text=True, timeout=170)
