@@ -49,32 +49,6 @@ def pool(pool_factory):
     return pool_factory()
 
 
-# ---- skips: printed with their reasons (-rs in `make test`), and under CI a failure unless allowed ----------
-
-#: Skip reasons CI accepts (substrings), each with why; every other skip fails a run with CI set, so
-#: that a test CI is meant to run cannot pass unnoticed by skipping (a missing tool or data file).
-ALLOWED_SKIPS: dict[str, str] = {
-    "no CUDA device": "the gpu-marked suite (pytest -m gpu) needs a CUDA device; CI machines have none (docs/GPU.md)",
-}
-
-_unexpected: list[str] = []
-
-
-def pytest_runtest_logreport(report):
-    if report.skipped and os.environ.get("CI"):
-        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        if not any(allowed in reason for allowed in ALLOWED_SKIPS):
-            _unexpected.append(f"{report.nodeid}: {reason}")
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if _unexpected and session.exitstatus == 0:
-        session.exitstatus = 1
-
-
-def pytest_terminal_summary(terminalreporter):
-    if _unexpected:
-        terminalreporter.write_line(f"CI: {len(_unexpected)} unexpected skip(s), which fail this run "
-                                    "(tests/conftest.py ALLOWED_SKIPS):", red=True)
-        for line in _unexpected:
-            terminalreporter.write_line(f"  {line}")
+# Skips are printed with their reasons (-rs in `make test`); under CI a skip that is not allowed, at
+# collection or at run time, fails the run, and hypothesis is derandomized: tests/ci_rules.py.
+pytest_plugins = ("ci_rules",)

@@ -16,7 +16,7 @@ REDOPS = {"sum", "prod", "max", "min", "avg", "none"}
 
 RUN_LINE = re.compile(r"# nThread (\d+) nGpus (\d+) minBytes (\d+) maxBytes (\d+) "
                       r"step: (\d+(?:\.\d+)?)\((factor|bytes)\) "
-                      r"warmup iters: (\d+) iters: (\d+) agg iters: (\d+) validation: (\d+) graph: (\d+)")
+                      r"warmup iters: (\d+) iters: (\d+) agg iters: (\d+) validation: (\d+) graph: (\d+) unalign: (\d+)")
 DEVICE = re.compile(r"#  Rank +(\d+) Group +(\d+) Pid +(\d+) on +(\S+) device +(-?\d+) \[([^\]]+)\] (.+)")
 OOB = re.compile(r"# Out of bounds values : (\d+) (OK|FAILED)")
 AVG = re.compile(r"# Avg bus bandwidth    : (\S+) ")  # %-20s, then "%g " (nothing after the space: no MIN_BW set)
@@ -114,7 +114,7 @@ def parse(stdout: str) -> list[Table]:
         m = RUN_LINE.fullmatch(lines[i + 1])
         _expect(m is not None, "run line", lines[i + 1])
         keys = ("nthread", "ngpus", "min_bytes", "max_bytes", "step", "step_kind", "warmup", "iters", "agg", "check",
-                "graph")
+                "graph", "unalign")
         run = {k: (v if k == "step_kind" else float(v) if k == "step" else int(v)) for k, v in zip(keys, m.groups())}
         i += 2
         modes = []

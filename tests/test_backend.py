@@ -23,6 +23,11 @@ def zipccl_groups(nranks: int) -> dict:
     out = {c: dist.new_group(ranks, backend="zipccl", pg_options=Options(codec=c))
            for c in ("raw", "lossless", "native")}
     out["topk"] = dist.new_group(ranks, backend="zipccl", pg_options=Options(lossy="topk", lossy_min_numel=50_000))
+    out["entropy"] = dist.new_group(ranks, backend="zipccl",
+                                    pg_options=Options(lossy="entropy", lossy_min_numel=10_000))
+    for algorithm in ("flat", "hierarchical"):
+        out[algorithm] = dist.new_group(ranks, backend="zipccl",
+                                        pg_options=Options(codec="lossless", algorithm=algorithm))
     out["gloo"] = dist.new_group(ranks, backend="gloo")
     for k in (2, 3):  # smaller worlds: ranks 0..k-1
         out[f"lossless{k}"] = dist.new_group(ranks[:k], backend="zipccl", pg_options=Options(codec="lossless"))
@@ -285,52 +290,149 @@ def test_async_work_is_torchs(zpool):
         assert calls == 5
 
 
-def _mismatch(rank, groups):
-    x = torch.ones(1000 + (rank == 2) * 8, dtype=torch.bfloat16)
+def _mismatch(rank, groups, what, async_op):
+    """Rank 2 differs from the others in ``what``; each rank's (error type, message, whether the
+    call itself raised rather than its Work's wait)."""
+    n, dtype, op = 1000, torch.bfloat16, R.SUM
+    if rank == 2:
+        n, dtype, op = {"numel": (1008, dtype, op), "dtype": (n, torch.float32, op), "op": (n, dtype, R.MAX)}[what]
+    x = torch.ones(n, dtype=dtype)
+    work, at_call = None, True
     try:
-        dist.all_reduce(x, group=groups["lossless"])
+        work = dist.all_reduce(x, op=op, group=groups["lossless"], async_op=async_op)
+        at_call = False
+        if work is not None:
+            work.wait()
     except Exception as e:  # noqa: BLE001 - the test asserts on it
-        return type(e).__name__, str(e)
+        return type(e).__name__, str(e), at_call
     return None
 
 
-def test_errors_raise_on_every_rank(zpool):
-    out = zpool().run(_mismatch, timeout=120)
+@pytest.mark.parametrize("what", ["numel", "dtype", "op"])
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_mismatches_raise_on_every_rank(zpool, what, async_op):
+    """A call whose ranks disagree on size, dtype or op: MismatchError on every rank, naming the
+    field and each rank's value (the sizes themselves; dtype and op as the metadata's codes); an
+    async call raises it from Work.wait(), not from the call."""
+    import re
+    out = zpool().run(_mismatch, what, async_op, timeout=120)
     for rank, value in enumerate(out):
         assert value is not None, f"rank {rank} did not raise"
-        assert "MismatchError" in value[0] + value[1] or "numel" in value[1], value
+        name, message, at_call = value
+        assert name == "MismatchError" and at_call != async_op, value
+        m = re.fullmatch(rf"zipccl\.all_reduce: ranks disagree on {what} \(ranks \[0, 1, 3\]: (\d+); ranks \[2\]: (\d+)\)",
+                         message)
+        assert m and m.group(1) != m.group(2), value
+        assert what != "numel" or m.groups() == ("1000", "1008"), value
     # and the group still works afterwards
     for rank, value in enumerate(zpool().run(_like_gloo, "native", timeout=120)):
         assert value == [], f"rank {rank}: {value!r}"
 
 
-def _lossy(rank, groups):
+def _slow_peer(rank, groups, seconds):
+    """Rank 1 enters the call ``seconds`` late: the others' Work.wait(timeout) runs out first,
+    then their wait() returns with the result."""
+    import datetime
+    import time
+    from zipccl.errors import TimeoutError as ZipcclTimeout
+    x = _data(rank, 20_000, torch.bfloat16, 3)
+    want = _reference(_gathered(x, groups["gloo"]), "SUM")
+    if rank == 1:
+        time.sleep(seconds)
+        dist.all_reduce(x, group=groups["lossless"])
+        return torch.equal(_bits(x), _bits(want))
+    work = dist.all_reduce(x, group=groups["lossless"], async_op=True)
+    t0 = time.monotonic()
+    try:
+        work.wait(datetime.timedelta(seconds=0.2))
+        timed_out = None
+    except ZipcclTimeout as e:
+        timed_out = time.monotonic() - t0, work.is_completed(), str(e)
+    done = work.wait()
+    return timed_out, done, torch.equal(_bits(x), _bits(want))
+
+
+def test_work_wait_timeout_on_a_slow_call(zpool):
+    out = zpool().run(_slow_peer, 3.0, timeout=120)
+    assert out[1] is True, out[1]
+    for rank in (0, 2, 3):
+        assert not isinstance(out[rank], BaseException), f"rank {rank}: {out[rank]!r}"
+        timed_out, done, same = out[rank]
+        assert timed_out is not None, f"rank {rank}: wait(0.2 s) returned while rank 1 slept 3 s"
+        waited, completed, _ = timed_out
+        assert waited < 2.5 and not completed, (rank, timed_out)
+        assert done is True and same, (rank, out[rank])
+
+
+def _lossy(rank, groups, lossy, n, steps):
+    """The backend's lossy all-reduces (``Options(lossy=...)``) and zipccl.lossy's Compressor on
+    the plain gloo group, step by step on the same inputs: per step, whether the bits are equal,
+    the result's nonzeros, and whether the small tensor kept gloo's exact result."""
     import zipccl
     import zipccl.backend
-    g = groups["topk"]
-    zipccl.reset_stats()
+    from zipccl.lossy import Compressor
+    g, gloo = groups[lossy], groups["gloo"]
+    reference = Compressor(lossy, rules=None)
     out = []
-    for step in range(2):
-        big = _data(rank, 100_000, torch.float32, 5 + step)
+    for step in range(steps):
+        big = _data(rank, n, torch.float32, 5 + step)
         small = _data(rank, 1000, torch.float32, 6)
-        want_small = small.clone()  # auto: so small a call is gloo's own (same bits as on the gloo group)
-        dist.all_reduce(want_small, group=groups["gloo"])
+        want, want_small = big.clone(), small.clone()
+        reference.all_reduce(want, "bucket", op=dist.ReduceOp.SUM, group=gloo)
+        dist.all_reduce(want_small, group=gloo)  # auto: so small a call is gloo's own
         dist.all_reduce(big, group=g)
         dist.all_reduce(small, group=g)
-        out.append((int(big.count_nonzero()), torch.equal(small, want_small), big.sum().item()))
         zipccl.backend.step(g)
-    return out, zipccl.stats()["all_reduce"]["calls"], sorted(zipccl.stats().keys())
+        out.append((torch.equal(_bits(big), _bits(want)), int(big.count_nonzero()), torch.equal(small, want_small)))
+    return out, reference.densities
 
 
-def test_lossy_only_with_the_opt_in_and_only_for_large_tensors(zpool):
-    out = zpool().run(_lossy, timeout=120)
+@pytest.mark.parametrize("lossy,n,steps", [("topk", 100_000, 2), ("entropy", 20_000, 23)])
+def test_lossy_equals_zipccl_lossy_on_gloo(zpool, lossy, n, steps):
+    """Only with the opt-in and only for large tensors; the result is zipccl.lossy's, bit for bit,
+    with its error feedback across steps (entropy: 20 lossless warm-up steps, then top-k at the
+    density the gradient entropy sets)."""
+    out = zpool().run(_lossy, lossy, n, steps, timeout=300)
     for rank, value in enumerate(out):
         assert not isinstance(value, BaseException), f"rank {rank}: {value!r}"
-        steps, calls, _ = value
-        for nonzero, small_exact, total in steps:
-            assert 0 < nonzero <= 4 * 1000, nonzero  # top-1% of 100,000 elements from each of 4 ranks
-            assert small_exact
-        assert steps == out[0][0], "every rank ends with the same lossy result"
+        per_step, densities = value
+        assert len(densities) == steps
+        for step, (same, nonzero, small_exact) in enumerate(per_step):
+            assert same and small_exact, (rank, step, per_step[step])
+            if densities[step] is not None:  # top-k: at most k elements from each of 4 ranks
+                assert 0 < nonzero <= 4 * int(densities[step] * n + 1), (rank, step, nonzero)
+        lossy_steps = [d for d in densities if d is not None]
+        assert len(lossy_steps) == (steps if lossy == "topk" else 3), densities
+    assert all(value == out[0] for value in out), "every rank ends with the same lossy result"
+
+
+def _algorithm(rank, groups):
+    """``Options(algorithm=...)``: the flat and hierarchical groups (ZIPCCL_TOPOLOGY=2x2 here)
+    against plain torch in each algorithm's documented summation order."""
+    import zipccl
+    old, zipccl.config.TOPOLOGY = zipccl.config.TOPOLOGY, "2x2"
+    zipccl.topology.forget(groups["hierarchical"])
+    try:
+        bad = []
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _data(rank, 30_000, dtype, 11)
+            parts = _gathered(x, groups["gloo"])
+            nodes = [(parts[0].float() + parts[1].float()).to(dtype), (parts[2].float() + parts[3].float()).to(dtype)]
+            wants = {"flat": _reference(parts, "SUM"), "hierarchical": (nodes[0].float() + nodes[1].float()).to(dtype)}
+            for algorithm, want in wants.items():
+                y = x.clone()
+                dist.all_reduce(y, group=groups[algorithm])
+                if not torch.equal(_bits(y), _bits(want)):
+                    bad.append((algorithm, dtype))
+        return bad
+    finally:
+        zipccl.config.TOPOLOGY = old
+        zipccl.topology.forget(groups["hierarchical"])
+
+
+def test_algorithm_option(zpool):
+    for rank, value in enumerate(zpool().run(_algorithm, timeout=120)):
+        assert value == [], f"rank {rank}: {value!r}"
 
 
 def _dtensor_and_limits(rank, groups):

@@ -1,5 +1,6 @@
 """A rank killed (SIGKILL) in the middle of a collective: every survivor raises RankFailure naming
-it, within ZIPCCL_TIMEOUT, and exits cleanly (no hang, no extra thread, no zombie). Its own
+it, well within ZIPCCL_TIMEOUT of the kill (a hung one, SIGSTOP: within ZIPCCL_TIMEOUT and some
+slack), and exits cleanly (no hang, no extra thread, no zombie). Its own
 processes, not the shared pool: the group is broken afterwards. And the status round
 (zipccl.failure.Fate.settle) with a rank lost in it, on a stand-in transport."""
 
@@ -23,6 +24,12 @@ from workers import spawn
 pytestmark = pytest.mark.timeout(300)
 
 N, VICTIM, TIMEOUT = 4, 3, 5.0
+#: Upper bounds only, from the instant the victim stops: a loaded host can make any rank late, so
+#: there is no lower bound. A killed rank's connections close at once: no survivor waits out
+#: ZIPCCL_TIMEOUT. A hung one is waited for ZIPCCL_TIMEOUT, then GRACE of it per later wait.
+KILLED_WITHIN, HUNG_WITHIN = 0.8 * TIMEOUT, TIMEOUT + 5.0
+#: The survivors call until they raise; past this (from the loop's start) they report that they did not.
+CALLING_FOR = 90.0
 
 
 def _rank(rank: int, port: int, plan: dict, results) -> None:
@@ -32,33 +39,42 @@ def _rank(rank: int, port: int, plan: dict, results) -> None:
     import zipccl
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=N, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(plan.get("backend", "gloo"), rank=rank, world_size=N,
+                            timeout=datetime.timedelta(seconds=120))
     x = torch.randn(plan["numel"], generator=torch.Generator().manual_seed(rank))
     call = {"all_reduce": lambda: zipccl.all_reduce(x, codec=plan["codec"], algorithm="flat"),
+            "dist.all_reduce": lambda: dist.all_reduce(x),  # on backend="zipccl": ZIPCCL_CODEC's codec
             "all_gather": lambda: zipccl.all_gather(torch.empty(N * x.numel()), x, codec=plan["codec"],
                                                     algorithm="flat")}[plan["collective"]]
     call()  # warm: the group's connections and the second lane exist
     dist.barrier()
     threads = threading.active_count()
     if rank == VICTIM and plan.get("in_status_round"):
-        _die_in_status_round(plan["in_status_round"])
+        _die_in_status_round(plan["in_status_round"], plan["stamp"])
     elif rank == VICTIM:
-        threading.Timer(plan["after"], os.kill, (os.getpid(), plan["signal"])).start()
-    t0 = time.perf_counter()
+        threading.Timer(plan["after"], _stop, (plan["stamp"], plan["signal"])).start()
+    deadline = time.monotonic() + CALLING_FOR
     try:
-        for _ in range(20):  # the victim dies in one of these
+        while time.monotonic() < deadline:  # until the victim's loss reaches this rank
             call()
         outcome = ("ok", None, None, "")
     except Exception as e:  # noqa: BLE001 - reported to the test
         outcome = (type(e).__name__, getattr(e, "rank", None), getattr(e, "broken", None), str(e))
-    results.put((rank, (*outcome, time.perf_counter() - t0, threading.active_count() - threads)))
+    results.put((rank, (*outcome, time.time(), threading.active_count() - threads)))
     results.close()
     results.join_thread()  # delivered before the hard exit below
     time.sleep(2)  # a survivor that exits at once can cut off a peer still settling the call (docs/RELIABILITY.md)
     os._exit(0)  # the group is broken: tearing it down would wait on the dead rank's connections
 
 
-def _die_in_status_round(call: int) -> None:
+def _stop(stamp: str, sig: int) -> None:
+    """Write the wall-clock time to `stamp`, then send `sig` to this process."""
+    with open(stamp, "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), sig)
+
+
+def _die_in_status_round(call: int, stamp: str) -> None:
     """Make this rank die in the status round of its ``call``-th call from now: its status goes
     to every peer but the last, then SIGKILL, as a rank killed at that instant would."""
     import torch
@@ -78,7 +94,7 @@ def _die_in_status_round(call: int) -> None:
                 [t.irecv(got[j:j + 1], j, failure.TAG_STATUS) for j in told]
         for w in works:
             t.wait(w)
-        os.kill(os.getpid(), signal.SIGKILL)
+        _stop(stamp, signal.SIGKILL)
 
     failure.Fate.settle = dying
 
@@ -87,43 +103,51 @@ def _die_in_status_round(call: int) -> None:
                                                         ("all_reduce", "raw", 0.2, "KILL"),
                                                         ("all_gather", "lossless", 0.3, "KILL"),
                                                         ("all_reduce", "lossless", 0.5, "STOP")])
-def test_killed_rank(monkeypatch, collective, codec, after, sig):
+def test_killed_rank(monkeypatch, tmp_path, collective, codec, after, sig):
     """SIGKILL: the survivors see its connections close at once. SIGSTOP: it hangs, and they
     give up on it after ZIPCCL_TIMEOUT."""
-    _run_killed(monkeypatch, dict(collective=collective, codec=codec, after=after, numel=2_000_000,
+    _run_killed(monkeypatch, tmp_path, dict(collective=collective, codec=codec, after=after, numel=2_000_000,
                                   signal=getattr(signal, "SIG" + sig)))
 
 
-def test_rank_killed_in_status_round(monkeypatch):
+def test_killed_rank_on_the_zipccl_backend(monkeypatch, tmp_path):
+    """The drop-in (init_process_group(backend="zipccl"), ZIPCCL_CODEC=lossless): dist.all_reduce
+    raises the same RankFailure on every survivor."""
+    monkeypatch.setenv("ZIPCCL_CODEC", "lossless")
+    _run_killed(monkeypatch, tmp_path, dict(collective="dist.all_reduce", codec="lossless", after=0.3,
+                                            numel=2_000_000, signal=signal.SIGKILL, backend="zipccl"))
+
+
+def test_rank_killed_in_status_round(monkeypatch, tmp_path):
     """The victim dies in a call's status round (zipccl.failure.Fate.settle) after telling every
     peer but one that it is well: ranks 0 and 1 have its status, rank 2 loses it there. The
     order of events of a CI failure of test_killed_rank[all_reduce-raw-0.2-KILL], where rank 2
     raised at the end of that call and ranks 0 and 1, whose call had succeeded, waited on it
     in the next one and named it (LOST) once it exited."""
-    _run_killed(monkeypatch, dict(collective="all_reduce", codec="raw", after=0.0, numel=200_000,
+    _run_killed(monkeypatch, tmp_path, dict(collective="all_reduce", codec="raw", after=0.0, numel=200_000,
                                   signal=signal.SIGKILL, in_status_round=3))
 
 
-def _run_killed(monkeypatch, plan: dict) -> None:
+def _run_killed(monkeypatch, tmp_path, plan: dict) -> None:
     collective, codec, after, sig = plan["collective"], plan["codec"], plan["after"], plan["signal"].name[3:]
+    plan["stamp"] = str(tmp_path / "stopped_at")  # the victim's wall-clock time as it stops
     monkeypatch.setenv("ZIPCCL_TIMEOUT", str(TIMEOUT))  # read by the ranks' zipccl.config
     got, procs = spawn(_rank, N, (free_port(), plan), answers=N - 1, seconds=240)
     assert sorted(got) == [r for r in range(N) if r != VICTIM], got  # every survivor answered: none hung
     assert procs[VICTIM].exitcode == -signal.SIGKILL
-    if os.environ.get("ZIPCCL_FAULT_LOG"):  # docs/RELIABILITY.md: time from the call loop's start, kill at `after`
+    stopped_at = float((tmp_path / "stopped_at").read_text())
+    got = {rank: (*v[:4], v[4] - stopped_at, v[5]) for rank, v in got.items()}  # seconds after the stop
+    if os.environ.get("ZIPCCL_FAULT_LOG"):  # docs/RELIABILITY.md: time from the victim's stop to the last raise
         with open(os.environ["ZIPCCL_FAULT_LOG"], "a") as f:
             case = ["killed", collective, codec, after, sig] + (["status round"] if plan.get("in_status_round") else [])
-            f.write(json.dumps(dict(case=case,
-                                    seconds=max(v[4] for v in got.values()) - after)) + "\n")
+            f.write(json.dumps(dict(case=case, seconds=max(v[4] for v in got.values()))) + "\n")
     # A hung rank (SIGSTOP) also holds up the peers that wait for it: a survivor whose own wait
     # ran out on such a peer names that peer (docs/RELIABILITY.md); a killed rank is named by all.
     assert any(v[1] == VICTIM for v in got.values()), got
     for rank, (err, failing, broken, message, seconds, extra_threads) in got.items():
         assert err == "RankFailure" and broken and (failing == VICTIM or sig == "STOP"), (rank, got[rank])
         assert f"rank {failing}" in message and "rebuilt" in message, message
-        limit = 5.0 if sig == "KILL" else TIMEOUT + 5.0  # from the loop's start: the victim stops after `after`
-        assert seconds < after + limit, (rank, got)
-        assert sig == "KILL" or seconds > TIMEOUT, (rank, got)  # a hung rank is waited for that long
+        assert seconds < (KILLED_WITHIN if sig == "KILL" else HUNG_WITHIN), (rank, got)
         assert extra_threads == 0, (rank, extra_threads)
         assert procs[rank].exitcode == 0, (rank, procs[rank].exitcode)  # exited, reaped: no zombie
 

@@ -27,6 +27,18 @@ def _clean_env():
     return env
 
 
+def _torchrun(*args: str) -> list[str]:
+    """torchrun from the interpreter running the tests, so that a venv that is not activated works."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            *args]
+
+
+def _without_torchrun(env: dict[str, str]) -> dict[str, str]:
+    """`env` with no directory holding a torchrun script on PATH: the launch must not look for one."""
+    path = env.get("PATH", os.defpath).split(os.pathsep)
+    return dict(env, PATH=os.pathsep.join(d for d in path if d and not (Path(d) / "torchrun").exists()))
+
+
 def _check(out: str, ranks: int) -> None:
     m = LINE.search(out)
     assert m, out
@@ -58,9 +70,8 @@ def test_local_spawn():
 
 @pytest.mark.timeout(180)
 def test_torchrun():
-    torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not on PATH")
-    out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), EXAMPLE],
-                         env=_clean_env(), capture_output=True, text=True, timeout=170)
+    out = subprocess.run(_torchrun(EXAMPLE), env=_without_torchrun(_clean_env()), capture_output=True, text=True,
+                         timeout=170)
     assert out.returncode == 0, out.stderr
     _check(out.stdout, 2)
 
@@ -92,10 +103,18 @@ def _check_dropin(out: str, ranks: int) -> None:
 
 
 @pytest.mark.timeout(180)
+def test_dropin_backend_under_local_spawn():
+    """No launcher: examples/dropin.py starts its ranks with zipccl.launch.spawn(..., backend="zipccl")."""
+    out = subprocess.run([sys.executable, DROPIN, "--nranks", "2"], env=dict(_clean_env(), ZIPCCL_CODEC="lossless"),
+                         capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr
+    _check_dropin(out.stdout, 2)
+
+
+@pytest.mark.timeout(180)
 def test_dropin_backend_under_torchrun():
-    torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not on PATH")
-    out = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), DROPIN],
-                         env=dict(_clean_env(), ZIPCCL_CODEC="lossless"), capture_output=True, text=True, timeout=170)
+    out = subprocess.run(_torchrun(DROPIN), env=_without_torchrun(dict(_clean_env(), ZIPCCL_CODEC="lossless")),
+                         capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr
     _check_dropin(out.stdout, 2)
 

@@ -1,8 +1,10 @@
-"""The NCCL transport's CPU-runnable parts, on the real CuPy and libnccl of the cuda12 extra (`make
-setup` installs it): zipccl's type and op tables against CuPy's constants and the wheel's nccl.h,
-the stack's detection, and NcclTransport's bootstrap in 2 and 4 real processes: one unique id on
-every rank, then the same ZipcclError carrying NCCL's message on every rank, in bounded time (no
-GPU here: NCCL refuses the communicator). GPU-only parts: tests/test_nccl_gpu.py."""
+"""The NCCL transport's CPU-runnable parts, on the real CuPy and libnccl of the GPU extra (`make
+setup` installs cuda12; a CUDA-13 torch pairs with cuda13): zipccl's type and op tables against
+CuPy's constants and the wheel's nccl.h, the stack's detection, and NcclTransport's bootstrap in 2
+and 4 real processes: one unique id on every rank, then, without a GPU for each rank (no GPU in
+CI: NCCL refuses the communicator), the same ZipcclError carrying NCCL's message on every rank,
+in bounded time. What is expected follows what the host has (CuPy's CUDA version, CUDA devices,
+NVML), so that the file passes on CPU and on GPU machines. GPU-only parts: tests/test_nccl_gpu.py."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from workers import spawn
 
 pytestmark = pytest.mark.timeout(300)
 
-nccl = pytest.importorskip("cupy.cuda.nccl", reason="the cuda12 extra is not installed (make setup installs it)")
+nccl = pytest.importorskip("cupy.cuda.nccl", reason="the GPU extra (cuda12 or cuda13) is not installed "
+                                                     "(make setup installs cuda12)")
 
 from zipccl.transport import nccl_stack  # noqa: E402
 
@@ -33,9 +36,18 @@ HEADER_NAMES = {"NCCL_INT8": "ncclInt8", "NCCL_UINT8": "ncclUint8", "NCCL_INT32"
 
 
 def _header() -> str:
-    import nvidia.nccl
-    path = Path(list(nvidia.nccl.__path__)[0]) / "include" / "nccl.h"
-    return path.read_text()
+    """The nccl.h that the installed nvidia-nccl wheel ships (its folder differs between CUDA versions)."""
+    import nvidia
+    found = sorted(h for base in nvidia.__path__ for h in Path(base).glob("**/include/nccl.h"))
+    assert found, f"no include/nccl.h under {list(nvidia.__path__)}"
+    return found[0].read_text()
+
+
+def _cuda_major() -> int:
+    """The CUDA major version CuPy was built for (12 or 13), asked of CuPy's runtime, not of the
+    package metadata that nccl_stack.detect reads; no device needed."""
+    from cupy.cuda import runtime
+    return runtime.runtimeGetVersion() // 1000
 
 
 def _enum(text: str, name: str) -> dict[str, int]:
@@ -61,9 +73,9 @@ def test_tables_match_cupy_and_nccl_h():
 
 
 def test_detection_reports_the_stack(monkeypatch):
-    stack = nccl_stack.detect()
-    assert stack.extra == "cuda12" and stack.problem is None, stack
-    assert "cupy-cuda12x" in str(stack) and "nvidia-nccl-cu12" in str(stack)
+    stack, major = nccl_stack.detect(), _cuda_major()
+    assert stack.extra == f"cuda{major}" and stack.problem is None, (stack, major)
+    assert f"cupy-cuda{major}x" in str(stack) and f"nvidia-nccl-cu{major}" in str(stack)
     assert nccl.get_version() >= nccl_stack.MIN_VERSION
     installed = {"cupy-cuda12x": "14", "nvidia-nccl-cu12": "2", "nvidia-nccl-cu13": "2"}
     monkeypatch.setattr(nccl_stack, "_installed", installed.get)
@@ -88,6 +100,8 @@ def _bootstrap(rank: int, n: int, port: int, results) -> None:
     from zipccl.transport.cupy_nccl import NcclTransport
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
+    if torch.cuda.is_available():  # a GPU each where there are enough; NCCL refuses two ranks on one GPU
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=60))
     t0 = time.perf_counter()
     seen = {}
@@ -122,28 +136,47 @@ def _bootstrap(rank: int, n: int, port: int, results) -> None:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_bootstrap_fails_alike_on_every_rank(n, monkeypatch):
+def test_bootstrap_alike_on_every_rank(n, monkeypatch):
+    """One unique id on every rank; then, with a GPU for each rank, a communicator on every rank,
+    and otherwise the same NcclError on every rank."""
+    import torch
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
     got, _ = spawn(_bootstrap, n, (n, free_port()), seconds=180, stop_on_crash=True)
     assert sorted(got) == list(range(n)), got  # every rank answered: none hung
     uids = {v[2] for v in got.values()}
     assert len(uids) == 1 and uids != {"00" * 128} and len(next(iter(uids))) == 256, uids
-    errors = {v[:2] for v in got.values()}
-    assert len(errors) == 1, errors  # the same error on every rank
-    kind, message = errors.pop()
-    assert kind == "NcclError" and "NCCL_ERROR" in message and f"group of {n} ranks" in message, message
+    outcomes = {v[:2] for v in got.values()}
+    assert len(outcomes) == 1, outcomes  # the same outcome on every rank
+    kind, message = outcomes.pop()
     assert max(v[3] for v in got.values()) < 60, got
+    if torch.cuda.is_available() and torch.cuda.device_count() >= n:
+        assert kind == "made", message
+        assert all(v[4] == ["TorchTransport", "NcclTransport", "NcclTransport"] for v in got.values()), got
+        return
+    assert kind == "NcclError" and "NCCL_ERROR" in message and f"group of {n} ranks" in message, message
     assert all(v[4] == ["TorchTransport", "NcclError", "NcclError"] for v in got.values()), got
 
 
-def test_nvml_absent_means_unknown():
-    """pynvml (nvidia-ml-py) is installed here, but no driver: NVML cannot start, and the topology says "unknown"."""
+def test_nvml_link():
+    """pynvml (nvidia-ml-py) is installed. Without a CUDA device there is no driver: NVML cannot
+    start, and the topology says "unknown". With one, NVML starts and names the link of its GPUs
+    ("unknown" for a single GPU, which has no peer)."""
     import pynvml
+    import torch
 
     from zipccl.topology import nvml_link
-    with pytest.raises(pynvml.NVMLError):
-        pynvml.nvmlInit()
-    assert nvml_link() == "unknown"
+    if not torch.cuda.is_available():
+        with pytest.raises(pynvml.NVMLError):
+            pynvml.nvmlInit()
+        assert nvml_link() == "unknown"
+        return
+    pynvml.nvmlInit()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    link = nvml_link()
+    assert count >= 1 and (link == "unknown" if count == 1 else link in ("nvlink", "pcie")), (count, link)
 
 
 def test_links_are_matched_by_bus_id():

@@ -190,7 +190,7 @@ def _sample() -> str:
     head = ["# nccl-tests version 2.19.0 nccl-headers=22703 nccl-library=22703",
             "# Collective test starting: all_reduce_perf",
             "# nThread 1 nGpus 1 minBytes 8 maxBytes 16 step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 "
-            "validation: 1 graph: 0", "#", "# Using devices",
+            "validation: 1 graph: 0 unalign: 0", "#", "# Using devices",
             "#  Rank %2d Group %2d Pid %6d on %10s device %2d [%s] %s" % (0, 0, 4242, "node1", 0, "0000:1a:00",
                                                                         "NVIDIA H100 80GB HBM3")]
     rows = ["%12d  %12d  %8s  %6s  %6s  %7s  %6s  %6s  %6g  %7s  %6s  %6s    N/A" %
@@ -199,6 +199,42 @@ def _sample() -> str:
     foot = ["# %-20s : %d %s" % ("Out of bounds values", 0, "OK"), "# %-20s : %g %s" % ("Avg bus bandwidth", 0.0, ""),
             "#", "# Collective test concluded: all_reduce_perf", "#", ""]
     return "\n".join(head + ["#"] + nccl_text._expected_headers(False) + rows + foot)
+
+
+#: What nccl-tests 2.19.4 printed for `./build/all_reduce_perf -b 8 -e 128M -f 2 -g 8` on one machine
+#: with 8 A100-SXM4-80GB (NCCL 2.19.3), byte for byte, trailing spaces included: the output block of a
+#: public GitHub markdown note on building and running nccl-tests, found in the code index that this
+#: project's tools search (file id 69473998636, whose repository the index does not name; the block
+#: starts after the prompt "root@dkh:~/nccl-tests#"). nccl-tests' own repository has no sample output.
+GOLDEN = Path(__file__).resolve().parent / "golden" / "nccl_tests_2.19.4_all_reduce_perf.txt"
+
+
+def test_text_reader_reads_real_nccl_tests_output():
+    text = GOLDEN.read_text()
+    [t] = nccl_text.parse(text)
+    assert t.version == "nccl-tests version 2.19.4 nccl-headers=21903 nccl-library=21903"
+    assert t.name == "all_reduce_perf" and not t.per_iter and t.mode_lines == []
+    assert (t.run["ngpus"], t.run["min_bytes"], t.run["max_bytes"], t.run["step"], t.run["iters"], t.run["unalign"]) \
+        == (8, 8, 128 << 20, 2.0, 20, 0)
+    assert [d["device"] for d in t.devices] == list(range(8)) and {d["pid"] for d in t.devices} == {584419}
+    assert [r["size"] for r in t.rows] == [8 << k for k in range(25)]
+    for r in t.rows:
+        assert r["count"] == r["size"] // 4 and (r["type"], r["redop"], r["root"]) == ("float", "sum", -1)
+        for place in ("out_of_place", "in_place"):
+            m = r[place]
+            assert m["wrong"] == 0
+            assert m["algbw"] == pytest.approx(r["size"] / m["time"] / 1e3, abs=0.006)  # GB/s from bytes and us
+            assert m["busbw"] == pytest.approx(m["algbw"] * FACTOR["all_reduce"](8), abs=0.02)
+    assert (t.rows[-1]["out_of_place"]["busbw"], t.rows[-1]["in_place"]["busbw"]) == (181.32, 182.90)
+    assert t.out_of_bounds == 0 and t.ok and t.avg_busbw == 34.9024
+    bws = [r[p]["busbw"] for r in t.rows for p in ("out_of_place", "in_place")]
+    assert sum(bws) / len(bws) == pytest.approx(t.avg_busbw, abs=0.01)
+    assert t.trailer == []
+    for broken in (text.replace("#wrong \n", "#wrong\n", 1),                      # a trailing space lost
+                   text.replace(" unalign: 0", ""),                                  # the 2.19 run line cut
+                   text.replace("       0    36.18", "      0    36.18", 1)):        # a row off its widths
+        with pytest.raises(nccl_text.FormatError):
+            nccl_text.parse(broken)
 
 
 def test_text_reader_is_strict():

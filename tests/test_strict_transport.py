@@ -122,9 +122,43 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32 if x.element_size() == 4 else torch.int16)
 
 
+def _direct(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The direct reduce-scatter's sum, in plain torch: rank order, fp32 accumulation for 16-bit
+    types, rounded once."""
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc.to(parts[0].dtype)
+
+
+def _ring(parts: list[torch.Tensor], owner: int) -> torch.Tensor:
+    """The ring's sum of chunk ``owner``, in plain torch: from rank owner+1 round to the owner,
+    each hop's sum (fp32 for 16-bit types) rounded to the dtype (zipccl/collectives/algorithms.py)."""
+    n, dtype = len(parts), parts[0].dtype
+    acc = parts[(owner + 1) % n]
+    for k in range(2, n + 1):
+        acc = (acc.float() + parts[(owner + k) % n].float()).to(dtype)
+    return acc
+
+
+def _tolerance(parts: list[torch.Tensor], algorithm: str) -> torch.Tensor:
+    """A bound on |sum - exact sum| per element: each fp32 addition may err by eps32 of the sum
+    of magnitudes so far; a ring hop rounds to the dtype (its eps), the direct sum once at the
+    end (half its eps of the result)."""
+    dtype, n = parts[0].dtype, len(parts)
+    magnitude = torch.stack([p.double().abs() for p in parts]).sum(0)
+    eps, eps32 = torch.finfo(dtype).eps, torch.finfo(torch.float32).eps
+    if algorithm == "ring":
+        return (n - 1) * max(eps, eps32) * magnitude
+    return (n - 1) * eps32 * magnitude + eps / 2 * _direct(parts).double().abs()
+
+
 def _collectives(rank, groups, strict, algorithm):
-    """Every flat collective, raw and lossless, on a fresh group of all four ranks with
-    ``strict`` as given, in many pipeline pieces; results and plain torch's on the same inputs."""
+    """Every flat collective, raw and lossless, fp32, bf16 and fp16, on a fresh group of all four
+    ranks with ``strict`` as given, in many pipeline pieces, against plain torch on the inputs
+    gathered by torch.distributed: (all-reduce, reduce-scatter) bit for bit as the algorithm's
+    documented summation order computes them and within ``_tolerance`` of the exact (float64)
+    sum, all-gather bit for bit."""
     old = config.STRICT_TRANSPORT, config.REDUCE_SCATTER, pipeline.PIECE_BYTES
     config.STRICT_TRANSPORT, config.REDUCE_SCATTER, pipeline.PIECE_BYTES = strict, algorithm, 64 << 10
     try:
@@ -134,7 +168,7 @@ def _collectives(rank, groups, strict, algorithm):
         n = 40_000
         gen = torch.Generator().manual_seed(rank)
         for codec in ("raw", "lossless"):
-            for dtype in (torch.float32, torch.bfloat16):
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 x = (torch.randn(4 * n, generator=gen) * 0.01).to(dtype)
                 ar = x.clone()
                 zipccl.all_reduce(ar, group=g, codec=codec)
@@ -144,13 +178,12 @@ def _collectives(rank, groups, strict, algorithm):
                 zipccl.all_gather(ag, x, group=g, codec=codec)
                 inputs = [torch.empty_like(x) for _ in range(4)]
                 dist.all_gather(inputs, x, group=g)  # plain torch from here: the expected results
-                total = inputs[0].float().clone()
-                for other in inputs[1:]:  # rank order, fp32, rounded once
-                    total += other.float()
-                total = total.to(dtype)
-                same = torch.equal(_bits(ar), _bits(total)) if algorithm == "direct" else \
-                    bool(torch.allclose(ar.float(), total.float(), rtol=1e-2, atol=1e-3))
-                out[(codec, str(dtype))] = (same, torch.equal(_bits(rs), _bits(ar[rank * n:(rank + 1) * n])),
+                chunks = [[p[c * n:(c + 1) * n] for p in inputs] for c in range(4)]
+                want = torch.cat([_direct(ch) if algorithm == "direct" else _ring(ch, c) for c, ch in enumerate(chunks)])
+                exact = torch.stack([p.double() for p in inputs]).sum(0)
+                close = bool(((ar.double() - exact).abs() <= _tolerance(inputs, algorithm)).all())
+                out[(codec, str(dtype))] = (torch.equal(_bits(ar), _bits(want)), close,
+                                            torch.equal(_bits(rs), _bits(want[rank * n:(rank + 1) * n])),
                                             torch.equal(_bits(ag), _bits(torch.cat(inputs))))
         return out
     finally:
@@ -161,11 +194,24 @@ def _collectives(rank, groups, strict, algorithm):
 @pytest.mark.parametrize("algorithm", ["direct", "ring"])
 def test_pipeline_keeps_the_rules(pool, strict, algorithm):
     """Under strict mode the pipeline's every message keeps NCCL's rules (a violation raises);
-    without it gloo's loose receives and tags are used. Both give plain torch's results: the
-    direct algorithm bit for bit (rank order, fp32, rounded once), the ring to rounding."""
+    without it gloo's loose receives and tags are used. Both give plain torch's results in the
+    algorithm's summation order, bit for bit, and so within each dtype's rounding of the exact sum."""
     res = pool.run(_collectives, strict, algorithm, timeout=240)
     for out in res:
         assert not isinstance(out, BaseException), res
         assert out.pop("loose") == (not strict, not strict)
         for key, checks in out.items():
-            assert checks == (True, True, True), (key, checks)
+            assert checks == (True, True, True, True), (key, checks)
+
+
+def test_tolerance_is_tight():
+    """The bound is about eps of the magnitudes: fp32 about 1e-7 relative, not a loose rtol, so
+    a sum that loses bits (fp32 rounded through bf16) falls outside it."""
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(10_000, generator=gen) for _ in range(4)]
+    magnitude = torch.stack([p.double().abs() for p in parts]).sum(0)
+    assert float((_tolerance(parts, "direct") / magnitude).max()) < 1e-6
+    assert float((_tolerance(parts, "ring") / magnitude).max()) < 1e-6
+    exact = torch.stack([p.double() for p in parts]).sum(0)
+    lossy = _direct([p.bfloat16().float() for p in parts])
+    assert not bool(((lossy.double() - exact).abs() <= _tolerance(parts, "direct")).all())
