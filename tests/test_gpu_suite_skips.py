@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ALLOWED_SKIPS
+from ci_rules import ALLOWED_SKIPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
