@@ -30,7 +30,7 @@ def real_grads() -> torch.Tensor:
 
 @pytest.fixture(scope="session")
 def pool_factory():
-    """A session-wide worker pool of 4 gloo ranks, restarted if a test killed it."""
+    """One worker pool of 4 gloo ranks for the whole test run, restarted if a test killed it."""
     from workers import Pool
     state = {}
 
