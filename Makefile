@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 bench: setup
-	$(PYTHON) -m zipccl.bench --baseline
+	$(PYTHON) -m zipccl.bench.tour
 
 codec-bench: setup
 	$(PYTHON) -m zipccl.bench.codec
