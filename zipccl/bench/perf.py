@@ -177,9 +177,10 @@ def learning_lines(rows: list[dict]) -> list[str]:
     for r in learned:
         a = r["zipccl"]["auto"]
         calls, ran = a["learning_calls"], a["timed_plans"]
+        done = (f"timed calls ran {'+'.join(ran['out_of_place'])} / {'+'.join(ran['in_place'])}"
+                if ran["out_of_place"] and ran["in_place"] else "a size auto does not learn: the backend's own call")
         lines.append(f"#   {r['size']} B {r['type']} {r['redop']}: {calls['out_of_place']} + {calls['in_place']} "
-                     f"calls; timed calls ran {'+'.join(ran['out_of_place']) or '-'} / "
-                     f"{'+'.join(ran['in_place']) or '-'}")
+                     f"calls; {done}")
     return lines
 
 
