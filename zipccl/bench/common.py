@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..auto import Policy
 from ..collectives import auto_policy
+from .report import size_text
 
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -388,7 +389,10 @@ def plot(panels: list[tuple[str, list[dict]]], path: Path) -> None:
                     ax.plot([r["size"] for r in mine], [r[place]["busbw"] for r in mine], style, marker="o",
                             color=colours(n % 10), label=f"{codec} ({dtype})" if place == "out_of_place" else None)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("message size (bytes)")
+        sizes = sorted({r["size"] for r in rows})
+        ax.set_xticks(sizes, [size_text(n) for n in sizes])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("message size")
         ax.set_ylabel("bus bandwidth, uncompressed bytes (GB/s)")
         ax.set_title(title, fontsize=10)
         ax.grid(True, alpha=0.3)
