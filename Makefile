@@ -16,10 +16,14 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# Loopback tables, then (as root) the same collectives in the network lab; about 4 min on an idle
+# 2-core host, 6 min on a busy one (docs/bench/2026-11-26-make-bench).
 bench: setup
 	$(PYTHON) -m zipccl.bench.tour
 
-codec-bench: setup
+codec-# Loopback tables, then (as root) the same collectives in the network lab; about 4 min on an idle
+# 2-core host, 6 min on a busy one (docs/bench/2026-11-26-make-bench).
+bench: setup
 	$(PYTHON) -m zipccl.bench.codec
 
 test: setup
