@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# Loopback tables, then (as root) the same collectives in the network lab; about 4 min on an idle
-# 2-core host, 6 min on a busy one (docs/bench/2026-11-26-make-bench).
+# Loopback tables, then (as root) the same collectives in the network lab: 5 min on a 2-core host
+# shared with other jobs (load average 13-19; docs/bench/2026-11-26-make-bench).
 bench: setup
 	$(PYTHON) -m zipccl.bench.tour
 
-codec-# Loopback tables, then (as root) the same collectives in the network lab; about 4 min on an idle
-# 2-core host, 6 min on a busy one (docs/bench/2026-11-26-make-bench).
+codec-# Loopback tables, then (as root) the same collectives in the network lab: 5 min on a 2-core host
+# shared with other jobs (load average 13-19; docs/bench/2026-11-26-make-bench).
 bench: setup
 	$(PYTHON) -m zipccl.bench.codec
 
