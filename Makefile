@@ -21,9 +21,7 @@ setup: $(STAMP)
 bench: setup
 	$(PYTHON) -m zipccl.bench.tour
 
-codec-# Loopback tables, then (as root) the same collectives in the network lab: 5 min on a 2-core host
-# shared with other jobs (load average 13-19; docs/bench/2026-11-26-make-bench).
-bench: setup
+codec-bench: setup
 	$(PYTHON) -m zipccl.bench.codec
 
 test: setup
