@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# Loopback tables, then (as root) the same collectives in the network lab: 5 min on a 2-core host
-# shared with other jobs (load average 13-19; docs/bench/2026-11-26-make-bench).
+# Loopback tables, then (as root) the same collectives in the network lab: 3 min on a 2-core host
+# at load average 6-10, 5 min at 13-19 (docs/bench/2026-11-26-make-bench).
 bench: setup
 	$(PYTHON) -m zipccl.bench.tour
 
