@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# Loopback tables, then (as root) the same collectives in the network lab: 3 min on a 2-core host
+# at load average 6-10, 5 min at 13-19 (docs/bench/2026-11-26-make-bench).
 bench: setup
-	$(PYTHON) -m zipccl.bench --baseline
+	$(PYTHON) -m zipccl.bench.tour
 
 codec-bench: setup
 	$(PYTHON) -m zipccl.bench.codec

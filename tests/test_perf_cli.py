@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,22 +112,73 @@ def test_sizes_and_verifiable_data():
 
 @pytest.mark.timeout(300)
 def test_auto_reports_what_it_learned():
-    """Past its probing calls, the footer gives every plan's time and what auto runs now: on
-    loopback, where coding cannot pay, the backend's own collective (zipccl's pipeline costs
-    CPU and saves nothing on a link this fast: 2-3x slower in every loopback run so far)."""
-    res = run_perf("-b", "2M", "-e", "2M", "-n", "2", "-w", "8", "--nranks", "2", "--codec", "auto")
+    """With no warm-up at all, auto has learned before the timed calls, and the footer says how
+    (calls per placement, the plans the timed calls ran), every plan's time and what auto runs
+    now: on loopback, where coding cannot pay, the backend's own collective (zipccl's pipeline
+    costs CPU and saves nothing on a link this fast: 2-3x slower in every loopback run so far)."""
+    res = run_perf("-b", "2M", "-e", "2M", "-n", "2", "-w", "0", "--nranks", "2", "--codec", "auto")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "# auto plans" in res.stdout and "# topology: 1x2" in res.stdout
     learned = [line for line in res.stdout.splitlines() if line.startswith("#   all_reduce bfloat16 2097152-")]
     assert len(learned) == 1 and all(p in learned[0] for p in ("native", "raw", "lossless")), res.stdout
     assert learned[0].rstrip().endswith("-> native (fastest)"), learned
+    how = re.search(r"^#   2097152 B bfloat16 sum: (\d+) \+ 0 calls; timed calls ran native / native$", res.stdout, re.M)
+    assert how and int(how.group(1)) >= 2 * 3, res.stdout  # each of the three plans twice, out of place only
+
+
+def _auto_row(rank, groups, iters, warmup):
+    """One zipccl-perf row of codec "auto" at 1 MiB of bf16 (auto's smallest learned size) on a
+    new group, whose policy has learned nothing; with the policy's own count of the class's
+    calls and the index of each plan's last call."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    from zipccl.bench import all_reduce
+    from zipccl.collectives import auto_policy
+    n, nranks = 1 << 19, dist.get_world_size()
+    group = dist.new_group(list(range(nranks)))
+    args = argparse.Namespace(iters=iters, warmup_iters=warmup, check=1, average=1, per_iter_timing=0,
+                              algorithm="auto")
+    inputs = [common.verifiable(n, torch.bfloat16, r, nranks) for r in range(nranks)]
+    exact = torch.stack([x.double() for x in inputs]).sum(0).to(torch.bfloat16)  # exact: verifiable()
+    row = common.measure(all_reduce.SPEC, args, n, n, torch.bfloat16, dist.ReduceOp.SUM, "auto", inputs[rank],
+                         exact, rank, nranks, group)
+    policy = auto_policy(group)
+    return row, dict(policy.calls), {plan: i for (_, plan), i in policy.last.items()}
+
+
+@pytest.mark.timeout(300)
+def test_auto_learns_before_the_timed_calls(pool):
+    """Counted by the policy itself: every call of the class beyond the reported learning calls
+    is a warm-up, timed or checked one, and every plan but the one auto settled on last ran
+    within the learning calls; out of place and in place are one class, learned once."""
+    iters, warmup = 3, 1
+    res = pool.run(_auto_row, iters, warmup, timeout=240)
+    for r in res:
+        assert not isinstance(r, BaseException), r
+    assert all(r[1:] == res[0][1:] for r in res)  # every rank's policy made the same choices
+    row, calls, last = res[0]
+    assert len(calls) == 1, calls  # one size class for both placements
+    (total,) = calls.values()
+    auto = row["zipccl"]["auto"]
+    learned = auto["learning_calls"]["out_of_place"]
+    assert auto["learning_calls"]["in_place"] == 0
+    assert set(last) == {"native", "raw", "lossless"} and learned >= 2 * len(last)  # each plan tried twice
+    assert total == learned + warmup + 2 * (iters + 1)  # + 1: the checked call of each placement
+    settled = max(last, key=last.get)
+    assert last[settled] == total - 1 and all(i < learned for p, i in last.items() if p != settled), (last, learned)
+    assert auto["timed_plans"] == {"out_of_place": [settled], "in_place": [settled]}
+    assert row["zipccl"]["plan"] == settled
+    assert row["out_of_place"]["wrong"] == row["in_place"]["wrong"] == 0
 
 
 @pytest.mark.timeout(300)
 def test_hierarchical_on_emulated_nodes():
     """--nodes 2 on four spawned ranks: ZIPCCL_TOPOLOGY=2x2; hierarchical rows checked exactly (verifiable
     data), the footer names the topology and auto's plans."""
-    res = run_perf("-b", "2M", "-e", "2M", "-n", "1", "-w", "14", "--nranks", "4", "--nodes", "2", "--baseline",
+    res = run_perf("-b", "2M", "-e", "2M", "-n", "1", "-w", "0", "--nranks", "4", "--nodes", "2", "--baseline",
                    "--algorithm", "hierarchical", "--codec", "all")
     assert res.returncode == 0, res.stderr[-2000:]
     rows = parse_rows(res.stdout)
@@ -134,6 +186,8 @@ def test_hierarchical_on_emulated_nodes():
     assert all(r["wrong"] == ("0", "0") for r in rows)
     assert "# topology: 2x2 (ZIPCCL_TOPOLOGY)" in res.stdout
     assert "hierarchical/lossless" in res.stdout and "-> hierarchical/" in res.stdout  # auto: hierarchical plans only
+    assert re.search(r"^#   2097152 B bfloat16 sum: \d+ \+ 0 calls; timed calls ran hierarchical/\w+ / hierarchical/\w+$",
+                     res.stdout, re.M), res.stdout  # learned before the timed calls, with no warm-up
     bad = run_perf("--nranks", "4", "--nodes", "3")
     assert bad.returncode == 2 and "must divide" in bad.stderr
 
@@ -151,3 +205,81 @@ def test_never_a_loss_smoke(tmp_path):
     assert [r["size"] for r in rows] == [65536, 2 << 20]
     assert set(rows[1]["medians_s"]) == {"torch", "auto", "flat/raw", "flat/lossless"}
     assert rows[0]["auto_plan"] == "native" and all(r["auto_vs_torch"] > 0 for r in rows)
+
+
+def _row(size, oop, ip, dtype="bfloat16", redop="sum"):
+    return dict(size=size, type=dtype, redop=redop, out_of_place={"busbw": oop}, in_place={"busbw": ip})
+
+
+def test_summary_line_against_torch():
+    """One line per table: busbw over the baseline's, per size, out of place / in place; rows the
+    baseline lacks left out, a zero baseline N/A, the type and op named where a table has several."""
+    from zipccl.bench import report
+    base = [_row(1 << 20, 2.0, 4.0), _row(16 << 20, 1.0, 0.0)]
+    line, ratios = report.versus("auto", [_row(1 << 20, 3.0, 2.0), _row(16 << 20, 1.52, 0.5), _row(64 << 20, 9, 9)],
+                                 "torch", base)
+    assert line == "# auto vs torch, busbw out-of-place / in-place: 1 MiB 1.50x / 0.50x, 16 MiB 1.52x / N/A"
+    assert ratios == [dict(size=1 << 20, type="bfloat16", redop="sum", out_of_place=1.5, in_place=0.5),
+                      dict(size=16 << 20, type="bfloat16", redop="sum", out_of_place=1.52, in_place=None)]
+    line, _ = report.versus("raw", [_row(65536, 1.0, 1.0), _row(65536, 0.5, 2.0, "float")], "torch-gloo",
+                            [_row(65536, 1.0, 1.0), _row(65536, 1.0, 1.0, "float")])
+    assert line == ("# raw vs torch-gloo, busbw out-of-place / in-place: 64 KiB bfloat16 sum 1.00x / 1.00x, "
+                    "64 KiB float sum 0.50x / 2.00x")
+    assert [report.size_text(n) for n in (1000, 1024, 3 << 20, 1 << 30)] == ["1000 B", "1 KiB", "3 MiB", "1 GiB"]
+
+
+def test_lab_unavailable_says_why(monkeypatch):
+    """No root, namespaces refused, or a lab up already (another run's: left alone)."""
+    from zipccl.bench import netlab
+    monkeypatch.setattr(netlab.os, "geteuid", lambda: 1000)
+    assert "needs root" in netlab.unavailable()
+    monkeypatch.setattr(netlab, "check_host", lambda: None)
+    monkeypatch.setattr(netlab, "namespaces", lambda: ["zcl-br"])
+    monkeypatch.setattr(netlab, "_sh", lambda *cmd, **kw: pytest.fail(f"ran {cmd}"))
+    assert "a lab is up already" in netlab.unavailable()
+    monkeypatch.setattr(netlab, "namespaces", lambda: [])
+    monkeypatch.setattr(netlab, "_sh", _refused)
+    assert netlab.unavailable() == ("network namespaces cannot be created here (mount --make-shared /run/netns "
+                                    "failed: Operation not permitted)")
+
+
+def _refused(*cmd, ns=None, check=True):
+    """`ip netns add` as a container without CAP_SYS_ADMIN answers it; nothing else may run."""
+    assert cmd[:3] == ("ip", "netns", "add"), cmd
+    return subprocess.CompletedProcess(cmd, 1, "", "mount --make-shared /run/netns failed: Operation not permitted\n")
+
+
+@pytest.mark.timeout(300)
+def test_make_bench_flow_where_namespaces_fail(tmp_path, monkeypatch, capfd):
+    """make bench's flow at a tiny size: the loopback tables, each ended by its line against
+    torch (the JSON's busbw ratios), then, as root where namespace creation fails, one line with
+    the command that shows the lab, no traceback, and the plot of what ran."""
+    from zipccl.bench import netlab, tour
+    monkeypatch.setattr(netlab, "check_host", lambda: None)
+    monkeypatch.setattr(netlab, "namespaces", lambda: [])
+    monkeypatch.setattr(netlab, "_sh", _refused)
+    monkeypatch.setattr(netlab, "run_in_lab", lambda *a, **k: pytest.fail("the lab was started"))
+    status = tour.main(["--out", str(tmp_path), "-b", "64K", "-e", "64K", "-n", "1", "-w", "0", "--nranks", "2",
+                        "--codec", "auto"])
+    cap = capfd.readouterr()
+    assert status == 0, cap.err[-2000:]
+    assert "Traceback" not in cap.out + cap.err
+    assert [t.name for t in nccl_text.parse(cap.out)] == ["all_reduce_perf:torch", "all_reduce_perf:auto"]
+    lines = cap.out.splitlines()
+    lab = [line for line in lines if "lab" in line and "not run" in line]
+    assert lab == ["# network lab not run (network namespaces cannot be created here (mount --make-shared "
+                   "/run/netns failed: Operation not permitted)); to see zipccl win on a 1 Gbit/s network, as root: "
+                   + tour.lab_command(["-b", "64K", "-e", "64K", "-n", "1", "-w", "0", "--nranks", "2", "--codec",
+                                       "auto"])], lab
+    assert lab[0].endswith("--netlab 1gbit") and "--nodes 2" in lab[0]
+    results = json.loads((tmp_path / "loopback.json").read_text())["results"]
+    busbw = {r["zipccl"]["codec"]: (r["out_of_place"]["bus_bw"], r["in_place"]["bus_bw"]) for r in results}
+    at = lines.index("# Collective test concluded: all_reduce_perf:auto")
+    summary = [line for line in lines[at:] if line.startswith("# auto vs torch")]
+    m = re.fullmatch(r"# auto vs torch, busbw out-of-place / in-place: 64 KiB (\S+)x / (\S+)x", summary[0])
+    assert m and lines[lines.index(summary[0]) + 1] == "", summary  # the table's last line
+    for got, auto, torch_ in zip(m.groups(), busbw["auto"], busbw["torch"]):
+        assert abs(float(got) - auto / torch_) < 0.006, (got, auto, torch_)
+    assert not (tmp_path / "lab.json").exists()
+    png = tmp_path / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"# plot: {png}" in cap.out

@@ -18,11 +18,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..auto import Policy
+from ..collectives import auto_policy
 from .cuda import Clock
+from .report import size_text
 
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 CODECS = ("raw", "lossless", "auto")
+PLACES = (("out_of_place", False), ("in_place", True))  # nccl-tests' two columns, in its order
 BASELINE = "torch"  # the label of the plain torch.distributed collective (--baseline)
 
 
@@ -243,7 +247,8 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     """Time ``args.iters`` calls one by one (the input restored before each, untimed, so that
     every call sees the same data), then check ``args.check`` calls against ``reference``
     (bitwise; wrong elements summed over the ranks). Returns the placement's figures and
-    zipccl's counters over the timed calls."""
+    zipccl's counters over the timed calls; for codec "auto", the figures also name the plans
+    that the timed calls ran ("auto_plans")."""
     import zipccl
     out, inp = placed(spec, in_place, numel_in, numel_out, rank, nranks, dtype, args.device)
     inp.copy_(data)
@@ -251,6 +256,8 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     zipccl.reset_stats()
     clock = Clock(args.device)
     dist.barrier()
+    auto = auto_class(spec, group, dtype, numel_in) if codec == "auto" else None
+    first = auto[0].calls.get(auto[1], 0) if auto else 0
     for _ in range(args.iters):
         if restore:
             inp.copy_(data)
@@ -258,6 +265,7 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
             spec.run(out, inp, op, group, codec, args.algorithm)
     times = clock.seconds()
     st = zipccl.stats()
+    ran = plans_since(*auto, first) if auto else None
     wrong = 0
     for _ in range(args.check if reference is not None else 0):
         inp.copy_(data)
@@ -268,6 +276,8 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     size = max(numel_in, numel_out) * inp.element_size()
     algbw = size / seconds / 1e9 if seconds > 0 else 0.0
     result = dict(time_us=seconds * 1e6, algbw=algbw, busbw=algbw * spec.bus_factor(nranks), wrong=wrong)
+    if ran is not None:
+        result["auto_plans"] = ran
     if args.per_iter_timing:
         per_process = [[t * 1e6 for t in proc] for proc in gather_times(times)]
         result.update(per_process=per_process, times_us=[max(col) for col in zip(*per_process)])
@@ -276,12 +286,15 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
 
 def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, data: torch.Tensor,
             reference: torch.Tensor | None, rank: int, nranks: int, group=None, label: str | None = None) -> dict:
-    """One row of the table: warm up (out of place), then both placements, nccl-tests' order.
-    ``codec`` None: the plain torch.distributed call on ``group`` (the drop-in backend's
-    calls are those, on a zipccl group, and their zipccl figures are reported too)."""
+    """One row of the table: codec "auto"'s learning (learn), warm up (out of place), then both
+    placements, nccl-tests' order. ``codec`` None: the plain torch.distributed call on
+    ``group`` (the drop-in backend's calls are those, on a zipccl group, and their zipccl
+    figures are reported too)."""
     label, codec = label or codec or BASELINE, zipccl_codec(args, codec)
     dropin = codec is None and dist.get_backend(group) == "zipccl"
     data = data.to(args.device)
+    learning = {key: learn(spec, args, in_place, numel_in, numel_out, dtype, op, data, rank, nranks, group)
+                for key, in_place in PLACES} if codec == "auto" else None
     out, inp = placed(spec, False, numel_in, numel_out, rank, nranks, dtype, args.device)
     inp.copy_(data)
     for _ in range(args.warmup_iters):
@@ -289,7 +302,7 @@ def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, d
     row = dict(size=max(numel_in, numel_out) * data.element_size(), count=min(numel_in, numel_out),
                type=args_type(dtype), redop=op_name(op) if spec.has_op else "none", root=-1, iterations=args.iters)
     wire = raw = calls = 0
-    for key, in_place in (("out_of_place", False), ("in_place", True)):
+    for key, in_place in PLACES:
         row[key], st = measure_placement(spec, args, in_place, numel_in, numel_out, dtype, op, codec, data,
                                          reference, rank, nranks, group)
         total = st["total"]
@@ -300,7 +313,59 @@ def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, d
                          wire_bytes=int(wire / calls) if zipccl_ran and calls else None,
                          raw_bytes=int(raw / calls) if zipccl_ran and calls else None,
                          ratio=wire / raw if zipccl_ran and raw else None, plan=plan if zipccl_ran else None)
+    if learning is not None:
+        row["zipccl"]["auto"] = dict(learning_calls=learning,
+                                     timed_plans={key: row[key].pop("auto_plans") for key, _ in PLACES})
     return row
+
+
+# ---- codec "auto": its learning, before the timed calls -------------------------------------------------------
+
+def auto_class(spec: Spec, group, dtype, numel_in: int) -> tuple:
+    """(policy, class): codec "auto"'s policy on ``group`` and the class of this collective's
+    calls (zipccl.auto.Policy.key of the input's bytes, as zipccl's calls key it)."""
+    return auto_policy(group), Policy.key(spec.name, dtype, numel_in * torch.empty(0, dtype=dtype).element_size())
+
+
+def settled(policy: Policy, key: tuple) -> bool:
+    """Whether auto's choice for class ``key`` has settled: every plan has run ``explore``
+    times (the round has come back to a plan it ran, so all are known), and the last two calls
+    ran the same plan (a call's time reaches the policy with a later call, so the first choice
+    after probing may still move)."""
+    calls = policy.calls.get(key, 0)
+    last = [i for (k, _), i in policy.last.items() if k == key]  # the index of each plan's last call
+    return calls > len(last) and calls >= policy.explore * len(last) + 2 and calls - 2 not in last
+
+
+def plans_since(policy: Policy, key: tuple, first: int) -> list[str]:
+    """The plans that the class's calls from index ``first`` on ran (each plan's last call is
+    kept, and those only grow)."""
+    return sorted(p for (k, p), i in policy.last.items() if k == key and i >= first)
+
+
+#: At most this many untimed learning calls per class: a choice that keeps moving on a loaded host
+#: must not stall the benchmark (the # lines then show which plans the timed calls ran).
+LEARN_LIMIT = 40
+
+
+def learn(spec: Spec, args, in_place: bool, numel_in: int, numel_out: int, dtype, op, data: torch.Tensor,
+          rank: int, nranks: int, group=None) -> int:
+    """codec "auto" learns each class's plan from the calls' own times, trying every plan in
+    turn (zipccl.auto): left to nccl-tests' warm-up of two calls, that probing would fall in the
+    timed calls. So call it, untimed, until its choice has settled (or the class is one that
+    auto does not learn: below Policy.probe_min_bytes); returns the calls that learned.
+    Out-of-place and in-place calls of one size are one class: the second finds it learned."""
+    policy, key = auto_class(spec, group, dtype, numel_in)
+    out, inp = placed(spec, in_place, numel_in, numel_out, rank, nranks, dtype, args.device)
+    calls = 0
+    while calls < LEARN_LIMIT and not settled(policy, key):
+        inp.copy_(data)
+        before = policy.calls.get(key, 0)
+        spec.run(out, inp, op, group, "auto", args.algorithm)
+        if policy.calls.get(key, 0) == before:
+            break
+        calls += 1
+    return calls
 
 
 def args_type(dtype) -> str:
@@ -313,25 +378,32 @@ def op_name(op) -> str:
 
 # ---- plot and progress --------------------------------------------------------------------------------------
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Out-of-place busbw against size, one line per codec and dtype."""
+def plot(panels: list[tuple[str, list[dict]]], path: Path) -> None:
+    """busbw against size, one panel per (title, rows), one colour per table (codec) and dtype,
+    the same in every panel: out of place solid, in place dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    codecs = dict.fromkeys(r["zipccl"]["codec"] for r in rows)
-    for codec in codecs:
-        for dtype in dict.fromkeys(r["type"] for r in rows):
-            pts = sorted((r["size"], r["out_of_place"]["busbw"]) for r in rows
-                         if r["zipccl"]["codec"] == codec and r["type"] == dtype)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{codec} ({dtype})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth, uncompressed bytes (GB/s)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    lines = list(dict.fromkeys((r["zipccl"]["codec"], r["type"]) for _, rows in panels for r in rows))
+    colours = plt.get_cmap("tab10")
+    for ax, (title, rows) in zip(axes[0], panels):
+        for n, (codec, dtype) in enumerate(lines):
+            mine = sorted((r for r in rows if (r["zipccl"]["codec"], r["type"]) == (codec, dtype)),
+                          key=lambda r: r["size"])
+            for place, style in (("out_of_place", "-"), ("in_place", "--")):
+                if mine:
+                    ax.plot([r["size"] for r in mine], [r[place]["busbw"] for r in mine], style, marker="o",
+                            color=colours(n % 10), label=f"{codec} ({dtype})" if place == "out_of_place" else None)
+        ax.set_xscale("log", base=2)
+        sizes = sorted({r["size"] for r in rows})
+        ax.set_xticks(sizes, [size_text(n) for n in sizes])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("message size")
+        ax.set_ylabel("bus bandwidth, uncompressed bytes (GB/s)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(title="solid: out of place, dashed: in place", title_fontsize=8, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -196,9 +196,28 @@ class NetLab:
         return [p.returncode for p in procs]
 
 
-def run_perf(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0, nodes: int | None = None) -> int:
-    """zipccl-perf --netlab: the same command, without --netlab, as N ranks inside the lab (on
-    ``nodes`` nodes; default one per rank)."""
+def unavailable() -> str | None:
+    """Why the lab cannot be built here, or None: not root, no iproute2, network namespaces
+    refused (a probe namespace is made and deleted), or a lab up already, which may be another
+    run's and is left alone (``up`` would tear it down)."""
+    try:
+        check_host()
+    except LabError as e:
+        return str(e)
+    if namespaces():
+        return "a lab is up already (zipccl-netlab status; zipccl-netlab down removes it)"
+    probe = f"{PREFIX}probe"
+    made = _sh("ip", "netns", "add", probe, check=False)
+    if made.returncode:
+        return f"network namespaces cannot be created here ({made.stderr.strip() or 'ip netns add failed'})"
+    _sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def run_in_lab(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0, nodes: int | None = None) -> int:
+    """zipccl-perf's command ``argv``, without --netlab, as N ranks inside the lab (on ``nodes``
+    nodes; default one per rank), the lab torn down after; the ranks' worst exit status.
+    Raises LabError where the lab cannot be built or the ranks outlive ``timeout``."""
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -207,18 +226,22 @@ def run_perf(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0, n
             skip = True
         elif not a.startswith("--netlab="):
             rest.append(a)
+    check_host()
+    with NetLab(nranks, rate, nodes) as lab:
+        where = f"{lab.nodes} nodes of {lab.per_node} ranks" if lab.per_node > 1 else f"{nranks} ranks"
+        print(f"# netlab: {where}, {rate} per {'node' if lab.per_node > 1 else 'rank'} (tc tbf, both directions)",
+              flush=True)
+        how = f"netlab {rate}" + (f", {lab.nodes}x{lab.per_node}" if lab.per_node > 1 else "")
+        return max(lab.run_ranks([sys.executable, "-m", "zipccl.bench.perf", *rest, "--how", how], timeout))
+
+
+def run_perf(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0, nodes: int | None = None) -> int:
+    """zipccl-perf --netlab: run_in_lab, a lab that cannot be built said in one line (status 2)."""
     try:
-        check_host()
-        with NetLab(nranks, rate, nodes) as lab:
-            where = f"{lab.nodes} nodes of {lab.per_node} ranks" if lab.per_node > 1 else f"{nranks} ranks"
-            print(f"# netlab: {where}, {rate} per {'node' if lab.per_node > 1 else 'rank'} (tc tbf, both directions)",
-                  flush=True)
-            how = f"netlab {rate}" + (f", {lab.nodes}x{lab.per_node}" if lab.per_node > 1 else "")
-            codes = lab.run_ranks([sys.executable, "-m", "zipccl.bench.perf", *rest, "--how", how], timeout)
+        return run_in_lab(rate, nranks, argv, timeout, nodes)
     except LabError as e:
         print(f"zipccl-perf: {e}", file=sys.stderr)
         return 2
-    return max(codes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,8 +136,13 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
             say(report.row_line(row, args.per_iter_timing), flush=True)
         for line in report.footer_lines(rows, name) + zipccl_lines(rows, notes, variant == "auto"):
             say(line, flush=True)
+        versus = None
+        if tables and tables[0]["codec"] in (BASELINE, GLOO):  # each later table against the first
+            line, ratios = report.versus(label, rows, tables[0]["codec"], tables[0]["rows"])
+            say(line, flush=True)
+            versus = dict(line=line[2:], ratios=ratios)
         say("", flush=True)
-        tables.append(dict(name=name, codec=label, rows=rows, notes=notes))
+        tables.append(dict(name=name, codec=label, rows=rows, notes=notes, versus=versus))
     rows = [r for t in tables for r in t["rows"]]
     if rank == 0 and args.output_file:
         extra = dict(version=__version__, format=f"nccl-tests {report.FORMAT_VERSION}", collective=spec.name,
@@ -148,7 +153,7 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
         report.write_json(report.document(start, argv if argv is not None else sys.argv, cfg, devs, tables, extra),
                           args.output_file)
     if rank == 0 and args.plot:
-        plot(rows, args.plot, f"zipccl-perf {spec.name}, {nranks} ranks ({how})")
+        plot([(f"zipccl-perf {spec.name}, {nranks} ranks ({how})", rows)], args.plot)
     _quiet_exit()
     return rows
 
@@ -172,7 +177,25 @@ def zipccl_lines(rows: list[dict], notes: list[str], auto: bool) -> list[str]:
             lines.append(f"# zipccl {r['size']:12d}  {r['type']:>8s}  {r['redop']:>6s}  {z['wire_bytes']:12d}  "
                          f"{ratio:>6s}  {z['plan']}")
     lines += [f"# zipccl note: {n}" for n in notes]
-    return lines + plan_lines(auto)
+    return lines + learning_lines(rows) + plan_lines(auto)
+
+
+def learning_lines(rows: list[dict]) -> list[str]:
+    """What codec "auto" learned before each row's timed calls (common.learn), and which plans
+    the timed calls ran."""
+    learned = [r for r in rows if r["zipccl"].get("auto")]
+    if not learned:
+        return []
+    lines = ["# auto learning, untimed, before each size's timed calls (calls out of place + in place; "
+             "one size class for both):"]
+    for r in learned:
+        a = r["zipccl"]["auto"]
+        calls, ran = a["learning_calls"], a["timed_plans"]
+        done = (f"timed calls ran {'+'.join(ran['out_of_place'])} / {'+'.join(ran['in_place'])}"
+                if ran["out_of_place"] and ran["in_place"] else "a size auto does not learn: the backend's own call")
+        lines.append(f"#   {r['size']} B {r['type']} {r['redop']}: {calls['out_of_place']} + {calls['in_place']} "
+                     f"calls; {done}")
+    return lines
 
 
 def plan_lines(auto: bool) -> list[str]:

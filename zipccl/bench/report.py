@@ -125,6 +125,32 @@ def footer_lines(rows: list[dict], name: str) -> list[str]:
             "#", f"# Collective test concluded: {name}", "#"]
 
 
+def size_text(n: int) -> str:
+    """Bytes as a reader says them: 64 KiB, 16 MiB, 1000 B."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def versus(label: str, rows: list[dict], baseline: str, base_rows: list[dict]) -> tuple[str, list[dict]]:
+    """The one-line summary of a table against the baseline's table of the same run: per row
+    (matched by size, type and redop), busbw over the baseline's busbw, out of place and in
+    place; and the same figures for the JSON. Rows the baseline lacks are left out."""
+    base = {(r["size"], r["type"], r["redop"]): r for r in base_rows}
+    kinds = {(r["type"], r["redop"]) for r in rows}
+    parts, ratios = [], []
+    for r in rows:
+        b = base.get((r["size"], r["type"], r["redop"]))
+        if b is None:
+            continue
+        x = {k: r[k]["busbw"] / b[k]["busbw"] if b[k]["busbw"] > 0 else None for k in PLACEMENTS}
+        ratios.append(dict(size=r["size"], type=r["type"], redop=r["redop"], **x))
+        where = size_text(r["size"]) + (f" {r['type']} {r['redop']}" if len(kinds) > 1 else "")
+        parts.append(where + " " + " / ".join("N/A" if x[k] is None else f"{x[k]:.2f}x" for k in PLACEMENTS))
+    return f"# {label} vs {baseline}, busbw out-of-place / in-place: {', '.join(parts) or 'no common rows'}", ratios
+
+
 # ---- JSON ---------------------------------------------------------------------------------------------------
 
 def _num(x: float) -> float:
@@ -171,9 +197,9 @@ def now() -> str:
 def document(start_time: str, argv: list[str], cfg: dict, devices: list[dict], tables: list[dict],
              zipccl: dict) -> dict:
     """The whole run as one nccl-tests JSON document: ``tables`` (one per codec, each with name,
-    codec, rows and notes) share its results list, and its footer figures cover them all as
-    nccl-tests' cover every type and op of a run; each table's own footer sits under
-    "zipccl" ("tables")."""
+    codec, rows, notes and its summary against the baseline, "versus", or None) share its
+    results list, and its footer figures cover them all as nccl-tests' cover every type and op
+    of a run; each table's own footer sits under "zipccl" ("tables")."""
     per_iter = cfg.get("per_iter_timing") == "true"
     rows = [r for t in tables for r in t["rows"]]
     wrong, avg = summary(rows)
@@ -183,7 +209,7 @@ def document(start_time: str, argv: list[str], cfg: dict, devices: list[dict], t
         per_table.append({"name": t["name"], "codec": t["codec"], "results": len(t["rows"]),
                           "out_of_bounds": {"count": w, "okay": "true" if w == 0 else "false"},
                           "average_bus_bandwidth": {"bandwidth": _num(a), "okay": "unchecked"},
-                          "notes": t["notes"]})
+                          "notes": t["notes"], "versus": t.get("versus")})
     return {"version": JSON_FILE_VERSION, "start_time": start_time, "args": list(argv), "env": environment(),
             "nccl_version": 0, "config": dict(cfg, devices=devices),
             "results": [result_json(r, per_iter) for r in rows],
