@@ -140,7 +140,7 @@ def _auto_row(rank, groups, iters, warmup):
     n, nranks = 1 << 19, dist.get_world_size()
     group = dist.new_group(list(range(nranks)))
     args = argparse.Namespace(iters=iters, warmup_iters=warmup, check=1, average=1, per_iter_timing=0,
-                              algorithm="auto")
+                              algorithm="auto", device="cpu")
     inputs = [common.verifiable(n, torch.bfloat16, r, nranks) for r in range(nranks)]
     exact = torch.stack([x.double() for x in inputs]).sum(0).to(torch.bfloat16)  # exact: verifiable()
     row = common.measure(all_reduce.SPEC, args, n, n, torch.bfloat16, dist.ReduceOp.SUM, "auto", inputs[rank],
