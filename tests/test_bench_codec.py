@@ -108,3 +108,25 @@ def test_lossy_cpu_smoke():
                          capture_output=True, text=True, timeout=300, check=True).stdout
     rows = [line for line in out.splitlines() if line.endswith("x")]
     assert len(rows) == 6 and all(float(r.split()[-3]) > 0 and float(r.split()[-2]) > 0 for r in rows), out
+
+
+def test_bank_design_smoke(tmp_path):
+    """bench/bank_design.py (the bank of codes' ratio in docs/FORMAT.md) runs on a tiny bucket and
+    model, and its model of block sizes matches today's encoder (the script asserts it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    data = tmp_path / "grads.npy"
+    np.save(data, (np.random.default_rng(0).standard_normal(20_000) * 1e-3).astype(np.float32))
+    script = Path(__file__).parents[1] / "bench/bank_design.py"
+    out = subprocess.run([sys.executable, str(script), "--data", str(data), "--sizes", "2,4", "--steps", "3",
+                          "--width", "16", "--layers", "1", "--json", str(tmp_path / "bank.json")],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = [line.split("|")[3:-1] for line in out.splitlines() if line.startswith("| ") and "tensor" not in line]
+    assert len(rows) == 8 and all(0.4 < float(r) <= 1.001 for row in rows for r in row), out
+    # the last column, a free optimal code per block, bounds today's tables and every bank
+    assert all(float(row[-1]) <= min(float(r) for r in row[:-1]) for row in rows), out
+    assert json.loads((tmp_path / "bank.json").read_text())["banks"]["fp16"]["4"]
