@@ -16,8 +16,9 @@ host round trip to build tables. This script measures, offline, what the bank co
    repeated until stable), grown one code at a time from the histogram served worst. A model
    block's +0.0 share is the grid's (the zeros of fp16's underflow are replaced by it).
 3. The check: real tensors coded with the bank (each block its cheapest entry by exact cost from
-   its whole histogram, raw where coding does not pay) against today's packets (the numba
-   encoder's actual sizes, up to 8 tables per packet). The bank's packets carry no section 0; the
+   its whole histogram, raw where coding does not pay) against the numba encoder's actual
+   packets (when the record was made, format version 1's: up to 8 tables per packet; since
+   version 2, the bank with each entry chosen from the block's sample). The bank's packets carry no section 0; the
    index keeps 8 bytes per block (ref, entry id, words, zeros).
 
 Tensors: the gradient bucket of ../shared/data (bf16, fp16, fp32) on which nothing here is

@@ -63,8 +63,8 @@ def test_collective_cpu_smoke():
 
 
 def test_format_alternatives_smoke(tmp_path):
-    """bench/format_alternatives.py (the ratio table of docs/FORMAT.md) runs, and its model of the
-    chosen coding gives the encoder's exact packet size (the script asserts it)."""
+    """bench/format_alternatives.py (the ratio table of docs/FORMAT.md, format version 1's layout)
+    runs and gives every row a ratio."""
     import subprocess
     import sys
     from pathlib import Path

@@ -4,21 +4,21 @@ GPU-only in production: on CPU tensors they run only under TRITON_INTERPRET=1
 (how the tests prove them here), and ``compile_for`` builds them for sm_80 /
 sm_90 without a GPU. docs/GPU.md explains the design; in short:
 
-encode, two passes over the input and a few small reads by the host:
+encode, two passes over the input and one read by the host:
   1. ``_analyse``: one program per block reads it once and writes the block's
      reference exponent and two 32-bin symbol histograms of 16-bit counts, of
      its sample and of all its elements (132 bytes per block).
-  2. kernels/device_plan.py clusters the blocks and lays the packet out with
-     torch operations on the device, as reference/plan.py does on the host;
-     the host reads each round's summed histograms (8 x 32 counts) to build
-     the code lengths, and the two data section sizes, which size the packet.
+  2. kernels/device_plan.py picks each block's entry of the fixed bank of codes
+     (zipccl/bank.py) and lays the packet out with torch operations on the
+     device, as reference/plan.py does on the host; the host reads the two data
+     section sizes, which size the packet.
   3. ``_encode``: one program per block reads it again and writes its codes and
      sign+mantissa bytes at the planned offsets. Bit positions come from an
      in-block prefix sum of code widths; the codes of each 32-bit word are
      joined by a segmented OR scan, and one element per word stores it, so
      there are no atomics and no zero-filling.
 
-decode: header and tables are validated on the host and the block index on
+decode: the header is validated on the host and the block index on
 the device (device_plan.read_index: the host reads three numbers) before
 launching; then two kernels, so that every scattered access is one a lane
 cannot avoid:
@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..bank import BANK, BANK_SIZE
 from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, OFFSET_BIAS,
                       RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
@@ -290,6 +291,17 @@ def block_warps(block_size: int) -> int:
     return max(4, min(16, block_size // 256))
 
 
+_LUTS: dict = {}  # (dtype, device) -> the bank's decode lookups there, built and uploaded once
+
+
+def _luts(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(BANK_SIZE, 2**MAXLEN) int32 lookups of the bank's entries on ``device``."""
+    key = (dtype, device)
+    if key not in _LUTS:
+        _LUTS[key] = torch.from_numpy(T.decode_luts(BANK[dtype])).to(device)
+    return _LUTS[key]
+
+
 def _ints(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32 if x.element_size() == 4 else torch.int16)
 
@@ -308,18 +320,16 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     if nb:
         _analyse[(nb,)](bits, n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=block_warps(block_size),
                         **_shape_args(layout))
-    # The plan on the device (kernels/device_plan.py): the host reads only tables x 32 summed
-    # counts per clustering round and the two data section sizes, which size the packet.
+    # The plan on the device (kernels/device_plan.py): the host reads only the two data section
+    # sizes, which size the packet.
     counts = hist.to(torch.int64) & 0xFFFF  # the 16-bit counts are unsigned
-    pl = device_plan.plan(counts[:, 0], counts[:, 1], ref.to(torch.int64), n, block_size, layout)
+    pl = device_plan.plan(counts[:, 0], counts[:, 1], ref.to(torch.int64), n, block_size, x.dtype)
     packet = torch.empty(HEADER_SIZE + sum(pl.sizes), dtype=torch.uint8, device=dev)
-    p = HEADER_SIZE + len(pl.packed)
-    packet[HEADER_SIZE:p] = torch.from_numpy(pl.packed.copy()).to(dev)  # packed is cached, read-only
+    p = HEADER_SIZE
     packet[p:p + pl.sizes[1]] = pl.index
     p += pl.sizes[1]
     if nb:
-        _encode[(nb,)](bits, n, pl.blocks, torch.from_numpy(pl.codes.astype(np.int32)).to(dev),
-                       torch.from_numpy(pl.lengths.astype(np.int32)).to(dev),
+        _encode[(nb,)](bits, n, pl.blocks, pl.codes, pl.lengths,
                        packet[p:p + pl.sizes[2]].view(torch.int32), packet[p + pl.sizes[2]:],
                        BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
                        INLINE_BITS=layout.inline_bits, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
@@ -327,7 +337,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     crc = 0
     if checksum:  # a host pass over the payload, as on every device
         crc = zlib.crc32(packet[HEADER_SIZE:].cpu().numpy().tobytes())
-    h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, len(pl.lengths), NSYM, MAXLEN,
+    h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, BANK_SIZE, NSYM, MAXLEN,
                pl.sizes, crc)
     packet[:HEADER_SIZE] = torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8).to(dev)
     return packet
@@ -354,7 +364,7 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         blocks = torch.stack([p.ref, p.table, p.word_start[:-1], p.word_start[1:], p.rest_start[:-1],
                               p.rest_start[1:], p.nzero], dim=1)
         err = torch.zeros(len(coded), dtype=torch.int32, device=dev)
-        luts = torch.from_numpy(T.decode_luts(p.lengths)).to(dev)
+        luts = _luts(h.dtype, dev)
         # The codes between the two kernels take 2 bytes per element: at most DECODE_SCRATCH
         # elements' worth at a time, so that a large packet does not need a second output's memory.
         assert bs % JOIN_CHUNK == 0, (bs, JOIN_CHUNK)  # a join program's chunk lies in one block
