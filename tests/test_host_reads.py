@@ -26,11 +26,11 @@ PACKAGE = str(Path(zipccl.__file__).resolve().parent)
 READS = ("cpu", "item", "tolist", "nonzero", "__int__", "__float__", "__bool__", "__index__")
 
 # Counts of format version 2 (2026-11-26; version 1: 5 and 9): encode reads only the packet's
-# size; decode reads the header, the index's totals, the raw and coded blocks' ids (two
-# torch.nonzero) and the error flag. The issue's targets are encode <= 1 and decode into a given
-# out <= 2.
+# size; decode reads the header, the index's first invalid entry and totals, and the error flag
+# (the coded and raw blocks are ordered and counted on the device). The issue's targets are
+# encode <= 1 and decode into a given out <= 2.
 ENCODE_READS = 1
-DECODE_READS = 5
+DECODE_READS = 3
 
 
 @contextmanager

@@ -165,7 +165,7 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: t
 
 
 @triton.jit
-def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded, n, block_ptr, lut_ptr, err_ptr,
+def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded_ptr, n, block_ptr, lut_ptr, err_ptr,
                     BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, EBITS: tl.constexpr,
                     INLINE_BITS: tl.constexpr):
     """LANES coded blocks in lock step, one symbol each per iteration. Each element's code (a
@@ -177,12 +177,14 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded, n
     element is at most 20 bits): most iterations make one scattered load, the table's, where a
     fused decoder made four loads and a scattered store (docs/GPU.md).
 
-    block_ptr holds (ref, table, first word, end word, first rest byte, end rest byte, nzero) per block.
-    Every load is masked to its section, so a corrupt stream yields an error code, never a stray access."""
+    block_ptr holds (ref, table, first word, end word, first rest byte, end rest byte, nzero) per block;
+    coded_ptr the blocks, coded ones first, and ncoded_ptr how many are coded (on the device: the
+    host does not wait for it). Every load is masked to its section, so a corrupt stream yields an
+    error code, never a stray access."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
     lanes = tl.arange(0, LANES)
     lane = tl.program_id(0) * LANES + lanes
-    live = lane < ncoded
+    live = lane < tl.load(ncoded_ptr)
     b = tl.load(coded_ptr + lane, mask=live, other=0)
     row = block_ptr + 7 * b
     ref = tl.load(row, mask=live, other=0).to(tl.int32)
@@ -234,7 +236,7 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded, n
 
 
 @triton.jit
-def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded, block_ptr, err_ptr,
+def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded_ptr, block_ptr, err_ptr,
                  BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, MBITS: tl.constexpr,
                  EBITS: tl.constexpr, REST_BYTES: tl.constexpr, INLINE_BITS: tl.constexpr):
     """One chunk of CHUNK elements of each of one _decode_symbols program's blocks: the codes read
@@ -245,7 +247,7 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded, b
     c = tl.program_id(1)
     lanes = tl.arange(0, LANES)
     lane = g * LANES + lanes
-    live = lane < ncoded
+    live = lane < tl.load(ncoded_ptr)
     b = tl.load(coded_ptr + lane, mask=live, other=0)
     row = block_ptr + 7 * b
     before = tl.load(count_ptr + (g.to(tl.int64) * (BS // CHUNK) + c) * LANES + lanes, mask=live, other=0)
@@ -273,11 +275,13 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded, b
 
 
 @triton.jit
-def _decode_raw(rest_ptr, out_ptr, n, raw_ptr, rest_start_ptr, BS: tl.constexpr, ITEMSIZE: tl.constexpr):
-    """One raw block: its elements' bytes, little-endian."""
-    b = tl.load(raw_ptr + tl.program_id(0))
+def _decode_raw(rest_ptr, out_ptr, n, order_ptr, ncoded_ptr, rest_start_ptr, BS: tl.constexpr,
+                ITEMSIZE: tl.constexpr):
+    """One block of ``order`` (coded blocks first): if it is raw, its elements' bytes, little-endian."""
+    j = tl.program_id(0)
+    b = tl.load(order_ptr + j)
     i = tl.arange(0, BS)
-    valid = b * BS + i < n
+    valid = (b * BS + i < n) & (i * 0 + j >= tl.load(ncoded_ptr))  # raw blocks follow the coded ones
     r0 = tl.load(rest_start_ptr + b)
     v = tl.zeros([BS], dtype=tl.int64)
     for k in tl.static_range(ITEMSIZE):
@@ -352,36 +356,39 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         return out
     view = _ints(out)
     rest = packet[p.rest_offset:p.rest_offset + h.sections[3]]
+    # Coded blocks first, then raw ones, and the count of coded blocks, all on the device: the
+    # kernels launch for every block and mask by that count, so the host never waits for it.
     is_raw = p.table == RAW_BLOCK
-    raw, coded = torch.nonzero(is_raw).flatten(), torch.nonzero(~is_raw).flatten()
-    if len(raw):
-        _decode_raw[(len(raw),)](rest, view, n, raw, p.rest_start, BS=bs, ITEMSIZE=layout.itemsize,
-                                 num_warps=block_warps(bs))
-    if len(coded):
-        nwords = h.sections[2] // 4
-        stream = packet[p.stream_offset:p.rest_offset]
-        words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
-        blocks = torch.stack([p.ref, p.table, p.word_start[:-1], p.word_start[1:], p.rest_start[:-1],
-                              p.rest_start[1:], p.nzero], dim=1)
-        err = torch.zeros(len(coded), dtype=torch.int32, device=dev)
-        luts = _luts(h.dtype, dev)
-        # The codes between the two kernels take 2 bytes per element: at most DECODE_SCRATCH
-        # elements' worth at a time, so that a large packet does not need a second output's memory.
-        assert bs % JOIN_CHUNK == 0, (bs, JOIN_CHUNK)  # a join program's chunk lies in one block
-        span = LANES * max(1, DECODE_SCRATCH // (bs * LANES))  # coded blocks per pair of launches
-        symbols = torch.empty(min(span, triton.cdiv(len(coded), LANES) * LANES) * bs, dtype=torch.int16, device=dev)
-        counts = torch.empty(symbols.numel() // JOIN_CHUNK, dtype=torch.int32, device=dev)
-        for first in range(0, len(coded), span):
-            lanes, errs = coded[first:first + span], err[first:first + span]
-            programs = triton.cdiv(len(lanes), LANES)
-            _decode_symbols[(programs,)](
-                words, nwords, symbols, counts, lanes, len(lanes), n, blocks, luts, errs, BS=bs, LANES=LANES,
-                CHUNK=JOIN_CHUNK, EBITS=layout.ebits, INLINE_BITS=layout.inline_bits, num_warps=DECODE_WARPS)
-            _decode_join[(programs, bs // JOIN_CHUNK)](
-                symbols, counts, rest, view, n, lanes, len(lanes), blocks, errs, BS=bs, LANES=LANES,
-                CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
-                INLINE_BITS=layout.inline_bits, num_warps=JOIN_WARPS)
-        codes = int(np.bitwise_or.reduce(err.cpu().numpy()))  # the blocks' errors, read once at the end
-        if codes:
-            raise FormatError(_ERRORS[codes & -codes])
+    nb = is_raw.numel()
+    order = torch.sort(is_raw.to(torch.uint8), stable=True).indices
+    ncoded = nb - is_raw.sum(dtype=torch.int64).reshape(1)
+    _decode_raw[(nb,)](rest, view, n, order, ncoded, p.rest_start, BS=bs, ITEMSIZE=layout.itemsize,
+                       num_warps=block_warps(bs))
+    nwords = h.sections[2] // 4
+    stream = packet[p.stream_offset:p.rest_offset]
+    words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
+    blocks = torch.stack([p.ref, p.table, p.word_start[:-1], p.word_start[1:], p.rest_start[:-1],
+                          p.rest_start[1:], p.nzero], dim=1)
+    err = torch.zeros(nb, dtype=torch.int32, device=dev)
+    luts = _luts(h.dtype, dev)
+    # The codes between the two kernels take 2 bytes per element: at most DECODE_SCRATCH
+    # elements' worth at a time, so that a large packet does not need a second output's memory.
+    assert bs % JOIN_CHUNK == 0, (bs, JOIN_CHUNK)  # a join program's chunk lies in one block
+    span = LANES * max(1, DECODE_SCRATCH // (bs * LANES))  # coded blocks per pair of launches
+    symbols = torch.empty(min(span, triton.cdiv(nb, LANES) * LANES) * bs, dtype=torch.int16, device=dev)
+    counts = torch.empty(symbols.numel() // JOIN_CHUNK, dtype=torch.int32, device=dev)
+    for first in range(0, nb, span):
+        lanes, errs = order[first:first + span], err[first:first + span]
+        live = (ncoded - first).clamp(0, span)  # coded blocks among these lanes
+        programs = triton.cdiv(len(lanes), LANES)
+        _decode_symbols[(programs,)](
+            words, nwords, symbols, counts, lanes, live, n, blocks, luts, errs, BS=bs, LANES=LANES,
+            CHUNK=JOIN_CHUNK, EBITS=layout.ebits, INLINE_BITS=layout.inline_bits, num_warps=DECODE_WARPS)
+        _decode_join[(programs, bs // JOIN_CHUNK)](
+            symbols, counts, rest, view, n, lanes, live, blocks, errs, BS=bs, LANES=LANES,
+            CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
+            INLINE_BITS=layout.inline_bits, num_warps=JOIN_WARPS)
+    codes = int(np.bitwise_or.reduce(err.cpu().numpy()))  # the blocks' errors, read once at the end
+    if codes:
+        raise FormatError(_ERRORS[codes & -codes])
     return out
