@@ -41,7 +41,7 @@ def stages(x: torch.Tensor) -> dict:
     ref, hist, nzero = np.zeros(nb, np.int64), np.zeros((nb, NSYM), np.int64), np.zeros(nb, np.int64)
     analyse = lambda: C._analyse(bits, bs, layout.mbits, ref, hist, nzero)  # noqa: E731
     analyse()
-    tables = choose(hist, layout)
+    tables = choose(hist, x.dtype)
     cost = np.zeros(nb, np.int64)
     streams = np.empty(4 * nb * bs + 8, np.uint8)
     pack = lambda: C._pack(bits, bs, layout.mbits, ref, tables.assign, nzero, tables.codes,  # noqa: E731
@@ -54,7 +54,7 @@ def stages(x: torch.Tensor) -> dict:
     packet, out = codec.encode(x), torch.empty_like(x)
     out_stages = {
         "analyse": analyse,
-        "tables": lambda: choose(hist, layout),
+        "tables": lambda: choose(hist, x.dtype),
         "pack": pack,
         "plan": lambda: plan(tables, ref, cost, nzero, n, bs, layout),
         "rest": lambda: C._rest(bits, bs, layout.mbits, pl.table, pl.nzero, pl.rest_start,

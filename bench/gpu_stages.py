@@ -4,7 +4,7 @@ gradient tensor, kernels against host work (planning, the histogram read, launch
     python bench/gpu_stages.py [--numel N] [--dtype bf16] [--data FILE]
 
 Prints the card, the wall time per call, the wall time of the bookkeeping steps (the packet plan
-and its clustering rounds, the packet's validation: torch operations, small reads and host code
+and the packet's validation: torch operations, small reads and host code
 between kernels, timed by wrapping them) and the profiler's
 table (device time per kernel and copy, host time per operator), sorted by device time. Needs a
 CUDA device.
@@ -43,7 +43,7 @@ def _timed_host_steps() -> dict:
                 spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
         setattr(module, name, timed)
 
-    for module, name in ((device_plan, "plan"), (device_plan, "_clusters"), (codecs, "parse_lossless")):
+    for module, name in ((device_plan, "plan"), (codecs, "parse_lossless")):
         wrap(module, name)
     return spent
 

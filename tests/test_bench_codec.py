@@ -45,8 +45,8 @@ def test_codec_stages_smoke():
 
 
 def test_format_alternatives_smoke(tmp_path):
-    """bench/format_alternatives.py (the ratio table of docs/FORMAT.md) runs, and its model of the
-    chosen coding gives the encoder's exact packet size (the script asserts it)."""
+    """bench/format_alternatives.py (the ratio table of docs/FORMAT.md, format version 1's layout)
+    runs and gives every row a ratio."""
     import subprocess
     import sys
     from pathlib import Path
@@ -60,3 +60,25 @@ def test_format_alternatives_smoke(tmp_path):
                          check=True).stdout
     ratios = [float(line.split("|")[-2]) for line in out.splitlines() if line.startswith("|")]
     assert len(ratios) == 17 and all(0.5 < r < 1.0 for r in ratios), out
+
+
+def test_bank_design_smoke(tmp_path):
+    """bench/bank_design.py (the bank of codes' ratio in docs/FORMAT.md) runs on a tiny bucket and
+    model, and its model of block sizes matches today's encoder (the script asserts it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    data = tmp_path / "grads.npy"
+    np.save(data, (np.random.default_rng(0).standard_normal(20_000) * 1e-3).astype(np.float32))
+    script = Path(__file__).parents[1] / "bench/bank_design.py"
+    out = subprocess.run([sys.executable, str(script), "--data", str(data), "--sizes", "2,4", "--steps", "3",
+                          "--width", "16", "--layers", "1", "--json", str(tmp_path / "bank.json")],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = [line.split("|")[3:-1] for line in out.splitlines() if line.startswith("| ") and "tensor" not in line]
+    assert len(rows) == 8 and all(0.4 < float(r) <= 1.001 for row in rows for r in row), out
+    # the last column, a free optimal code per block, bounds today's tables and every bank
+    assert all(float(row[-1]) <= min(float(r) for r in row[:-1]) for row in rows), out
+    assert json.loads((tmp_path / "bank.json").read_text())["banks"]["fp16"]["4"]

@@ -1,5 +1,6 @@
-"""The GPU encoder's device plan (kernels/device_plan.py) against the host plan it replaces
-(reference/plan.py: choose, plan, the block index), on the CPU: torch's operations are the same
+"""The GPU encoder's device plan (kernels/device_plan.py) against the host plan (reference/plan.py:
+choose, plan, the block index) and each block's bank entry against a brute-force count of its
+sample's bits under every entry, on the CPU: torch's operations are the same
 on either device, and the Triton encoder that uses it is checked byte for byte against the
 reference in test_triton.py, test_codec.py and, on a GPU, test_nccl_gpu.py."""
 
@@ -11,29 +12,46 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zipccl.format import LAYOUTS, NSYM, SYM_ESC, num_blocks
+from zipccl.bank import BANK, BANK_SIZE
+from zipccl.format import LAYOUTS, NSYM, RAW_BLOCK, SYM_ESC, SYM_ZERO, num_blocks
 from zipccl.kernels import device_plan
 from zipccl.reference.plan import choose, plan
 
 
-def _host(sampled, exact, ref, numel, block_size, layout):
-    tables = choose(sampled, layout)
+def _host(sampled, exact, ref, numel, block_size, dtype):
+    layout = LAYOUTS[dtype]
+    tables = choose(sampled, dtype)
     pl = plan(tables, ref, tables.cost(exact, layout), exact[:, 0].copy(), numel, block_size, layout)
     blocks = np.stack([pl.ref, pl.table, pl.word_start[:-1], pl.rest_start[:-1]], axis=1)
-    return pl.lengths, pl.codes, pl.packed, pl.front()[len(pl.packed):], blocks, pl.sizes
+    return pl.lengths, pl.codes, pl.front(), blocks, pl.sizes
+
+
+def _cheapest(sampled_row, dtype) -> int:
+    """The bank entry that codes a sample in the fewest bits (code + raw bits after it), ties to
+    the lowest entry, counted symbol by symbol."""
+    layout = LAYOUTS[dtype]
+    best, best_bits = -1, None
+    for k in range(BANK_SIZE):
+        bits = 0
+        for s in range(NSYM):
+            after = 0 if s == SYM_ZERO else layout.inline_bits + (layout.ebits if s == SYM_ESC else 0)
+            bits += int(sampled_row[s]) * (int(BANK[dtype][k][s]) + after)
+        if best_bits is None or bits < best_bits:
+            best, best_bits = k, bits
+    return best
 
 
 def _check(sampled, exact, ref, numel, block_size, dtype):
-    layout = LAYOUTS[dtype]
-    want = _host(sampled, exact, ref, numel, block_size, layout)
+    want = _host(sampled, exact, ref, numel, block_size, dtype)
     got = device_plan.plan(torch.from_numpy(sampled), torch.from_numpy(exact), torch.from_numpy(ref), numel,
-                           block_size, layout)
-    np.testing.assert_array_equal(got.lengths, want[0])
-    np.testing.assert_array_equal(got.codes, want[1])
-    np.testing.assert_array_equal(got.packed, want[2])
-    np.testing.assert_array_equal(got.index.numpy(), want[3])
-    np.testing.assert_array_equal(got.blocks.numpy().reshape(-1, 4), want[4].reshape(-1, 4))
-    assert got.sizes == want[4 + 1]
+                           block_size, dtype)
+    np.testing.assert_array_equal(got.lengths.numpy(), want[0])
+    np.testing.assert_array_equal(got.codes.numpy(), want[1])
+    np.testing.assert_array_equal(got.index.numpy(), want[2])
+    np.testing.assert_array_equal(got.blocks.numpy().reshape(-1, 4), want[3].reshape(-1, 4))
+    assert got.sizes == want[4]
+    for b, entry in enumerate(got.blocks[:, 1].tolist()):
+        assert entry == RAW_BLOCK or entry == _cheapest(sampled[b], dtype), b
 
 
 @st.composite
@@ -63,11 +81,13 @@ def test_device_plan_equals_host_plan(case):
     _check(*case)
 
 
-def test_ties_between_tables_and_peaks():
-    """Identical blocks: every peak ties (order by block number) and every table costs the same
-    for each block (the lowest id wins): the cases where a careless argsort or argmin differs."""
+def test_ties_between_entries():
+    """Blocks whose sample is one symbol: every entry that gives it the shortest code costs the
+    same (the lowest entry wins), the case where a careless argmin differs."""
     nb = 33
-    exact = np.tile(np.bincount([27] * 900 + [28] * 100 + [0] * 24, minlength=NSYM), (nb, 1)).astype(np.int64)
+    exact = np.tile(np.bincount([28] * 1000 + [0] * 24, minlength=NSYM), (nb, 1)).astype(np.int64)
+    shortest = BANK[torch.bfloat16][:, 28]
+    assert (shortest == shortest.min()).sum() > 1  # a tie indeed
     _check(exact // 8, exact, np.full(nb, 120, np.int64), nb * 1024, 1024, torch.bfloat16)
 
 
@@ -97,7 +117,7 @@ def test_index_read_on_the_device_equals_the_host_read(nb, block_size, seed, mut
     """A real packet's block index, then with bytes overwritten: the same rows, the same first
     invalid entry and the same totals from both readers (so the same FormatError, or none)."""
     from zipccl.codecs import Lossless
-    from zipccl.format import CODEC_LOSSLESS, HEADER_SIZE, TABLE_BYTES, parse_header
+    from zipccl.format import CODEC_LOSSLESS, HEADER_SIZE, parse_header
     from zipccl.reference.packet import read_index
     g = torch.Generator().manual_seed(seed)
     numel = nb * block_size - int(torch.randint(0, block_size, (1,), generator=g))
@@ -107,7 +127,7 @@ def test_index_read_on_the_device_equals_the_host_read(nb, block_size, seed, mut
         x[:block_size] = 0.0  # a block of +0.0 only: nzero == nvalid, the bound of a check
     packet = Lossless("numba", block_size=block_size).encode(x)
     h = parse_header(packet[:HEADER_SIZE].numpy().tobytes(), CODEC_LOSSLESS, packet.numel())
-    start = HEADER_SIZE + h.ntables * TABLE_BYTES
+    start = HEADER_SIZE + h.sections[0]
     stop = start + h.sections[1]
     for where, value in mutations:
         packet[start + where % (stop - start)] = value

@@ -213,7 +213,8 @@ def test_fuzz(family, grads):
     assert s.failed == 0, "\n".join(s.failures)
     assert s.ok > 0 and s.format_error > 0, s.as_dict()
     if family in ("numba", "reference"):  # mutations get through validation into the decoders
-        assert any("code" in r and "stream" in r for r in s.errors), s.errors
+        assert any("stream" in r for r in s.errors), s.errors  # the bank's codes are complete: a
+        # corrupt stream decodes to symbols, and is caught when it overruns its block
         assert any("zero count" in r for r in s.errors), s.errors
 
 

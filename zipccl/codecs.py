@@ -120,7 +120,7 @@ class Lossless:
 
     def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
                max_numel: int | None = None) -> torch.Tensor:
-        """The tensor (1-D) a lossless packet holds, into ``out`` if given. The header, tables and
+        """The tensor (1-D) a lossless packet holds, into ``out`` if given. The header and
         block index are validated (on the host; the GPU's index where it is) against the packet, and
         ``max_numel`` (FormatError for a packet that claims more elements), before the output is
         allocated or a kernel runs."""
@@ -136,7 +136,7 @@ class Lossless:
 
     def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
         nb = F.num_blocks(numel, self.block_size or F.MIN_DEFAULT_BLOCK_SIZE)
-        return (F.HEADER_SIZE + F.num_tables(nb) * F.TABLE_BYTES + nb * F.INDEX_ENTRY
+        return (F.HEADER_SIZE + nb * F.INDEX_ENTRY
                 + numel * F.LAYOUTS[_dtype(dtype)].itemsize)
 
     def __repr__(self) -> str:

@@ -5,17 +5,17 @@ header so that a receiver can validate it before touching the payload:
 
     offset size field
       0     4   magic b"ZCCL"
-      4     1   version (1)
+      4     1   version (2)
       5     1   codec   (0 raw, 1 lossless, 2 top-k)
       6     1   dtype   (1 float32, 2 float16, 3 bfloat16)
       7     1   flags   (bit 0: payload CRC32 present)
       8     8   numel
      16     4   block_size (elements per block; 0 for codecs without blocks)
-     20     1   ntables
+     20     1   ntables (lossless: the size of the bank of codes, 32)
      21     1   nsym   (symbols per table)
      22     1   maxlen (longest code, bits)
      23     1   reserved, 0
-     24     4   section 0 bytes (lossless: code tables)
+     24     4   section 0 bytes (lossless: 0; version 1 carried code tables here)
      28     4   section 1 bytes (lossless: block index)
      32     8   section 2 bytes (lossless: exponent streams)
      40     8   section 3 bytes (lossless: sign+mantissa; raw: the data)
@@ -34,7 +34,7 @@ import torch
 from .errors import FormatError, UnsupportedError
 
 MAGIC = b"ZCCL"
-VERSION = 1
+VERSION = 2  # 2: lossless blocks name entries of the fixed bank of codes (zipccl/bank.py)
 HEADER_SIZE = 56
 _HEADER = struct.Struct("<4sBBBBQIBBBBIIQQII")
 assert _HEADER.size == HEADER_SIZE
@@ -131,12 +131,11 @@ SYM_ESC = 1          # exponent stored inline as raw bits right after the code
 OFFSET_BIAS = 28     # symbol = (exponent - block reference) + OFFSET_BIAS, for offsets -26..+3
 MIN_OFFSET, MAX_OFFSET = 2 - OFFSET_BIAS, NSYM - 1 - OFFSET_BIAS
 MAXLEN = 12          # longest Huffman code, bits (decoders peek MAXLEN bits)
-SAMPLE_STRIDE = 8    # encoders choose reference exponents and tables from every 8th element of a
-                     # block (its elements 0, 8, 16, ...); exact sizes come from all of them
-MAX_TABLES = 8
+SAMPLE_STRIDE = 8    # encoders choose reference exponents and bank entries from every 8th element of
+                     # a block (its elements 0, 8, 16, ...); exact sizes come from all of them
 RAW_BLOCK = 0xFF     # block index table id of a block stored raw
-INDEX_ENTRY = 8      # bytes per block index entry: u8 ref, u8 table, u16 nwords, u16 nzero, u16 0
-TABLE_BYTES = NSYM // 2
+INDEX_ENTRY = 8      # bytes per block index entry: u8 ref, u8 bank entry, u16 nwords, u16 nzero, u16 0
+TABLE_BYTES = NSYM // 2  # a code table as nibbles (version 1's section 0; bench/ scripts)
 DEFAULT_BLOCK_SIZE = 4096      # CPU encoders
 GPU_BLOCK_SIZE = 1024          # Triton encoder: more blocks, more decode lanes (docs/GPU.md)
 MIN_DEFAULT_BLOCK_SIZE = min(DEFAULT_BLOCK_SIZE, GPU_BLOCK_SIZE)  # bounds max_encoded_size for either
@@ -166,11 +165,6 @@ LAYOUTS = {
 
 def num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size) if numel else 0
-
-
-def num_tables(nblocks: int) -> int:
-    """Tables an encoder builds: one per four blocks, at most MAX_TABLES."""
-    return min(MAX_TABLES, max(1, (nblocks + 3) // 4)) if nblocks else 0
 
 
 def check_input(x: torch.Tensor) -> None:

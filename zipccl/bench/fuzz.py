@@ -2,7 +2,7 @@
 
 Each case takes a valid packet of one decoder family, mutates it (bit flips,
 truncation, extension, header fields with the header CRC re-signed so that the
-change reaches the body, section sizes, code tables, block index entries,
+change reaches the body, section sizes, bank entries named, block index entries,
 streams, top-k indices, splices of two packets) and decodes it. A case passes
 when the decoder raises FormatError, or returns a tensor of the header's numel
 and dtype, having written nothing outside ``out`` (guard elements) and allocated
@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .. import format as F
+from ..bank import BANK_SIZE
 from ..codecs import Lossless, Raw, TopK
 from ..errors import FormatError
 
@@ -273,28 +274,19 @@ def _resize_section(r, buf, base):
     return buf, f"resize:s{i}"
 
 
-def _table(r, buf, base):
-    start, stop = _sections(base.packet, buf)[0]
-    if stop - start < F.TABLE_BYTES:
+def _entry(r, buf, base):
+    """A coded block names another entry of the bank of codes, so that its stream is read with a
+    code it was not written with (format version 2's counterpart of a corrupt code table)."""
+    start, stop = _sections(base.packet, buf)[1]
+    entries = buf[start:start + (stop - start) // F.INDEX_ENTRY * F.INDEX_ENTRY].reshape(-1, F.INDEX_ENTRY)
+    coded = np.flatnonzero(entries[:, 1] != F.RAW_BLOCK)
+    if not len(coded):
         return _flip(r, buf, base)
-    t = r.randrange((stop - start) // F.TABLE_BYTES)
-    row = buf[start + t * F.TABLE_BYTES:start + (t + 1) * F.TABLE_BYTES]
-    how = r.randrange(4)
-    if how == 0:  # one code length
-        j = r.randrange(F.TABLE_BYTES)
-        row[j] = (row[j] & 0xF0) | r.randrange(16) if r.random() < 0.5 else (row[j] & 0x0F) | (r.randrange(16) << 4)
-    elif how == 1:  # every length the same (5: a complete code; 4: over-subscribed; 12: sparse)
-        v = r.choice((0, 1, 4, 5, 6, 12, 13, 15))
-        row[:] = v | (v << 4)
-    elif how == 2:  # a random table
-        row[:] = np.frombuffer(r.randbytes(F.TABLE_BYTES), np.uint8)
-    else:  # a few symbols dropped (length 0)
-        for _ in range(r.randrange(1, 6)):
-            j = r.randrange(F.TABLE_BYTES)
-            row[j] &= 0xF0 if r.random() < 0.5 else 0x0F
+    e = entries[int(coded[r.randrange(len(coded))])]
+    e[1] = (int(e[1]) + r.randrange(1, BANK_SIZE)) % BANK_SIZE
     if r.random() < 0.5:
         resign_payload(buf)
-    return buf, "table"
+    return buf, "entry"
 
 
 def _index(r, buf, base):
@@ -399,11 +391,11 @@ _COMMON = (_flip, _flip, _flip_header, _truncate, _extend, _field, _field, _resi
 MUTATIONS = {
     "raw": _COMMON,
     "topk": _COMMON + (_topk_index, _topk_index, _topk_index, _payload_bytes(2, "topk:bytes")),
-    "lossless": _COMMON + (_table, _table, _index, _index, _index, _index, _payload_bytes(2, "stream"),
+    "lossless": _COMMON + (_entry, _entry, _index, _index, _index, _index, _payload_bytes(2, "stream"),
                            _payload_bytes(2, "stream")),
     # The Triton interpreter takes seconds per packet that reaches its kernel: its cases favour
     # mutations of the body that pass the (shared, host-side) validation.
-    "deep": (_flip, _field, _truncate, _extend, _table, _index, _index, _payload_bytes(3, "rest"),
+    "deep": (_flip, _field, _truncate, _extend, _entry, _index, _index, _payload_bytes(3, "rest"),
              *(_payload_bytes(2, "stream"),) * 4),
 }
 DEEP = ("triton",)

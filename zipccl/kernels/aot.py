@@ -40,14 +40,15 @@ def _specs(dtype: str):
            dict(BS=bs, VMASK=vmask, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes, INLINE_BITS=inline_bits,
                 ITEMSIZE=itemsize), gpu.block_warps(bs))
     yield ("_decode_symbols", {"words_ptr": "*i32", "nwords": "i64", "code_ptr": "*i16", "count_ptr": "*i32",
-                               "coded_ptr": "*i64", "ncoded": "i32", "n": "i64", "block_ptr": "*i64",
+                               "coded_ptr": "*i64", "ncoded_ptr": "*i64", "n": "i64", "block_ptr": "*i64",
                                "lut_ptr": "*i32", "err_ptr": "*i32"},
            dict(BS=bs, LANES=gpu.LANES, CHUNK=gpu.JOIN_CHUNK, EBITS=ebits, INLINE_BITS=inline_bits), gpu.DECODE_WARPS)
     yield ("_decode_join", {"code_ptr": "*i16", "count_ptr": "*i32", "rest_ptr": "*u8", "out_ptr": ptr, "n": "i64",
-                            "coded_ptr": "*i64", "ncoded": "i32", "block_ptr": "*i64", "err_ptr": "*i32"},
+                            "coded_ptr": "*i64", "ncoded_ptr": "*i64", "block_ptr": "*i64", "err_ptr": "*i32"},
            dict(BS=bs, LANES=gpu.LANES, CHUNK=gpu.JOIN_CHUNK, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes,
                 INLINE_BITS=inline_bits), gpu.JOIN_WARPS)
-    yield ("_decode_raw", {"rest_ptr": "*u8", "out_ptr": ptr, "n": "i64", "raw_ptr": "*i64", "rest_start_ptr": "*i64"},
+    yield ("_decode_raw", {"rest_ptr": "*u8", "out_ptr": ptr, "n": "i64", "order_ptr": "*i64", "ncoded_ptr": "*i64",
+                           "rest_start_ptr": "*i64"},
            dict(BS=bs, ITEMSIZE=itemsize), gpu.block_warps(bs))
 
 

@@ -6,8 +6,8 @@ symbols into a byte buffer (a 10-bit lookup yields up to four symbols, stored
 with one 32-bit write; float16's three inline bits ride in the same bytes,
 above the symbol), then a branch-free pass joining exponents and rest bytes.
 Huffman decoding is serial within a block, so four blocks go in lock step to
-keep the core busy while one waits on a table lookup. Code tables come
-from reference/tables.py, which runs once per packet on the blocks' sampled histograms.
+keep the core busy while one waits on a table lookup. The codes are the fixed
+bank's (zipccl/bank.py); reference/plan.py picks each block's entry from its sampled histogram.
 
 Numba lessons measured here: index through per-block slices rather than
 ``offset + i`` (offset indexing kept loops from vectorizing: 10x slower); keep
@@ -38,6 +38,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ..bank import BANK_SIZE
 from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK, SAMPLE_STRIDE,
                       Header, num_blocks)
@@ -406,7 +407,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     nzero = np.zeros(nb, np.int64)
     cost = np.zeros(nb, np.int64)
     _analyse(bits, block_size, layout.mbits, ref, hist, nzero)
-    tables = choose(hist, layout)
+    tables = choose(hist, x.dtype)
     # Every block's stream first, into a buffer this thread reuses: the packet's size, and so
     # where section 3 starts, is known only once the blocks' exact sizes are.
     longest = MAXLEN + layout.ebits + layout.inline_bits
@@ -426,7 +427,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
         _rest(bits, block_size, layout.mbits, pl.table, pl.nzero, pl.rest_start, buf[p + pl.sizes[2]:])
     buf = buf[:pl.total_size]
     crc = zlib.crc32(memoryview(buf)[HEADER_SIZE:]) if checksum else 0
-    h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, len(pl.lengths), NSYM, MAXLEN,
+    h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, BANK_SIZE, NSYM, MAXLEN,
                pl.sizes, crc)
     buf[:HEADER_SIZE] = np.frombuffer(h.pack(), dtype=np.uint8)
     return torch.from_numpy(buf)

@@ -1,19 +1,14 @@
 """The GPU codec's per-block bookkeeping, computed with torch operations on the device.
 
-Encode (``plan``):
-reference/plan.py turns the blocks' histograms into code tables (reference/tables.py's
-clustering) and a layout (raw blocks, offsets, the block index). Run on the host, it cost the
-GPU encoder a read of 132 bytes per block and, on an H200's host, 12 ms of numba per 64 MiB of
-bf16: 20 times its two kernels (docs/GPU.md). Here every per-block step runs on the tensor's
-device with the same integer arithmetic and tie-breaking, so the bytes are the host plan's
-(tests/test_device_plan.py). The host sees only what it must: each clustering round's summed
-histograms (tables x 32 counts), from which it builds the Huffman code lengths, and the
-packet's two data section sizes, which size the packet.
+Encode (``plan``): reference/plan.py's choice of each block's bank entry (the one that codes
+its sample in the fewest bits) and its layout (raw blocks, offsets, the block index), with the
+same integer arithmetic and tie-breaking on the tensor's device, so the bytes are the host
+plan's (tests/test_device_plan.py). The host reads only the packet's two data section sizes,
+which size the packet: one read.
 
 Costs are products of counts (at most 32768) and bit widths (at most 31) summed over 32
 symbols, below 2^53: the float64 matrix products that compute them are exact. Ties between
-tables go to the lowest id and ties between blocks' peaks to the lowest block number, as in
-tables._choose, by making every compared key unique.
+entries go to the lowest id, by making every compared key unique.
 
 Decode (``read_index``): reference/packet.py's checks of the block index and its prefix sums,
 where the packet is; the host reads three numbers (the first invalid entry, the stream and rest
@@ -27,61 +22,48 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..format import (INDEX_ENTRY, MAXLEN, NSYM, OFFSET_BIAS, RAW_BLOCK, SYM_ZERO, TABLE_BYTES, FloatLayout,
-                      num_tables)
+from ..bank import BANK, BANK_SIZE
+from ..format import INDEX_ENTRY, LAYOUTS, RAW_BLOCK, SYM_ZERO, FloatLayout
 from ..reference import tables as T
-from ..reference.plan import _encoder_tables
+from ..reference.plan import _encoder_codes
 
-__all__ = ["DevicePlan", "plan", "read_index"]
+__all__ = ["DevicePlan", "bank", "plan", "read_index"]
+
+_BANKS: dict = {}  # (dtype, device) -> the bank's tensors there, uploaded once
+
+
+def bank(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bank of ``dtype`` on ``device``: (code lengths, canonical codes) as int32 and each symbol's
+    bits (code plus inline raw bits) as float64, all (BANK_SIZE, NSYM); uploaded once per device."""
+    key = (dtype, device)
+    if key not in _BANKS:
+        lengths = BANK[dtype]
+        _BANKS[key] = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (
+            lengths.astype(np.int32), _encoder_codes(dtype).astype(np.int32),
+            (lengths + T.extra_bits(LAYOUTS[dtype])).astype(np.float64)))
+    return _BANKS[key]
 
 
 @dataclass
 class DevicePlan:
-    lengths: np.ndarray        # (ntables, NSYM) code lengths
-    codes: np.ndarray          # (ntables, NSYM) canonical codes, LSB first
-    packed: np.ndarray         # section 0: the code lengths as nibbles
+    lengths: torch.Tensor      # (BANK_SIZE, NSYM) int32 code lengths, on the device
+    codes: torch.Tensor        # (BANK_SIZE, NSYM) int32 canonical codes, LSB first
     index: torch.Tensor        # section 1 (uint8, on the device)
-    blocks: torch.Tensor       # (nblocks, 4) int64 ref, table, word start, rest start: the encoder's
+    blocks: torch.Tensor       # (nblocks, 4) int64 ref, entry, word start, rest start: the encoder's
     sizes: tuple[int, int, int, int]
 
 
-def _clusters(sampled: torch.Tensor, ntables: int, extra: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """tables._choose on the device: (code lengths, each block's table)."""
-    nb, dev = sampled.shape[0], sampled.device
-    blocks = torch.arange(nb, device=dev)
-    peak = sampled[:, OFFSET_BIAS] * 65536 // sampled.sum(dim=1).clamp_min(1)
-    order = torch.argsort(peak * nb + blocks)  # unique keys: ties by block number
-    bounds = torch.tensor([g * nb // ntables for g in range(1, ntables)], dtype=torch.int64, device=dev)
-    assign = torch.empty(nb, dtype=torch.int64, device=dev)
-    assign[order] = torch.searchsorted(bounds, blocks, right=True)
-    counts = sampled.to(torch.float64)
-    ids = torch.arange(ntables, device=dev)
-    lengths = np.zeros((ntables, NSYM), np.int64)
-    for _ in range(T.CLUSTER_ROUNDS):
-        sums = torch.ones(ntables, NSYM, dtype=torch.int64, device=dev).index_add_(0, assign, sampled)
-        sums_h = sums.cpu().numpy()  # tables x 32 counts: the round's one read
-        lengths = np.stack([T._package_merge(row, MAXLEN) for row in sums_h])
-        bits = torch.from_numpy(lengths).to(dev) + extra
-        cost = (counts @ bits.T.to(torch.float64)).to(torch.int64)  # exact: see the module's docstring
-        assign = (cost * ntables + ids).min(dim=1).values % ntables  # unique keys: ties to the lowest id
-    return lengths, assign
-
-
 def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: int, block_size: int,
-         layout: FloatLayout) -> DevicePlan:
+         dtype: torch.dtype) -> DevicePlan:
     """reference/plan.py's choose and plan from the blocks' sampled and whole symbol histograms
     ((nblocks, NSYM) int64) and reference exponents (int64), all on one device."""
     nb, dev = ref.shape[0], ref.device
-    ntables = num_tables(nb)
-    extra = torch.from_numpy(T.extra_bits(layout).copy()).to(dev)
-    if nb:
-        lengths, assign = _clusters(sampled, ntables, extra)
-        codes, packed = _encoder_tables(lengths.tobytes())
-    else:
-        lengths = codes = np.zeros((0, NSYM), np.int64)
-        assign, packed = torch.zeros(0, dtype=torch.int64, device=dev), np.zeros(0, np.uint8)
-    bits = torch.from_numpy(lengths).to(dev) + extra
-    cost = (exact * bits[assign]).sum(dim=1)  # coded bits from the whole histogram
+    layout = LAYOUTS[dtype]
+    lengths, codes, bits = bank(dtype, dev)
+    ids = torch.arange(BANK_SIZE, device=dev)
+    sample_cost = (sampled.to(torch.float64) @ bits.T).to(torch.int64)  # exact: see the module's docstring
+    assign = (sample_cost * BANK_SIZE + ids).min(dim=1).values % BANK_SIZE  # unique keys: ties to the lowest id
+    cost = (exact.to(torch.float64) * bits[assign]).sum(dim=1).to(torch.int64)  # coded bits from the whole block
     nvalid = (numel - torch.arange(nb, device=dev) * block_size).clamp_max(block_size)
     nzero = exact[:, SYM_ZERO]
     nwords = (cost + 31) // 32
@@ -95,12 +77,11 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
     rest = torch.where(raw, nvalid * layout.itemsize, rest)
     word_start = torch.cumsum(nwords, 0) - nwords
     rest_start = torch.cumsum(rest, 0) - rest
-    words, rest_bytes = (int(v) for v in torch.stack([nwords.sum(), rest.sum()]).cpu())
+    words, rest_bytes = torch.stack([nwords.sum(), rest.sum()]).tolist()  # the packet's size: the one read
     entries = torch.stack([ref | (table << 8), nwords, nzero, zero], dim=1).to(torch.int16)  # u16 fields
     index = entries.view(torch.uint8).reshape(-1)  # little-endian, as the format's
     blocks = torch.stack([ref, table, word_start, rest_start], dim=1)
-    sizes = (ntables * TABLE_BYTES, nb * INDEX_ENTRY, words * 4, rest_bytes)
-    return DevicePlan(lengths, codes, packed, index, blocks, sizes)
+    return DevicePlan(lengths, codes, index, blocks, (0, nb * INDEX_ENTRY, words * 4, rest_bytes))
 
 
 def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout):
@@ -121,5 +102,5 @@ def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, nta
     word_start = torch.cat([zero, torch.cumsum(nwords, 0)])
     rest_start = torch.cat([zero, torch.cumsum(rest, 0)])
     first_bad = torch.where(ok, nb, blocks).min() if nb else zero[0] + nb
-    bad, words, rest_total = (int(v) for v in torch.stack([first_bad, word_start[-1], rest_start[-1]]).cpu())
+    bad, words, rest_total = torch.stack([first_bad, word_start[-1], rest_start[-1]]).tolist()  # one read
     return (ref, table, nwords, nzero, nvalid, word_start, rest_start), (-1 if bad == nb else bad), words, rest_total

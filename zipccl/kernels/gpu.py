@@ -4,21 +4,21 @@ GPU-only in production: on CPU tensors they run only under TRITON_INTERPRET=1
 (how the tests prove them here), and ``compile_for`` builds them for sm_80 /
 sm_90 without a GPU. docs/GPU.md explains the design; in short:
 
-encode, two passes over the input and a few small reads by the host:
+encode, two passes over the input and one read by the host:
   1. ``_analyse``: one program per block reads it once and writes the block's
      reference exponent and two 32-bin symbol histograms of 16-bit counts, of
      its sample and of all its elements (132 bytes per block).
-  2. kernels/device_plan.py clusters the blocks and lays the packet out with
-     torch operations on the device, as reference/plan.py does on the host;
-     the host reads each round's summed histograms (8 x 32 counts) to build
-     the code lengths, and the two data section sizes, which size the packet.
+  2. kernels/device_plan.py picks each block's entry of the fixed bank of codes
+     (zipccl/bank.py) and lays the packet out with torch operations on the
+     device, as reference/plan.py does on the host; the host reads the two data
+     section sizes, which size the packet.
   3. ``_encode``: one program per block reads it again and writes its codes and
      sign+mantissa bytes at the planned offsets. Bit positions come from an
      in-block prefix sum of code widths; the codes of each 32-bit word are
      joined by a segmented OR scan, and one element per word stores it, so
      there are no atomics and no zero-filling.
 
-decode: header and tables are validated on the host and the block index on
+decode: the header is validated on the host and the block index on
 the device (device_plan.read_index: the host reads three numbers) before
 launching; then two kernels, so that every scattered access is one a lane
 cannot avoid:
@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..bank import BANK, BANK_SIZE
 from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, OFFSET_BIAS,
                       RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
@@ -164,7 +165,7 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: t
 
 
 @triton.jit
-def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded, n, block_ptr, lut_ptr, err_ptr,
+def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded_ptr, n, block_ptr, lut_ptr, err_ptr,
                     BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, EBITS: tl.constexpr,
                     INLINE_BITS: tl.constexpr):
     """LANES coded blocks in lock step, one symbol each per iteration. Each element's code (a
@@ -176,12 +177,14 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded, n
     element is at most 20 bits): most iterations make one scattered load, the table's, where a
     fused decoder made four loads and a scattered store (docs/GPU.md).
 
-    block_ptr holds (ref, table, first word, end word, first rest byte, end rest byte, nzero) per block.
-    Every load is masked to its section, so a corrupt stream yields an error code, never a stray access."""
+    block_ptr holds (ref, table, first word, end word, first rest byte, end rest byte, nzero) per block;
+    coded_ptr the blocks, coded ones first, and ncoded_ptr how many are coded (on the device: the
+    host does not wait for it). Every load is masked to its section, so a corrupt stream yields an
+    error code, never a stray access."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
     lanes = tl.arange(0, LANES)
     lane = tl.program_id(0) * LANES + lanes
-    live = lane < ncoded
+    live = lane < tl.load(ncoded_ptr)
     b = tl.load(coded_ptr + lane, mask=live, other=0)
     row = block_ptr + 7 * b
     ref = tl.load(row, mask=live, other=0).to(tl.int32)
@@ -233,7 +236,7 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded, n
 
 
 @triton.jit
-def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded, block_ptr, err_ptr,
+def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded_ptr, block_ptr, err_ptr,
                  BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, MBITS: tl.constexpr,
                  EBITS: tl.constexpr, REST_BYTES: tl.constexpr, INLINE_BITS: tl.constexpr):
     """One chunk of CHUNK elements of each of one _decode_symbols program's blocks: the codes read
@@ -244,7 +247,7 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded, b
     c = tl.program_id(1)
     lanes = tl.arange(0, LANES)
     lane = g * LANES + lanes
-    live = lane < ncoded
+    live = lane < tl.load(ncoded_ptr)
     b = tl.load(coded_ptr + lane, mask=live, other=0)
     row = block_ptr + 7 * b
     before = tl.load(count_ptr + (g.to(tl.int64) * (BS // CHUNK) + c) * LANES + lanes, mask=live, other=0)
@@ -272,11 +275,13 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded, b
 
 
 @triton.jit
-def _decode_raw(rest_ptr, out_ptr, n, raw_ptr, rest_start_ptr, BS: tl.constexpr, ITEMSIZE: tl.constexpr):
-    """One raw block: its elements' bytes, little-endian."""
-    b = tl.load(raw_ptr + tl.program_id(0))
+def _decode_raw(rest_ptr, out_ptr, n, order_ptr, ncoded_ptr, rest_start_ptr, BS: tl.constexpr,
+                ITEMSIZE: tl.constexpr):
+    """One block of ``order`` (coded blocks first): if it is raw, its elements' bytes, little-endian."""
+    j = tl.program_id(0)
+    b = tl.load(order_ptr + j)
     i = tl.arange(0, BS)
-    valid = b * BS + i < n
+    valid = (b * BS + i < n) & (i * 0 + j >= tl.load(ncoded_ptr))  # raw blocks follow the coded ones
     r0 = tl.load(rest_start_ptr + b)
     v = tl.zeros([BS], dtype=tl.int64)
     for k in tl.static_range(ITEMSIZE):
@@ -288,6 +293,17 @@ def block_warps(block_size: int) -> int:
     """Warps of the per-block kernels: at most 8 elements per thread, 4 to 16 warps (a 4096-element
     block in 8 warps needed 247 registers in _encode; in 16, 107-128)."""
     return max(4, min(16, block_size // 256))
+
+
+_LUTS: dict = {}  # (dtype, device) -> the bank's decode lookups there, built and uploaded once
+
+
+def _luts(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(BANK_SIZE, 2**MAXLEN) int32 lookups of the bank's entries on ``device``."""
+    key = (dtype, device)
+    if key not in _LUTS:
+        _LUTS[key] = torch.from_numpy(T.decode_luts(BANK[dtype])).to(device)
+    return _LUTS[key]
 
 
 def _ints(x: torch.Tensor) -> torch.Tensor:
@@ -308,18 +324,16 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     if nb:
         _analyse[(nb,)](bits, n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=block_warps(block_size),
                         **_shape_args(layout))
-    # The plan on the device (kernels/device_plan.py): the host reads only tables x 32 summed
-    # counts per clustering round and the two data section sizes, which size the packet.
+    # The plan on the device (kernels/device_plan.py): the host reads only the two data section
+    # sizes, which size the packet.
     counts = hist.to(torch.int64) & 0xFFFF  # the 16-bit counts are unsigned
-    pl = device_plan.plan(counts[:, 0], counts[:, 1], ref.to(torch.int64), n, block_size, layout)
+    pl = device_plan.plan(counts[:, 0], counts[:, 1], ref.to(torch.int64), n, block_size, x.dtype)
     packet = torch.empty(HEADER_SIZE + sum(pl.sizes), dtype=torch.uint8, device=dev)
-    p = HEADER_SIZE + len(pl.packed)
-    packet[HEADER_SIZE:p] = torch.from_numpy(pl.packed.copy()).to(dev)  # packed is cached, read-only
+    p = HEADER_SIZE
     packet[p:p + pl.sizes[1]] = pl.index
     p += pl.sizes[1]
     if nb:
-        _encode[(nb,)](bits, n, pl.blocks, torch.from_numpy(pl.codes.astype(np.int32)).to(dev),
-                       torch.from_numpy(pl.lengths.astype(np.int32)).to(dev),
+        _encode[(nb,)](bits, n, pl.blocks, pl.codes, pl.lengths,
                        packet[p:p + pl.sizes[2]].view(torch.int32), packet[p + pl.sizes[2]:],
                        BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
                        INLINE_BITS=layout.inline_bits, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
@@ -327,7 +341,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     crc = 0
     if checksum:  # a host pass over the payload, as on every device
         crc = zlib.crc32(packet[HEADER_SIZE:].cpu().numpy().tobytes())
-    h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, len(pl.lengths), NSYM, MAXLEN,
+    h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, BANK_SIZE, NSYM, MAXLEN,
                pl.sizes, crc)
     packet[:HEADER_SIZE] = torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8).to(dev)
     return packet
@@ -342,36 +356,39 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         return out
     view = _ints(out)
     rest = packet[p.rest_offset:p.rest_offset + h.sections[3]]
+    # Coded blocks first, then raw ones, and the count of coded blocks, all on the device: the
+    # kernels launch for every block and mask by that count, so the host never waits for it.
     is_raw = p.table == RAW_BLOCK
-    raw, coded = torch.nonzero(is_raw).flatten(), torch.nonzero(~is_raw).flatten()
-    if len(raw):
-        _decode_raw[(len(raw),)](rest, view, n, raw, p.rest_start, BS=bs, ITEMSIZE=layout.itemsize,
-                                 num_warps=block_warps(bs))
-    if len(coded):
-        nwords = h.sections[2] // 4
-        stream = packet[p.stream_offset:p.rest_offset]
-        words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
-        blocks = torch.stack([p.ref, p.table, p.word_start[:-1], p.word_start[1:], p.rest_start[:-1],
-                              p.rest_start[1:], p.nzero], dim=1)
-        err = torch.zeros(len(coded), dtype=torch.int32, device=dev)
-        luts = torch.from_numpy(T.decode_luts(p.lengths)).to(dev)
-        # The codes between the two kernels take 2 bytes per element: at most DECODE_SCRATCH
-        # elements' worth at a time, so that a large packet does not need a second output's memory.
-        assert bs % JOIN_CHUNK == 0, (bs, JOIN_CHUNK)  # a join program's chunk lies in one block
-        span = LANES * max(1, DECODE_SCRATCH // (bs * LANES))  # coded blocks per pair of launches
-        symbols = torch.empty(min(span, triton.cdiv(len(coded), LANES) * LANES) * bs, dtype=torch.int16, device=dev)
-        counts = torch.empty(symbols.numel() // JOIN_CHUNK, dtype=torch.int32, device=dev)
-        for first in range(0, len(coded), span):
-            lanes, errs = coded[first:first + span], err[first:first + span]
-            programs = triton.cdiv(len(lanes), LANES)
-            _decode_symbols[(programs,)](
-                words, nwords, symbols, counts, lanes, len(lanes), n, blocks, luts, errs, BS=bs, LANES=LANES,
-                CHUNK=JOIN_CHUNK, EBITS=layout.ebits, INLINE_BITS=layout.inline_bits, num_warps=DECODE_WARPS)
-            _decode_join[(programs, bs // JOIN_CHUNK)](
-                symbols, counts, rest, view, n, lanes, len(lanes), blocks, errs, BS=bs, LANES=LANES,
-                CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
-                INLINE_BITS=layout.inline_bits, num_warps=JOIN_WARPS)
-        codes = int(np.bitwise_or.reduce(err.cpu().numpy()))  # the blocks' errors, read once at the end
-        if codes:
-            raise FormatError(_ERRORS[codes & -codes])
+    nb = is_raw.numel()
+    order = torch.sort(is_raw.to(torch.uint8), stable=True).indices
+    ncoded = nb - is_raw.sum(dtype=torch.int64).reshape(1)
+    _decode_raw[(nb,)](rest, view, n, order, ncoded, p.rest_start, BS=bs, ITEMSIZE=layout.itemsize,
+                       num_warps=block_warps(bs))
+    nwords = h.sections[2] // 4
+    stream = packet[p.stream_offset:p.rest_offset]
+    words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
+    blocks = torch.stack([p.ref, p.table, p.word_start[:-1], p.word_start[1:], p.rest_start[:-1],
+                          p.rest_start[1:], p.nzero], dim=1)
+    err = torch.zeros(nb, dtype=torch.int32, device=dev)
+    luts = _luts(h.dtype, dev)
+    # The codes between the two kernels take 2 bytes per element: at most DECODE_SCRATCH
+    # elements' worth at a time, so that a large packet does not need a second output's memory.
+    assert bs % JOIN_CHUNK == 0, (bs, JOIN_CHUNK)  # a join program's chunk lies in one block
+    span = LANES * max(1, DECODE_SCRATCH // (bs * LANES))  # coded blocks per pair of launches
+    symbols = torch.empty(min(span, triton.cdiv(nb, LANES) * LANES) * bs, dtype=torch.int16, device=dev)
+    counts = torch.empty(symbols.numel() // JOIN_CHUNK, dtype=torch.int32, device=dev)
+    for first in range(0, nb, span):
+        lanes, errs = order[first:first + span], err[first:first + span]
+        live = (ncoded - first).clamp(0, span)  # coded blocks among these lanes
+        programs = triton.cdiv(len(lanes), LANES)
+        _decode_symbols[(programs,)](
+            words, nwords, symbols, counts, lanes, live, n, blocks, luts, errs, BS=bs, LANES=LANES,
+            CHUNK=JOIN_CHUNK, EBITS=layout.ebits, INLINE_BITS=layout.inline_bits, num_warps=DECODE_WARPS)
+        _decode_join[(programs, bs // JOIN_CHUNK)](
+            symbols, counts, rest, view, n, lanes, live, blocks, errs, BS=bs, LANES=LANES,
+            CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
+            INLINE_BITS=layout.inline_bits, num_warps=JOIN_WARPS)
+    codes = int(np.bitwise_or.reduce(err.cpu().numpy()))  # the blocks' errors, read once at the end
+    if codes:
+        raise FormatError(_ERRORS[codes & -codes])
     return out

@@ -1,7 +1,8 @@
 """The lossless codec in plain torch: the specification, slow and obvious.
 
-Every step is a whole-tensor torch operation, so it runs on any device; only
-the code tables (reference/tables.py) are built on the host. Fast kernels
+Every step is a whole-tensor torch operation, so it runs on any device. The
+codes are the fixed bank's (zipccl/bank.py): each block takes the entry that
+codes its sample (every SAMPLE_STRIDE-th element) in the fewest bits. Fast kernels
 (kernels/cpu.py, kernels/gpu.py) must produce the same bytes.
 """
 
@@ -12,7 +13,8 @@ import torch
 
 from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, LAYOUTS, MAX_OFFSET, MAXLEN, MIN_OFFSET, SAMPLE_STRIDE,
-                      OFFSET_BIAS, RAW_BLOCK, SYM_ESC, SYM_ZERO, Header, num_blocks, num_tables)
+                      OFFSET_BIAS, RAW_BLOCK, SYM_ESC, SYM_ZERO, Header, num_blocks)
+from ..bank import BANK, BANK_SIZE
 from . import tables as T
 from .packet import LosslessPacket, assemble, parse_lossless
 
@@ -69,15 +71,17 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     if n == 0:
         empty = torch.zeros(0, dtype=torch.uint8, device=dev)
         flags = FLAG_CRC if checksum else 0
-        return assemble(Header(CODEC_LOSSLESS, x.dtype, 0, flags, block_size, 0, T.NSYM, MAXLEN), [empty] * 4)
+        return assemble(Header(CODEC_LOSSLESS, x.dtype, 0, flags, block_size, BANK_SIZE, T.NSYM, MAXLEN),
+                        [empty] * 4)
     ref, sym, exp, zero, valid, bits2 = block_symbols(bits, layout, block_size)
     hist = torch.zeros(nb, T.NSYM, dtype=torch.int64, device=dev)
     hist.scatter_add_(1, sym, valid.to(torch.int64))
     sampled = torch.zeros_like(hist)
     sampled.scatter_add_(1, sym, (valid & sample_mask(block_size, dev)).to(torch.int64))
-    K = num_tables(nb)
-    lengths, assign, _ = T.choose_tables(sampled.cpu().numpy(), K, layout)  # tables from the sample,
-    cost = (hist.cpu().numpy() * (lengths + T.extra_bits(layout))[assign]).sum(axis=1)  # sizes from all
+    lengths = BANK[x.dtype]
+    per_symbol = lengths + T.extra_bits(layout)  # bits of each symbol under each entry
+    assign = (sampled[:, None, :] * torch.from_numpy(per_symbol).to(dev)).sum(dim=2).argmin(dim=1).cpu().numpy()
+    cost = (hist.cpu().numpy() * per_symbol[assign]).sum(axis=1)  # entries from the sample, sizes from all
     nvalid = valid.sum(dim=1).cpu().numpy()
     nzero = (zero & valid).sum(dim=1).cpu().numpy()
     coded_bytes = 4 * (-(-cost // 32)) + (nvalid - nzero) * layout.rest_bytes
@@ -89,7 +93,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
 
     # Exponent streams: each symbol's code, then its inline raw bits, LSB first.
     codes = torch.from_numpy(np.stack([T.canonical_codes(l) for l in lengths])).to(dev)
-    lens = torch.from_numpy(lengths).to(dev)
+    lens = torch.from_numpy(lengths.copy()).to(dev)
     tab = torch.from_numpy(assign).to(dev)[:, None]
     coded = torch.from_numpy(~raw).to(dev)[:, None] & valid
     value = codes[tab, sym]
@@ -124,9 +128,9 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     index[:, 0] = refs | (np.where(raw, RAW_BLOCK, assign) << 8)
     index[:, 1] = nwords
     index[:, 2] = np.where(raw, 0, nzero)
-    sections = [torch.from_numpy(T.pack_tables(lengths)).to(dev),
+    sections = [torch.zeros(0, dtype=torch.uint8, device=dev),
                 torch.from_numpy(index.view(np.uint8).reshape(-1).copy()).to(dev), stream, section3]
-    header = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, K, T.NSYM, MAXLEN)
+    header = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, BANK_SIZE, T.NSYM, MAXLEN)
     return assemble(header, sections)
 
 

@@ -1,10 +1,11 @@
 """Assembling packets and validating lossless packets: shared by every implementation.
 
-Validation runs over the header, the code tables and the block index (a few
-bytes per 4096 elements) before any payload is touched, so a decoder that
-passes it can trust every offset it computes. The header and tables are read
-on the host; the index there too, or, for the GPU decoder, where the packet is
-(kernels/device_plan.py's read_index, the same checks with torch operations).
+Validation runs over the header and the block index (a few bytes per 4096
+elements) before any payload is touched, so a decoder that passes it can trust
+every offset it computes. The header is read on the host; the index there too,
+or, for the GPU decoder, where the packet is (kernels/device_plan.py's
+read_index, the same checks with torch operations). The code tables are the
+fixed bank's (zipccl/bank.py), which each block's index entry names.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 from numba import njit
 
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_BLOCK_SIZE, MAX_TABLES,
-                      MAXLEN, MIN_BLOCK_SIZE, NSYM, RAW_BLOCK, TABLE_BYTES, FloatLayout, Header,
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_BLOCK_SIZE, MAXLEN,
+                      MIN_BLOCK_SIZE, NSYM, RAW_BLOCK, FloatLayout, Header,
                       check_payload_crc, num_blocks, parse_header)
-from .tables import unpack_tables
+from ..bank import BANK, BANK_SIZE
 
 
 def assemble(header: Header, sections: list[torch.Tensor]) -> torch.Tensor:
@@ -53,7 +54,7 @@ class LosslessPacket:
     arrays, or int64 tensors on the packet's device where the index was read there."""
     header: Header
     layout: FloatLayout
-    lengths: np.ndarray     # (ntables, NSYM) code lengths
+    lengths: np.ndarray     # (BANK_SIZE, NSYM) code lengths: the bank's for the dtype
     ref: np.ndarray         # (nblocks,) reference exponent
     table: np.ndarray       # (nblocks,) table id, RAW_BLOCK for raw blocks
     nwords: np.ndarray      # (nblocks,) 32-bit words of exponent stream
@@ -88,16 +89,14 @@ def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None 
     if h.nsym != NSYM or h.maxlen != MAXLEN:
         raise FormatError(f"tables of {h.nsym} symbols / {h.maxlen} bits; this version reads {NSYM} / {MAXLEN}")
     nb = num_blocks(n, bs)
-    if not (nb == 0 and h.ntables == 0) and not (nb > 0 and 1 <= h.ntables <= MAX_TABLES):
-        raise FormatError(f"{h.ntables} code tables for {nb} blocks")
+    if h.ntables != BANK_SIZE:
+        raise FormatError(f"a bank of {h.ntables} codes; this version's bank has {BANK_SIZE}")
     s0, s1, s2, s3 = h.sections
-    if s0 != h.ntables * TABLE_BYTES or s1 != nb * INDEX_ENTRY or s2 % 4:
+    if s0 or s1 != nb * INDEX_ENTRY or s2 % 4:
         raise FormatError("section sizes do not match the header's counts")
     if n > 8 * s2 + s3:  # every element takes a bit of a stream (a code) or a byte of section 3 (raw)
         raise FormatError(f"{n} elements cannot fit in {s2} stream bytes and {s3} rest bytes")
     pos = HEADER_SIZE
-    lengths = unpack_tables(host_bytes(packet, pos, pos + s0), h.ntables) if nb else np.zeros((0, NSYM), np.int64)
-    pos += s0
     fields, bad, words, rest = index_reader(packet, pos, pos + s1, n, bs, h.ntables, layout)
     pos += s1
     if bad >= 0:
@@ -107,13 +106,13 @@ def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None 
         raise FormatError("block index does not add up to the section sizes")
     if h.flags & FLAG_CRC:
         check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
-    return LosslessPacket(h, layout, lengths, ref[:nb], table[:nb], nwords[:nb], nzero[:nb], nvalid[:nb],
+    return LosslessPacket(h, layout, BANK[h.dtype], ref[:nb], table[:nb], nwords[:nb], nzero[:nb], nvalid[:nb],
                           word_start, rest_start, pos, pos + s2)
 
 
 @njit(cache=True)
 def _read_index(entries, n, bs, ntables, emax, itemsize, rest_bytes):
-    """The block index (section 1, INDEX_ENTRY bytes per block: u16 ref | table << 8, u16 nwords,
+    """The block index (section 1, INDEX_ENTRY bytes per block: u16 ref | bank entry << 8, u16 nwords,
     u16 nzero, u16 0) as rows ref, table, nwords, nzero, nvalid, word_start, rest_start (the
     last two are prefix sums, one longer than the block count), and the first invalid entry's
     number (-1 if none). Compiled: a packet of a few hundred blocks took 50 us in numpy."""

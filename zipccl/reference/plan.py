@@ -2,10 +2,11 @@
 
 An encoder's first pass yields, per block, the reference exponent and the symbol
 histogram of a sample (every SAMPLE_STRIDE-th element), and the count of +0.0
-elements. ``choose`` builds the code tables from the samples and picks each
-block's table; ``plan`` then decides which blocks stay raw and computes every
-block's offset in the exponent streams and the sign+mantissa section from the
-blocks' exact coded sizes, which an encoder gets from the whole histogram
+elements. ``choose`` picks each block's code from the fixed bank (zipccl/bank.py):
+the entry that codes its sample in the fewest bits; ``plan`` then decides which
+blocks stay raw and computes every block's offset in the exponent streams and the
+sign+mantissa section from the blocks' exact coded sizes, which an encoder gets from
+the whole histogram
 (``Tables.cost``: the Triton encoder, whose second pass writes each block
 independently) or from packing the blocks (the numba encoder). The reference
 encoder (reference/lossless.py) spells the same rules out with whole-tensor
@@ -20,17 +21,17 @@ from functools import lru_cache
 import numpy as np
 from numba import njit
 
-from ..format import HEADER_SIZE, INDEX_ENTRY, NSYM, RAW_BLOCK, TABLE_BYTES, FloatLayout, num_tables
+from ..bank import BANK
+from ..format import HEADER_SIZE, INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, FloatLayout
 from . import tables as T
 
 
 @dataclass
 class Tables:
-    """A packet's code tables and each block's choice among them."""
-    lengths: np.ndarray     # (ntables, NSYM) code lengths
-    codes: np.ndarray       # (ntables, NSYM) canonical codes, LSB first
-    packed: np.ndarray      # section 0: the code lengths as nibbles
-    assign: np.ndarray      # (nblocks,) table id per block
+    """The bank's codes and each block's choice among them."""
+    lengths: np.ndarray     # (BANK_SIZE, NSYM) code lengths
+    codes: np.ndarray       # (BANK_SIZE, NSYM) canonical codes, LSB first
+    assign: np.ndarray      # (nblocks,) bank entry per block
 
     def cost(self, hist: np.ndarray, layout: FloatLayout) -> np.ndarray:
         """Coded bits of each block, from its whole (not sampled) symbol histogram."""
@@ -39,24 +40,20 @@ class Tables:
         return (hist * (self.lengths + T.extra_bits(layout))[self.assign]).sum(axis=1)
 
 
-def choose(sampled: np.ndarray, layout: FloatLayout) -> Tables:
-    """Code tables and each block's table from the blocks' sampled symbol histograms."""
-    nb = len(sampled)
-    if not nb:
-        empty = np.zeros((0, NSYM), np.int64)
-        return Tables(empty, empty, np.zeros(0, np.uint8), np.zeros(0, np.int64))
-    lengths, assign, _ = T.choose_tables(sampled, num_tables(nb), layout)
-    codes, packed = _encoder_tables(lengths.tobytes())
-    return Tables(lengths, codes, packed, assign)
+def choose(sampled: np.ndarray, dtype) -> Tables:
+    """Each block's bank entry from its sampled symbol histogram: the entry that codes the sample
+    in the fewest bits (code plus inline raw bits), ties to the lowest entry."""
+    lengths = BANK[dtype]
+    cost = np.asarray(sampled, np.int64).reshape(-1, NSYM) @ (lengths + T.extra_bits(LAYOUTS[dtype])).T
+    return Tables(lengths, _encoder_codes(dtype), cost.argmin(axis=1))
 
 
 @dataclass
 class Plan:
-    lengths: np.ndarray     # (ntables, NSYM) code lengths
-    codes: np.ndarray       # (ntables, NSYM) canonical codes, LSB first
-    packed: np.ndarray      # section 0: the code lengths as nibbles
+    lengths: np.ndarray     # (BANK_SIZE, NSYM) code lengths
+    codes: np.ndarray       # (BANK_SIZE, NSYM) canonical codes, LSB first
     ref: np.ndarray         # (nblocks,) reference exponent (0 for raw blocks)
-    table: np.ndarray       # (nblocks,) table id, RAW_BLOCK for raw blocks
+    table: np.ndarray       # (nblocks,) bank entry, RAW_BLOCK for raw blocks
     nwords: np.ndarray      # (nblocks,) 32-bit words of exponent stream
     nzero: np.ndarray       # (nblocks,) +0.0 elements (0 for raw blocks)
     word_start: np.ndarray  # (nblocks + 1,) prefix sum of nwords
@@ -68,8 +65,8 @@ class Plan:
         return HEADER_SIZE + sum(self.sizes)
 
     def front(self) -> np.ndarray:
-        """Sections 0 and 1 (code tables and block index) as bytes."""
-        return np.concatenate([self.packed, _index_bytes(self.ref, self.table, self.nwords, self.nzero)])
+        """Sections 0 (empty) and 1 (the block index) as bytes."""
+        return _index_bytes(self.ref, self.table, self.nwords, self.nzero)
 
 
 def plan(tables: Tables, ref: np.ndarray, cost: np.ndarray, nzero: np.ndarray, numel: int, block_size: int,
@@ -79,20 +76,17 @@ def plan(tables: Tables, ref: np.ndarray, cost: np.ndarray, nzero: np.ndarray, n
     f = _layout(np.asarray(ref, np.int64), np.asarray(nzero, np.int64), np.asarray(cost, np.int64), tables.assign,
                 numel, block_size, layout.itemsize, layout.rest_bytes)
     word_start, rest_start = f[4], f[5]
-    sizes = (len(tables.lengths) * TABLE_BYTES, nb * INDEX_ENTRY, int(word_start[-1]) * 4, int(rest_start[-1]))
-    return Plan(tables.lengths, tables.codes, tables.packed, f[0, :nb], f[1, :nb], f[2, :nb], f[3, :nb], word_start,
+    sizes = (0, nb * INDEX_ENTRY, int(word_start[-1]) * 4, int(rest_start[-1]))
+    return Plan(tables.lengths, tables.codes, f[0, :nb], f[1, :nb], f[2, :nb], f[3, :nb], word_start,
                 rest_start, sizes)
 
 
-@lru_cache(maxsize=256)
-def _encoder_tables(key: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """Every table's canonical codes and section 0, keyed by the int64 lengths' bytes (read-only:
-    packets of one tensor repeat their tables)."""
-    lengths = np.frombuffer(key, dtype=np.int64).reshape(-1, NSYM)
-    codes = np.stack([T.canonical_codes(row) for row in lengths]).astype(np.int64)
-    packed = T.pack_tables(lengths)
-    codes.flags.writeable = packed.flags.writeable = False
-    return codes, packed
+@lru_cache(maxsize=None)
+def _encoder_codes(dtype) -> np.ndarray:
+    """The bank's canonical codes for ``dtype`` (read-only), built once."""
+    codes = np.stack([T.canonical_codes(row) for row in BANK[dtype]]).astype(np.int64)
+    codes.flags.writeable = False
+    return codes
 
 
 @njit(cache=True)

@@ -1,0 +1,130 @@
+"""The fixed bank of exponent codes of format version 2 (docs/FORMAT.md, "Fixed bank of codes").
+
+Per float layout, BANK_SIZE code-length rows over the format's NSYM symbols (12-bit limited
+Huffman codes that code every symbol), derived from a Gaussian model of block exponents by
+bench/bank_design.py (2026-11-26, ``--sizes 32 --block 4096``; the record is
+docs/bench/2026-11-26-bank/block4096.json, which tests/test_bank.py checks this module against).
+Each block of a packet names its entry in the block index, so no packet carries tables and every
+decoder builds its lookup per entry once. Changing a row changes the format: a new version.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+BANK_SIZE = 32
+
+_ROWS = {
+    torch.bfloat16: (
+        "6acccccccccccccccca9886554322346",
+        "19ccccccccccccccccbba88755433457",
+        "34ccccccccccccccccbba97654333334",
+        "14ccccccccccccccccaa988655444445",
+        "67ccccccccccccccccaa977654332245",
+        "3ccccccccccccccccbba998654432249",
+        "73ccccccccccccccccaa977544333334",
+        "54ccccccccccccccbaa9765543333344",
+        "35ccccccccccccccccaa976543333345",
+        "cacccccccccccccccbb9887544322347",
+        "3cccccccccccccccccba98875432237c",
+        "ccccccccccccccccccbaa8865532225a",
+        "33ccccccccccccccccaa988654433334",
+        "c5cccccccccccccccbba976554332334",
+        "6cccccccccccccccccca98866532225b",
+        "1ccccccccccccccccccca9886643336c",
+        "15ccccccccccccccccaa976554444455",
+        "ccccccccccccccccccba988754332237",
+        "6cccccccccccccccccba97764332237c",
+        "c6cccccccccccccbaa98866543332345",
+        "65ccccccccccccccccaa976654332334",
+        "1accccccccccccccccccb98875443347",
+        "c4cccccccccccccbaa98865443333344",
+        "39ccccccccccccccccaa886644332346",
+        "1ccccccccccccccccccca9865443348c",
+        "c8cccccccccccccccccba98655332235",
+        "53ccccccccccccccbaa9886554433333",
+        "6ccccccccccccccccccba97764332237",
+        "66ccccccccccccccccaa976543332345",
+        "16ccccccccccccccccbba97665443445",
+        "38ccccccccccccccccbba98655332335",
+        "c4cccccccccccccccbba988654333234",
+    ),
+    torch.float16: (
+        "1ccccccccccccccccccca9986544249c",
+        "4ccccccccccccccccbba886644322369",
+        "26bbbbbbbbbbbbbbbbbbbbaaaaaa1345",
+        "42999999999999999999998888882333",
+        "19ccccccccccccccccbba88755443357",
+        "65ccccccccccccccbaa9766543333334",
+        "16bbbbbbbbbbbbbbbbbbbbaaaaaa2345",
+        "13aaaaaaaaaaaaaaaaaaaa9999993534",
+        "65bbbbbbbbbbbbbbbbbbbbaaaaaa1234",
+        "69ccccccccccccccccaa886554332246",
+        "35aaaaaaaaaaaaaaaaaaaa9999992224",
+        "73ccccccccccccccccaa977544333334",
+        "4bbbbbbbbbbbbbbbbbbaaaaaaa222356",
+        "39ccccccccccccccccbba88754432247",
+        "35ccccccccccccccccaa976554333334",
+        "33ccccccccccccccccbba97654433334",
+        "67ccccccccccccccbbbbbbbbb3322345",
+        "51aaaaaaaaaaaaaaaaaaaa9999993433",
+        "37ccccccccccccccbbbbbbbbb3422356",
+        "15ccccccccccccccccbba97654444445",
+        "54aaaaaaaaaaaaaaaaaaaa9999992223",
+        "86ccccccccccccccccbba98664432234",
+        "67ccccccccccccccccbbbbbbbb232245",
+        "36bbbbbbbbbbbbbbbbaaaaaaaa332245",
+        "53ccccccccccccccccbba98863433333",
+        "35aaaaaaaaaaaaaaaaaaaa9999991334",
+        "ccccccccccccccccccba886643322369",
+        "17ccccccccccccccccbbbbbbbb343356",
+        "53aaaaaaaaaaaaaaaaaaaa9999991334",
+        "36bbbbbbbbbbbbaaaaaaaaaa44332345",
+        "65bbbbbbbbbbaaaaaaaaaaa443333334",
+        "67ccccccccccccbbbbbbbbbb44322345",
+    ),
+    torch.float32: (
+        "69ccccccccccccccccaa886554322346",
+        "1ccccccccccccccccccba88664433469",
+        "54ccccccccccccccbaa9765544333334",
+        "69ccccccccccccccccbba88655332236",
+        "3ccccccccccccccccbba998654432249",
+        "16ccccccccccccccccbba97665443445",
+        "c4cccccccccccccccbba976543333334",
+        "35ccccccccccccccccaa976554333334",
+        "33ccccccccccccccccbba97654433334",
+        "cccccccccccccccccba988754332237c",
+        "c3cccccccccccccccbba976544333334",
+        "3cccccccccccccccccba98875432237c",
+        "76ccccccccccccccbaa9776543332345",
+        "53ccccccccccccccccaa976554333334",
+        "ccccccccccccccccccbaa8865532225a",
+        "36ccccccccccccccbaa9766543333345",
+        "1ccccccccccccccccccca9886643336c",
+        "6cccccccccccccccccca98866532225b",
+        "c5cccccccccccbbaa988655443333344",
+        "ccccccccccccccccccba988754332237",
+        "65ccccccccccccbb9988665443333344",
+        "39ccccccccccccccccaa886644332346",
+        "1accccccccccccccccccb98875443347",
+        "65ccccccccccccccccaa976654332334",
+        "c4cccccccccccccccbba988654332334",
+        "c8cccccccccccccccccba98655332235",
+        "c9cccccccccccccccbba886644322346",
+        "14ccccccccccccccccbba97655444445",
+        "15ccccccccccccccccaa976554444455",
+        "5cccccccccccccccccba97755332237c",
+        "38ccccccccccccccccbba98655332335",
+        "17ccccccccccccccbbba977654443456",
+    ),
+}
+
+
+def _table(dtype: torch.dtype) -> np.ndarray:
+    rows = np.array([[int(c, 16) for c in row] for row in _ROWS[dtype]], dtype=np.int64)
+    rows.flags.writeable = False
+    return rows
+
+
+BANK = {dtype: _table(dtype) for dtype in _ROWS}  # dtype -> (BANK_SIZE, NSYM) int64 code lengths, read-only
