@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make bench` (the main job) and `make test`.
 PYTHON ?= python3
+PYTEST_ARGS ?=
 STAMP := .setup.stamp
 
 .PHONY: setup bench codec-bench test clean
@@ -23,7 +24,7 @@ codec-bench: setup
 	$(PYTHON) -m zipccl.bench.codec
 
 test: setup
-	$(PYTHON) -m pytest -q -rs
+	$(PYTHON) -m pytest -q -rs $(PYTEST_ARGS)
 
 clean:
 	rm -f $(STAMP)
