@@ -1,7 +1,8 @@
 """Is codec="auto" ever slower than the plain collective, or than the best fixed plan?
 
     python bench/never_a_loss.py --lab loopback|4|2x2 [--collective all_reduce] [--sizes 64K,1M,16M,256M]
-                                 [--rounds 5] [--json FILE] [--plot FILE.png]     # labs other than loopback: root
+                                 [--rounds 5] [--min-seconds 4] [--json FILE] [--plot FILE.png]
+                                 # labs other than loopback: root
 
 Four ranks: on unshaped loopback (one node), in the 1 Gbit/s lab with one rank per node
 (``4``), or two nodes of two ranks (``2x2``). For each size (real bf16 gradients, tiled), the
@@ -11,8 +12,8 @@ the plain ``torch.distributed`` collective, zipccl with ``codec="auto"``, and ev
 chooses from, fixed (flat raw and lossless; where there are two levels, hierarchical with
 the node's shared memory inside and native, raw or lossless between nodes). A sample's time
 is the slowest rank's, averaged over enough calls to last about 50 ms; small sizes get more
-rounds (about 4 s of them, at most 30). The table gives medians and auto's ratio to the plain
-collective and to the best fixed plan.
+rounds (about ``--min-seconds`` of them, 4 s by default, at most 30). The table gives medians
+and auto's ratio to the plain collective and to the best fixed plan.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def sweep(args, data: torch.Tensor) -> list[dict]:
             run(out, src)
         times = {name: [] for name in runs}
         names = list(runs)
-        # small calls are cheap and noisy (4 ranks share 2 cores): more rounds, about 4 s of them
-        rounds = max(args.rounds, min(30, int(4.0 / (len(names) * reps * max(one, 1e-4)))))
+        # small calls are cheap and noisy (4 ranks share 2 cores): more rounds, about min_seconds of them
+        rounds = max(args.rounds, min(30, int(args.min_seconds / (len(names) * reps * max(one, 1e-4)))))
         for k in range(rounds):
             for name in names[k % len(names):] + names[:k % len(names)]:
                 times[name].append(slowest(_time(runs[name], out, src, reps)))
@@ -164,6 +165,8 @@ def main() -> int:
     ap.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M,256M",
                     type=lambda s: [parse_size(x) for x in s.split(",")], help="bytes per rank's input")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--min-seconds", dest="min_seconds", type=float, default=4.0,
+                    help="small sizes: more rounds, about this long (0: --rounds only)")
     ap.add_argument("--data", default=DEFAULT_DATA)
     ap.add_argument("--json")
     ap.add_argument("--plot")
@@ -176,7 +179,7 @@ def main() -> int:
         ap.error(f"no data file {args.data}")
     argv = [sys.executable, os.path.abspath(__file__), "--rank", "--lab", args.lab, "--collective", args.collective,
             "--sizes", ",".join(str(s) for s in args.sizes), "--rounds", str(args.rounds),
-            "--data", os.path.abspath(args.data)]
+            "--min-seconds", str(args.min_seconds), "--data", os.path.abspath(args.data)]
     argv += ["--json", os.path.abspath(args.json)] if args.json else []
     argv += ["--plot", os.path.abspath(args.plot)] if args.plot else []
     timeout = 600 + 60 * len(args.sizes) * args.rounds

@@ -198,11 +198,12 @@ def test_never_a_loss_smoke(tmp_path):
     out = tmp_path / "n.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "never_a_loss.py"), "--lab", "loopback", "--sizes",
-                          "64K,2M", "--rounds", "1", "--json", str(out)], capture_output=True, text=True, env=env,
-                         timeout=280)
+                          "64K,2M", "--rounds", "1", "--min-seconds", "0", "--json", str(out)],
+                         capture_output=True, text=True, env=env, timeout=280)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["size"] for r in rows] == [65536, 2 << 20]
+    assert [r["rounds"] for r in rows] == [1, 1]  # --min-seconds 0: the rounds asked for, no more
     assert set(rows[1]["medians_s"]) == {"torch", "auto", "flat/raw", "flat/lossless"}
     assert rows[0]["auto_plan"] == "native" and all(r["auto_vs_torch"] > 0 for r in rows)
 
