@@ -168,7 +168,7 @@ for codec in ("native", "raw", "lossless"):  # zipccl's front door on CUDA tenso
     zipccl.all_reduce(y, codec=codec)
     assert torch.equal(y.cpu().view(torch.int16), x.view(torch.int16)), codec
 y = x.cuda()
-dist.all_reduce(y)  # the drop-in: CUDA passes to torch's NCCL
+dist.all_reduce(y)  # the drop-in: CUDA through zipccl's planner, on its NCCL communicator for the group
 ag = torch.empty_like(y)
 dist.all_gather_into_tensor(ag, y)
 rs = torch.empty_like(y)
@@ -197,8 +197,8 @@ print("one-GPU drop-in and FSDP2: OK")
 
 def test_dropin_backend_and_fsdp2_on_one_gpu(tmp_path):
     """One rank on one GPU, in a fresh process: zipccl's collectives on CUDA tensors (native, raw,
-    lossless), the drop-in backend's CUDA pass-through to NCCL, and FSDP2 with zipccl's comms,
-    whose gradients equal an unsharded copy's."""
+    lossless), the drop-in backend's CUDA calls (through zipccl's planner and NCCL transport), and
+    FSDP2 with zipccl's comms, whose gradients equal an unsharded copy's."""
     import subprocess
     import sys
     env = dict(os.environ, TRITON_INTERPRET="0", ZIPCCL_TRANSPORT="nccl")
