@@ -85,8 +85,7 @@ def routed(monkeypatch):
     def setup(backend_name, setting, extra, nccl_fails=False):
         monkeypatch.setattr(dist, "get_backend", lambda group=None: backend_name)
         monkeypatch.setattr(config, "TRANSPORT", setting)
-        stack = types.SimpleNamespace(extra="cuda12" if extra else None)
-        monkeypatch.setattr(select.nccl_stack, "detect", lambda: stack)
+        monkeypatch.setattr(select.nccl_stack, "extra_installed", lambda: extra)
         monkeypatch.setattr(select, "_refused", {})
 
         def nccl_of(group=None):

@@ -87,7 +87,7 @@ class Options:
 def takes_device(device: str, setting: str | None = None, extra: bool | None = None) -> bool:
     """Whether the drop-in hands the compressible calls of tensors on ``device`` (a device type)
     to zipccl's planner: CPU tensors always; CUDA tensors over zipccl's NCCL transport where the
-    GPU extra is installed (``extra``, None: nccl_stack.detect()) or ZIPCCL_TRANSPORT (``setting``,
+    GPU extra is installed (``extra``, None: nccl_stack.extra_installed()) or ZIPCCL_TRANSPORT (``setting``,
     None: config.TRANSPORT) is "nccl" (then a missing extra raises, naming it). Otherwise, with
     "auto" and no extra, or with "torch", torch's NCCL backend underneath carries them as they
     are, uncompressed: changing one word must not break a job on a machine without the extra
@@ -100,7 +100,7 @@ def takes_device(device: str, setting: str | None = None, extra: bool | None = N
     if setting == "nccl":
         return True
     if extra is None:
-        extra = nccl_stack.detect().extra is not None
+        extra = nccl_stack.extra_installed()
     if not extra:
         _warn_uncompressed()
     return extra

@@ -9,6 +9,7 @@ ncclAvg) with a clear error.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -70,6 +71,13 @@ def detect() -> Stack:
         return Stack(None, versions, "the GPU extra is not installed: pip install 'zipccl[cuda12]' (or [cuda13], "
                                      "matching your torch's CUDA)")
     return Stack(full[0], versions, None)
+
+
+@functools.cache
+def extra_installed() -> bool:
+    """Whether a GPU extra is installed, read once per process: the routing of every CUDA call
+    asks, and distribution metadata takes milliseconds to read."""
+    return detect().extra is not None
 
 
 def version_text(code: int) -> str:

@@ -65,7 +65,7 @@ def transport_for(group, device) -> Transport:
     if device is None or device.type != "cuda":
         return TorchTransport.of(group)
     backend = dist.get_backend(group)
-    if choose(device.type, backend, config.TRANSPORT, nccl_stack.detect().extra is not None) == "torch":
+    if choose(device.type, backend, config.TRANSPORT, nccl_stack.extra_installed()) == "torch":
         return TorchTransport.of(group)
     if config.TRANSPORT == "nccl" or backend != "nccl":
         return NcclTransport.of(group)
