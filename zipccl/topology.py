@@ -36,6 +36,7 @@ from . import config
 from .errors import MismatchError, UnsupportedError
 from .torch_compat import all_gather_single
 from .transport.shm import NodeMemory
+from .transport.torch_dist import wire_device
 
 __all__ = ["Topology", "Levels", "topology", "levels", "known", "parse", "claim", "from_claims", "nvml_link",
            "link_between", "forget", "LINKS", "agreed_link", "shares_memory"]
@@ -240,8 +241,7 @@ def topology(group=None) -> Topology:
     source, node, local, local_size = claim()
     mine = torch.tensor([*override, _SOURCES.index(source), node, local, local_size, LINKS.index(nvml_link())],
                         dtype=torch.int64)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
+    device = wire_device(dist.get_backend(group))
     size = dist.get_world_size(group)
     rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
     all_gather_single(rows, mine.to(device), group=group)
