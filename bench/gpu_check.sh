@@ -2,11 +2,12 @@
 # The GPU checks in one run, on one GPU machine (docs/GPU.md): the stack's versions, the gpu
 # test suite (its multi-rank tests on the one-GPU lab), the one-GPU NCCL lab's tables (zipccl-perf
 # --device cuda --share-gpu, 4 ranks on loopback: NCCL's own collective, raw, lossless and auto),
-# the codec's GPU throughput and where its time goes. Every file lands in OUTDIR ($OUT if set).
+# the all-reduce again under MPS, the codec's GPU throughput and where its time goes. Every file
+# lands in OUTDIR ($OUT if set).
 #   ZIPCCL_DATA=folder-with-the-real-gradients bash bench/gpu_check.sh [OUTDIR]
-# Each step is bounded by `timeout` (490 s in all, plus at most 2 s per step to kill: under 8.5
-# minutes) and the run goes on after a failed step; OUTDIR/steps.txt lists every step's exit code
-# (124: its time ran out) and seconds. SKIP="name ..." leaves steps out; NAME_S variables set their limits.
+# Each step is bounded by `timeout` (735 s in all; SKIP="name ..." leaves steps out, NAME_S
+# variables set their limits) and the run goes on after a failed step; OUTDIR/steps.txt lists every
+# step's exit code (124: its time ran out) and seconds.
 set -u
 out=${1:-${OUT:-gpu_out}}
 mkdir -p "$out"
@@ -99,18 +100,37 @@ for what, get in [("torch", torch_version), ("GPU", gpu), ("torch's NCCL", torch
 PY
 )
 
+# mps step NAME SECONDS COMMAND...: the step with NVIDIA's MPS daemon running, so that the ranks'
+# kernels run side by side on the GPU instead of taking turns; the daemon is stopped afterwards.
+mps() {
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/zipccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/zipccl-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+        "$@"
+    else
+        echo "$2 not run: the MPS daemon did not start" | tee -a "$out/steps.txt"
+    fi
+    echo quit | nvidia-cuda-mps-control
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
 step env "${ENV_S:-25}" $py -c "$env_py"
-# The gpu suite in two steps, so that a hang in the multi-rank tests costs the kernels' results nothing.
-step suite_kernels "${SUITE_KERNELS_S:-80}" $py -m pytest -m gpu -rs -v -p no:cacheprovider tests/test_nccl_gpu.py \
-    -k "not transport and not dropin"
-step suite_ranks "${SUITE_RANKS_S:-200}" $py -m pytest -m gpu -rs -v -p no:cacheprovider tests/test_nccl_gpu.py \
-    tests/test_gpu_lab.py -k "transport or dropin or not test_nccl_gpu"
+# The gpu suite in steps, so that a hang in one part costs the others' results nothing.
+gpu_suite="$py -m pytest -m gpu -rsxX -v -p no:cacheprovider"
+step suite_kernels "${SUITE_KERNELS_S:-80}" $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
+step suite_ranks "${SUITE_RANKS_S:-200}" $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py \
+    -k "transport or dropin or collectives or clock or perf_lab"
+step suite_entry "${SUITE_ENTRY_S:-120}" $gpu_suite -s tests/test_gpu_lab.py -k entry_point
+step suite_syncs "${SUITE_SYNCS_S:-45}" $gpu_suite -s tests/test_gpu_lab.py -k synchronisations
+step suite_killed "${SUITE_KILLED_S:-90}" $gpu_suite -s tests/test_gpu_lab.py -k killed
 # The one-GPU NCCL lab: 4 ranks on cuda:0, each its own NCCL host, NCCL's socket transport on
-# loopback (no namespaces here); bf16 from 64 KiB to 256 MiB, one table per variant.
+# loopback (no namespaces here); bf16 at 1, 8 and 64 MiB, one table per variant; then the
+# all-reduce again with MPS.
+lab="$py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 -b 1M -e 64M -f 8 -d bfloat16 --codec all -n 3 -w 1"
 for coll in all_reduce reduce_scatter all_gather; do
-    step "lab_$coll" "${LAB_S:-40}" $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 \
-        --collective "$coll" -b 64K -e 256M -f 4 -d bfloat16 --codec all -n 5 -w 2 -J "$out/lab_$coll.json"
+    step "lab_$coll" "${LAB_S:-40}" $lab --collective "$coll" -J "$out/lab_$coll.json"
 done
+mps step lab_all_reduce_mps "${LAB_MPS_S:-50}" $lab --collective all_reduce -J "$out/lab_all_reduce_mps.json"
 step codec_cuda "${CODEC_S:-25}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
     --json "$out/codec_cuda.json"
 step codec_ab "${AB_S:-20}" $py bench/gpu_ab.py --data "$data" --label "$(git rev-parse --short HEAD 2>/dev/null \

@@ -119,6 +119,138 @@ def test_collectives_match_plain_torch_on_every_rank(n, monkeypatch):
     print("NaN payloads that differ from the CPU's (all-reduce, reduce-scatter):", nan_payloads)
 
 
+# ---- every entry point on CUDA tensors, 4 ranks -----------------------------------------------------------
+
+def _exact(rank: int, numel: int, dtype) -> torch.Tensor:
+    """Values whose sums are exact in any order (multiples of 1/64 below 16 in fp32, integers in
+    -8..8 in bf16): hierarchical plans add in another order than plain torch's rank order."""
+    g = torch.Generator().manual_seed(70 + rank)
+    if dtype == torch.float32:
+        return torch.randint(-1000, 1001, (numel,), generator=g).float() / 64
+    return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+
+
+def _topk_sum(inputs: list[torch.Tensor], k: int) -> torch.Tensor:
+    """Plain torch: each rank's k largest magnitudes, the rest zero, added in rank order."""
+    total = torch.zeros_like(inputs[0])
+    for x in inputs:
+        dense = torch.zeros_like(x)
+        idx = x.abs().topk(k).indices
+        dense[idx] = x[idx]
+        total += dense
+    return total
+
+
+def _ddp_grads(model_fn, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Plain torch on one device: the mean over ranks of each rank's gradients (fp64)."""
+    model = model_fn()
+    total = None
+    for inp in inputs:
+        model.zero_grad()
+        model(inp).square().mean().backward()
+        grads = [p.grad.double() for p in model.parameters()]
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    return [g / len(inputs) for g in total]
+
+
+def _entry_points(rank: int, n: int, port: int, results) -> None:
+    """One rank: each entry point on CUDA tensors, each check's outcome (or its error) reported
+    apart, so that one failure hides none of the others."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zipccl
+    from zipccl.backend import Options
+    join_gpu_world(rank, n, port)
+    out = {}
+
+    def check(name, fn):
+        try:
+            out[name] = fn()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[name] = f"{type(e).__name__}: {e}"
+
+    def hierarchical():
+        """ZIPCCL_TOPOLOGY=2x2: the three collectives, against plain torch's sums, bits differing."""
+        diffs = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = [_exact(r, n * M, dtype) for r in range(n)]
+            total = sum(x.double() for x in inputs).to(dtype)
+            for codec in ("lossless", {"intra": "native", "inter": "lossless"}):
+                key = f"{dtype} {codec}"
+                x = inputs[rank].cuda()
+                work = zipccl.all_reduce(x, codec=codec, algorithm="hierarchical", async_op=True)
+                work.wait()
+                rs = torch.empty(M, dtype=dtype, device="cuda")
+                zipccl.reduce_scatter(rs, inputs[rank].cuda(), codec=codec, algorithm="hierarchical")
+                ag = torch.empty(n * K, dtype=dtype, device="cuda")
+                zipccl.all_gather(ag, inputs[rank][:K].cuda(), codec=codec, algorithm="hierarchical")
+                want = (total, total[rank * M:(rank + 1) * M], torch.cat([y[:K] for y in inputs]))
+                diffs[key] = [_differences(g.cpu(), w)[0] for g, w in zip((x, rs, ag), want)]
+        return diffs
+
+    def topk():
+        """zipccl.all_reduce with codec "topk" (1%) against each rank's top 1% added in rank order."""
+        numel = 200_003
+        inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(300 + r)) for r in range(n)]
+        x = inputs[rank].cuda()
+        zipccl.all_reduce(x, codec="topk")
+        want = _topk_sum(inputs, -(-numel // 100))
+        got = x.cpu()
+        return _differences(got, want)[0], float((got - want).abs().max())
+
+    def ddp(options, steps):
+        """DDP on a group of the drop-in backend: gradients against plain torch's mean of every
+        rank's gradients, and every rank's gradient bits (digests)."""
+        group = dist.new_group(list(range(n)), backend="zipccl", pg_options=options)
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 64)).cuda()
+        model = DDP(make(), process_group=group)
+        inputs = [torch.randn(32, 64, generator=torch.Generator().manual_seed(500 + r)).cuda() for r in range(n)]
+        for _ in range(steps):
+            model.zero_grad()
+            model(inputs[rank]).square().mean().backward()
+        want = _ddp_grads(make, inputs)
+        got = [p.grad for p in model.parameters()]
+        error = max(float((g.double() - w).abs().max() / w.abs().max()) for g, w in zip(got, want))
+        return error, _digest(torch.cat([g.flatten() for g in got]))
+
+    check("hierarchical", hierarchical)
+    check("topk", topk)
+    check("ddp_auto", lambda: ddp(Options(), 2))
+    check("ddp_lossless", lambda: ddp(Options(codec="lossless"), 2))
+    check("ddp_topk", lambda: ddp(Options(lossy="topk", lossy_min_numel=1000), 2))
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_every_entry_point_on_cuda_tensors(monkeypatch):
+    """4 ranks, two emulated nodes of two (ZIPCCL_TOPOLOGY=2x2): hierarchical all-reduce (async),
+    reduce-scatter and all-gather, lossless and native-inside/lossless-between, give plain
+    torch's bits (values whose sums are exact in any order); top-k 1% equals each rank's top 1%
+    added in rank order; DDP over the drop-in backend (default policy and lossless) matches
+    plain torch's mean gradient to fp32 rounding, the same bits on every rank; with the lossy
+    top-k policy (error feedback in its second step) every rank still ends with the same bits."""
+    monkeypatch.setenv("ZIPCCL_TRANSPORT", "nccl")
+    monkeypatch.setenv("ZIPCCL_TOPOLOGY", "2x2")
+    n = 4
+    got, _ = spawn(_entry_points, n, (n, free_port()), seconds=300)
+    assert sorted(got) == list(range(n)), got
+    res = [got[r] for r in range(n)]
+    print(res[0])
+    problems = [(r, name, v) for r, out in enumerate(res) for name, v in out.items() if isinstance(v, str)]
+    assert not problems, problems
+    for r, out in enumerate(res):
+        assert all(d == [0, 0, 0] for d in out["hierarchical"].values()), (r, out["hierarchical"])
+        assert out["topk"][0] == 0, (r, out["topk"])
+        for name in ("ddp_auto", "ddp_lossless"):
+            assert out[name][0] < 1e-5, (r, name, out[name])
+    for name in ("ddp_auto", "ddp_lossless", "ddp_topk"):
+        assert len({out[name][1] for out in res}) == 1, (name, [out[name] for out in res])
+
+
 # ---- host synchronisations per pipeline piece -------------------------------------------------------------
 
 def _syncs(rank: int, n: int, port: int, results) -> None:
