@@ -11,8 +11,9 @@ symbols, below 2^53: the float64 matrix products that compute them are exact. Ti
 entries go to the lowest id, by making every compared key unique.
 
 Decode (``read_index``): reference/packet.py's checks of the block index and its prefix sums,
-where the packet is; the host reads three numbers (the first invalid entry, the stream and rest
-totals) instead of 8 bytes per block, and sends no per-block rows back.
+where the packet is; three numbers (the first invalid entry, the stream and rest totals) stay
+there for the decoder to check with its one read at the end, instead of 8 bytes per block
+crossing to the host.
 """
 
 from __future__ import annotations
@@ -102,5 +103,5 @@ def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, nta
     word_start = torch.cat([zero, torch.cumsum(nwords, 0)])
     rest_start = torch.cat([zero, torch.cumsum(rest, 0)])
     first_bad = torch.where(ok, nb, blocks).min() if nb else zero[0] + nb
-    bad, words, rest_total = torch.stack([first_bad, word_start[-1], rest_start[-1]]).tolist()  # one read
-    return (ref, table, nwords, nzero, nvalid, word_start, rest_start), (-1 if bad == nb else bad), words, rest_total
+    return (ref, table, nwords, nzero, nvalid, word_start, rest_start), \
+        torch.stack([first_bad, word_start[-1], rest_start[-1]])  # checked by the decoder, with its last read

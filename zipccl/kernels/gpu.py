@@ -19,17 +19,18 @@ encode, two passes over the input and one read by the host:
      there are no atomics and no zero-filling.
 
 decode: the header is validated on the host and the block index on
-the device (device_plan.read_index: the host reads three numbers) before
-launching; then two kernels, so that every scattered access is one a lane
-cannot avoid:
+the device (device_plan.read_index), whose verdict stays there: until it is
+known good, the kernels read nothing through the index, and the host reads it
+with the blocks' errors in the call's one read at the end. Two kernels, so
+that every scattered access is one a lane cannot avoid:
   1. ``_decode_symbols`` runs LANES blocks per program in lock step, one symbol
      per block per iteration, and writes each element's 16-bit code where the
      lanes' stores are contiguous; it reports errors per block.
   2. ``_decode_join`` reads those codes as tiles, finds each element's
      sign+mantissa bytes and writes the elements contiguously.
-The host reads the blocks' errors once at the end. Measured on an H100, the
-fused decoder it replaced spent its time on scattered accesses (four loads and
-a store per element and lane), not on the serial chain (docs/GPU.md).
+Measured on an H100, the fused decoder it replaced spent its time on
+scattered accesses (four loads and a store per element and lane), not on the
+serial chain (docs/GPU.md).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, OFFSET_BIAS,
                       RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
 from ..reference import tables as T
-from ..reference.packet import LosslessPacket, parse_lossless
+from ..reference.packet import LosslessPacket, index_error, parse_lossless
 from . import device_plan
 from .device_plan import read_index
 
@@ -353,6 +354,7 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
     layout, h = p.layout, p.header
     n, bs, dev = h.numel, h.block_size, packet.device
     if n == 0:
+        _raise_first(p, None)
         return out
     view = _ints(out)
     rest = packet[p.rest_offset:p.rest_offset + h.sections[3]]
@@ -362,7 +364,11 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
     nb = is_raw.numel()
     order = torch.sort(is_raw.to(torch.uint8), stable=True).indices
     ncoded = nb - is_raw.sum(dtype=torch.int64).reshape(1)
-    _decode_raw[(nb,)](rest, view, n, order, ncoded, p.rest_start, BS=bs, ITEMSIZE=layout.itemsize,
+    raw_from = ncoded
+    if p.index_check is not None:  # unchecked yet: until it is known good, no kernel reads through it
+        good = (p.index_check == torch.tensor([nb, h.sections[2] // 4, h.sections[3]], device=dev)).all()
+        ncoded, raw_from = torch.where(good, ncoded, 0), torch.where(good, ncoded, nb)
+    _decode_raw[(nb,)](rest, view, n, order, raw_from, p.rest_start, BS=bs, ITEMSIZE=layout.itemsize,
                        num_warps=block_warps(bs))
     nwords = h.sections[2] // 4
     stream = packet[p.stream_offset:p.rest_offset]
@@ -388,7 +394,21 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
             symbols, counts, rest, view, n, lanes, live, blocks, errs, BS=bs, LANES=LANES,
             CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
             INLINE_BITS=layout.inline_bits, num_warps=JOIN_WARPS)
-    codes = int(np.bitwise_or.reduce(err.cpu().numpy()))  # the blocks' errors, read once at the end
+    _raise_first(p, err)
+    return out
+
+
+def _raise_first(p: LosslessPacket, err: torch.Tensor | None) -> None:
+    """The call's one read at the end: the index's check (where it was left on the device) and
+    the blocks' errors together; FormatError for the first problem, the index's before the blocks'."""
+    parts = ([] if p.index_check is None else [p.index_check]) + ([] if err is None else [err.to(torch.int64)])
+    if not parts:
+        return
+    values = torch.cat(parts).cpu().numpy()
+    if p.index_check is not None:
+        if problem := index_error(values[:3], p.header):
+            raise FormatError(problem)
+        values = values[3:]
+    codes = int(np.bitwise_or.reduce(values)) if values.size else 0
     if codes:
         raise FormatError(_ERRORS[codes & -codes])
-    return out

@@ -64,14 +64,30 @@ class LosslessPacket:
     rest_start: np.ndarray  # (nblocks + 1,) prefix sum of section-3 bytes
     stream_offset: int      # byte offset of section 2 in the packet
     rest_offset: int        # byte offset of section 3 in the packet
+    # Where the index was read on the device: (first invalid entry or nblocks, stream words,
+    # rest bytes) there, not yet checked. The decoder checks it (index_error) with its one read at
+    # the end and lets no kernel read through the index before it is known good.
+    index_check: torch.Tensor | None = None
 
 
 def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout):
-    """The block index in packet[start:stop], read on the host: (rows as _read_index's, the first
-    invalid entry or -1, stream words, rest bytes)."""
+    """The block index in packet[start:stop], read on the host: (rows as _read_index's, (the first
+    invalid entry or the block count, stream words, rest bytes)). A reader on the device returns
+    that triple as a tensor there instead, for the decoder to check (LosslessPacket.index_check)."""
     fields, bad = _read_index(host_bytes(packet, start, stop), n, bs, ntables, layout.emax, layout.itemsize,
                               layout.rest_bytes)
-    return fields, bad, int(fields[5, -1]), int(fields[6, -1])
+    return fields, (fields.shape[1] - 1 if bad < 0 else bad, int(fields[5, -1]), int(fields[6, -1]))
+
+
+def index_error(check, h: Header) -> str | None:
+    """What is wrong with a block index, from its check (first invalid entry or the block count,
+    stream words, rest bytes) against the header's sections; None if nothing."""
+    bad, words, rest = (int(v) for v in check)
+    if bad < num_blocks(h.numel, h.block_size):
+        return f"block index entry {bad} is invalid"
+    if words * 4 != h.sections[2] or rest != h.sections[3]:
+        return "block index does not add up to the section sizes"
+    return None
 
 
 def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None = None,
@@ -97,17 +113,16 @@ def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None 
     if n > 8 * s2 + s3:  # every element takes a bit of a stream (a code) or a byte of section 3 (raw)
         raise FormatError(f"{n} elements cannot fit in {s2} stream bytes and {s3} rest bytes")
     pos = HEADER_SIZE
-    fields, bad, words, rest = index_reader(packet, pos, pos + s1, n, bs, h.ntables, layout)
+    fields, check = index_reader(packet, pos, pos + s1, n, bs, h.ntables, layout)
     pos += s1
-    if bad >= 0:
-        raise FormatError(f"block index entry {bad} is invalid")
+    deferred = isinstance(check, torch.Tensor) and not h.flags & FLAG_CRC  # the CRC reads the host anyway
+    if not deferred and (problem := index_error(check.tolist() if isinstance(check, torch.Tensor) else check, h)):
+        raise FormatError(problem)
     ref, table, nwords, nzero, nvalid, word_start, rest_start = fields
-    if words * 4 != s2 or rest != s3:
-        raise FormatError("block index does not add up to the section sizes")
     if h.flags & FLAG_CRC:
         check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
     return LosslessPacket(h, layout, BANK[h.dtype], ref[:nb], table[:nb], nwords[:nb], nzero[:nb], nvalid[:nb],
-                          word_start, rest_start, pos, pos + s2)
+                          word_start, rest_start, pos, pos + s2, check if deferred else None)
 
 
 @njit(cache=True)
