@@ -26,6 +26,7 @@ import torch
 from ..bank import BANK, BANK_SIZE
 from ..format import INDEX_ENTRY, LAYOUTS, RAW_BLOCK, SYM_ZERO, FloatLayout
 from ..reference import tables as T
+from ..reference.packet import to_host
 from ..reference.plan import _encoder_codes
 
 __all__ = ["DevicePlan", "bank", "plan", "read_index"]
@@ -78,7 +79,7 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
     rest = torch.where(raw, nvalid * layout.itemsize, rest)
     word_start = torch.cumsum(nwords, 0) - nwords
     rest_start = torch.cumsum(rest, 0) - rest
-    words, rest_bytes = torch.stack([nwords.sum(), rest.sum()]).tolist()  # the packet's size: the one read
+    words, rest_bytes = (int(v) for v in to_host(torch.stack([nwords.sum(), rest.sum()])))  # the one read
     entries = torch.stack([ref | (table << 8), nwords, nzero, zero], dim=1).to(torch.int16)  # u16 fields
     index = entries.view(torch.uint8).reshape(-1)  # little-endian, as the format's
     blocks = torch.stack([ref, table, word_start, rest_start], dim=1)

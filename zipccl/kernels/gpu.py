@@ -47,7 +47,7 @@ from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, OFFSET_BIAS,
                       RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
 from ..reference import tables as T
-from ..reference.packet import LosslessPacket, index_error, parse_lossless
+from ..reference.packet import LosslessPacket, index_error, parse_lossless, to_device, to_host
 from . import device_plan
 from .device_plan import read_index
 
@@ -341,10 +341,10 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
                        **_shape_args(layout))
     crc = 0
     if checksum:  # a host pass over the payload, as on every device
-        crc = zlib.crc32(packet[HEADER_SIZE:].cpu().numpy().tobytes())
+        crc = zlib.crc32(to_host(packet[HEADER_SIZE:]).tobytes())
     h = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, BANK_SIZE, NSYM, MAXLEN,
                pl.sizes, crc)
-    packet[:HEADER_SIZE] = torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8).to(dev)
+    packet[:HEADER_SIZE] = to_device(h.pack(), dev)
     return packet
 
 
@@ -362,11 +362,15 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
     # kernels launch for every block and mask by that count, so the host never waits for it.
     is_raw = p.table == RAW_BLOCK
     nb = is_raw.numel()
-    order = torch.sort(is_raw.to(torch.uint8), stable=True).indices
-    ncoded = nb - is_raw.sum(dtype=torch.int64).reshape(1)
+    raw = is_raw.to(torch.int64)
+    raw_rank = torch.cumsum(raw, 0) - raw
+    ncoded = nb - raw.sum().reshape(1)
+    place = torch.where(is_raw, ncoded + raw_rank, torch.arange(nb, device=dev) - raw_rank)
+    order = torch.empty(nb, dtype=torch.int64, device=dev).scatter_(0, place, torch.arange(nb, device=dev))
     raw_from = ncoded
     if p.index_check is not None:  # unchecked yet: until it is known good, no kernel reads through it
-        good = (p.index_check == torch.tensor([nb, h.sections[2] // 4, h.sections[3]], device=dev)).all()
+        c = p.index_check
+        good = (c[0] == nb) & (c[1] == h.sections[2] // 4) & (c[2] == h.sections[3])
         ncoded, raw_from = torch.where(good, ncoded, 0), torch.where(good, ncoded, nb)
     _decode_raw[(nb,)](rest, view, n, order, raw_from, p.rest_start, BS=bs, ITEMSIZE=layout.itemsize,
                        num_warps=block_warps(bs))
@@ -404,7 +408,7 @@ def _raise_first(p: LosslessPacket, err: torch.Tensor | None) -> None:
     parts = ([] if p.index_check is None else [p.index_check]) + ([] if err is None else [err.to(torch.int64)])
     if not parts:
         return
-    values = torch.cat(parts).cpu().numpy()
+    values = to_host(torch.cat(parts))
     if p.index_check is not None:
         if problem := index_error(values[:3], p.header):
             raise FormatError(problem)

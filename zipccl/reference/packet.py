@@ -44,8 +44,31 @@ def assemble(header: Header, sections: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """``t``'s values on the host: the one way the codecs read the device. From CUDA, a copy into
+    pinned memory and a wait on an event recorded after it: the host waits for the current
+    stream's work up to the copy, as any read must, but through no synchronising torch operation,
+    so that torch's sync debug mode can check a call for any other."""
+    if t.device.type != "cuda":
+        return t.cpu().numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.numpy()
+
+
+def to_device(data: bytes, device: torch.device) -> torch.Tensor:
+    """``data`` as uint8 on ``device``; to CUDA from pinned memory, without the host waiting."""
+    host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def host_bytes(packet: torch.Tensor, start: int, stop: int) -> np.ndarray:
-    return packet[start:stop].cpu().numpy()
+    return to_host(packet[start:stop])
 
 
 @dataclass
