@@ -115,3 +115,37 @@ def test_a_bad_index_is_caught_at_the_one_read_and_nothing_is_written(corrupt):
     assert str(got.value) == str(want.value), (got.value, want.value)
     assert torch.equal(out, torch.full_like(out, 7))
     assert sum(dec.values()) <= DECODE_READS, dict(dec)
+
+
+@pytest.mark.parametrize("impl", ["reference", "numba", "triton"])
+@pytest.mark.parametrize("dtype,numel", [(torch.bfloat16, 3 * 256 + 100), (torch.float16, 1), (torch.float32, 0),
+                                         (torch.float32, 2 * 256)], ids=str)
+def test_encode_into_writes_encodes_packet_and_returns_its_size(impl, dtype, numel):
+    """encode_into: encode's bytes at the front of a caller's buffer of the codec's bound (the
+    header sealed with its sizes and CRC where the Triton kernels keep them on the device), the
+    bytes after the packet as they were, the size as a 0-d int64 tensor; the Triton path reads
+    nothing on the host."""
+    x = _data()[:numel].to(dtype) if numel else torch.empty(0, dtype=dtype)
+    codec = Lossless(impl, block_size=256)
+    want = codec.encode(x)
+    buf = torch.full((codec.max_encoded_size(numel, dtype) + 16,), 0xA5, dtype=torch.uint8)
+    codec.encode_into(x, buf)  # warm
+    buf.fill_(0xA5)
+    with host_reads() as seen:
+        size = codec.encode_into(x, buf)
+    assert size.dtype == torch.int64 and size.dim() == 0 and int(size) == want.numel()
+    assert torch.equal(buf[:want.numel()], want)
+    assert bool((buf[want.numel():] == 0xA5).all())
+    if impl == "triton":
+        assert not seen, dict(seen)
+    assert torch.equal(codec.decode(buf).view(torch.uint8), x.view(torch.uint8))
+
+
+def test_encode_into_refuses_a_buffer_it_cannot_fill():
+    x = _data()
+    codec = Lossless("triton", block_size=256)
+    bound = codec.max_encoded_size(x.numel(), x.dtype)
+    for bad in (torch.empty(bound - 1, dtype=torch.uint8), torch.empty(bound, dtype=torch.int8),
+                torch.empty(bound + 1, dtype=torch.uint8)[1:], torch.empty(2, bound, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match="encode_into needs"):
+            codec.encode_into(x, bad)

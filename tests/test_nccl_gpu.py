@@ -63,6 +63,55 @@ def test_every_16bit_pattern_on_cuda(compiled, dtype, block_size):
     assert _digest(Lossless("triton").decode(packet)) == _digest(x)
 
 
+def test_no_synchronising_torch_operation_in_encode_or_decode_into_out(compiled):
+    """torch.cuda.set_sync_debug_mode("error") raises nothing inside an encode, an encode_into a
+    caller's buffer and a decode into a given out: their host reads (one, none, two) wait on
+    events after copies to pinned memory, not on synchronising operations; the bits come back."""
+    x = _data(0, (1 << 22) + 77, torch.bfloat16).cuda()
+    codec = Lossless("triton")
+    buf = torch.empty(codec.max_encoded_size(x.numel(), x.dtype), dtype=torch.uint8, device="cuda")
+    out = torch.empty_like(x)
+    codec.decode(codec.encode(x), out)  # warm: compiled, the bank's tables on the device
+    codec.encode_into(x, buf)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packet = codec.encode(x)
+        size = codec.encode_into(x, buf)
+        codec.decode(packet, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(size) == packet.numel() and torch.equal(buf[:packet.numel()], packet)
+    assert _digest(out) == _digest(x)
+
+
+def test_encode_into_replays_bit_exactly_from_a_cuda_graph(compiled):
+    """encode_into captured in a CUDA graph: replayed on new values of the captured input (of
+    another spread, so another packet size), the buffer holds encode's packet of those values,
+    the size tensor its size, and the packet decodes to them."""
+    codec = Lossless("triton")
+    x = _data(1, 1 << 20, torch.bfloat16).cuda()
+    buf = torch.zeros(codec.max_encoded_size(x.numel(), x.dtype), dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm on a side stream, as torch's graph recipe does
+        for _ in range(2):
+            codec.encode_into(x, buf)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        size = codec.encode_into(x, buf)
+    for seed, spread in ((2, 1e-3), (3, 10.0)):
+        new = (torch.randn(x.numel(), generator=torch.Generator().manual_seed(seed)) * spread).to(x.dtype)
+        x.copy_(new.cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        want = codec.encode(x)
+        assert int(size) == want.numel(), (seed, int(size), want.numel())
+        assert torch.equal(buf[:want.numel()], want), seed
+        assert _digest(codec.decode(buf)) == _digest(new), seed
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_real_gradients_on_cuda(compiled, real_grads, dtype):
     """The whole real bucket (3.3M elements, not a block multiple) on the GPU: the reference's bytes,

@@ -118,6 +118,28 @@ class Lossless:
         block_size = self.block_size or getattr(kernels, "BLOCK_SIZE", F.DEFAULT_BLOCK_SIZE)
         return kernels.encode(x.reshape(-1), block_size, self.checksum)
 
+    def encode_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``encode(x)``'s packet written to the front of ``out``, a contiguous 1-D uint8 tensor on
+        x's device of at least ``max_encoded_size(x.numel(), x.dtype)`` bytes, 4-byte aligned; its
+        size is returned as a 0-d int64 tensor on that device. With the Triton kernels the host
+        reads nothing (no checksum): a pipeline can read sizes in batches, and a CUDA graph can
+        capture the call. Elsewhere, ``encode`` and a copy."""
+        check_input(x)
+        bound = self.max_encoded_size(x.numel(), x.dtype)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1 \
+                or not out.is_contiguous() or out.device != x.device or out.numel() < bound or out.data_ptr() % 4:
+            got = (f"{out.dtype} {tuple(out.shape)} on {out.device}, contiguous {out.is_contiguous()}, address "
+                   f"{out.data_ptr()}" if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise ValueError(f"encode_into needs a contiguous 1-D uint8 tensor on {x.device} of at least {bound} "
+                             f"bytes at a 4-byte aligned address; got {got}")
+        kernels = resolve(self.impl, x.device)
+        if hasattr(kernels, "encode_into") and not self.checksum:
+            block_size = self.block_size or kernels.BLOCK_SIZE
+            return kernels.encode_into(x.reshape(-1), out, block_size)
+        packet = self.encode(x)
+        out[:packet.numel()] = packet
+        return torch.tensor(packet.numel(), dtype=torch.int64, device=x.device)
+
     def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
                max_numel: int | None = None) -> torch.Tensor:
         """The tensor (1-D) a lossless packet holds, into ``out`` if given. The header and

@@ -52,13 +52,15 @@ class DevicePlan:
     codes: torch.Tensor        # (BANK_SIZE, NSYM) int32 canonical codes, LSB first
     index: torch.Tensor        # section 1 (uint8, on the device)
     blocks: torch.Tensor       # (nblocks, 4) int64 ref, entry, word start, rest start: the encoder's
-    sizes: tuple[int, int, int, int]
+    sizes: tuple[int, int, int, int] | None  # the sections' bytes, read by the host; None: not read,
+    totals: torch.Tensor                      # their stream words and rest bytes, int64 on the device
 
 
 def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: int, block_size: int,
-         dtype: torch.dtype) -> DevicePlan:
+         dtype: torch.dtype, read: bool = True) -> DevicePlan:
     """reference/plan.py's choose and plan from the blocks' sampled and whole symbol histograms
-    ((nblocks, NSYM) int64) and reference exponents (int64), all on one device."""
+    ((nblocks, NSYM) int64) and reference exponents (int64), all on one device. ``read``: the
+    host reads the packet's size (the one read); otherwise it stays on the device."""
     nb, dev = ref.shape[0], ref.device
     layout = LAYOUTS[dtype]
     lengths, codes, bits = bank(dtype, dev)
@@ -79,11 +81,15 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
     rest = torch.where(raw, nvalid * layout.itemsize, rest)
     word_start = torch.cumsum(nwords, 0) - nwords
     rest_start = torch.cumsum(rest, 0) - rest
-    words, rest_bytes = (int(v) for v in to_host(torch.stack([nwords.sum(), rest.sum()])))  # the one read
+    totals = torch.stack([nwords.sum(), rest.sum()])
+    sizes = None
+    if read:
+        words, rest_bytes = (int(v) for v in to_host(totals))  # the one read
+        sizes = (0, nb * INDEX_ENTRY, words * 4, rest_bytes)
     entries = torch.stack([ref | (table << 8), nwords, nzero, zero], dim=1).to(torch.int16)  # u16 fields
     index = entries.view(torch.uint8).reshape(-1)  # little-endian, as the format's
     blocks = torch.stack([ref, table, word_start, rest_start], dim=1)
-    return DevicePlan(lengths, codes, index, blocks, (0, nb * INDEX_ENTRY, words * 4, rest_bytes))
+    return DevicePlan(lengths, codes, index, blocks, sizes, totals)
 
 
 def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout):

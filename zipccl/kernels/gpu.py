@@ -44,14 +44,15 @@ import triton.language as tl
 
 from ..bank import BANK, BANK_SIZE
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, OFFSET_BIAS,
-                      RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAXLEN, NSYM,
+                      OFFSET_BIAS, RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
 from ..reference import tables as T
 from ..reference.packet import LosslessPacket, index_error, parse_lossless, to_device, to_host
 from . import device_plan
 from .device_plan import read_index
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
+_TEMPLATES: dict = {}  # (dtype, numel, block size, device) -> encode_into's header template there
 LANES = 32  # blocks decoded in lock step by one program
 DECODE_WARPS = 1  # LANES lanes fill one warp
 JOIN_CHUNK, JOIN_WARPS = 32, 4  # _decode_join's program: elements of each of LANES blocks (divides every block size)
@@ -276,6 +277,27 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded_pt
 
 
 @triton.jit
+def _seal(hdr_ptr, totals_ptr, size_ptr, s1):
+    """A header whose data sizes stay on the device (encode_into): its stream and rest bytes
+    (offsets 32 and 40, u64 little-endian, zero in the template) written from the plan's totals,
+    then the CRC-32 of its first 52 bytes (zlib's) at 52, and the packet's size to size_ptr."""
+    s2 = tl.load(totals_ptr) * 4
+    s3 = tl.load(totals_ptr + 1)
+    crc = s2 * 0 + 0xFFFFFFFF
+    for i in range(52):
+        size = tl.where(i < 40, s2, s3)
+        b = tl.load(hdr_ptr + i).to(tl.int64) | tl.where((i >= 32) & (i < 48), (size >> (8 * (i % 8))) & 0xFF, 0)
+        tl.store(hdr_ptr + i, b.to(tl.uint8))
+        crc = crc ^ b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0xEDB88320 * (crc & 1))
+    crc = crc ^ 0xFFFFFFFF
+    for j in range(4):
+        tl.store(hdr_ptr + 52 + j, ((crc >> (8 * j)) & 0xFF).to(tl.uint8))
+    tl.store(size_ptr, 56 + s1 + s2 + s3)
+
+
+@triton.jit
 def _decode_raw(rest_ptr, out_ptr, n, order_ptr, ncoded_ptr, rest_start_ptr, BS: tl.constexpr,
                 ITEMSIZE: tl.constexpr):
     """One block of ``order`` (coded blocks first): if it is raw, its elements' bytes, little-endian."""
@@ -315,30 +337,45 @@ def _shape_args(layout) -> dict:
     return dict(VMASK=-1 if layout.itemsize == 4 else 0xFFFF, MBITS=layout.mbits)
 
 
-def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
+def _plan(x: torch.Tensor, block_size: int, read: bool) -> device_plan.DevicePlan:
+    """The blocks' histograms (``_analyse``) and the plan from them, on the device; ``read``: the
+    host reads the packet's size (device_plan.plan)."""
     layout = LAYOUTS[x.dtype]
     n, dev = x.numel(), x.device
     nb = num_blocks(n, block_size)
-    bits = _ints(x)
     ref = torch.zeros(nb, dtype=torch.int32, device=dev)
     hist = torch.zeros(nb, 2, NSYM, dtype=torch.int16, device=dev)  # read as uint16
     if nb:
-        _analyse[(nb,)](bits, n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=block_warps(block_size),
+        _analyse[(nb,)](_ints(x), n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=block_warps(block_size),
                         **_shape_args(layout))
-    # The plan on the device (kernels/device_plan.py): the host reads only the two data section
-    # sizes, which size the packet.
     counts = hist.to(torch.int64) & 0xFFFF  # the 16-bit counts are unsigned
-    pl = device_plan.plan(counts[:, 0], counts[:, 1], ref.to(torch.int64), n, block_size, x.dtype)
-    packet = torch.empty(HEADER_SIZE + sum(pl.sizes), dtype=torch.uint8, device=dev)
-    p = HEADER_SIZE
-    packet[p:p + pl.sizes[1]] = pl.index
-    p += pl.sizes[1]
+    return device_plan.plan(counts[:, 0], counts[:, 1], ref.to(torch.int64), n, block_size, x.dtype, read)
+
+
+def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: torch.Tensor, words: int) -> None:
+    """Sections 1 to 3 into ``body`` (the packet after its header): the index, then ``_encode``'s
+    stream in the next ``words`` 32-bit words and the rest bytes at the plan's offsets after it
+    (pl.blocks' rest column counts from the stream's end)."""
+    layout = LAYOUTS[x.dtype]
+    nb = num_blocks(x.numel(), block_size)
+    s1 = nb * INDEX_ENTRY
+    body[:s1] = pl.index
     if nb:
-        _encode[(nb,)](bits, n, pl.blocks, pl.codes, pl.lengths,
-                       packet[p:p + pl.sizes[2]].view(torch.int32), packet[p + pl.sizes[2]:],
+        _encode[(nb,)](_ints(x), x.numel(), pl.blocks, pl.codes, pl.lengths,
+                       body[s1:s1 + 4 * words].view(torch.int32), body[s1:],
                        BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
                        INLINE_BITS=layout.inline_bits, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
                        **_shape_args(layout))
+
+
+def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
+    n, dev = x.numel(), x.device
+    # The plan on the device (kernels/device_plan.py): the host reads only the two data section
+    # sizes, which size the packet.
+    pl = _plan(x, block_size, read=True)
+    packet = torch.empty(HEADER_SIZE + sum(pl.sizes), dtype=torch.uint8, device=dev)
+    pl.blocks[:, 3] += pl.sizes[2]
+    _write(x, block_size, pl, packet[HEADER_SIZE:], pl.sizes[2] // 4)
     crc = 0
     if checksum:  # a host pass over the payload, as on every device
         crc = zlib.crc32(to_host(packet[HEADER_SIZE:]).tobytes())
@@ -346,6 +383,37 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
                pl.sizes, crc)
     packet[:HEADER_SIZE] = to_device(h.pack(), dev)
     return packet
+
+
+def _template(dtype: torch.dtype, n: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """The header of encode_into's packets of ``n`` elements, data sizes and CRC zero, kept on the
+    device: a graph that captures encode_into copies it from there at every replay (a copy from
+    host memory would replay from wherever that memory went)."""
+    key = (dtype, n, block_size, device)
+    if key not in _TEMPLATES:
+        if len(_TEMPLATES) >= 256:
+            _TEMPLATES.pop(next(iter(_TEMPLATES)))
+        h = Header(CODEC_LOSSLESS, dtype, n, 0, block_size, BANK_SIZE, NSYM, MAXLEN,
+                   (0, num_blocks(n, block_size) * INDEX_ENTRY, 0, 0), 0)
+        _TEMPLATES[key] = to_device(h.pack(), device)
+    return _TEMPLATES[key]
+
+
+def encode_into(x: torch.Tensor, out: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The packet of ``encode`` (without checksum) written to the front of ``out`` (uint8 on x's
+    device, at least the codec's bound), its size returned as an int64 tensor there: the host
+    reads nothing, so a pipeline can read sizes in batches, and a CUDA graph can capture the call.
+    The header comes last, sealed on the device (``_seal``: its sizes and CRC)."""
+    n, dev = x.numel(), x.device
+    nb = num_blocks(n, block_size)
+    pl = _plan(x, block_size, read=False)
+    pl.blocks[:, 3] += 4 * pl.totals[0]  # the rest bytes follow the stream, whose length stays here
+    room = (out.numel() - HEADER_SIZE - nb * INDEX_ENTRY) // 4
+    _write(x, block_size, pl, out[HEADER_SIZE:], room)
+    out[:HEADER_SIZE] = _template(x.dtype, n, block_size, dev)
+    size = torch.empty(1, dtype=torch.int64, device=dev)
+    _seal[(1,)](out, pl.totals, size, nb * INDEX_ENTRY)
+    return size[0]
 
 
 def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
