@@ -18,8 +18,9 @@ import subprocess
 import sys
 import tempfile
 
+from ..bank import BANK_SIZE
 from ..errors import UnsupportedError
-from ..format import GPU_BLOCK_SIZE
+from ..format import GPU_BLOCK_SIZE, NSYM, RAW_BLOCK, SYM_ZERO
 
 ARCHS = (80, 90)
 BLOCK_SIZE = GPU_BLOCK_SIZE
@@ -51,6 +52,11 @@ def _specs(dtype: str):
                            "rest_start_ptr": "*i64"},
            dict(BS=bs, ITEMSIZE=itemsize), gpu.block_warps(bs))
     yield ("_seal", {"hdr_ptr": "*u8", "totals_ptr": "*i64", "size_ptr": "*i64", "s1": "i64"}, {}, 1)
+    from . import device_plan
+    yield ("_choose", {"sampled_ptr": "*i16", "exact_ptr": "*i16", "stride": "i64", "ref_ptr": "*i32",
+                       "bits_ptr": "*i32", "index_ptr": "*i16", "block_ptr": "*i64", "nb": "i64", "numel": "i64"},
+           dict(BS=bs, NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=rest_bytes,
+                ITEMSIZE=itemsize, TILE=device_plan.TILE), 4)
 
 
 def _cubin_usage(cubin: bytes) -> dict:
@@ -74,12 +80,13 @@ def compile_kernels(archs=ARCHS, dtypes=tuple(_DTYPES)) -> list[dict]:
         raise UnsupportedError("AOT compilation needs TRITON_INTERPRET unset (interpreted kernels do not compile)")
     import triton
     from triton.backends.compiler import GPUTarget
-    from . import gpu
+    from . import device_plan, gpu
     rows = []
     for dtype in dtypes:
         for name, signature, constexprs, warps in _specs(dtype):
             for arch in archs:
-                src = triton.compiler.ASTSource(fn=getattr(gpu, name), signature=signature, constexprs=constexprs)
+                fn = getattr(gpu, name, None) or getattr(device_plan, name)
+                src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
                 k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
                 usage = _cubin_usage(k.asm["cubin"])
                 rows.append(dict(kernel=name, dtype=dtype, arch=f"sm_{arch}", num_warps=warps,

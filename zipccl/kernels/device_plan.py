@@ -1,14 +1,15 @@
-"""The GPU codec's per-block bookkeeping, computed with torch operations on the device.
+"""The GPU codec's per-block bookkeeping, computed on the device.
 
 Encode (``plan``): reference/plan.py's choice of each block's bank entry (the one that codes
 its sample in the fewest bits) and its layout (raw blocks, offsets, the block index), with the
-same integer arithmetic and tie-breaking on the tensor's device, so the bytes are the host
-plan's (tests/test_device_plan.py). The host reads only the packet's two data section sizes,
-which size the packet: one read.
+same integer arithmetic and tie-breaking, so the bytes are the host plan's
+(tests/test_device_plan.py). One Triton kernel (``_choose``) decides every block from its
+histograms; one prefix sum places them. The host reads only the packet's two data section sizes,
+which size the packet: one read (none for encode_into).
 
 Costs are products of counts (at most 32768) and bit widths (at most 31) summed over 32
-symbols, below 2^53: the float64 matrix products that compute them are exact. Ties between
-entries go to the lowest id, by making every compared key unique.
+symbols, below 2^25: exact in int32, and still so times BANK_SIZE with the entry's id added,
+which makes every compared key unique, so ties go to the lowest id.
 
 Decode (``read_index``): reference/packet.py's checks of the block index and its prefix sums,
 where the packet is; three numbers (the first invalid entry, the stream and rest totals) stay
@@ -22,9 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from ..bank import BANK, BANK_SIZE
-from ..format import INDEX_ENTRY, LAYOUTS, RAW_BLOCK, SYM_ZERO, FloatLayout
+from ..format import INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, SYM_ZERO, FloatLayout
 from ..reference import tables as T
 from ..reference.packet import to_host
 from ..reference.plan import _encoder_codes
@@ -35,15 +38,61 @@ _BANKS: dict = {}  # (dtype, device) -> the bank's tensors there, uploaded once
 
 
 def bank(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The bank of ``dtype`` on ``device``: (code lengths, canonical codes) as int32 and each symbol's
-    bits (code plus inline raw bits) as float64, all (BANK_SIZE, NSYM); uploaded once per device."""
+    """The bank of ``dtype`` on ``device``: code lengths, canonical codes and each symbol's bits
+    (code plus the raw bits after it), all (BANK_SIZE, NSYM) int32; uploaded once per device."""
     key = (dtype, device)
     if key not in _BANKS:
         lengths = BANK[dtype]
         _BANKS[key] = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (
             lengths.astype(np.int32), _encoder_codes(dtype).astype(np.int32),
-            (lengths + T.extra_bits(LAYOUTS[dtype])).astype(np.float64)))
+            (lengths + T.extra_bits(LAYOUTS[dtype])).astype(np.int32)))
     return _BANKS[key]
+
+
+TILE = 4  # blocks per program of _choose: its cost products are TILE x BANK_SIZE x NSYM int32 values
+
+
+@triton.jit
+def _choose(sampled_ptr, exact_ptr, stride, ref_ptr, bits_ptr, index_ptr, block_ptr, nb, numel,
+            BS: tl.constexpr, NSYM: tl.constexpr, NBANK: tl.constexpr, ZERO: tl.constexpr, RAW: tl.constexpr,
+            REST_BYTES: tl.constexpr, ITEMSIZE: tl.constexpr, TILE: tl.constexpr):
+    """TILE blocks: each one's bank entry (the fewest bits for its sample, ties to the lowest),
+    its exact coded size from its whole histogram, or raw where coding would not make it
+    smaller; writes its index entry (u16 ref | entry << 8, words, zeros, 0) and its row (ref,
+    entry, stream words, rest bytes). Histogram rows are ``stride`` counts apart, read as u16."""
+    blk = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    live = blk < nb
+    syms = tl.arange(0, NSYM)
+    ids = tl.arange(0, NBANK)
+    bits = tl.load(bits_ptr + ids[:, None] * NSYM + syms[None, :])
+    rows = blk.to(tl.int64)[:, None] * stride + syms[None, :]
+    sampled = tl.load(sampled_ptr + rows, mask=live[:, None], other=0).to(tl.int32) & 0xFFFF
+    exact = tl.load(exact_ptr + rows, mask=live[:, None], other=0).to(tl.int32) & 0xFFFF
+    cost = tl.sum(sampled[:, None, :] * bits[None, :, :], axis=2)
+    entry = tl.min(cost * NBANK + ids[None, :], axis=1) % NBANK
+    mine = tl.where(ids[:, None] == entry[None, :], 1, 0)  # (NBANK, TILE): the chosen entry's row
+    chosen = tl.sum(mine[:, :, None] * bits[:, None, :], axis=0)  # (TILE, NSYM)
+    coded = tl.sum(exact * chosen, axis=1).to(tl.int64)
+    nzero = tl.sum(tl.where(syms[None, :] == ZERO, exact, 0), axis=1).to(tl.int64)
+    nvalid = tl.minimum(numel - blk.to(tl.int64) * BS, BS)
+    nwords = (coded + 31) // 32
+    rest = (nvalid - nzero) * REST_BYTES
+    raw = 4 * nwords + rest >= nvalid * ITEMSIZE
+    ref = tl.where(raw, 0, tl.load(ref_ptr + blk, mask=live, other=0).to(tl.int64))
+    table = tl.where(raw, RAW, entry.to(tl.int64))
+    nwords = tl.where(raw, 0, nwords)
+    nzero = tl.where(raw, 0, nzero)
+    rest = tl.where(raw, nvalid * ITEMSIZE, rest)
+    out = index_ptr + 4 * blk
+    tl.store(out, (ref | (table << 8)).to(tl.int16), mask=live)
+    tl.store(out + 1, nwords.to(tl.int16), mask=live)
+    tl.store(out + 2, nzero.to(tl.int16), mask=live)
+    tl.store(out + 3, (nzero * 0).to(tl.int16), mask=live)
+    row = block_ptr + 4 * blk
+    tl.store(row, ref, mask=live)
+    tl.store(row + 1, table, mask=live)
+    tl.store(row + 2, nwords, mask=live)
+    tl.store(row + 3, rest, mask=live)
 
 
 @dataclass
@@ -59,36 +108,30 @@ class DevicePlan:
 def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: int, block_size: int,
          dtype: torch.dtype, read: bool = True) -> DevicePlan:
     """reference/plan.py's choose and plan from the blocks' sampled and whole symbol histograms
-    ((nblocks, NSYM) int64) and reference exponents (int64), all on one device. ``read``: the
-    host reads the packet's size (the one read); otherwise it stays on the device."""
+    ((nblocks, NSYM) integer views with one row stride, counts read as u16) and reference
+    exponents, all on one device. ``read``: the host reads the packet's size (the one read);
+    otherwise it stays on the device."""
     nb, dev = ref.shape[0], ref.device
     layout = LAYOUTS[dtype]
     lengths, codes, bits = bank(dtype, dev)
-    ids = torch.arange(BANK_SIZE, device=dev)
-    sample_cost = (sampled.to(torch.float64) @ bits.T).to(torch.int64)  # exact: see the module's docstring
-    assign = (sample_cost * BANK_SIZE + ids).min(dim=1).values % BANK_SIZE  # unique keys: ties to the lowest id
-    cost = (exact.to(torch.float64) * bits[assign]).sum(dim=1).to(torch.int64)  # coded bits from the whole block
-    nvalid = (numel - torch.arange(nb, device=dev) * block_size).clamp_max(block_size)
-    nzero = exact[:, SYM_ZERO]
-    nwords = (cost + 31) // 32
-    rest = (nvalid - nzero) * layout.rest_bytes
-    raw = 4 * nwords + rest >= nvalid * layout.itemsize  # coding would not make the block smaller
-    zero = torch.zeros_like(nwords)
-    table = torch.where(raw, torch.full_like(assign, RAW_BLOCK), assign)
-    ref = torch.where(raw, zero, ref)
-    nwords = torch.where(raw, zero, nwords)
-    nzero = torch.where(raw, zero, nzero)
-    rest = torch.where(raw, nvalid * layout.itemsize, rest)
-    word_start = torch.cumsum(nwords, 0) - nwords
-    rest_start = torch.cumsum(rest, 0) - rest
-    totals = torch.stack([nwords.sum(), rest.sum()])
+    if nb and (exact.stride(0) != sampled.stride(0) or sampled.stride(1) != 1 or exact.stride(1) != 1):
+        raise ValueError("the histograms need rows of one stride, their counts contiguous")
+    entries = torch.empty(nb, 4, dtype=torch.int16, device=dev)
+    blocks = torch.empty(nb, 4, dtype=torch.int64, device=dev)
+    if nb:
+        _choose[(triton.cdiv(nb, TILE),)](
+            sampled, exact, sampled.stride(0), ref, bits, entries, blocks, nb, numel, BS=block_size, NSYM=NSYM,
+            NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=layout.rest_bytes, ITEMSIZE=layout.itemsize,
+            TILE=TILE)
+    lens = blocks[:, 2:]
+    ends = torch.cumsum(lens, 0)
+    totals = ends[-1] if nb else torch.zeros(2, dtype=torch.int64, device=dev)
+    lens.neg_().add_(ends)  # each block's first stream word and rest byte
     sizes = None
     if read:
         words, rest_bytes = (int(v) for v in to_host(totals))  # the one read
         sizes = (0, nb * INDEX_ENTRY, words * 4, rest_bytes)
-    entries = torch.stack([ref | (table << 8), nwords, nzero, zero], dim=1).to(torch.int16)  # u16 fields
-    index = entries.view(torch.uint8).reshape(-1)  # little-endian, as the format's
-    blocks = torch.stack([ref, table, word_start, rest_start], dim=1)
+    index = entries.view(torch.uint8).reshape(-1)  # little-endian u16 fields, as the format's
     return DevicePlan(lengths, codes, index, blocks, sizes, totals)
 
 

@@ -348,8 +348,7 @@ def _plan(x: torch.Tensor, block_size: int, read: bool) -> device_plan.DevicePla
     if nb:
         _analyse[(nb,)](_ints(x), n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=block_warps(block_size),
                         **_shape_args(layout))
-    counts = hist.to(torch.int64) & 0xFFFF  # the 16-bit counts are unsigned
-    return device_plan.plan(counts[:, 0], counts[:, 1], ref.to(torch.int64), n, block_size, x.dtype, read)
+    return device_plan.plan(hist[:, 0], hist[:, 1], ref, n, block_size, x.dtype, read)
 
 
 def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: torch.Tensor, words: int) -> None:
