@@ -57,6 +57,10 @@ def _specs(dtype: str):
                        "bits_ptr": "*i32", "index_ptr": "*i16", "block_ptr": "*i64", "nb": "i64", "numel": "i64"},
            dict(BS=bs, NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=rest_bytes,
                 ITEMSIZE=itemsize, TILE=device_plan.TILE), 4)
+    yield ("_index", {"entry_ptr": "*u8", "nb": "i64", "n": "i64", "bs": "i64", "ntables": "i64", "rows_ptr": "*i64",
+                      "lens_ptr": "*i64", "bad_ptr": "*i64"},
+           dict(EMAX=(1 << ebits) - 1, ITEMSIZE=itemsize, REST_BYTES=rest_bytes, RAW=RAW_BLOCK,
+                TILE=device_plan.INDEX_TILE), 4)
 
 
 def _cubin_usage(cubin: bytes) -> dict:

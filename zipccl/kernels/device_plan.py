@@ -135,23 +135,52 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
     return DevicePlan(lengths, codes, index, blocks, sizes, totals)
 
 
+INDEX_TILE = 128  # block index entries per program of _index
+
+
+@triton.jit
+def _index(entry_ptr, nb, n, bs, ntables, rows_ptr, lens_ptr, bad_ptr, EMAX: tl.constexpr, ITEMSIZE: tl.constexpr,
+           REST_BYTES: tl.constexpr, RAW: tl.constexpr, TILE: tl.constexpr):
+    """TILE entries of a block index: reference/packet.py's checks and rows. rows_ptr: ref, entry,
+    stream words, zeros and elements per block, each row nb long; lens_ptr: the blocks' stream
+    words, then their rest bytes, each row nb + 1 long with the block's value one place on (a
+    prefix sum gives the starts); bad_ptr: the block's number where its entry is invalid, else nb."""
+    b = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    live = b < nb
+    e = entry_ptr + b.to(tl.int64) * 8
+    ref = tl.load(e, mask=live, other=0).to(tl.int64)
+    table = tl.load(e + 1, mask=live, other=0).to(tl.int64)
+    nwords = tl.load(e + 2, mask=live, other=0).to(tl.int64) | (tl.load(e + 3, mask=live, other=0).to(tl.int64) << 8)
+    nzero = tl.load(e + 4, mask=live, other=0).to(tl.int64) | (tl.load(e + 5, mask=live, other=0).to(tl.int64) << 8)
+    pad = tl.load(e + 6, mask=live, other=0).to(tl.int64) | tl.load(e + 7, mask=live, other=0).to(tl.int64)
+    nvalid = tl.minimum(n - b.to(tl.int64) * bs, bs)
+    raw = table == RAW
+    ok = tl.where(raw, (nwords == 0) & (nzero == 0) & (ref == 0),  # coded: a bit per element at least
+                  (table < ntables) & (ref <= EMAX) & (nzero <= nvalid) & (nvalid <= 32 * nwords)) & (pad == 0)
+    rest = tl.where(raw, nvalid * ITEMSIZE, (nvalid - nzero) * REST_BYTES)
+    tl.store(rows_ptr + b, ref, mask=live)
+    tl.store(rows_ptr + nb + b, table, mask=live)
+    tl.store(rows_ptr + 2 * nb + b, nwords, mask=live)
+    tl.store(rows_ptr + 3 * nb + b, nzero, mask=live)
+    tl.store(rows_ptr + 4 * nb + b, nvalid, mask=live)
+    tl.store(lens_ptr + 1 + b, nwords, mask=live)
+    tl.store(lens_ptr + nb + 2 + b, rest, mask=live)
+    tl.store(bad_ptr + b, tl.where(ok, nb, b), mask=live)
+
+
 def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout):
-    """reference/packet.py's read_index on the packet's device: the same rows as int64 tensors
-    there, the first invalid entry (-1 if none), stream words and rest bytes."""
-    e = packet[start:stop].view(-1, INDEX_ENTRY).to(torch.int64)
-    nb, dev = e.shape[0], packet.device
-    blocks = torch.arange(nb, device=dev)
-    ref, table = e[:, 0], e[:, 1]
-    nwords, nzero = e[:, 2] | (e[:, 3] << 8), e[:, 4] | (e[:, 5] << 8)
-    nvalid = (n - blocks * bs).clamp_max(bs)
-    raw = table == RAW_BLOCK
-    ok = torch.where(raw, (nwords == 0) & (nzero == 0) & (ref == 0),  # coded: a bit per element at least
-                     (table < ntables) & (ref <= layout.emax) & (nzero <= nvalid) & (nvalid <= 32 * nwords))
-    ok &= (e[:, 6] == 0) & (e[:, 7] == 0)
-    rest = torch.where(raw, nvalid * layout.itemsize, (nvalid - nzero) * layout.rest_bytes)
-    zero = torch.zeros(1, dtype=torch.int64, device=dev)
-    word_start = torch.cat([zero, torch.cumsum(nwords, 0)])
-    rest_start = torch.cat([zero, torch.cumsum(rest, 0)])
-    first_bad = torch.where(ok, nb, blocks).min() if nb else zero[0] + nb
-    return (ref, table, nwords, nzero, nvalid, word_start, rest_start), \
-        torch.stack([first_bad, word_start[-1], rest_start[-1]])  # checked by the decoder, with its last read
+    """reference/packet.py's read_index on the packet's device (one Triton kernel, one prefix sum):
+    the same rows as int64 tensors there, and its check (the first invalid entry or the block
+    count, stream words, rest bytes) as a tensor there too, for the decoder to check."""
+    nb, dev = (stop - start) // INDEX_ENTRY, packet.device
+    rows = torch.empty(5, nb, dtype=torch.int64, device=dev)
+    lens = torch.zeros(2, nb + 1, dtype=torch.int64, device=dev)
+    bad = torch.empty(max(nb, 1), dtype=torch.int64, device=dev)
+    if nb:
+        _index[(triton.cdiv(nb, INDEX_TILE),)](packet[start:stop], nb, n, bs, ntables, rows, lens, bad,
+                                                EMAX=layout.emax, ITEMSIZE=layout.itemsize,
+                                                REST_BYTES=layout.rest_bytes, RAW=RAW_BLOCK, TILE=INDEX_TILE)
+    else:
+        bad.zero_()
+    starts = torch.cumsum(lens, 1)
+    return (*rows, starts[0], starts[1]), torch.stack([bad.min(), starts[0, -1], starts[1, -1]])
