@@ -58,9 +58,11 @@ def main() -> None:
     base = torch.from_numpy(np.load(args.data)) if args.data.exists() else torch.randn(1 << 22) * 0.02
     x = base.repeat(-(-args.numel // base.numel()))[:args.numel].to(DTYPES[args.dtype]).cuda()
     z, out = Lossless("triton"), torch.empty_like(x)
+    buf = torch.empty(z.max_encoded_size(x.numel(), x.dtype), dtype=torch.uint8, device="cuda")
     z.decode(z.encode(x), out)  # compile
+    z.encode_into(x, buf)
     spent = _timed_host_steps()
-    walls = {"encode": [], "decode": []}
+    walls = {"encode": [], "decode": [], "encode_into": []}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.repeat):
             torch.cuda.synchronize()
@@ -72,6 +74,10 @@ def main() -> None:
             z.decode(packet, out)
             torch.cuda.synchronize()
             walls["decode"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            z.encode_into(x, buf)  # no host read: the size stays on the device
+            torch.cuda.synchronize()
+            walls["encode_into"].append(time.perf_counter() - t)
     nbytes = x.numel() * x.element_size()
     print(f"# {torch.cuda.get_device_name()}, {args.numel} {args.dtype} elements ({nbytes / 2**20:.0f} MiB), "
           f"ratio {packet.numel() / nbytes:.4f}")
