@@ -54,7 +54,8 @@ def _specs(dtype: str):
     yield ("_seal", {"hdr_ptr": "*u8", "totals_ptr": "*i64", "size_ptr": "*i64", "s1": "i64"}, {}, 1)
     from . import device_plan
     yield ("_choose", {"sampled_ptr": "*i16", "exact_ptr": "*i16", "stride": "i64", "ref_ptr": "*i32",
-                       "bits_ptr": "*i32", "index_ptr": "*i16", "block_ptr": "*i64", "nb": "i64", "numel": "i64"},
+                       "bits_ptr": "*i32", "index_ptr": "*i16", "block_ptr": "*i64", "lens_ptr": "*i64", "nb": "i64",
+                       "numel": "i64"},
            dict(BS=bs, NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=rest_bytes,
                 ITEMSIZE=itemsize, TILE=device_plan.TILE), 4)
     yield ("_index", {"entry_ptr": "*u8", "nb": "i64", "n": "i64", "bs": "i64", "ntables": "i64", "rows_ptr": "*i64",

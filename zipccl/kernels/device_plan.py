@@ -53,13 +53,15 @@ TILE = 4  # blocks per program of _choose: its cost products are TILE x BANK_SIZ
 
 
 @triton.jit
-def _choose(sampled_ptr, exact_ptr, stride, ref_ptr, bits_ptr, index_ptr, block_ptr, nb, numel,
+def _choose(sampled_ptr, exact_ptr, stride, ref_ptr, bits_ptr, index_ptr, block_ptr, lens_ptr, nb, numel,
             BS: tl.constexpr, NSYM: tl.constexpr, NBANK: tl.constexpr, ZERO: tl.constexpr, RAW: tl.constexpr,
             REST_BYTES: tl.constexpr, ITEMSIZE: tl.constexpr, TILE: tl.constexpr):
     """TILE blocks: each one's bank entry (the fewest bits for its sample, ties to the lowest),
     its exact coded size from its whole histogram, or raw where coding would not make it
-    smaller; writes its index entry (u16 ref | entry << 8, words, zeros, 0) and its row (ref,
-    entry, stream words, rest bytes). Histogram rows are ``stride`` counts apart, read as u16."""
+    smaller; writes its index entry (u16 ref | entry << 8, words, zeros, 0), its row's ref and
+    entry, and its stream words and rest bytes one place on in the two rows of lens (nb + 1
+    long, first place zero: a prefix sum gives the starts). Histogram rows are ``stride`` counts
+    apart, read as u16."""
     blk = tl.program_id(0) * TILE + tl.arange(0, TILE)
     live = blk < nb
     syms = tl.arange(0, NSYM)
@@ -91,8 +93,8 @@ def _choose(sampled_ptr, exact_ptr, stride, ref_ptr, bits_ptr, index_ptr, block_
     row = block_ptr + 4 * blk
     tl.store(row, ref, mask=live)
     tl.store(row + 1, table, mask=live)
-    tl.store(row + 2, nwords, mask=live)
-    tl.store(row + 3, rest, mask=live)
+    tl.store(lens_ptr + 1 + blk, nwords, mask=live)
+    tl.store(lens_ptr + nb + 2 + blk, rest, mask=live)
 
 
 @dataclass
@@ -118,15 +120,17 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
         raise ValueError("the histograms need rows of one stride, their counts contiguous")
     entries = torch.empty(nb, 4, dtype=torch.int16, device=dev)
     blocks = torch.empty(nb, 4, dtype=torch.int64, device=dev)
+    lens = torch.zeros(2, nb + 1, dtype=torch.int64, device=dev)
     if nb:
         _choose[(triton.cdiv(nb, TILE),)](
-            sampled, exact, sampled.stride(0), ref, bits, entries, blocks, nb, numel, BS=block_size, NSYM=NSYM,
+            sampled, exact, sampled.stride(0), ref, bits, entries, blocks, lens, nb, numel, BS=block_size, NSYM=NSYM,
             NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=layout.rest_bytes, ITEMSIZE=layout.itemsize,
             TILE=TILE)
-    lens = blocks[:, 2:]
-    ends = torch.cumsum(lens, 0)
-    totals = ends[-1] if nb else torch.zeros(2, dtype=torch.int64, device=dev)
-    lens.neg_().add_(ends)  # each block's first stream word and rest byte
+    # The starts: a prefix sum along the rows (a scan down the columns of an (nb, 2) tensor took
+    # 3.1 ms for 32768 blocks on an H100, ten times the kernels).
+    starts = torch.cumsum(lens, 1)
+    totals = starts[:, -1].contiguous()  # stream words, rest bytes (kernels read it as two int64)
+    blocks[:, 2:] = starts[:, :-1].T  # each block's first stream word and rest byte
     sizes = None
     if read:
         words, rest_bytes = (int(v) for v in to_host(totals))  # the one read
