@@ -61,11 +61,19 @@ def _transports(levels: Levels, device: torch.device) -> tuple:
     return transport_for(levels.intra, device), transport_for(levels.inter, device)
 
 
-def _arrangement(levels: Levels) -> torch.Tensor:
+_ARRANGEMENTS: dict = {}  # (nodes, device) -> _arrangement's index there
+
+
+def _arrangement(levels: Levels, device: torch.device) -> torch.Tensor:
     """Group ranks ordered by (local rank, node): row k of the arranged chunks belongs to rank
-    index[k], so that local rank j's slice holds the chunks of the ranks (node i, local j)."""
-    nodes = levels.topology.nodes
-    return torch.tensor([nodes[i][j] for j in range(len(nodes[0])) for i in range(len(nodes))], dtype=torch.long)
+    index[k], so that local rank j's slice holds the chunks of the ranks (node i, local j). On
+    ``device`` (index_copy_ takes no index from elsewhere), uploaded once per topology."""
+    nodes = tuple(tuple(node) for node in levels.topology.nodes)
+    key = (nodes, device)
+    if key not in _ARRANGEMENTS:
+        _ARRANGEMENTS[key] = torch.tensor([nodes[i][j] for j in range(len(nodes[0])) for i in range(len(nodes))],
+                                          dtype=torch.long).to(device)
+    return _ARRANGEMENTS[key]
 
 
 def _node(fate: Fate, acc: dict, intra, fn, *args):
@@ -130,7 +138,7 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
         if padded is not flat:
             flat.copy_(padded[:numel])
         return
-    index = _arrangement(levels)
+    index = _arrangement(levels, (output if name == "all_gather" else input).device)
     if name == "reduce_scatter":
         m = output.numel()
         arranged = input.view(size, m)[index].view(-1)
