@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from zipccl.launch import free_port
 from workers import spawn
@@ -188,3 +189,60 @@ def test_links_are_matched_by_bus_id():
     assert link_between([a, b, c], {a: [b], b: [a], c: []}) == "pcie"
     assert link_between([a, b], {a: ["switch"], b: ["switch"]}) == "nvlink"
     assert link_between([a, b], {a: [a], b: ["0000:99:00.0"]}) == "pcie"  # a link to itself or elsewhere is no peer
+
+
+class _Stream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class _Comm:
+    aborted = False
+
+    def check_async_error(self):
+        pass
+
+    def abort(self):
+        _Comm.aborted = True
+
+
+def _pending_transport(monkeypatch):
+    """An NcclTransport over stand-ins (no GPU): a communicator that never reports an error and
+    an operation on device tensors whose event never passes, as a receive from a dead peer."""
+    from zipccl.transport.cupy_nccl import NcclTransport, _Work
+    t = object.__new__(NcclTransport)
+    t.comm, t.device, t.rank, t._ranks = _Comm(), "cpu", 0, [0, 1]
+    _Comm.aborted = False
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    work = _Work(keep=None)
+    work.event = type("Pending", (), {"query": lambda self: False})()
+    return t, work, stream
+
+
+def test_a_pending_device_receive_times_out_under_zipccl_timeout(monkeypatch):
+    """With ZIPCCL_TIMEOUT set, the host waits for an operation on device tensors, bounded: a
+    receive that never completes (its peer died) raises a timed-out NcclError and aborts the
+    communicator, instead of leaving the stream to hang the next host read."""
+    from zipccl import config
+    from zipccl.transport.cupy_nccl import NcclError
+    monkeypatch.setattr(config, "TIMEOUT", 0.3)
+    t, work, stream = _pending_transport(monkeypatch)
+    start = time.monotonic()
+    with pytest.raises(NcclError, match="no progress within 0.3 s") as e:
+        t.wait(work)
+    assert 0.3 <= time.monotonic() - start < 3
+    assert e.value.timed_out and _Comm.aborted and t.comm is None and not stream.waited
+
+
+def test_without_zipccl_timeout_a_device_wait_leaves_the_host_free(monkeypatch):
+    """Without ZIPCCL_TIMEOUT, waiting for an operation on device tensors only orders torch's
+    current stream after it: the host returns at once."""
+    from zipccl import config
+    monkeypatch.setattr(config, "TIMEOUT", None)
+    t, work, stream = _pending_transport(monkeypatch)
+    t.wait(work)
+    assert stream.waited == [work.event] and not _Comm.aborted

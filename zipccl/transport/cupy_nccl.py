@@ -231,17 +231,25 @@ class NcclTransport(Transport):
         return self._p2p(recv, src, False)
 
     def wait(self, work, timeout: float | None = None) -> None:
-        """Device tensors: torch's current stream waits for the operation (no host wait). Staged
-        CPU tensors: the host waits, at most ZIPCCL_TIMEOUT seconds (or ``timeout`` where that
-        is shorter), checking NCCL's async errors; a timeout or an error aborts the communicator
-        (ncclCommAbort), and the error of a timeout says so (``timed_out``, as for
-        TorchTransport)."""
+        """Device tensors: torch's current stream waits for the operation; the host waits too,
+        bounded, where ZIPCCL_TIMEOUT is set (a peer that died leaves its receive pending for
+        ever: the stream would hang the next host read, with no one to name). Staged CPU
+        tensors: the host waits. A host wait takes at most ZIPCCL_TIMEOUT seconds (or
+        ``timeout`` where that is shorter), checking NCCL's async errors; a timeout or an error
+        aborts the communicator (ncclCommAbort), and the error of a timeout says so
+        (``timed_out``, as for TorchTransport)."""
         if work.event is None:
             raise ZipcclError("NcclTransport: an operation waited for inside its group, before NCCL issued it")
+        limit = wait_limit(timeout)
         if work.host is None:
+            if limit is not None:
+                self._host_wait(work, limit)
             torch.cuda.current_stream(self.device).wait_event(work.event)
             return
-        limit = wait_limit(timeout)
+        self._host_wait(work, limit)
+        work.host.copy_(work.staged)
+
+    def _host_wait(self, work, limit: float | None) -> None:
         deadline = None if limit is None else time.monotonic() + limit
         while not work.event.query():
             if self.comm is None:  # aborted by another wait of the call
@@ -255,7 +263,6 @@ class NcclTransport(Transport):
                 error.timed_out = True  # this rank gave up; the peer may live (zipccl.failure)
                 raise error
             time.sleep(1e-4)
-        work.host.copy_(work.staged)
 
     def all_to_all(self, send, send_splits, recv_splits):
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
