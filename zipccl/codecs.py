@@ -142,10 +142,11 @@ class Lossless:
 
     def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
                max_numel: int | None = None) -> torch.Tensor:
-        """The tensor (1-D) a lossless packet holds, into ``out`` if given. The header and
-        block index are validated (on the host; the GPU's index where it is) against the packet, and
-        ``max_numel`` (FormatError for a packet that claims more elements), before the output is
-        allocated or a kernel runs."""
+        """The tensor (1-D) a lossless packet holds, into ``out`` if given. The header is
+        validated against the packet and ``max_numel`` (FormatError for a packet that claims
+        more elements) before the output is allocated or a kernel runs; so is the block index on
+        the host. On the GPU the index is checked where it is, and no kernel reads through it
+        until it is known good: a bad one raises at the call's end with ``out`` untouched."""
         packet = _check_packet(packet)
         kernels = resolve(self.impl, packet.device)
         h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_LOSSLESS, packet.numel())

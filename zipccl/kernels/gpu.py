@@ -9,9 +9,10 @@ encode, two passes over the input and one read by the host:
      reference exponent and two 32-bin symbol histograms of 16-bit counts, of
      its sample and of all its elements (132 bytes per block).
   2. kernels/device_plan.py picks each block's entry of the fixed bank of codes
-     (zipccl/bank.py) and lays the packet out with torch operations on the
-     device, as reference/plan.py does on the host; the host reads the two data
-     section sizes, which size the packet.
+     (zipccl/bank.py) in one kernel (``_choose``) and lays the packet out with a
+     prefix sum on the device, as reference/plan.py does on the host; the host
+     reads the two data section sizes, which size the packet (``encode_into``
+     leaves them on the device, and ``_seal`` writes the header there).
   3. ``_encode``: one program per block reads it again and writes its codes and
      sign+mantissa bytes at the planned offsets. Bit positions come from an
      in-block prefix sum of code widths; the codes of each 32-bit word are
@@ -416,7 +417,8 @@ def encode_into(x: torch.Tensor, out: torch.Tensor, block_size: int) -> torch.Te
 
 
 def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
-    # Validation before any launch: header and tables on the host, the block index on the device.
+    # The header is validated on the host before any launch; the block index on the device, its
+    # verdict read with the blocks' errors at the end (_raise_first).
     p = parse_lossless(packet, header, read_index)
     layout, h = p.layout, p.header
     n, bs, dev = h.numel, h.block_size, packet.device

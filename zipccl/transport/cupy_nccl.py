@@ -17,9 +17,10 @@ Codec "native" is NCCL's own collective: torch's, on the group, where its backen
 
 GPU-only beyond construction: what runs without a GPU (the bootstrap, its agreed error, the type
 and op tables) is tested in CI (tests/test_nccl.py); the rest is covered by the ``gpu`` suite
-(tests/test_nccl_gpu.py, tests/test_gpu_lab.py, docs/GPU.md), which needs a CUDA device: it
-passed on 1, 2 and 4 ranks of one H100 (2026-11-26), several ranks sharing the GPU in the
-one-GPU lab (zipccl.launch.spawn(..., share_gpu=True), docs/GPU.md).
+(tests/test_nccl_gpu.py, tests/test_gpu_lab.py, docs/GPU.md), which needs a CUDA device: its
+collectives passed on 1, 2 and 4 ranks of one H100 (2026-11-26), several ranks sharing the GPU
+in the one-GPU lab (zipccl.launch.spawn(..., share_gpu=True), docs/GPU.md); its killed-rank test
+hung there before the bounded device waits below.
 """
 
 from __future__ import annotations
