@@ -250,3 +250,14 @@ def _invalid_on_one_rank(rank, groups, inter):
 def test_an_invalid_call_raises_on_every_rank(pool, inter):
     res = pool.run(_invalid_on_one_rank, inter, timeout=60)
     assert res == ["UnsupportedError", "MismatchError", "MismatchError", "MismatchError"], res
+
+
+def test_the_arrangement_index_is_made_on_the_tensors_device():
+    """index_copy_ takes no index from another device: on an H100 the all-gather of CUDA tensors
+    failed with a CPU index. The index follows the device asked for (meta stands in for CUDA)."""
+    from types import SimpleNamespace
+    from zipccl.hierarchical import _arrangement
+    levels = SimpleNamespace(topology=SimpleNamespace(nodes=[[0, 1], [2, 3]]))
+    index = _arrangement(levels, torch.device("meta"))
+    assert index.device.type == "meta" and index.shape == (4,)
+    assert _arrangement(levels, torch.device("cpu")).tolist() == [0, 2, 1, 3]
