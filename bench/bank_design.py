@@ -38,13 +38,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zipccl.bench.common import DEFAULT_DATA
 from zipccl.codecs import Lossless
 from zipccl.format import (HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_OFFSET, MAXLEN, MIN_OFFSET, NSYM, OFFSET_BIAS,
                            RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO)
 from zipccl.reference import tables as T
 from zipccl.reference.packet import parse_lossless
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "grads_step050_bucket0_fp32.npy"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODEL_BLOCK = 4096
 
@@ -236,7 +236,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4,8,16,32")
     ap.add_argument("--block", type=int, default=4096)
-    ap.add_argument("--data", type=Path, default=DATA, help="the fp32 gradient bucket (.npy)")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the fp32 gradient bucket (.npy)")
     ap.add_argument("--cache", type=Path, help="keep the small GPT's tensors in this .npz")
     ap.add_argument("--steps", type=int, default=12, help="training steps of the small GPT")
     ap.add_argument("--width", type=int, default=192, help="the small GPT's d_model")

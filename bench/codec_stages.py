@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zipccl.bench.common import DEFAULT_DATA
 from zipccl.codecs import Lossless
 from zipccl.format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, num_blocks
 from zipccl.kernels import cpu as C
@@ -82,8 +83,7 @@ def stages(x: torch.Tensor) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data"
-                    / "grads_step050_bucket0_fp32.npy")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--runs", type=int, default=15)
     args = ap.parse_args()

@@ -7,16 +7,15 @@ that chose the coding. Version 2 takes its codes from a fixed bank; bench/bank_d
 measures that against this model's packets.
 """
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from zipccl.bench.common import DEFAULT_DATA
 from zipccl.format import (HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_OFFSET, MIN_OFFSET, NSYM, OFFSET_BIAS, SYM_ESC,
                            TABLE_BYTES)
 from zipccl.reference import tables as T
 
-DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "data" / "grads_step050_bucket0_fp32.npy"
 
 
 def entropy(counts) -> float:
@@ -53,7 +52,7 @@ def huffman_size(bits: np.ndarray, bs: int, ntables: int, stride: int = 1, zero_
 
 
 def main() -> None:
-    x = torch.from_numpy(np.load(sys.argv[1] if len(sys.argv) > 1 else DEFAULT)).to(torch.bfloat16)
+    x = torch.from_numpy(np.load(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_DATA)).to(torch.bfloat16)
     bits = x.view(torch.int16).numpy().view(np.uint16).astype(np.int64)
     n, raw = bits.size, 2 * bits.size
     e = (bits >> 7) & 255

@@ -25,7 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "grads_step050_bucket0_fp32.npy"
 FAMILIES = ("raw", "topk", "numba", "reference", "triton")
 COUNTS = ("cases", "format_error", "decoded_ok", "crashes", "guard_violations", "over_bound_allocations",
           "wrong_decodes", "harness_errors")
@@ -145,13 +144,14 @@ def _families(spec: str, cases: int) -> list[tuple[str, int]]:
 
 
 def main(argv=None) -> int:
+    from zipccl.bench.common import DEFAULT_DATA
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=100_000, help="cases per family (default 100000)")
     ap.add_argument("--family", default="raw,topk,numba,reference",
                     help="comma-separated families, each optionally =CASES (also: triton; default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start", type=int, default=0, help="first case number (to replay a range)")
-    ap.add_argument("--data", type=Path, default=DATA, help="fp32 gradients (.npy); synthetic data only if missing")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="fp32 gradients (.npy); synthetic data only if missing")
     ap.add_argument("--every", type=float, default=5.0, help="seconds between progress lines")
     ap.add_argument("--case-timeout", type=float, default=300.0,
                     help="seconds one case may run before it counts as a hang (crash); the Triton interpreter "

@@ -5,9 +5,10 @@
 # the all-reduce again under MPS, the codec's GPU throughput and where its time goes. Every file
 # lands in OUTDIR ($OUT if set).
 #   ZIPCCL_DATA=folder-with-the-real-gradients bash bench/gpu_check.sh [OUTDIR]
-# Each step is bounded by `timeout` (815 s in all; SKIP="name ..." leaves steps out, NAME_S
-# variables set their limits) and the run goes on after a failed step; OUTDIR/steps.txt lists every
-# step's exit code (124: its time ran out) and seconds.
+# Each step is bounded by `timeout` (480 s in all by default: 8 minutes; SKIP="name ..." leaves
+# steps out, by default the time-sliced lab's three tables, which add 120 s; NAME_S variables set
+# the limits) and the run goes on after a failed step; OUTDIR/steps.txt lists every step's exit
+# code (124: its time ran out) and seconds.
 set -u
 out=${1:-${OUT:-gpu_out}}
 mkdir -p "$out"
@@ -23,7 +24,7 @@ step() {
     local name=$1 limit=$2 t0=$SECONDS
     shift 2
     local cmd="$*"
-    if [[ " ${SKIP:-} " == *" $name "* ]]; then
+    if [[ " ${SKIP-lab_all_reduce lab_reduce_scatter lab_all_gather} " == *" $name "* ]]; then
         echo "$name skipped (SKIP)" | tee -a "$out/steps.txt"
         return
     fi
@@ -114,23 +115,23 @@ mps() {
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
-step env "${ENV_S:-25}" $py -c "$env_py"
+step env "${ENV_S:-15}" $py -c "$env_py"
 # The gpu suite in steps, so that a hang in one part costs the others' results nothing; the
 # killed-rank test comes last, since the ranks it leaves behind could slow what follows.
 gpu_suite="$py -m pytest -m gpu -rsxX -v -p no:cacheprovider"
-step suite_kernels "${SUITE_KERNELS_S:-80}" $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
-step codec_cuda "${CODEC_S:-25}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
+step suite_kernels "${SUITE_KERNELS_S:-70}" $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
+step codec_cuda "${CODEC_S:-20}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
     --json "$out/codec_cuda.json"
 for case in ${STAGES:-33554432:bf16 4194304:bf16}; do
-    step "stages_${case/:/_}" "${STAGES_S:-20}" $py bench/gpu_stages.py --numel "${case%:*}" --dtype "${case#*:}" \
+    step "stages_${case/:/_}" "${STAGES_S:-15}" $py bench/gpu_stages.py --numel "${case%:*}" --dtype "${case#*:}" \
         --data "$data"
 done
 step codec_ab "${AB_S:-20}" $py bench/gpu_ab.py --data "$data" --label "$(git rev-parse --short HEAD 2>/dev/null \
     || echo checkout)" --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json"
-step suite_ranks "${SUITE_RANKS_S:-200}" $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py \
+step suite_ranks "${SUITE_RANKS_S:-130}" $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py \
     -k "transport or dropin or collectives or clock or perf_lab"
-step suite_entry "${SUITE_ENTRY_S:-120}" $gpu_suite -s tests/test_gpu_lab.py -k entry_point
-step suite_syncs "${SUITE_SYNCS_S:-45}" $gpu_suite -s tests/test_gpu_lab.py -k synchronisations
+step suite_entry "${SUITE_ENTRY_S:-60}" $gpu_suite -s tests/test_gpu_lab.py -k entry_point
+step suite_syncs "${SUITE_SYNCS_S:-30}" $gpu_suite -s tests/test_gpu_lab.py -k synchronisations
 # The one-GPU NCCL lab: 4 ranks on cuda:0, each its own NCCL host, NCCL's socket transport on
 # loopback (no namespaces here); bf16 at 1, 8 and 64 MiB, one table per variant; then the
 # all-reduce again with MPS.
@@ -138,6 +139,6 @@ lab="$py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 -b 1M -e 64M 
 for coll in all_reduce reduce_scatter all_gather; do
     step "lab_$coll" "${LAB_S:-40}" $lab --collective "$coll" -J "$out/lab_$coll.json"
 done
-mps step lab_all_reduce_mps "${LAB_MPS_S:-50}" $lab --collective all_reduce -J "$out/lab_all_reduce_mps.json"
-step suite_killed "${SUITE_KILLED_S:-90}" $gpu_suite -s tests/test_gpu_lab.py -k killed
+mps step lab_all_reduce_mps "${LAB_MPS_S:-45}" $lab --collective all_reduce -J "$out/lab_all_reduce_mps.json"
+step suite_killed "${SUITE_KILLED_S:-60}" $gpu_suite -s tests/test_gpu_lab.py -k killed
 echo "### done: $out/steps.txt"

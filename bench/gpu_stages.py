@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import zipccl.codecs as codecs
 import zipccl.kernels.device_plan as device_plan
+from zipccl.bench.common import DEFAULT_DATA
 from zipccl.codecs import Lossless
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -52,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=int, default=32 * 1024 * 1024)
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
-    ap.add_argument("--data", type=Path, default=Path("../shared/data/grads_step050_bucket0_fp32.npy"))
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     base = torch.from_numpy(np.load(args.data)) if args.data.exists() else torch.randn(1 << 22) * 0.02

@@ -31,12 +31,10 @@ import torch.distributed as dist
 
 import zipccl
 from zipccl import topology
-from zipccl.bench.common import load_data, parse_size, real
+from zipccl.bench.common import DEFAULT_DATA, load_data, parse_size, real
 from zipccl.bench.netlab import NetLab
 from zipccl.torch_compat import all_gather_single, reduce_scatter_single
 
-DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
-                            "grads_step050_bucket0_fp32.npy")
 NATIVE = {"all_reduce": lambda o, i: dist.all_reduce(o),
           "reduce_scatter": lambda o, i: reduce_scatter_single(o, i),
           "all_gather": lambda o, i: all_gather_single(o, i)}

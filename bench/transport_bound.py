@@ -30,12 +30,10 @@ import torch
 import torch.distributed as dist
 
 import zipccl
-from zipccl.bench.common import load_data, real
+from zipccl.bench.common import DEFAULT_DATA, load_data, real
 from zipccl.bench.netlab import NetLab
 from zipccl.codecs import Lossless
 
-DEFAULT_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
-                            "grads_step050_bucket0_fp32.npy")
 NUMEL = 32 << 20  # bf16 elements per rank: 64 MiB
 
 

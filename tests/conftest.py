@@ -1,8 +1,9 @@
-"""Shared fixtures: real gradients from ../shared/data when present."""
+"""Shared fixtures: real gradients from ../shared/data (or ZIPCCL_DATA) when present."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,26 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # exact-size receives, matches messages in issue order without tags and groups its sends and receives.
 os.environ.setdefault("ZIPCCL_STRICT_TRANSPORT", "1")
 
-GRADS = Path(os.environ.get("ZIPCCL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")) \
-    / "grads_step050_bucket0_fp32.npy"
+GRADS_FILE = "grads_step050_bucket0_fp32.npy"
+
+
+def _grads_dir() -> Path:
+    """ZIPCCL_DATA, else shared/data beside this checkout, else beside the repository it was
+    cloned from where that is a local path (a clone made elsewhere: git clone . "$(mktemp -d)")."""
+    if os.environ.get("ZIPCCL_DATA"):
+        return Path(os.environ["ZIPCCL_DATA"])
+    root = Path(__file__).resolve().parents[1]
+    places = [root.parent / "shared" / "data"]
+    origin = subprocess.run(["git", "-C", str(root), "config", "--get", "remote.origin.url"],
+                            capture_output=True, text=True).stdout.strip()
+    if origin and Path(origin).is_dir():
+        places.append(Path(origin).resolve().parent / "shared" / "data")
+    return next((d for d in places if (d / GRADS_FILE).exists()), places[0])
+
+
+GRADS = _grads_dir() / GRADS_FILE
+if GRADS.exists():
+    os.environ.setdefault("ZIPCCL_DATA", str(GRADS.parent))  # the scripts that tests run read it too
 
 
 @pytest.fixture(scope="session")

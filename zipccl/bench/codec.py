@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,10 +24,10 @@ import numpy as np
 import torch
 
 from ..codecs import Lossless
+from .common import DEFAULT_DATA
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ZIPNN_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "grads_step050_bucket0_fp32.npy"
 
 
 def train_small_model_grads(steps: int = 6, seed: int = 0) -> torch.Tensor:
@@ -244,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zipccl-codec-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=None, help="elements per dataset (default: each dataset's own size)")
     ap.add_argument("--repeat", type=int, default=5, help="runs per measurement; the median is reported")
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get("ZIPCCL_DATA", DEFAULT_DATA.parent))
-                    / DEFAULT_DATA.name if os.environ.get("ZIPCCL_DATA") else DEFAULT_DATA,
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA,
                     help="a .npy of fp32 gradients (default: ../shared/data/grads_step050_bucket0_fp32.npy)")
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--no-zipnn", action="store_true")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +172,10 @@ def rank_order_reduce(inputs: list[torch.Tensor], op, nodes=None) -> torch.Tenso
     total = in_order([in_order([inputs[r] for r in ranks]).to(dtype) for ranks in nodes]).to(dtype)
     return total / len(inputs) if op == dist.ReduceOp.AVG else total
 
+
+#: The real gradient bucket: in ZIPCCL_DATA (a folder) where set, else in shared/data beside the checkout.
+DEFAULT_DATA = Path(os.environ.get("ZIPCCL_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data") \
+    / "grads_step050_bucket0_fp32.npy"
 
 def load_data(path: Path) -> torch.Tensor:
     t = torch.load(path) if path.suffix == ".pt" else torch.from_numpy(np.load(path))
