@@ -434,8 +434,9 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
     raw = is_raw.to(torch.int64)
     raw_rank = torch.cumsum(raw, 0) - raw
     ncoded = nb - raw.sum().reshape(1)
-    place = torch.where(is_raw, ncoded + raw_rank, torch.arange(nb, device=dev) - raw_rank)
-    order = torch.empty(nb, dtype=torch.int64, device=dev).scatter_(0, place, torch.arange(nb, device=dev))
+    ids = torch.arange(nb, device=dev)
+    place = torch.where(is_raw, ncoded + raw_rank, ids - raw_rank)
+    order = torch.empty(nb, dtype=torch.int64, device=dev).scatter_(0, place, ids)
     raw_from = ncoded
     if p.index_check is not None:  # unchecked yet: until it is known good, no kernel reads through it
         c = p.index_check
