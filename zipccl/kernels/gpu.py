@@ -204,7 +204,9 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded_pt
     nonzero = tl.zeros([LANES], dtype=tl.int32)
     dst = code_ptr + tl.program_id(0).to(tl.int64) * (BS * LANES) + lanes
     counts = count_ptr + tl.program_id(0).to(tl.int64) * (BS // CHUNK * LANES) + lanes
-    for c in range(0, BS, CHUNK):
+    # Up to the longest lane's block only (a short last block, a tiny tensor): _decode_join masks
+    # the chunks after it by nv, so their counts are never read into anything.
+    for c in range(0, tl.max(nv, 0), CHUNK):
         tl.store(counts + c // CHUNK * LANES, nonzero)
         for kk in range(CHUNK):
             k = c + kk
