@@ -105,7 +105,8 @@ def spawn(target, n: int, args: tuple, answers: int | None = None, seconds: floa
     ``target(rank, *args, results)`` on n spawned processes and collect their ``(rank, value)``
     until ``answers`` ranks (default: all) have answered or ``seconds`` have passed
     (``stop_on_crash``: or a process has exited with an error); then join each for up to 30 s and
-    kill what still lives. Returns ({rank: value}, the processes): a rank that hung is missing."""
+    kill what still lives (a rank that never answered, a stopped one, gets 1 s). Returns
+    ({rank: value}, the processes): a rank that hung is missing."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, *args, results)) for r in range(n)]
@@ -120,8 +121,8 @@ def spawn(target, n: int, args: tuple, answers: int | None = None, seconds: floa
             except queue.Empty:
                 if stop_on_crash and any(p.exitcode not in (None, 0) for p in procs):
                     break
-        for p in procs:
-            p.join(timeout=30)
+        for r, p in enumerate(procs):
+            p.join(timeout=30 if r in got else 1)
     finally:
         for p in procs:
             if p.is_alive():
