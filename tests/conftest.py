@@ -39,6 +39,21 @@ if GRADS.exists():
     os.environ.setdefault("ZIPCCL_DATA", str(GRADS.parent))  # the scripts that tests run read it too
 
 
+#: The test files that run longest on 2 cores, longest first (`pytest --durations=0`, summed per
+#: file). `make test` hands whole files to its two processes in collection order
+#: (--dist loadfile --no-loadscope-reorder): longest first, they finish together.
+LONGEST_FIRST = ("test_codec.py", "test_backend.py", "test_triton.py", "test_soak.py", "test_dead_rank.py",
+                 "test_perf_format.py", "test_fsdp.py", "test_perf_cli.py", "test_ddp.py", "test_fuzz.py",
+                 "test_launch.py", "test_collectives.py", "test_hierarchical.py", "test_sparse.py",
+                 "test_device_plan.py", "test_bench_codec.py", "test_gpu_suite_skips.py", "test_faults.py",
+                 "test_netlab.py")
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each file's order kept
+
+
 @pytest.fixture(scope="session")
 def real_grads() -> torch.Tensor:
     """The fp32 gradient bucket of a small GPT (3.3M elements), or skip with the reason."""

@@ -14,8 +14,9 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-def _pytest(tmp_path: Path, modules: dict[str, str], ci: bool = True) -> subprocess.CompletedProcess:
-    """pytest on `modules` (file name -> source) in tmp_path, with the plugin that tests/conftest.py loads."""
+def _pytest(tmp_path: Path, modules: dict[str, str], ci: bool = True, workers: int = 0) -> subprocess.CompletedProcess:
+    """pytest on `modules` (file name -> source) in tmp_path, with the plugin that tests/conftest.py
+    loads; ``workers``: in that many pytest-xdist processes, as `make test` runs the suite."""
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "conftest.py").write_text('pytest_plugins = ("ci_rules",)\n')
     for name, source in modules.items():
@@ -24,7 +25,8 @@ def _pytest(tmp_path: Path, modules: dict[str, str], ci: bool = True) -> subproc
     env["PYTHONPATH"] = str(HERE) + os.pathsep + env.get("PYTHONPATH", "")
     if ci:
         env["CI"] = "1"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+    spread = ["-n", str(workers), "--dist", "loadfile"] if workers else []
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *spread,
                            str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -35,9 +37,10 @@ MODULE_SKIP = ('import pytest\npytest.skip("the tool is not installed", allow_mo
                "def test_never_collected():\n    pass\n")
 
 
-def test_skips_at_import_fail_ci(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2], ids=["one process", "xdist"])
+def test_skips_at_import_fail_ci(tmp_path, workers):
     out = _pytest(tmp_path, {"test_importorskip.py": IMPORTORSKIP, "test_module_skip.py": MODULE_SKIP,
-                             "test_ok.py": PASSING})
+                             "test_ok.py": PASSING}, workers=workers)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "1 passed, 2 skipped" in out.stdout, out.stdout
     report = out.stdout.split("CI: 2 unexpected skip(s)")[-1]
@@ -52,9 +55,10 @@ def test_only_skips_at_import_fail_ci(tmp_path):
     assert "CI: 1 unexpected skip(s)" in out.stdout and "the tool is not installed" in out.stdout, out.stdout
 
 
-def test_skip_in_a_test_fails_ci(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2], ids=["one process", "xdist"])
+def test_skip_in_a_test_fails_ci(tmp_path, workers):
     source = 'import pytest\ndef test_skips():\n    pytest.skip("data file not found")\n'
-    out = _pytest(tmp_path, {"test_skips.py": source, "test_ok.py": PASSING})
+    out = _pytest(tmp_path, {"test_skips.py": source, "test_ok.py": PASSING}, workers=workers)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "CI: 1 unexpected skip(s)" in out.stdout and "data file not found" in out.stdout, out.stdout
 
