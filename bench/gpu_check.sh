@@ -118,7 +118,7 @@ mps() {
 step env "${ENV_S:-15}" $py -c "$env_py"
 # The gpu suite in steps, so that a hang in one part costs the others' results nothing; the
 # killed-rank test comes last, since the ranks it leaves behind could slow what follows.
-gpu_suite="$py -m pytest -m gpu -rsxX -v -p no:cacheprovider"
+gpu_suite="$py -m pytest -m gpu -q -rfEsxXp -p no:cacheprovider"  # -q: no banner; -r...p names every test
 step suite_kernels "${SUITE_KERNELS_S:-70}" $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
 step codec_cuda "${CODEC_S:-20}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
     --json "$out/codec_cuda.json"
