@@ -173,6 +173,7 @@ def _unaligned(nbits: int, load: bool):
 
 
 _load_u64 = _unaligned(64, load=True)
+_load_u32 = _unaligned(32, load=True)
 _store_u64 = _unaligned(64, load=False)
 _store_u32 = _unaligned(32, load=False)
 _U3, _U7, _U8, _U56, _U255 = np.uint64(3), np.uint64(7), np.uint64(8), np.uint64(56), np.uint64(255)
@@ -607,16 +608,21 @@ def _join_run(ob, sb, xb, rb, base, escapes, mmask, mbits, ebits, rest_bytes):
     Three loops that vectorize: symbol, sign and mantissa with the layout's constants only,
     then ``base`` added to every exponent (with the run-time ``base`` in the first loop,
     LLVM kept 64-bit lanes: 4x slower), then, if the block has escapes, their exponents."""
-    for i in range(ob.shape[0]):
+    m = ob.shape[0]
+    if rest_bytes == 3:  # each element's three bytes as one load of four, but the last's
+        for i in range(m - 1):
+            rv = _load_u32(rb, 3 * i) & 0xFFFFFF
+            ob[i] = (rv & mmask) | (np.int64(sb[i]) << mbits) | ((rv >> mbits) << (mbits + ebits))
+    for i in range(max(m - 1, 0) if rest_bytes == 3 else 0, m):  # runs may be empty
         rv = _rest_value(rb, i, rest_bytes)
         ob[i] = (rv & mmask) | (np.int64(sb[i]) << mbits) | ((rv >> mbits) << (mbits + ebits))
     shifted = base << mbits
-    for i in range(ob.shape[0]):
+    for i in range(m):
         ob[i] += shifted
-    if escapes:
-        for i in range(ob.shape[0]):
-            rv = _rest_value(rb, i, rest_bytes)
-            esc = (rv & mmask) | (np.int64(xb[i]) << mbits) | ((rv >> mbits) << (mbits + ebits))
+    if escapes:  # the base's add leaves the mantissa as it was; the sign is the top rest bit
+        for i in range(m):
+            sign = np.int64(rb[rest_bytes * i + rest_bytes - 1]) >> 7
+            esc = (ob[i] & mmask) | (np.int64(xb[i]) << mbits) | (sign << (mbits + ebits))
             ob[i] = esc if sb[i] == 1 else ob[i]
 
 
@@ -629,23 +635,50 @@ def _rest_value(rb, i, rest_bytes):
 
 
 @njit(inline="always")
-def _join_run_inline(ob, sb, xb, rb, base, mmask, mbits, ebits):
-    """_join_run for float16, whose tokens and escapes carry the top rest bits (bits 5-7 of
-    a token, above the exponent of an escape). Offsets may fall outside the exponent range
-    here (float16 references sit low): returns nonzero if any did."""
+def _join_run_inline(ob, sb, xb, rb, base, escapes, mmask, mbits, ebits):
+    """_join_run for float16, whose tokens and escapes carry the top rest bits (bits 5-7 of a
+    token, above the exponent of an escape), in the same three loops: the elements from token
+    and rest byte with the layout's constants only, ``base`` added to their exponent fields,
+    then, if the block has escapes, their elements."""
     emax = (1 << ebits) - 1
-    bad = 0
     for i in range(ob.shape[0]):
         tv = np.int64(sb[i])
-        xv = np.int64(xb[i])
-        sv = tv & 31
-        esc = sv == 1
-        ex = sv + base + esc * ((xv & emax) - sv - base)
-        top = (tv >> 5) + esc * ((xv >> ebits) - (tv >> 5))
-        bad |= (ex < 0) | (ex > emax)
-        rv = np.int64(rb[i]) | (top << 8)
-        ob[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
-    return bad
+        rv = np.int64(rb[i]) | ((tv >> 5) << 8)
+        ob[i] = (rv & mmask) | ((tv & 31) << mbits) | ((rv >> mbits) << (mbits + ebits))
+    shifted = base << mbits
+    for i in range(ob.shape[0]):
+        ob[i] += shifted
+    if escapes:
+        for i in range(ob.shape[0]):
+            xv = np.int64(xb[i])
+            rv = np.int64(rb[i]) | ((xv >> ebits) << 8)
+            esc = (rv & mmask) | ((xv & emax) << mbits) | ((rv >> mbits) << (mbits + ebits))
+            ob[i] = esc if (sb[i] & 31) == 1 else ob[i]
+
+
+@njit(inline="always")
+def _offsets_fit(sb, base, emax):
+    """Whether every offset symbol of a block's tokens (not +0.0's, not an escape) gives an
+    exponent in 0..emax: at once for references from 26 to emax - 3, else eight tokens at a
+    time, as bytewise comparisons of symbols (below 128) that cannot borrow across bytes: the
+    high bit of (s | 0x80) - t is s >= t (float16's references sit low; byte by byte, with
+    numba's 64-bit arithmetic, the pass cost half of float16's join)."""
+    lo, hi = max(2, -base), min(31, emax - base)
+    if lo <= 2 and hi >= 31:
+        return True
+    w = sb.shape[0] // 8
+    words = sb[:8 * w].view(np.uint64)
+    low, top = np.uint64(0x1F1F1F1F1F1F1F1F), np.uint64(0x8080808080808080)
+    at_lo, at_hi, at_one = np.uint64(lo) * _ONES, (np.uint64(hi) * _ONES) | top, _ONES | top
+    bad = np.uint64(0)
+    for i in range(w):
+        s = words[i] & low
+        fits = (((s | top) - at_lo) & (at_hi - s)) | (at_one - s)  # lo <= s <= hi, or s <= 1
+        bad |= ~fits & top
+    for i in range(8 * w, sb.shape[0]):
+        v = sb[i] & 31
+        bad |= np.uint64((v > 1) & ((v < lo) | (v > hi)))
+    return bad == 0
 
 
 @njit(**_NOGIL)
@@ -683,11 +716,11 @@ def _compose_layout(sym, xexp, rest, bs, n, layout, ref, table, nzero, word_star
         if zeros != nzero[b]:
             return -3
         r = np.int64(ref[b])
-        if zeros * 16 <= nv and (inline_bits or (r >= 26 and r + 3 <= emax)):
+        if zeros * 16 <= nv:
             # Every symbol but the few zeros is an offset or an escape: between zeros, the
             # runs join without branches (they vectorize); the zeros take no rest bytes.
-            # Offsets stay inside the exponent range for such references; float16's join
-            # checks them instead (its references sit low).
+            if not _offsets_fit(sb, r - 28, emax):
+                return -2
             _zero_positions(sb, zeros, zpos)
             a = 0
             for z in range(zeros + 1):
@@ -695,8 +728,7 @@ def _compose_layout(sym, xexp, rest, bs, n, layout, ref, table, nzero, word_star
                 ob, tb, xb = out[lo + a:lo + e], sym[lo + a:lo + e], xexp[lo + a:lo + e]
                 rb = rest[j:j + (e - a) * rest_bytes]
                 if inline_bits:
-                    if _join_run_inline(ob, tb, xb, rb, r - 28, mmask, mbits, ebits):
-                        return -2
+                    _join_run_inline(ob, tb, xb, rb, r - 28, stats[b, 1], mmask, mbits, ebits)
                 else:
                     _join_run(ob, tb, xb, rb, r - 28, stats[b, 1], mmask, mbits, ebits, rest_bytes)
                 j += (e - a) * rest_bytes
