@@ -3,7 +3,7 @@ PYTHON ?= python3
 # More pytest options for `make test`, e.g. PYTEST_ARGS="--durations=25" (.ci/run).
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist), each taking whole files, so that a file's worker pool and fixtures
-# are made once: on 2 cores, 2 run the suite in about two thirds of one's time (docs/TESTING.md).
+# are made once: on 2 cores, 2 run the suite in two thirds of one's time (docs/PERFORMANCE.md).
 TEST_WORKERS ?= 2
 STAMP := .setup.stamp
 
