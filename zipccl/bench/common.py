@@ -177,6 +177,7 @@ def rank_order_reduce(inputs: list[torch.Tensor], op, nodes=None) -> torch.Tenso
 DEFAULT_DATA = Path(os.environ.get("ZIPCCL_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data") \
     / "grads_step050_bucket0_fp32.npy"
 
+
 def load_data(path: Path) -> torch.Tensor:
     t = torch.load(path) if path.suffix == ".pt" else torch.from_numpy(np.load(path))
     if isinstance(t, dict):
