@@ -199,14 +199,17 @@ class NetLab:
 def unavailable() -> str | None:
     """Why the lab cannot be built here, or None: not root, no iproute2, network namespaces
     refused (a probe namespace is made and deleted), or a lab up already, which may be another
-    run's and is left alone (``up`` would tear it down)."""
+    run's and is left alone (``up`` would tear it down).
+
+    The probe is named per process and outside the lab's prefix: processes probing at once (test
+    workers collecting together) would otherwise find each other's probe and report a refusal."""
     try:
         check_host()
     except LabError as e:
         return str(e)
     if namespaces():
         return "a lab is up already (zipccl-netlab status; zipccl-netlab down removes it)"
-    probe = f"{PREFIX}probe"
+    probe = f"zipccl-probe-{os.getpid()}"
     made = _sh("ip", "netns", "add", probe, check=False)
     if made.returncode:
         return f"network namespaces cannot be created here ({made.stderr.strip() or 'ip netns add failed'})"
