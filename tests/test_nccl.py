@@ -145,7 +145,8 @@ def test_bootstrap_alike_on_every_rank(n, monkeypatch):
     got, _ = spawn(_bootstrap, n, (n, free_port()), seconds=180, stop_on_crash=True)
     assert sorted(got) == list(range(n)), got  # every rank answered: none hung
     uids = {v[2] for v in got.values()}
-    assert len(uids) == 1 and uids != {"00" * 128} and len(next(iter(uids))) == 256, uids
+    uid = next(iter(uids))  # two ids: the bulk channel's and the mail channel's
+    assert len(uids) == 1 and uids != {"00" * 256} and len(uid) == 512 and uid[:256] != uid[256:], uids
     outcomes = {v[:2] for v in got.values()}
     assert len(outcomes) == 1, outcomes  # the same outcome on every rank
     kind, message = outcomes.pop()
@@ -214,7 +215,7 @@ def _pending_transport(monkeypatch):
     an operation on device tensors whose event never passes, as a receive from a dead peer."""
     from zipccl.transport.cupy_nccl import NcclTransport, _Work
     t = object.__new__(NcclTransport)
-    t.comm, t.device, t.rank, t._ranks = _Comm(), "cpu", 0, [0, 1]
+    t.comm, t.mail_comm, t.device, t.rank, t._ranks = _Comm(), _Comm(), "cpu", 0, [0, 1]
     _Comm.aborted = False
     stream = _Stream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)

@@ -159,9 +159,9 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, fate: Fate
         total = chunks[prv, a:b]
         for s in range(1, n):
             packet = timed(acc, "codec_seconds", fate.guard, ENCODE, codec.encode, total)
-            size_out = torch.tensor([packet.numel() if packet is not None else -fate.code], dtype=torch.int64,
-                                    device=chunks.device)
-            size_in = torch.empty(1, dtype=torch.int64, device=chunks.device)
+            # host tensors: a transport with a mail channel (NCCL) carries them apart from the packets
+            size_out = torch.tensor([packet.numel() if packet is not None else -fate.code], dtype=torch.int64)
+            size_in = torch.empty(1, dtype=torch.int64)
             sends = []  # alive until waited
             with t.grouped():  # the sizes first, so that each packet's receive has its exact size
                 if fate.alive(t, nxt):

@@ -1,17 +1,23 @@
 """Transport over an NCCL communicator of CuPy (``cupy.cuda.nccl``): the GPU path of zipccl.
 
-One communicator per process group, made once (``NcclTransport.of(group)``) on the device of
-``torch.cuda.current_device()``: rank 0's unique id reaches the group's other ranks through a
+Two communicators per process group, made once (``NcclTransport.of(group)``) on the device of
+``torch.cuda.current_device()``: rank 0's unique ids reach the group's other ranks through a
 broadcast on the group itself (its torch backend), so no store or start method of CuPy's own is
-needed. Making it is collective, and every rank then tells every other whether it succeeded
+needed. Making them is collective, and every rank then tells every other whether it succeeded
 (one small all-gather on the group): where any failed, every rank raises the same ZipcclError
 carrying NCCL's message, and no rank is left waiting in NCCL. A failed communicator is aborted.
 
-Operations run on a stream of zipccl's, ordered after torch's current stream by an event, so
-the host does not wait for the device, except where the pipeline needs a size on the host: CPU
-tensors (metadata, sizes) are staged through device memory and copied back when waited for.
-NCCL's rules hold (DESIGN.md invariant 12): exact-size receives, no tags (messages between two
-ranks match in issue order), sends and receives issued inside ``grouped()`` (groupStart/End).
+Two channels, each a communicator with its own stream. The bulk channel carries device tensors
+(packets, native collectives) on a stream ordered after torch's current stream by an event, so
+the host does not wait for the device. The mail channel carries host tensors: the small int64
+messages (metadata, a piece's sizes, the status round) that the host must read to schedule the
+bulk. They are staged through pinned memory on the mail stream, which waits for nothing else, and
+read back when waited for: a size never queues behind a packet, and reading it never waits for the
+codec or the bulk stream (one channel made each size mail wait until every earlier packet had
+left, so about one piece was on the wire at a time). NCCL's rules hold on each channel (DESIGN.md
+invariant 12): exact-size receives, no tags (messages between two ranks match in issue order),
+sends and receives issued inside ``grouped()`` (groupStart/End). Strict mode checks a schedule
+on one channel, which is stricter: an order that matches on one matches on each of two.
 Codec "native" is NCCL's own collective: torch's, on the group, where its backend is nccl
 (``native_by_torch``), else on this communicator.
 
@@ -19,8 +25,9 @@ GPU-only beyond construction: what runs without a GPU (the bootstrap, its agreed
 and op tables) is tested in CI (tests/test_nccl.py); the rest is covered by the ``gpu`` suite
 (tests/test_nccl_gpu.py, tests/test_gpu_lab.py, docs/GPU.md), which needs a CUDA device: its
 collectives passed on 1, 2 and 4 ranks of one H100 (2026-11-26), several ranks sharing the GPU
-in the one-GPU lab (zipccl.launch.spawn(..., share_gpu=True), docs/GPU.md); its killed-rank test
-hung there before the bounded device waits below.
+in the one-GPU lab (zipccl.launch.spawn(..., share_gpu=True), docs/GPU.md) on one channel; its
+killed-rank test hung there before the bounded device waits below. The mail channel has not run on
+a GPU yet (bench/gpu_check.sh runs it: tests/test_nccl_gpu.py::test_nccl_transport_mail_and_async_stream_rules).
 """
 
 from __future__ import annotations
@@ -61,12 +68,14 @@ def _aborted() -> NcclError:
 
 
 class _Work:
-    """An operation issued in a group: done when the event recorded after the group's end has
-    passed. ``host``: a CPU tensor to fill from ``staged`` once done (a received size)."""
-    __slots__ = ("event", "keep", "host", "staged")
+    """An operation issued in a group: done when the event recorded after the group's end on its
+    channel's stream has passed. ``host``: a CPU tensor to fill from ``staged`` once done (a
+    received size), ``pinned`` the host copy of ``staged`` that the mail stream makes."""
+    __slots__ = ("event", "keep", "host", "staged", "pinned", "mail")
 
-    def __init__(self, keep, host=None, staged=None):
-        self.event, self.keep, self.host, self.staged = None, keep, host, staged
+    def __init__(self, keep, host=None, staged=None, mail=False):
+        self.event, self.keep, self.host, self.staged, self.mail = None, keep, host, staged, mail
+        self.pinned = None
 
 
 class NcclTransport(Transport):
@@ -95,7 +104,7 @@ class NcclTransport(Transport):
         self._cpu = backend != "nccl"  # where the group's own collectives take CPU tensors
         self._by_torch = native_by_torch(backend)
         self._open: list | None = None
-        self.comm, error = None, None
+        self.comm, self.mail_comm, error = None, None, None
         try:
             self.nccl = nccl_stack.load()
         except UnsupportedError as e:
@@ -111,28 +120,33 @@ class NcclTransport(Transport):
         return x if self._cpu else x.to("cuda")
 
     def _share_id(self) -> bytes:
-        """Rank 0's unique id (128 bytes), broadcast on the group; zeros where rank 0 has no NCCL."""
-        ids = torch.zeros(128, dtype=torch.int64)
+        """Rank 0's two unique ids (128 bytes each: the bulk channel's, then the mail channel's),
+        broadcast on the group; zeros where rank 0 has no NCCL."""
+        ids = torch.zeros(256, dtype=torch.int64)
         if self.rank == 0 and self.nccl is not None:
-            ids[:] = torch.tensor(list(self.nccl.get_unique_id()), dtype=torch.int64)
+            ids[:] = torch.tensor(list(self.nccl.get_unique_id()) + list(self.nccl.get_unique_id()), dtype=torch.int64)
         ids = self._device_tensor(ids)
         dist.broadcast(ids, group=self.group, group_src=0)
         self.unique_id = bytes(ids.cpu().tolist())
         return self.unique_id
 
     def _connect(self, uid: bytes) -> Exception | None:
-        """This rank's communicator; the exception where NCCL or CUDA refused it."""
+        """This rank's two communicators (``uid``: their ids, one after the other); the exception
+        where NCCL or CUDA refused them."""
         if not any(uid):
             return UnsupportedError("rank 0 could not load NCCL")
+        bulk, mail = uid[:128], uid[128:]
         try:
             if not torch.cuda.is_available():  # NCCL is still asked, so that its own error is the one reported
-                self.comm = self.nccl.NcclCommunicator(self.size, uid, self.rank)
+                self.comm = self.nccl.NcclCommunicator(self.size, bulk, self.rank)
                 raise UnsupportedError("torch has no CUDA device here: NcclTransport takes torch CUDA tensors")
             import cupy
             self.device = torch.cuda.current_device()
             with cupy.cuda.Device(self.device):
-                self.comm = self.nccl.NcclCommunicator(self.size, uid, self.rank)
+                self.comm = self.nccl.NcclCommunicator(self.size, bulk, self.rank)
+                self.mail_comm = self.nccl.NcclCommunicator(self.size, mail, self.rank)
             self.stream = torch.cuda.Stream(self.device)
+            self.mail_stream = torch.cuda.Stream(self.device)
         except Exception as e:  # noqa: BLE001 - NcclError, CUDARuntimeError: every rank must hear of it
             self._abort()
             return e
@@ -151,10 +165,11 @@ class NcclTransport(Transport):
                             f"failed; rank {failed[0]}: {first} ({nccl_stack.detect()})")
 
     def _abort(self) -> None:
-        comm, self.comm = self.comm, None
-        if comm is not None:
-            with contextlib.suppress(Exception):
-                comm.abort()
+        comms, self.comm, self.mail_comm = (self.comm, self.mail_comm), None, None
+        for comm in comms:
+            if comm is not None:
+                with contextlib.suppress(Exception):
+                    comm.abort()
 
     def _fail(self, e: Exception) -> NcclError:
         self._abort()
@@ -197,31 +212,52 @@ class NcclTransport(Transport):
                 self.nccl.groupEnd()
             except Exception as e:  # noqa: BLE001
                 raise self._fail(e) from e
-            event = torch.cuda.Event()
-            event.record(self.stream)
-            for w in works:
-                w.event = event
+            self._landed(works)
+
+    def _landed(self, works: list) -> None:
+        """After a group's end: each work's event, on its channel's stream; the mail channel's
+        receives first copied to pinned host memory there, so that waiting for one reads no other
+        stream."""
+        events = {}
+        received = [w for w in works if w.mail and w.host is not None]
+        if received:
+            with torch.cuda.stream(self.mail_stream):
+                for w in received:
+                    w.pinned = torch.empty(w.staged.shape, dtype=w.staged.dtype, pin_memory=True)
+                    w.pinned.copy_(w.staged, non_blocking=True)
+        for w in works:
+            stream = self.mail_stream if w.mail else self.stream
+            if stream not in events:
+                events[stream] = torch.cuda.Event()
+                events[stream].record(stream)
+            w.event = events[stream]
 
     def _p2p(self, tensor: torch.Tensor, peer: int, send: bool) -> _Work:
+        """A send or receive: a host tensor (a mail) on the mail channel, staged through pinned
+        memory on its stream; a device tensor on the bulk channel."""
         if self._open is None:
             raise ZipcclError("NcclTransport: sends and receives are issued inside grouped() (NCCL's group call)")
         if self.comm is None:
             raise _aborted()
-        host = None
-        if tensor.device.type == "cpu":  # metadata: staged through device memory, on this transport's stream
-            with torch.cuda.stream(self.stream):
-                host, tensor = tensor, tensor.to(f"cuda:{self.device}") if send \
-                    else torch.empty_like(tensor, device=f"cuda:{self.device}")
+        host, keep, mail = None, None, tensor.device.type == "cpu"
+        comm, stream = (self.mail_comm, self.mail_stream) if mail else (self.comm, self.stream)
+        if mail:
+            with torch.cuda.stream(stream):
+                host, staged = tensor, torch.empty(tensor.shape, dtype=tensor.dtype, device=f"cuda:{self.device}")
+                if send:  # the host's values, final now: no other stream is waited for
+                    keep = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+                    staged.copy_(keep, non_blocking=True)
+                tensor = staged
         flat = tensor.view(-1).view(torch.uint8)
         name, _ = nccl_stack.DTYPES[torch.uint8]
         try:
             if send:
-                self.comm.send(flat.data_ptr(), flat.numel(), getattr(self.nccl, name), peer, self.stream.cuda_stream)
+                comm.send(flat.data_ptr(), flat.numel(), getattr(self.nccl, name), peer, stream.cuda_stream)
             else:
-                self.comm.recv(flat.data_ptr(), flat.numel(), getattr(self.nccl, name), peer, self.stream.cuda_stream)
+                comm.recv(flat.data_ptr(), flat.numel(), getattr(self.nccl, name), peer, stream.cuda_stream)
         except Exception as e:  # noqa: BLE001
             raise self._fail(e) from e
-        work = _Work(tensor, None if send else host, None if send else tensor)
+        work = _Work((tensor, keep), None if send else host, None if send else tensor, mail=mail)
         self._open.append(work)
         return work
 
@@ -234,8 +270,8 @@ class NcclTransport(Transport):
     def wait(self, work, timeout: float | None = None) -> None:
         """Device tensors: torch's current stream waits for the operation; the host waits too,
         bounded, where ZIPCCL_TIMEOUT is set (a peer that died leaves its receive pending for
-        ever: the stream would hang the next host read, with no one to name). Staged CPU
-        tensors: the host waits. A host wait takes at most ZIPCCL_TIMEOUT seconds (or
+        ever: the stream would hang the next host read, with no one to name). Host tensors
+        (mails): the host waits for the mail stream alone, then copies from pinned memory. A host wait takes at most ZIPCCL_TIMEOUT seconds (or
         ``timeout`` where that is shorter), checking NCCL's async errors; a timeout or an error
         aborts the communicator (ncclCommAbort), and the error of a timeout says so
         (``timed_out``, as for TorchTransport)."""
@@ -245,10 +281,11 @@ class NcclTransport(Transport):
         if work.host is None:
             if limit is not None:
                 self._host_wait(work, limit)
-            torch.cuda.current_stream(self.device).wait_event(work.event)
+            if not work.mail:
+                torch.cuda.current_stream(self.device).wait_event(work.event)
             return
         self._host_wait(work, limit)
-        work.host.copy_(work.staged)
+        work.host.copy_(work.pinned)
 
     def _host_wait(self, work, limit: float | None) -> None:
         deadline = None if limit is None else time.monotonic() + limit
@@ -257,6 +294,7 @@ class NcclTransport(Transport):
                 raise _aborted()
             try:
                 self.comm.check_async_error()
+                self.mail_comm.check_async_error()
             except Exception as e:  # noqa: BLE001
                 raise self._fail(e) from e
             if deadline is not None and time.monotonic() > deadline:
