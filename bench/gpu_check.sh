@@ -115,7 +115,7 @@ mps() {
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
-step env "${ENV_S:-15}" $py -c "$env_py"
+step env "${ENV_S:-10}" $py -c "$env_py"
 # The gpu suite in steps, so that a hang in one part costs the others' results nothing; the
 # killed-rank test comes last, since the ranks it leaves behind could slow what follows.
 gpu_suite="$py -m pytest -m gpu -q -rfEsxXp -p no:cacheprovider"  # -q: no banner; -r...p names every test
@@ -126,12 +126,14 @@ for case in ${STAGES:-33554432:bf16 4194304:bf16}; do
     step "stages_${case/:/_}" "${STAGES_S:-15}" $py bench/gpu_stages.py --numel "${case%:*}" --dtype "${case#*:}" \
         --data "$data"
 done
-step codec_ab "${AB_S:-20}" $py bench/gpu_ab.py --data "$data" --label "$(git rev-parse --short HEAD 2>/dev/null \
+step codec_ab "${AB_S:-15}" $py bench/gpu_ab.py --data "$data" --label "$(git rev-parse --short HEAD 2>/dev/null \
     || echo checkout)" --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json"
-step suite_ranks "${SUITE_RANKS_S:-130}" $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py \
-    -k "transport or dropin or collectives or clock or perf_lab"
+step suite_ranks "${SUITE_RANKS_S:-125}" $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py \
+    -k "(transport or dropin or collectives or clock or perf_lab) and not mail"
 step suite_entry "${SUITE_ENTRY_S:-60}" $gpu_suite -s tests/test_gpu_lab.py -k entry_point
-step suite_syncs "${SUITE_SYNCS_S:-30}" $gpu_suite -s tests/test_gpu_lab.py -k synchronisations
+# The pipeline's host synchronisations per piece, and the mail channel: sizes pass pending packets.
+step suite_syncs "${SUITE_SYNCS_S:-45}" $gpu_suite -s tests/test_gpu_lab.py tests/test_nccl_gpu.py \
+    -k "synchronisations or mail"
 # The one-GPU NCCL lab: 4 ranks on cuda:0, each its own NCCL host, NCCL's socket transport on
 # loopback (no namespaces here); bf16 at 1, 8 and 64 MiB, one table per variant; then the
 # all-reduce again with MPS.

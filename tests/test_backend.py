@@ -510,8 +510,9 @@ def test_work_wait_honours_its_timeout():
     import datetime
     from zipccl.backend import _Work
     from zipccl.errors import TimeoutError as ZipcclTimeout
+    from zipccl.executor import Handle
     pending = torch.futures.Future()
-    work = _Work(pending)
+    work = _Work(Handle(pending))
     with pytest.raises(ZipcclTimeout):
         work.wait(datetime.timedelta(seconds=0.1))
     assert not work.is_completed()
@@ -521,7 +522,7 @@ def test_work_wait_honours_its_timeout():
     failed = torch.futures.Future()
     failed.set_exception(ValueError("boom"))
     with pytest.raises(ValueError, match="boom"):
-        _Work(failed).wait()
+        _Work(Handle(failed)).wait()
 
 
 def test_options_are_checked():

@@ -441,14 +441,14 @@ class _Pending:
 
 def test_a_hung_peer_on_nccl_is_named_with_the_communicator_aborted(monkeypatch):
     monkeypatch.setattr(config, "TIMEOUT", 0.05)
-    comm = _Comm()
+    comm, mail = _Comm(), _Comm()
     t = object.__new__(NcclTransport)  # three ranks, this one the job's rank 5; no GPU needed from here on
-    t.rank, t.size, t._ranks, t.comm, t._open = 0, 3, [5, 9, 11], comm, None
-    size = cupy_nccl._Work(None, host=torch.zeros(1, dtype=torch.int64), staged=None)
+    t.rank, t.size, t._ranks, t.comm, t.mail_comm, t._open = 0, 3, [5, 9, 11], comm, mail, None
+    size = cupy_nccl._Work(None, host=torch.zeros(1, dtype=torch.int64), staged=None, mail=True)
     size.event = _Pending()
     fate = Fate.of("all_reduce", t)
     assert not fate.wait(t, size, 1)  # gave up on group rank 1 after ZIPCCL_TIMEOUT
-    assert comm.aborted == 1 and t.comm is None and fate.gave_up
+    assert comm.aborted == mail.aborted == 1 and t.comm is None and t.mail_comm is None and fate.gave_up
     # the status round on the aborted communicator: rank 2's operations fail and count it lost too,
     # and the call raises RankFailure naming the hung rank (the job's 9), never NcclError
     with pytest.raises(RankFailure, match=r"rank 9 failed: it stopped answering.*must be rebuilt") as e:
@@ -492,3 +492,75 @@ def _found_link(rank, groups, links):
 def test_every_rank_finds_the_agreed_link(pool):
     assert pool.run(_found_link, ["nvlink"] * 4, timeout=120) == ["nvlink"] * 4
     assert pool.run(_found_link, ["nvlink", "nvlink", "pcie", "nvlink"], timeout=120) == ["unknown"] * 4
+
+
+# ---- async calls on CUDA: the caller's device and stream, as torch's NCCL backend orders them -----------------
+
+class _CudaStandIns:
+    """torch.cuda as the executor sees it, without a GPU: the issuing thread is on cuda:3 and its
+    stream "caller"; any other thread's current stream is its own default; every context entered
+    and every wait is written down."""
+
+    def __init__(self, monkeypatch):
+        import contextlib
+        import threading
+        self.log, self.main = [], threading.main_thread()
+        self.active = threading.local()
+
+        def current_stream(device=None):
+            return getattr(self.active, "stream", None) or (
+                f"caller@{device}" if threading.current_thread() is self.main else f"default@{device}")
+
+        @contextlib.contextmanager
+        def entered(kind, value):
+            setattr(self.active, kind, value)
+            try:
+                yield
+            finally:
+                setattr(self.active, kind, None)
+
+        stand_in = self
+
+        class Stream(str):
+            device = 3
+
+            def wait_event(self, event):
+                stand_in.log.append(("wait", str(self), event.on))
+
+        class Event:
+            def record(self, stream):
+                self.on = str(stream)
+
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current_stream(device)))
+        monkeypatch.setattr(torch.cuda, "device", lambda d: entered("device", d))
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: entered("stream", s))
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+
+    def where(self) -> tuple:
+        import threading
+        return (threading.current_thread().name, getattr(self.active, "device", None),
+                str(getattr(self.active, "stream", None)))
+
+
+def test_an_async_call_runs_on_the_callers_device_and_stream(monkeypatch):
+    """The worker thread runs an async call on the device and stream current where it was issued
+    (a thread's own are cuda:0 and its default stream), and ``wait()`` makes the waiting thread's
+    current stream wait for an event recorded on that stream after the call: the host never
+    waits for the device."""
+    from zipccl import executor
+    cuda = _CudaStandIns(monkeypatch)
+    handle = executor.run(cuda.where, True)
+    handle.wait(timeout=30)
+    assert handle.get_future().value() == ("zipccl-async", 3, "caller@3")
+    assert cuda.log == [("wait", "caller@3", "caller@3")]
+
+
+def test_without_cuda_an_async_call_touches_no_stream(monkeypatch):
+    from zipccl import executor
+    cuda = _CudaStandIns(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    handle = executor.run(cuda.where, True)
+    handle.wait(timeout=30)
+    assert handle.get_future().value() == ("zipccl-async", None, "None") and cuda.log == []

@@ -204,6 +204,60 @@ def test_nccl_transport_matches_gloo(n, monkeypatch):
     print({k: v["diffs"] for k, v in res[0].items()})  # NaN payload differences, shown with -s
 
 
+def _stream_rules(rank: int, n: int, port: int, results) -> None:
+    """Two ranks. The mail channel: rank 0 sends rank 1 a 256 MiB packet, whose receive rank 1
+    posts only once it has both ranks' mails; the mails are exchanged after the packet is issued.
+    On one channel rank 0's mail would queue behind its packet, which waits for a receive that
+    waits for that mail: each rank gives up after ZIPCCL_TIMEOUT. On the mail channel the mails
+    pass the pending packet. Then an async all-reduce issued on a side stream whose input is
+    written there behind about 50 ms of GPU work, and read there right after ``wait()``: the
+    sum comes back only where the call starts after the caller's stream and ``wait()`` orders
+    the caller's stream after the call (zipccl.executor)."""
+    import torch.distributed as dist
+
+    import zipccl
+    from zipccl.transport import NcclTransport
+    join_gpu_world(rank, n, port)
+    out = {}
+    try:
+        t = NcclTransport.of(None)
+        packet = torch.full((256 << 20,), 7 if rank == 0 else 0, dtype=torch.uint8, device="cuda")
+        mine, theirs = torch.tensor([100 + rank]), torch.zeros(1, dtype=torch.int64)
+        if rank == 0:
+            with t.grouped():
+                bulk = t.isend(packet, 1)
+        with t.grouped():
+            mails = [t.isend(mine, 1 - rank), t.irecv(theirs, 1 - rank)]
+        for w in mails:
+            t.wait(w, timeout=20)
+        if rank == 1:
+            with t.grouped():
+                bulk = t.irecv(packet, 0)
+        t.wait(bulk, timeout=60)
+        out["mail"] = (int(theirs), bool((packet == 7).all()))
+        x, side = torch.zeros(1 << 22, device="cuda"), torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)  # GPU cycles: about 50 ms
+            x.fill_(rank + 1)
+            zipccl.all_reduce(x, codec="raw", async_op=True).wait()
+            y = x.clone()
+        torch.cuda.synchronize()
+        out["async"] = bool((y == 3).all())
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out = f"{type(e).__name__}: {e}"
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_nccl_transport_mail_and_async_stream_rules(monkeypatch):
+    """On 2 ranks: a host tensor's message does not wait for a device tensor's message issued
+    before it (the mail channel), and an async call keeps the caller's stream order."""
+    monkeypatch.setenv("ZIPCCL_TIMEOUT", "30")
+    monkeypatch.setenv("ZIPCCL_TRANSPORT", "nccl")
+    got, _ = spawn(_stream_rules, 2, (2, free_port()), seconds=200)
+    assert got == {r: {"mail": (101 - r, True), "async": True} for r in range(2)}, got
+
+
 _ONE_GPU = r'''
 import os, sys, torch, torch.distributed as dist
 import zipccl, zipccl.fsdp

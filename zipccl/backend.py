@@ -138,10 +138,11 @@ class _Work(dist.Work):
     (SIGSEGV in ``parseCppCommHookResult``). A future made by ``then`` whose callback raises
     is failed in C++ itself, so the reducer raises a RuntimeError naming the error instead."""
 
-    def __init__(self, future: torch.futures.Future):
+    def __init__(self, handle: executor.Handle):
+        """``handle``: the call's (its CUDA stream rules with it: zipccl.executor)."""
         super().__init__()
-        self._handle = executor.Handle(future)
-        self._future = future.then(_result)
+        self._handle = handle
+        self._future = handle.get_future().then(_result)
 
     def wait(self, timeout=None) -> bool:
         """Wait for the call and raise its error; ``timeout`` (a timedelta or seconds; zero or
@@ -173,7 +174,7 @@ def _finished(result=None, error: BaseException | None = None) -> _Work:
         future.set_result(result)
     else:
         future.set_exception(error)
-    return _Work(future)
+    return _Work(executor.Handle(future))
 
 
 def _op_of(opts):
@@ -293,7 +294,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             except Exception as e:  # raised by wait(), which torch calls at once
                 return _finished(error=e)
             return _finished(result)
-        return _Work(executor.run(call, True).get_future())
+        return _Work(executor.run(call, True))
 
 
     # ---- the overrides --------------------------------------------------------------------------------------

@@ -3,6 +3,13 @@
 All ranks must issue async calls in the same order, as with torch.distributed; every call of
 a process, async or not, that may be queued behind one goes through ``run`` so that the order
 of the collectives underneath is the order of issue on every rank.
+
+On CUDA, as with torch's NCCL backend: a call starts after the work queued on the caller's current
+stream when it was issued, and ``wait()`` makes the waiting thread's current stream wait for the
+call's device work; the host does not wait for the device. The worker thread runs the call on the
+caller's device and current stream (captured at issue): a thread's CUDA device and stream are its
+own, and the worker's defaults (cuda:0, its default stream) would put a rank's transport on
+another rank's GPU and leave the call unordered with the caller's stream.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ class Handle:
         self._future = future if future is not None else torch.futures.Future()
         self._done = threading.Event()
         self._future.add_done_callback(lambda _: self._done.set())
+        self._device_end = None  # (device, CUDA event after the call's device work), set by the worker
 
     def wait(self, timeout=None) -> bool:
         """Wait for the call (and raise its error). ``timeout`` (seconds or a timedelta):
@@ -38,6 +46,9 @@ class Handle:
                 raise TimeoutError(f"zipccl: the async call did not finish within {seconds:g} s "
                                    "(it is still running; wait again, or rebuild the group)")
         self._future.wait()
+        if self._device_end is not None:
+            device, event = self._device_end
+            torch.cuda.current_stream(device).wait_event(event)
         return True
 
     def is_completed(self) -> bool:
@@ -55,11 +66,27 @@ _last: Handle | None = None  # the async call issued last
 
 def _worker(q: queue.Queue) -> None:
     while True:
-        fn, handle = q.get()
+        fn, handle, stream = q.get()
         try:
-            handle._future.set_result(fn())
+            if stream is None:
+                result = fn()
+            else:
+                with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                    result = fn()
+                    end = torch.cuda.Event()
+                    end.record(stream)
+                handle._device_end = stream.device, end
+            handle._future.set_result(result)
         except BaseException as e:  # surfaced by wait()
             handle._future.set_exception(e)
+
+
+def _callers_stream():
+    """The issuing thread's current CUDA stream (on its current device), or None where this
+    process has not touched CUDA (then no call of it has CUDA tensors)."""
+    if not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_stream(torch.cuda.current_device())
 
 
 def submit(fn) -> Handle:
@@ -86,5 +113,5 @@ def run(fn, async_op: bool):
             _worker_thread.start()
         handle = Handle()
         _last = handle
-        _queue.put((fn, handle))
+        _queue.put((fn, handle, _callers_stream()))
     return handle
