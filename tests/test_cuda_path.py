@@ -378,37 +378,77 @@ def test_scatter_cuts_are_made_on_the_index_device():
 # ---- the planner's clock ----------------------------------------------------------------------------------------
 
 class _Device:
-    """A fake clock and GPU: a call queues ``device`` seconds of work and returns after ``host``."""
+    """A fake clock and GPU: a call queues ``device`` seconds of work and returns after ``host``;
+    timing events record when the queued work before them ends; any host wait for the device
+    is counted."""
 
     def __init__(self, monkeypatch):
-        self.now, self.queued, self.syncs = 100.0, 0.0, 0
-        monkeypatch.setattr(autoplan.time, "perf_counter", lambda: self.now)
-        monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
+        self.now, self.free_at, self.syncs = 100.0, 0.0, 0  # free_at: when the device's queued work ends
+        fake = self
 
-    def synchronize(self, device=None):
-        self.syncs += 1
-        self.now += self.queued
-        self.queued = 0.0
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = None
+
+            def record(self, stream):
+                assert stream == "current"
+                self.at = max(fake.now, fake.free_at)
+
+            def query(self):
+                return self.at <= fake.now
+
+            def synchronize(self):
+                fake.syncs += 1
+                fake.now = max(fake.now, self.at)
+
+            def elapsed_time(self, end):  # milliseconds, as torch's
+                assert self.query() and end.query()
+                return (end.at - self.at) * 1e3
+
+        monkeypatch.setattr(autoplan.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("a device-wide wait"))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
+        monkeypatch.setattr(torch.cuda, "Event", Event)
 
     def call(self, host: float, device: float):
         def run(plan):
+            self.free_at = max(self.now, self.free_at) + device
             self.now += host
-            self.queued += device
         return run
 
 
 @pytest.mark.parametrize("device,nbytes,expected_us,syncs", [
-    (torch.device("cuda", 0), 4 << 20, 501_000, 2),  # the queued work's end: 1 ms queuing + 500 ms on the device
+    (torch.device("cuda", 0), 4 << 20, 500_000, 1),  # its 500 ms on the device, waited for at the report only
     (torch.device("cpu"), 4 << 20, 1_000, 0),
-    (torch.device("cuda", 0), 64 << 10, 1_000, 0),   # below the probe floor: never measured, never synchronised
+    (torch.device("cuda", 0), 64 << 10, 1_000, 0),   # below the probe floor: never measured, never waited for
 ])
-def test_planner_times_cuda_calls_to_their_end(monkeypatch, device, nbytes, expected_us, syncs):
+def test_planner_times_cuda_calls_by_events_on_the_callers_stream(monkeypatch, device, nbytes, expected_us, syncs):
+    """A measured CUDA call is its span between two events on the caller's stream: the queued
+    work's time on the device, not the host's 1 ms; the host waits for no device work in the
+    call, and for the end event only once a metadata exchange takes the report."""
     fake = _Device(monkeypatch)
     group = object()
     autoplan.planned(group, "all_reduce", torch.bfloat16, nbytes, C.FLAT_PLANS, fake.call(0.001, 0.5), device)
+    assert fake.syncs == 0 and fake.now == 100.001
     key = auto.Policy.key("all_reduce", torch.bfloat16, nbytes)
-    assert autoplan._auto_group(group).pending == {(key, "native"): expected_us}
+    assert autoplan._auto_group(group).take() == [((key, "native"), expected_us)]
     assert fake.syncs == syncs
+
+
+def test_cuda_spans_that_have_passed_fold_into_the_lowest(monkeypatch):
+    """Native calls carry no exchange, so their times wait: a span whose end has passed is read
+    at the next call and only the lowest kept, so the pending spans stay few."""
+    fake = _Device(monkeypatch)
+    group, key = autoplan._AutoGroup(), auto.Policy.key("all_reduce", torch.bfloat16, 4 << 20)
+    for seconds in (0.3, 0.2, 0.4):
+        span = autoplan.DeviceSpan("current")
+        fake.call(0.0, seconds)("native")
+        group.done(key, "native", span.close("current"))
+        fake.now += 1.0  # the host does other work; the device finishes the call
+    (entry,) = group.pending.values()
+    assert entry[0] == 200_000 and len(entry[1]) == 1  # the last call's span: read at the report,
+    assert group.take() == [((key, "native"), 200_000)] and fake.syncs == 0  # passed by then: no wait
 
 
 def test_measures_follows_the_probe_floor():

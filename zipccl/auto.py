@@ -19,8 +19,8 @@ time). Per class of calls (collective, dtype, power of two of the bytes):
   changed link or load is still noticed within a few hundred calls at most.
 
 A call's time reaches the policy with the group's next metadata exchange, so decisions lag. On
-CUDA a call returns once its work is queued, so a measured call is timed to the end of its
-device work (zipccl.collectives.autoplan.clock), never by its queued host time.
+CUDA a call returns once its work is queued, so a measured call is timed by events on the
+caller's stream around it (zipccl.collectives.autoplan.DeviceSpan), never by its queued host time.
 Native calls carry no exchange (it would double a small call's time): their times wait on each
 rank and travel with the next call that has one.
 """

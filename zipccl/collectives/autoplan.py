@@ -18,26 +18,73 @@ FLAT_PLANS = ("native", "raw", "lossless")
 REPORT_SLOTS = 4
 
 
+class DeviceSpan:
+    """A call's start and end on the caller's CUDA stream, as timing events: its time on the
+    device, known once the end has passed, with no host wait before that."""
+    __slots__ = ("start", "end")
+
+    def __init__(self, stream):
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.start.record(stream)
+
+    def close(self, stream) -> "DeviceSpan":
+        self.end.record(stream)
+        return self
+
+    def passed(self) -> bool:
+        return self.end.query()
+
+    def microseconds(self) -> int:
+        """The span's time, waiting for its end where that has not passed."""
+        if not self.end.query():
+            self.end.synchronize()
+        return int(self.start.elapsed_time(self.end) * 1000)
+
+
 class _AutoGroup:
     """A group's auto policy, and this rank's times of its finished auto calls that no metadata
-    exchange has reported yet: {(class, plan): microseconds}, the lowest of a plan's calls
-    since (native calls carry no exchange: several may wait), in first-call order, which is the
-    same on every rank."""
+    exchange has reported yet: {(class, plan): [lowest microseconds so far or None, the
+    DeviceSpans of CUDA calls whose end has not passed]}; a plan's report is the lowest of its
+    calls since the last (native calls carry no exchange: several may wait), in first-call
+    order, which is the same on every rank."""
     __slots__ = ("policy", "pending")
 
     def __init__(self):
         self.policy, self.pending = Policy(), {}
 
-    def done(self, key, plan: str, seconds: float) -> None:
-        us = int(seconds * 1e6)
-        self.pending[(key, plan)] = min(us, self.pending.get((key, plan), us))
+    def done(self, key, plan: str, time_taken) -> None:
+        """A measured call's time: seconds, or a DeviceSpan (read when it has passed)."""
+        entry = self.pending.setdefault((key, plan), [None, []])
+        if isinstance(time_taken, DeviceSpan):
+            entry[1].append(time_taken)
+            self._fold(entry, wait=False)
+        else:
+            entry[0] = _lowest(entry[0], int(time_taken * 1e6))
+
+    @staticmethod
+    def _fold(entry: list, wait: bool) -> None:
+        """Spans whose end has passed (``wait``: every span, waiting for each) into the lowest time."""
+        open_spans = []
+        for span in entry[1]:
+            if wait or span.passed():
+                entry[0] = _lowest(entry[0], span.microseconds())
+            else:
+                open_spans.append(span)
+        entry[1] = open_spans
 
     def take(self) -> list:
-        """Up to REPORT_SLOTS pending reports, oldest first, removed from the queue."""
+        """Up to REPORT_SLOTS pending reports, oldest first, removed from the queue: [(entry,
+        microseconds)]. A CUDA call's end not yet passed is waited for here, at a later call's
+        metadata exchange."""
         taken = list(self.pending.items())[:REPORT_SLOTS]
-        for entry, _ in taken:
-            del self.pending[entry]
-        return taken
+        for key, entry in taken:
+            del self.pending[key]
+            self._fold(entry, wait=True)
+        return [(key, entry[0]) for key, entry in taken]
+
+
+def _lowest(a: int | None, b: int) -> int:
+    return b if a is None else min(a, b)
 
 
 _autos: dict = {}
@@ -66,32 +113,26 @@ def plans_for(plans: tuple[str, ...], device: str, link: str, nodes: int) -> tup
     return plans
 
 
-def clock(device: torch.device):
-    """The clock that times a plan on ``device``: the host's, on CUDA read once the device has
-    finished the work queued so far (torch.cuda.synchronize), since a CUDA call returns once its
-    work is queued: a native call, queued on torch's NCCL stream, would look free."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    def synchronised() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return synchronised
-
-
 def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], run,
             device: torch.device = torch.device("cpu")) -> None:
     """``run(plan)`` with the plan that the group's auto policy chooses for this call among
-    ``candidates``, in call order on every rank; the call's time on this rank (``clock`` of the
-    call's ``device``, where the policy measures this call: the host's clock elsewhere, with no
-    synchronisation) goes out with the group's next metadata exchange."""
+    ``candidates``, in call order on every rank; the call's time on this rank goes out with the
+    group's next metadata exchange. On CUDA, where the policy measures the call, that is its span
+    on the caller's stream (DeviceSpan), not the host's: a CUDA call returns once its work is
+    queued (a native call, queued on NCCL's stream, would look free), and waiting for the device
+    at each end of every call, as this did before, added two host synchronisations per call."""
     key = Policy.key(name, dtype, nbytes)
     auto = _auto_group(group)
     plan = auto.policy.choose(key, nbytes, candidates)
-    now = clock(device) if auto.policy.measures(nbytes, candidates) else time.perf_counter
-    t0 = now()
+    if device.type == "cuda" and auto.policy.measures(nbytes, candidates):
+        stream = torch.cuda.current_stream(device)
+        span = DeviceSpan(stream)
+        run(plan)
+        auto.done(key, plan, span.close(stream))
+        return
+    t0 = time.perf_counter()
     run(plan)
-    auto.done(key, plan, now() - t0)
+    auto.done(key, plan, time.perf_counter() - t0)
 
 
 def _report_id(entry) -> int:
