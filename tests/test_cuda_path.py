@@ -8,6 +8,7 @@ than the CPU and no data; the expected values are written out."""
 
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
@@ -407,6 +408,7 @@ class _Device:
                 return (end.at - self.at) * 1e3
 
         monkeypatch.setattr(autoplan.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(config, "TIMEOUT", None)
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("a device-wide wait"))
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
         monkeypatch.setattr(torch.cuda, "Event", Event)
@@ -449,6 +451,20 @@ def test_cuda_spans_that_have_passed_fold_into_the_lowest(monkeypatch):
     (entry,) = group.pending.values()
     assert entry[0] == 200_000 and len(entry[1]) == 1  # the last call's span: read at the report,
     assert group.take() == [((key, "native"), 200_000)] and fake.syncs == 0  # passed by then: no wait
+
+
+def test_a_span_that_never_ends_is_reported_unknown_after_zipccl_timeout(monkeypatch):
+    """A measured call whose peer died never ends on the device: the next exchange waits for it
+    at most ZIPCCL_TIMEOUT, then reports -1 (no rank learns from it), rather than hanging."""
+    _Device(monkeypatch)
+    monkeypatch.setattr(config, "TIMEOUT", 0.05)
+    group, key = autoplan._AutoGroup(), auto.Policy.key("all_reduce", torch.bfloat16, 4 << 20)
+    span = autoplan.DeviceSpan("current").close("current")
+    span.end.query = lambda: False
+    group.done(key, "native", span)
+    start = time.monotonic()
+    assert group.take() == [((key, "native"), -1)]
+    assert 0.05 <= time.monotonic() - start < 2
 
 
 def test_measures_follows_the_probe_floor():
@@ -534,22 +550,33 @@ def test_every_rank_finds_the_agreed_link(pool):
     assert pool.run(_found_link, ["nvlink", "nvlink", "pcie", "nvlink"], timeout=120) == ["unknown"] * 4
 
 
-# ---- async calls on CUDA: the caller's device and stream, as torch's NCCL backend orders them -----------------
+# ---- async calls on CUDA: ordered after the caller's stream, on zipccl's own, as torch's NCCL backend ------------
 
 class _CudaStandIns:
     """torch.cuda as the executor sees it, without a GPU: the issuing thread is on cuda:3 and its
-    stream "caller"; any other thread's current stream is its own default; every context entered
-    and every wait is written down."""
+    current stream is "caller@3"; a new stream is "zipccl@3"; every context entered, every
+    stream's wait for an event (and where that event was recorded) and every future's devices
+    are written down."""
 
     def __init__(self, monkeypatch):
         import contextlib
         import threading
-        self.log, self.main = [], threading.main_thread()
-        self.active = threading.local()
+
+        from zipccl import executor
+        self.waits, self.futures, self.active = [], [], threading.local()
+        main, stand_in = threading.main_thread(), self
+
+        class Stream(str):
+            def wait_event(self, event):
+                stand_in.waits.append((str(self), event.on))
+
+        class Event:
+            def record(self, stream):
+                self.on = str(stream)
 
         def current_stream(device=None):
-            return getattr(self.active, "stream", None) or (
-                f"caller@{device}" if threading.current_thread() is self.main else f"default@{device}")
+            active = getattr(self.active, "stream", None)
+            return active or Stream("caller@3" if threading.current_thread() is main else "worker-default@0")
 
         @contextlib.contextmanager
         def entered(kind, value):
@@ -559,42 +586,42 @@ class _CudaStandIns:
             finally:
                 setattr(self.active, kind, None)
 
-        stand_in = self
+        real_future = torch.futures.Future
 
-        class Stream(str):
-            device = 3
+        def future(devices=None):
+            self.futures.append(devices)
+            return real_future()
 
-            def wait_event(self, event):
-                stand_in.log.append(("wait", str(self), event.on))
-
-        class Event:
-            def record(self, stream):
-                self.on = str(stream)
-
+        monkeypatch.setattr(executor, "_streams", {})
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current_stream(device)))
+        monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream(f"zipccl@{device.index}"))
         monkeypatch.setattr(torch.cuda, "device", lambda d: entered("device", d))
         monkeypatch.setattr(torch.cuda, "stream", lambda s: entered("stream", s))
         monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.futures, "Future", future)
 
     def where(self) -> tuple:
         import threading
-        return (threading.current_thread().name, getattr(self.active, "device", None),
+        return (threading.current_thread().name, str(getattr(self.active, "device", None)),
                 str(getattr(self.active, "stream", None)))
 
 
-def test_an_async_call_runs_on_the_callers_device_and_stream(monkeypatch):
-    """The worker thread runs an async call on the device and stream current where it was issued
-    (a thread's own are cuda:0 and its default stream), and ``wait()`` makes the waiting thread's
-    current stream wait for an event recorded on that stream after the call: the host never
-    waits for the device."""
+def test_an_async_call_runs_on_zipccls_stream_after_the_callers(monkeypatch):
+    """An async call on CUDA runs on the worker thread on the issuing thread's device and on a
+    stream of zipccl's, which first waits for an event recorded on the caller's stream at issue
+    (not on the caller's stream itself, where the caller keeps queueing work, nor on the worker
+    thread's defaults); its future is CUDA-aware on that device; ``wait()`` makes the waiting
+    thread's current stream wait for an event recorded on zipccl's stream after the call. The
+    host waits for no device work."""
     from zipccl import executor
     cuda = _CudaStandIns(monkeypatch)
     handle = executor.run(cuda.where, True)
     handle.wait(timeout=30)
-    assert handle.get_future().value() == ("zipccl-async", 3, "caller@3")
-    assert cuda.log == [("wait", "caller@3", "caller@3")]
+    assert handle.get_future().value() == ("zipccl-async", "cuda:3", "zipccl@3")
+    assert cuda.waits == [("zipccl@3", "caller@3"), ("caller@3", "zipccl@3")]
+    assert cuda.futures[-1] == [torch.device("cuda", 3)]
 
 
 def test_without_cuda_an_async_call_touches_no_stream(monkeypatch):
@@ -603,4 +630,5 @@ def test_without_cuda_an_async_call_touches_no_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     handle = executor.run(cuda.where, True)
     handle.wait(timeout=30)
-    assert handle.get_future().value() == ("zipccl-async", None, "None") and cuda.log == []
+    assert handle.get_future().value() == ("zipccl-async", "None", "None")
+    assert cuda.waits == [] and cuda.futures[-1] is None

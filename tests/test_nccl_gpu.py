@@ -209,7 +209,8 @@ def _stream_rules(rank: int, n: int, port: int, results) -> None:
     posts only once it has both ranks' mails; the mails are exchanged after the packet is issued.
     On one channel rank 0's mail would queue behind its packet, which waits for a receive that
     waits for that mail: each rank gives up after ZIPCCL_TIMEOUT. On the mail channel the mails
-    pass the pending packet. Then an async all-reduce issued on a side stream whose input is
+    pass the pending packet (where the GPU runs kernels of several streams side by side: not with
+    CUDA_DEVICE_MAX_CONNECTIONS=1). Then an async all-reduce issued on a side stream whose input is
     written there behind about 50 ms of GPU work, and read there right after ``wait()``: the
     sum comes back only where the call starts after the caller's stream and ``wait()`` orders
     the caller's stream after the call (zipccl.executor)."""

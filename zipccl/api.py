@@ -175,7 +175,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             C.planned(t.group, name, dtype, nbytes, plans, go, input.device)
         return C.finish(name, used[0], acc)
 
-    return _run(run, async_op)
+    return _run(run, async_op, (output, input))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
@@ -208,5 +208,5 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     norms lossless."""
     if name is not None and codec in ("topk", "entropy"):
         compressor = lossy.default(codec)
-        return _run(lambda: compressor.all_reduce(tensor, name, op=op, group=group), async_op)
+        return _run(lambda: compressor.all_reduce(tensor, name, op=op, group=group), async_op, (tensor,))
     return _call("all_reduce", group, tensor, tensor, op, codec, algorithm, async_op)

@@ -142,7 +142,7 @@ class _Work(dist.Work):
         """``handle``: the call's (its CUDA stream rules with it: zipccl.executor)."""
         super().__init__()
         self._handle = handle
-        self._future = handle.get_future().then(_result)
+        self._future = handle.get_future().then(lambda future: _result(handle, future))
 
     def wait(self, timeout=None) -> bool:
         """Wait for the call and raise its error; ``timeout`` (a timedelta or seconds; zero or
@@ -163,9 +163,12 @@ class _Work(dist.Work):
         return self._handle.get_future().value()
 
 
-def _result(future: torch.futures.Future):
-    """The call's value, or its error raised (``_Work``: a failure C++ sees)."""
-    return future.wait()
+def _result(handle: executor.Handle, future: torch.futures.Future):
+    """The call's value, or its error raised (``_Work``: a failure C++ sees); on CUDA after the
+    call's device work, so that the CUDA-aware future's consumer (DDP's reducer) is ordered after it."""
+    value = future.wait()
+    handle.join_stream()
+    return value
 
 
 def _finished(result=None, error: BaseException | None = None) -> _Work:
@@ -294,7 +297,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             except Exception as e:  # raised by wait(), which torch calls at once
                 return _finished(error=e)
             return _finished(result)
-        return _Work(executor.run(call, True))
+        return _Work(executor.run(call, True, result))
 
 
     # ---- the overrides --------------------------------------------------------------------------------------

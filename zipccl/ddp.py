@@ -140,6 +140,7 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
         state._add(fut.value())
+        handle.join_stream()  # on CUDA: the bucket is read after the call's device work (zipccl.executor)
         return buffer
 
     return handle.get_future().then(done)

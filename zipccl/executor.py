@@ -4,12 +4,18 @@ All ranks must issue async calls in the same order, as with torch.distributed; e
 a process, async or not, that may be queued behind one goes through ``run`` so that the order
 of the collectives underneath is the order of issue on every rank.
 
-On CUDA, as with torch's NCCL backend: a call starts after the work queued on the caller's current
-stream when it was issued, and ``wait()`` makes the waiting thread's current stream wait for the
-call's device work; the host does not wait for the device. The worker thread runs the call on the
-caller's device and current stream (captured at issue): a thread's CUDA device and stream are its
-own, and the worker's defaults (cuda:0, its default stream) would put a rank's transport on
-another rank's GPU and leave the call unordered with the caller's stream.
+On CUDA, as torch's NCCL backend does: a call waits for the work queued on the caller's current
+stream when it was issued (an event recorded then), runs on a stream of zipccl's for the
+caller's device, and ``wait()`` makes the waiting thread's current stream wait for the call's
+device work; the host never waits for the device. The call's tensors are recorded on that stream
+(``record_stream``), so that memory freed while it runs is not handed out again before it ends.
+The handle's future is CUDA-aware: a consumer that waits on it, or on a future chained with
+``then`` whose callback calls ``join_stream()`` (DDP's reducer, zipccl.ddp, zipccl.backend), is
+ordered after the call. A thread's CUDA device and stream are its own: running the call with the
+worker thread's defaults (cuda:0, its default stream) put a rank's transport on another rank's
+GPU; running it on the caller's stream queued it behind whatever the caller issued meanwhile
+(the rest of a backward pass), and made its order against other communicators' work differ
+between ranks.
 """
 
 from __future__ import annotations
@@ -30,26 +36,35 @@ class Handle:
 
     Do not issue other collectives on the same group until you have waited for the handle."""
 
-    def __init__(self, future: torch.futures.Future | None = None):
-        self._future = future if future is not None else torch.futures.Future()
+    def __init__(self, future: torch.futures.Future | None = None, device: torch.device | None = None):
+        """``device``: the CUDA device of a call issued there (its future is CUDA-aware)."""
+        if future is None:
+            future = torch.futures.Future(devices=[device]) if device is not None else torch.futures.Future()
+        self._future = future
         self._done = threading.Event()
         self._future.add_done_callback(lambda _: self._done.set())
         self._device_end = None  # (device, CUDA event after the call's device work), set by the worker
 
     def wait(self, timeout=None) -> bool:
-        """Wait for the call (and raise its error). ``timeout`` (seconds or a timedelta):
-        raise zipccl.errors.TimeoutError if the call has not finished by then; the call goes
-        on (the collectives underneath cannot be interrupted on one rank alone)."""
+        """Wait for the call (and raise its error); the current CUDA stream then waits for its
+        device work (``join_stream``). ``timeout`` (seconds or a timedelta): raise
+        zipccl.errors.TimeoutError if the call has not finished by then; the call goes on (the
+        collectives underneath cannot be interrupted on one rank alone)."""
         if timeout is not None:
             seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
             if not self._done.wait(seconds):
                 raise TimeoutError(f"zipccl: the async call did not finish within {seconds:g} s "
                                    "(it is still running; wait again, or rebuild the group)")
         self._future.wait()
+        self.join_stream()
+        return True
+
+    def join_stream(self) -> None:
+        """Make this thread's current CUDA stream wait for the finished call's device work (no
+        host wait; nothing for a call without CUDA work). For callbacks chained on the future."""
         if self._device_end is not None:
             device, event = self._device_end
             torch.cuda.current_stream(device).wait_event(event)
-        return True
 
     def is_completed(self) -> bool:
         return self._future.done()
@@ -62,31 +77,40 @@ _queue: queue.Queue | None = None
 _queue_lock = threading.Lock()
 _worker_thread: threading.Thread | None = None
 _last: Handle | None = None  # the async call issued last
+_streams: dict = {}  # CUDA device -> the stream async calls run on there
 
 
 def _worker(q: queue.Queue) -> None:
     while True:
-        fn, handle, stream = q.get()
+        fn, handle, start, tensors = q.get()
         try:
-            if stream is None:
+            if start is None:
+                handle._future.set_result(fn())
+                continue
+            device, ready = start
+            stream = _streams.setdefault(device, torch.cuda.Stream(device))
+            stream.wait_event(ready)
+            for t in tensors:
+                t.record_stream(stream)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
                 result = fn()
-            else:
-                with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-                    result = fn()
-                    end = torch.cuda.Event()
-                    end.record(stream)
-                handle._device_end = stream.device, end
-            handle._future.set_result(result)
+                end = torch.cuda.Event()
+                end.record(stream)
+                handle._device_end = device, end
+                handle._future.set_result(result)  # a CUDA-aware future records its tensors' events here
         except BaseException as e:  # surfaced by wait()
             handle._future.set_exception(e)
 
 
-def _callers_stream():
-    """The issuing thread's current CUDA stream (on its current device), or None where this
-    process has not touched CUDA (then no call of it has CUDA tensors)."""
+def _issued_on() -> tuple | None:
+    """(device, event on the issuing thread's current stream now), or None where this process has
+    not touched CUDA (then no call of it has CUDA tensors)."""
     if not torch.cuda.is_initialized():
         return None
-    return torch.cuda.current_stream(torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device())
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(device))
+    return device, ready
 
 
 def submit(fn) -> Handle:
@@ -96,9 +120,10 @@ def submit(fn) -> Handle:
     return run(fn, True)
 
 
-def run(fn, async_op: bool):
+def run(fn, async_op: bool, tensors=()):
     """``fn()`` on this thread once the async calls issued before it have finished (returns
-    None; their errors stay with their handles), or queued behind them (returns a Handle)."""
+    None; their errors stay with their handles), or queued behind them (returns a Handle).
+    ``tensors``: the call's tensors (recorded on the stream an async CUDA call runs on)."""
     global _queue, _worker_thread, _last
     if not async_op:
         last = _last
@@ -106,12 +131,13 @@ def run(fn, async_op: bool):
             last._done.wait()  # the collectives underneath must run in the order of issue
         fn()
         return None
+    start = _issued_on()
     with _queue_lock:
         if _queue is None:
             _queue = queue.Queue()
             _worker_thread = threading.Thread(target=_worker, args=(_queue,), daemon=True, name="zipccl-async")
             _worker_thread.start()
-        handle = Handle()
+        handle = Handle(device=None if start is None else start[0])
         _last = handle
-        _queue.put((fn, handle, _callers_stream()))
+        _queue.put((fn, handle, start, [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]))
     return handle

@@ -9,6 +9,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .. import config
 from ..auto import Policy
 
 
@@ -34,10 +35,19 @@ class DeviceSpan:
     def passed(self) -> bool:
         return self.end.query()
 
-    def microseconds(self) -> int:
-        """The span's time, waiting for its end where that has not passed."""
+    def microseconds(self) -> int | None:
+        """The span's time, waiting for its end where that has not passed: for at most
+        ZIPCCL_TIMEOUT (None after it: a call whose peer died never ends), else for ever, as
+        any wait on the group's work."""
         if not self.end.query():
-            self.end.synchronize()
+            if config.TIMEOUT is None:
+                self.end.synchronize()
+            else:
+                deadline = time.monotonic() + config.TIMEOUT
+                while not self.end.query():
+                    if time.monotonic() > deadline:
+                        return None
+                    time.sleep(1e-4)
         return int(self.start.elapsed_time(self.end) * 1000)
 
 
@@ -67,20 +77,22 @@ class _AutoGroup:
         open_spans = []
         for span in entry[1]:
             if wait or span.passed():
-                entry[0] = _lowest(entry[0], span.microseconds())
+                us = span.microseconds()
+                entry[0] = entry[0] if us is None else _lowest(entry[0], us)
             else:
                 open_spans.append(span)
         entry[1] = open_spans
 
     def take(self) -> list:
         """Up to REPORT_SLOTS pending reports, oldest first, removed from the queue: [(entry,
-        microseconds)]. A CUDA call's end not yet passed is waited for here, at a later call's
-        metadata exchange."""
+        microseconds, or -1 where none is known: no rank learns from a report that one rank
+        lacks)]. A CUDA call's end not yet passed is waited for here, at a later call's metadata
+        exchange."""
         taken = list(self.pending.items())[:REPORT_SLOTS]
         for key, entry in taken:
             del self.pending[key]
             self._fold(entry, wait=True)
-        return [(key, entry[0]) for key, entry in taken]
+        return [(key, -1 if entry[0] is None else entry[0]) for key, entry in taken]
 
 
 def _lowest(a: int | None, b: int) -> int:

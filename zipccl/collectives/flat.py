@@ -104,7 +104,7 @@ def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
             run_flat(name, t, output, input, op, c, acc)
         return finish(name, used[0], acc)
 
-    return _run(run, async_op)
+    return _run(run, async_op, (output, input))
 
 
 # ---- public API: the flat collectives (zipccl.all_reduce & co. add topology and lossy state on top) -----------
