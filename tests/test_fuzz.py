@@ -245,3 +245,31 @@ def test_bench_fuzz_smoke(tmp_path):
     assert [f["cases"] for f in summary["families"]] == [60, 30]
     assert all(f["format_error"] + f["decoded_ok"] == f["cases"] for f in summary["families"])
     assert "over-bound" in run.stdout
+
+
+def test_decode_into_agrees_with_the_reference_on_hostile_packets(grads):
+    """The Triton decode_into (header and index checked on the device) on four valid packets and
+    seeded mutations of packets without a payload checksum, against the reference decoder: where the reference
+    decodes the packet and its header is the one ``out`` implies (numel, dtype, this decoder's
+    blocks of 256), decode_into's verdict is good and its bits the reference's; everywhere else
+    the verdict names a problem."""
+    bases = [b for b in fuzz.base_packets("triton", grads) if not b.checksum and b.numel]
+    reference, codec = Lossless("reference"), Lossless("triton", block_size=256)
+    outcomes = {"agreed_good": 0, "agreed_bad": 0}
+    for i in range(24):
+        r = fuzz.case_rng(7, "decode_into", i)
+        base = r.choice(bases)
+        packet = torch.from_numpy(base.packet if i < 4 else fuzz.mutate("triton", r, base, tuple(bases))[0])
+        try:
+            want = reference.decode(packet, max_numel=base.numel)
+            h = F.parse_header(packet[:F.HEADER_SIZE].numpy().tobytes(), None, packet.numel())
+            good = (h.numel, h.dtype, h.block_size, h.flags) == (base.numel, base.dtype, 256, 0)
+        except zipccl.FormatError:
+            want, good = None, False
+        out = torch.zeros(base.numel, dtype=base.dtype)
+        problem = codec.decode_into(packet, out).problem()
+        assert (problem is None) == good, (i, base.label, problem)
+        if good:
+            assert torch.equal(out.view(INT[base.dtype]), want.view(INT[base.dtype])), (i, base.label)
+        outcomes["agreed_good" if good else "agreed_bad"] += 1
+    assert min(outcomes.values()) >= 3, outcomes  # both kinds were tried

@@ -149,3 +149,55 @@ def test_encode_into_refuses_a_buffer_it_cannot_fill():
                 torch.empty(bound + 1, dtype=torch.uint8)[1:], torch.empty(2, bound, dtype=torch.uint8)):
         with pytest.raises(ValueError, match="encode_into needs"):
             codec.encode_into(x, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_triton_decode_into_reads_nothing_and_its_verdict_once(dtype):
+    """decode_into: the reference's packet decoded into ``out`` with no host read (the header and
+    index checked on the device), the same bits back; its verdict read in one read, good."""
+    x = _data().to(dtype)
+    packet = Lossless("reference", block_size=256).encode(x)
+    codec = Lossless("triton", block_size=256)
+    out = torch.empty_like(x)
+    codec.decode_into(packet, out)  # warm
+    out.zero_()
+    with host_reads() as seen:
+        verdict = codec.decode_into(packet, out)
+    assert not seen, dict(seen)
+    with host_reads() as read:
+        assert verdict.problem() is None
+    assert sum(read.values()) == 1, dict(read)
+    ints = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(ints), x.view(ints))
+
+
+@pytest.mark.parametrize("corrupt", ["numel", "header_byte", "header_crc", "entry", "totals", "block_size"])
+def test_decode_into_writes_nothing_through_a_bad_header_or_index(corrupt):
+    """A packet whose header is not the one ``out`` implies (a valid packet of 867 elements into
+    868; a header byte flipped without its CRC, or its CRC; blocks of 512), or whose index is bad, leaves
+    ``out`` untouched, and its verdict names the problem as the reference names it (the
+    reference's decode into an ``out`` of 868, or with blocks of 256: its FormatError)."""
+    x = _data()
+    codec = Lossless("triton", block_size=256)
+    packet = Lossless("reference", block_size=256).encode(x)
+    entry = zipccl.format.HEADER_SIZE + 3 * zipccl.format.INDEX_ENTRY  # the last block's, coded
+    if corrupt == "numel":
+        packet = Lossless("reference", block_size=256).encode(x[:-1])
+    elif corrupt == "header_byte":
+        packet[20] ^= 1  # ntables
+    elif corrupt == "header_crc":
+        packet[52] ^= 1
+    elif corrupt == "entry":
+        packet[entry + 1] = zipccl.format.RAW_BLOCK - 1
+    elif corrupt == "totals":
+        packet[entry + 2] += 1
+    if corrupt == "block_size":
+        packet = Lossless("reference", block_size=512).encode(x)
+        want = "packet's blocks hold 512 elements; this decoder reads blocks of 256"
+    else:
+        with pytest.raises(zipccl.FormatError) as raised:
+            Lossless("reference", block_size=256).decode(packet, torch.empty_like(x))
+        want = str(raised.value)
+    out = torch.full((x.numel(),), 7, dtype=torch.int16)
+    assert codec.decode_into(packet, out.view(torch.bfloat16)).problem() == want
+    assert torch.equal(out, torch.full_like(out, 7))

@@ -110,7 +110,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout)
     got = {(row["kernel"], row["dtype"], row["arch"]) for row in rows}
-    want = {(k, d, a) for k in ("_analyse", "_encode", "_decode_symbols", "_decode_join", "_decode_raw", "_seal", "_choose", "_index")
+    want = {(k, d, a) for k in ("_analyse", "_encode", "_decode_symbols", "_decode_join", "_decode_raw", "_seal",
+                                "_check_header", "_choose", "_index")
             for d in ("bfloat16", "float16", "float32") for a in ("sm_80", "sm_90")}
     assert got == want
     for row in rows:

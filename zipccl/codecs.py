@@ -14,7 +14,7 @@ from . import format as F
 from .format import check_input
 from .errors import FormatError, UnsupportedError
 from .kernels import IMPLS, resolve
-from .reference.packet import assemble, host_bytes, parse_lossless, read_index
+from .reference.packet import Verdict, assemble, host_bytes, parse_lossless, read_index
 from .topk import TopK
 
 __all__ = ["Codec", "Raw", "Lossless", "TopK", "packet_size", "check_input"]
@@ -156,6 +156,30 @@ class Lossless:
         if out.device != packet.device:
             raise UnsupportedError(f"out is on {out.device}, the packet on {packet.device}")
         return kernels.decode(packet, out, parsed)
+
+    def decode_into(self, packet: torch.Tensor, out: torch.Tensor) -> Verdict:
+        """Decode a packet that must hold ``out.numel()`` elements of ``out.dtype`` into ``out``,
+        the mirror of ``encode_into``: with the Triton kernels the host reads nothing (the header
+        and index are checked on the device, and nothing is decoded unless they hold), and the
+        returned Verdict tells later, in one read (``check()``, ``problem()``, or
+        ``zipccl.reference.packet.read_all`` for many), what ``decode`` would have raised. A CUDA
+        graph can capture it. The packet's blocks must be this codec's block size (Triton's
+        default where unset), and it must carry no payload checksum. Elsewhere ``decode``, its
+        FormatError kept in the verdict."""
+        packet = _check_packet(packet)
+        if not isinstance(out, torch.Tensor) or not out.is_contiguous() or out.device != packet.device:
+            raise ValueError(f"decode_into needs a contiguous out on the packet's device ({packet.device})")
+        F.dtype_code(out.dtype)
+        kernels = resolve(self.impl, packet.device)
+        block_size = self.block_size or getattr(kernels, "BLOCK_SIZE", F.DEFAULT_BLOCK_SIZE)
+        if hasattr(kernels, "decode_into"):
+            return kernels.decode_into(packet, out.view(-1), block_size)
+        try:
+            self.decode(packet, out, max_numel=out.numel())
+            known = None
+        except FormatError as e:
+            known = str(e)
+        return Verdict(None, packet.numel(), out.numel(), out.dtype, block_size, known)
 
     def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
         nb = F.num_blocks(numel, self.block_size or F.MIN_DEFAULT_BLOCK_SIZE)

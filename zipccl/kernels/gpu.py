@@ -22,7 +22,10 @@ encode, two passes over the input and one read by the host:
 decode: the header is validated on the host and the block index on
 the device (device_plan.read_index), whose verdict stays there: until it is
 known good, the kernels read nothing through the index, and the host reads it
-with the blocks' errors in the call's one read at the end. Two kernels, so
+with the blocks' errors in the call's one read at the end. ``decode_into``
+checks the header on the device too (``_check_header``, against the one that
+``out`` implies) and leaves the whole verdict there, for a read later: no host
+read in the call, so a CUDA graph can capture it. Two kernels, so
 that every scattered access is one a lane cannot avoid:
   1. ``_decode_symbols`` runs LANES blocks per program in lock step, one symbol
      per block per iteration, and writes each element's 16-bit code where the
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import zlib
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -48,7 +50,7 @@ from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAXLEN, NSYM,
                       OFFSET_BIAS, RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
 from ..reference import tables as T
-from ..reference.packet import LosslessPacket, index_error, parse_lossless, to_device, to_host
+from ..reference.packet import LosslessPacket, Verdict, block_error, index_error, parse_lossless, to_device, to_host
 from . import device_plan
 from .device_plan import read_index
 
@@ -64,9 +66,6 @@ _NSYM, _BIAS, _ESC, _ZERO, _RAW, _LUT, _STRIDE = (tl.constexpr(v) for v in (
     NSYM, OFFSET_BIAS, SYM_ESC, SYM_ZERO, RAW_BLOCK, 1 << MAXLEN, SAMPLE_STRIDE))
 
 _ERR_CODE, _ERR_RANGE, _ERR_ZEROS, _ERR_REST = (tl.constexpr(1 << k) for k in range(4))
-_ERRORS = {1: "invalid or truncated code in an exponent stream", 2: "decoded exponent out of range",
-           4: "zero count of a block does not match its index entry",
-           8: "sign+mantissa bytes of a block overrun its section"}
 
 
 @triton.jit
@@ -301,6 +300,33 @@ def _seal(hdr_ptr, totals_ptr, size_ptr, s1):
 
 
 @triton.jit
+def _check_header(pkt_ptr, tmpl_ptr, size, s1, n, out_ptr):
+    """decode_into's header check on the device: every field the caller's ``out`` and the codec
+    fix (bytes 0-31: magic to the index's size; 48-51: no payload CRC) equals the template's,
+    the CRC-32 of bytes 0-51 is the one at 52, and the data sizes (u64 at 32 and 40) make a
+    packet of at most ``size`` bytes that ``n`` elements fit in, as parse_header and
+    check_lossless_header require. Writes [1 if so else 0, stream bytes, rest bytes] to out_ptr."""
+    crc = tl.load(pkt_ptr).to(tl.int64) * 0 + 0xFFFFFFFF
+    s2, s3, stored, same = crc * 0, crc * 0, crc * 0, crc == crc
+    for i in range(56):
+        b = tl.load(pkt_ptr + i).to(tl.int64)
+        fixed = (i < 32) | ((i >= 48) & (i < 52))
+        same = same & (~fixed | (b == tl.load(tmpl_ptr + i).to(tl.int64)))
+        s2 += tl.where((i >= 32) & (i < 40), b << (8 * (i % 8)), 0)
+        s3 += tl.where((i >= 40) & (i < 48), b << (8 * (i % 8)), 0)
+        stored += tl.where(i >= 52, b << (8 * ((i + 4) % 8)), 0)
+        c = crc ^ b
+        for _ in range(8):
+            c = (c >> 1) ^ (0xEDB88320 * (c & 1))
+        crc = tl.where(i < 52, c, crc)
+    fits = (s2 >= 0) & (s3 >= 0) & (s2 <= size) & (s3 <= size) & (56 + s1 + s2 + s3 <= size)
+    ok = same & ((crc ^ 0xFFFFFFFF) == stored) & (s2 % 4 == 0) & fits & (n <= 8 * s2 + s3)
+    tl.store(out_ptr, ok.to(tl.int64))
+    tl.store(out_ptr + 1, s2)
+    tl.store(out_ptr + 2, s3)
+
+
+@triton.jit
 def _decode_raw(rest_ptr, out_ptr, n, order_ptr, ncoded_ptr, rest_start_ptr, BS: tl.constexpr,
                 ITEMSIZE: tl.constexpr):
     """One block of ``order`` (coded blocks first): if it is raw, its elements' bytes, little-endian."""
@@ -422,16 +448,60 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
     # The header is validated on the host before any launch; the block index on the device, its
     # verdict read with the blocks' errors at the end (_raise_first).
     p = parse_lossless(packet, header, read_index)
-    layout, h = p.layout, p.header
-    n, bs, dev = h.numel, h.block_size, packet.device
-    if n == 0:
+    h = p.header
+    if h.numel == 0:
         _raise_first(p, None)
         return out
-    view = _ints(out)
-    rest = packet[p.rest_offset:p.rest_offset + h.sections[3]]
+    good = None
+    if p.index_check is not None:  # unchecked yet: until it is known good, no kernel reads through it
+        c = p.index_check
+        good = (c[0] == p.table.numel()) & (c[1] == h.sections[2] // 4) & (c[2] == h.sections[3])
+    err = _decode_blocks(packet[p.stream_offset:p.rest_offset], packet[p.rest_offset:p.rest_offset + h.sections[3]],
+                         p.ref, p.table, p.nzero, p.word_start, p.rest_start, good, out, h.block_size)
+    _raise_first(p, err)
+    return out
+
+
+def decode_into(packet: torch.Tensor, out: torch.Tensor, block_size: int) -> Verdict:
+    """Decode into ``out`` (its numel and dtype are what the packet must hold, in blocks of
+    ``block_size``) without the host reading anything: the header is checked on the device
+    against the one such a packet has (``_check_header``), the index there too, and no kernel
+    reads through either until both are known good; the blocks' errors stay there. The returned
+    Verdict says later, in one read, whether the packet was good (FormatError as ``decode``
+    raises it). A pipeline can so read many packets' verdicts at once, and a CUDA graph can
+    capture the call. Packets with a payload CRC are refused (checking it reads the host)."""
+    n, layout, dev = out.numel(), LAYOUTS[out.dtype], packet.device
+    nb = num_blocks(n, block_size)
+    stream_offset = HEADER_SIZE + nb * INDEX_ENTRY
+    if packet.numel() < stream_offset:  # sizes known to the host: no read, nothing to decode
+        return Verdict(None, packet.numel(), n, out.dtype, block_size,
+                       known=f"packet of {packet.numel()} bytes is shorter than the header and index of {n} elements "
+                             f"in blocks of {block_size} ({stream_offset} bytes)")
+    head = torch.empty(3, dtype=torch.int64, device=dev)
+    _check_header[(1,)](packet, _template(out.dtype, n, block_size, dev), packet.numel(), nb * INDEX_ENTRY, n, head)
+    (ref, table, _, nzero, _, word_start, rest_start), check = read_index(
+        packet, HEADER_SIZE, stream_offset, n, block_size, BANK_SIZE, layout)
+    good = (head[0] == 1) & (check[0] == nb) & (check[1] * 4 == head[1]) & (check[2] == head[2])
+    words = (packet.numel() - stream_offset) // 4  # a bound for the loads; the index keeps each block to its own
+    err = None
+    if n:
+        err = _decode_blocks(packet[stream_offset:stream_offset + 4 * words], packet, ref[:nb], table[:nb],
+                             nzero[:nb], word_start, rest_start + (stream_offset + head[1]), good, out, block_size)
+    parts = [good.reshape(1), packet[:HEADER_SIZE], check] + ([] if err is None else [err])
+    return Verdict(torch.cat([v.to(torch.int64) for v in parts]), packet.numel(), n, out.dtype, block_size)
+
+
+def _decode_blocks(stream: torch.Tensor, rest: torch.Tensor, ref, table, nzero, word_start, rest_start, good,
+                   out: torch.Tensor, bs: int) -> torch.Tensor:
+    """The kernels of a decode: ``stream`` (the exponent streams, read up to its end), ``rest``
+    (sign+mantissa bytes at ``rest_start``'s offsets), the index's rows on the device and
+    ``good`` (None: the index is known good; else a device bool: nothing is read through the
+    index unless it holds). Returns the blocks' errors, on the device."""
+    layout, dev = LAYOUTS[out.dtype], rest.device
+    n, view = out.numel(), _ints(out)
     # Coded blocks first, then raw ones, and the count of coded blocks, all on the device: the
     # kernels launch for every block and mask by that count, so the host never waits for it.
-    is_raw = p.table == RAW_BLOCK
+    is_raw = table == RAW_BLOCK
     nb = is_raw.numel()
     raw = is_raw.to(torch.int64)
     raw_rank = torch.cumsum(raw, 0) - raw
@@ -440,19 +510,15 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
     place = torch.where(is_raw, ncoded + raw_rank, ids - raw_rank)
     order = torch.empty(nb, dtype=torch.int64, device=dev).scatter_(0, place, ids)
     raw_from = ncoded
-    if p.index_check is not None:  # unchecked yet: until it is known good, no kernel reads through it
-        c = p.index_check
-        good = (c[0] == nb) & (c[1] == h.sections[2] // 4) & (c[2] == h.sections[3])
+    if good is not None:
         ncoded, raw_from = torch.where(good, ncoded, 0), torch.where(good, ncoded, nb)
-    _decode_raw[(nb,)](rest, view, n, order, raw_from, p.rest_start, BS=bs, ITEMSIZE=layout.itemsize,
+    _decode_raw[(nb,)](rest, view, n, order, raw_from, rest_start, BS=bs, ITEMSIZE=layout.itemsize,
                        num_warps=block_warps(bs))
-    nwords = h.sections[2] // 4
-    stream = packet[p.stream_offset:p.rest_offset]
+    nwords = stream.numel() // 4
     words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
-    blocks = torch.stack([p.ref, p.table, p.word_start[:-1], p.word_start[1:], p.rest_start[:-1],
-                          p.rest_start[1:], p.nzero], dim=1)
+    blocks = torch.stack([ref, table, word_start[:-1], word_start[1:], rest_start[:-1], rest_start[1:], nzero], dim=1)
     err = torch.zeros(nb, dtype=torch.int32, device=dev)
-    luts = _luts(h.dtype, dev)
+    luts = _luts(out.dtype, dev)
     # The codes between the two kernels take 2 bytes per element: at most DECODE_SCRATCH
     # elements' worth at a time, so that a large packet does not need a second output's memory.
     assert bs % JOIN_CHUNK == 0, (bs, JOIN_CHUNK)  # a join program's chunk lies in one block
@@ -470,8 +536,7 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
             symbols, counts, rest, view, n, lanes, live, blocks, errs, BS=bs, LANES=LANES,
             CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
             INLINE_BITS=layout.inline_bits, num_warps=JOIN_WARPS)
-    _raise_first(p, err)
-    return out
+    return err
 
 
 def _raise_first(p: LosslessPacket, err: torch.Tensor | None) -> None:
@@ -485,6 +550,6 @@ def _raise_first(p: LosslessPacket, err: torch.Tensor | None) -> None:
         if problem := index_error(values[:3], p.header):
             raise FormatError(problem)
         values = values[3:]
-    codes = int(np.bitwise_or.reduce(values)) if values.size else 0
-    if codes:
-        raise FormatError(_ERRORS[codes & -codes])
+    if problem := block_error(values):
+        raise FormatError(problem)
+

@@ -113,6 +113,22 @@ def index_error(check, h: Header) -> str | None:
     return None
 
 
+def check_lossless_header(h: Header) -> None:
+    """FormatError where a parsed header's fields do not make a lossless packet this version reads."""
+    n, bs = h.numel, h.block_size
+    if bs < MIN_BLOCK_SIZE or bs > MAX_BLOCK_SIZE or bs & (bs - 1):
+        raise FormatError(f"block size {bs} is not a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+    if h.nsym != NSYM or h.maxlen != MAXLEN:
+        raise FormatError(f"tables of {h.nsym} symbols / {h.maxlen} bits; this version reads {NSYM} / {MAXLEN}")
+    if h.ntables != BANK_SIZE:
+        raise FormatError(f"a bank of {h.ntables} codes; this version's bank has {BANK_SIZE}")
+    s0, s1, s2, s3 = h.sections
+    if s0 or s1 != num_blocks(n, bs) * INDEX_ENTRY or s2 % 4:
+        raise FormatError("section sizes do not match the header's counts")
+    if n > 8 * s2 + s3:  # every element takes a bit of a stream (a code) or a byte of section 3 (raw)
+        raise FormatError(f"{n} elements cannot fit in {s2} stream bytes and {s3} rest bytes")
+
+
 def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None = None,
                    index_reader=read_index) -> LosslessPacket:
     """Validate a lossless packet; ``header``: its header if the caller has parsed it already, or the
@@ -121,20 +137,10 @@ def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None 
     if isinstance(header, LosslessPacket):
         return header
     h = header or parse_header(host_bytes(packet, 0, HEADER_SIZE).tobytes(), CODEC_LOSSLESS, packet.numel())
+    check_lossless_header(h)
     layout = LAYOUTS[h.dtype]
     n, bs = h.numel, h.block_size
-    if bs < MIN_BLOCK_SIZE or bs > MAX_BLOCK_SIZE or bs & (bs - 1):
-        raise FormatError(f"block size {bs} is not a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
-    if h.nsym != NSYM or h.maxlen != MAXLEN:
-        raise FormatError(f"tables of {h.nsym} symbols / {h.maxlen} bits; this version reads {NSYM} / {MAXLEN}")
-    nb = num_blocks(n, bs)
-    if h.ntables != BANK_SIZE:
-        raise FormatError(f"a bank of {h.ntables} codes; this version's bank has {BANK_SIZE}")
-    s0, s1, s2, s3 = h.sections
-    if s0 or s1 != nb * INDEX_ENTRY or s2 % 4:
-        raise FormatError("section sizes do not match the header's counts")
-    if n > 8 * s2 + s3:  # every element takes a bit of a stream (a code) or a byte of section 3 (raw)
-        raise FormatError(f"{n} elements cannot fit in {s2} stream bytes and {s3} rest bytes")
+    nb, s1, s2 = num_blocks(n, bs), h.sections[1], h.sections[2]
     pos = HEADER_SIZE
     fields, check = index_reader(packet, pos, pos + s1, n, bs, h.ntables, layout)
     pos += s1
@@ -174,3 +180,73 @@ def _read_index(entries, n, bs, ntables, emax, itemsize, rest_bytes):
         f[5, b + 1] = f[5, b] + nwords
         f[6, b + 1] = f[6, b] + rest
     return f, -1
+
+
+#: The error bits of the GPU decoder's blocks (zipccl/kernels/gpu.py), lowest first.
+BLOCK_ERRORS = {1: "invalid or truncated code in an exponent stream", 2: "decoded exponent out of range",
+                4: "zero count of a block does not match its index entry",
+                8: "sign+mantissa bytes of a block overrun its section"}
+
+
+def block_error(codes: np.ndarray) -> str | None:
+    """The message of the lowest error bit among the GPU decoder's blocks' codes, or None."""
+    code = int(np.bitwise_or.reduce(codes)) if codes.size else 0
+    return BLOCK_ERRORS[code & -code] if code else None
+
+
+class Verdict:
+    """What a ``decode_into`` found, kept on the device until read (the GPU decoder's: a good
+    flag, the packet's header bytes, the index's check and the blocks' errors), or known
+    already (``known``: a decoder that checked on the host). ``problem()`` (one host read) says
+    what was wrong, as ``decode`` would have raised it, or None; ``check()`` raises that
+    FormatError; ``read_all`` reads several verdicts in one go."""
+    __slots__ = ("values", "packet_size", "numel", "dtype", "block_size", "known")
+
+    def __init__(self, values: torch.Tensor | None, packet_size: int, numel: int, dtype: torch.dtype,
+                 block_size: int, known: str | None = None):
+        self.values, self.packet_size, self.numel = values, packet_size, numel
+        self.dtype, self.block_size, self.known = dtype, block_size, known
+
+    def check(self) -> None:
+        if (problem := self.problem()) is not None:
+            raise FormatError(problem)
+
+    def problem(self) -> str | None:
+        return read_all([self])[0]
+
+    def explain(self, values: np.ndarray) -> str | None:
+        """The problem that ``values`` (this verdict's, on the host) show, or None."""
+        if values is None:
+            return self.known
+        good, head, check, errors = values[0], values[1:1 + HEADER_SIZE], values[1 + HEADER_SIZE:4 + HEADER_SIZE], \
+            values[4 + HEADER_SIZE:]
+        try:
+            h = parse_header(head.astype(np.uint8).tobytes(), CODEC_LOSSLESS, self.packet_size)
+            check_lossless_header(h)
+        except FormatError as e:
+            return str(e)
+        if h.flags & FLAG_CRC:
+            return "decode_into takes packets without a payload checksum (decode checks one)"
+        if (h.numel, h.dtype) != (self.numel, self.dtype):
+            return f"packet holds {h.numel} elements of {h.dtype}, out has {self.numel} of {self.dtype}"
+        if h.block_size != self.block_size:
+            return f"packet's blocks hold {h.block_size} elements; this decoder reads blocks of {self.block_size}"
+        if problem := index_error(check, h):
+            return problem
+        if not good:  # every check above passed on the host: the device's must have too
+            return "packet header failed the device's check"
+        return block_error(errors)
+
+
+def read_all(verdicts: list) -> list:
+    """Each verdict's problem (None where its packet was good), read from the device at once."""
+    live = [v for v in verdicts if v.values is not None]
+    values = to_host(torch.cat([v.values for v in live])) if live else None
+    out, at = [], 0
+    for v in verdicts:
+        if v.values is None:
+            out.append(v.known)
+            continue
+        out.append(v.explain(values[at:at + v.values.numel()]))
+        at += v.values.numel()
+    return out
