@@ -180,6 +180,42 @@ def test_fault_reaches_every_rank(pool, collective, family, algorithm, kind, pha
     assert "injected" in res[CULPRIT][4] or kind == "corrupt", res[CULPRIT]
 
 
+# ---- deferred verdicts: packets decoded without a host read (on CUDA) are judged at the call's end ------------
+
+def _deferred_fault(rank, groups, *case):
+    """``_fault`` with every lossless packet decoded through ``decode_into``, its verdict read
+    before the call settles (pipeline.defers, true on CUDA, made true here; numba's decode_into
+    keeps its FormatError in the verdict); also how many packets were deferred."""
+    deferred = [0]
+
+    def always(codec, packet):
+        deferred[0] += hasattr(codec, "decode_into")
+        return hasattr(codec, "decode_into")
+
+    real, P.defers = P.defers, always
+    try:
+        return (*_fault(rank, groups, *case), deferred[0])
+    finally:
+        P.defers = real
+
+
+@pytest.mark.parametrize("collective,algorithm,kind", [
+    ("all_reduce", "direct", "corrupt"), ("all_reduce", "ring", "corrupt"), ("reduce_scatter", "direct", "corrupt"),
+    ("all_gather", "direct", "corrupt"), ("all_reduce", "direct", "decode")])
+def test_a_deferred_verdict_fails_the_call_on_every_rank(pool, collective, algorithm, kind):
+    """A corrupt packet whose verdict is read at the call's end (decode_into, as on CUDA) makes
+    every rank raise RankFailure naming its sender, kind "corrupt", within the budget, and the
+    group still works; a decoder that raises is named at once, as before; the packets really
+    went through decode_into."""
+    res = pool.run(_deferred_fault, collective, "lossless", algorithm, kind, "middle", timeout=120)
+    for rank, r in enumerate(res):
+        assert not isinstance(r, BaseException), (rank, r)
+        err, failing, what, seconds, message, usable, count, deferred = r
+        assert deferred > 0, res
+        assert (err, failing, what) == ("RankFailure", CULPRIT, kind), (rank, res)
+        assert seconds < BUDGET and usable, (rank, res)
+
+
 # ---- bad input before any message: NaN and Inf, a non-contiguous tensor, a selection that fails ----------------
 
 def _gathered(x: torch.Tensor, n: int) -> torch.Tensor:

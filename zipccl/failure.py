@@ -29,6 +29,7 @@ import torch
 
 from . import config
 from .errors import FormatError, RankFailure
+from .reference.packet import read_all
 
 __all__ = ["Fate", "CORRUPT", "ENCODE", "DECODE", "SIZE", "REDUCE", "LOST", "MEMORY", "describe"]
 
@@ -63,7 +64,7 @@ class Fate:
     """One call's outcome on this rank, shared by the phases and levels of the call. Ranks are
     the job's (as dist.get_rank()): the levels of a hierarchical call are other groups."""
 
-    __slots__ = ("name", "rank", "first", "error", "lost", "hurry", "gave_up")
+    __slots__ = ("name", "rank", "first", "error", "lost", "hurry", "gave_up", "verdicts")
 
     def __init__(self, name: str, rank: int):
         """``rank``: this rank in the job."""
@@ -73,6 +74,7 @@ class Fate:
         self.lost: set = set()                      # (transport id, peer) whose connections broke
         self.hurry: float | None = None             # seconds each later wait may take, once a rank is lost (_hurry)
         self.gave_up = False                        # a wait of this call ran out (this rank closed its connections)
+        self.verdicts: list = []                    # (job rank of the sender, Verdict) of packets decoded, unread
 
     @classmethod
     def of(cls, name: str, t) -> "Fate":
@@ -140,6 +142,20 @@ class Fate:
             self.fail(DECODE, e)
         return None
 
+    def expect(self, t, peer: int, verdict) -> None:
+        """A packet from ``peer`` of transport ``t`` decoded without a host read (decode_into):
+        its verdict is read with the call's others before the call settles (``_read_verdicts``)."""
+        self.verdicts.append((t.global_rank(peer), verdict))
+
+    def _read_verdicts(self) -> None:
+        """The unread verdicts, in one read: a bad packet is its sender's failure (CORRUPT)."""
+        if not self.verdicts:
+            return
+        pending, self.verdicts = self.verdicts, []
+        for (rank, _), problem in zip(pending, read_all([v for _, v in pending])):
+            if problem is not None:
+                self.fail(CORRUPT, FormatError(problem), rank=rank)
+
     def lose(self, t, peer: int, error: BaseException) -> None:
         """An operation with ``peer`` of transport ``t`` failed: its connection is gone."""
         self.lost.add((id(t), peer))
@@ -198,7 +214,10 @@ class Fate:
         naming it. A failure heard in the round is raised all the same, ahead of the loss. Not
         where this rank gave up waiting on any peer of the call (``gave_up``): the transport has
         closed this rank's connections then (gloo: all of the group's), so it could not name
-        the peer in a next call; it raises here, as every survivor that waits on a hung rank does."""
+        the peer in a next call; it raises here, as every survivor that waits on a hung rank does.
+        The verdicts of packets decoded without a host read are read first, so that a corrupt
+        one goes out in this rank's status."""
+        self._read_verdicts()
         if t.size > 1:
             known = self.first
             mine = torch.tensor([self.code], dtype=torch.int64)
@@ -219,6 +238,7 @@ class Fate:
 
     def check(self) -> None:
         """Raise RankFailure if this call failed anywhere this rank knows of."""
+        self._read_verdicts()
         if self.first is None:
             return
         rank, kind = self.first

@@ -12,7 +12,7 @@ from ..failure import ENCODE, REDUCE, SIZE, Fate
 from ..kernels import reduce
 from .metadata import (_TAG_AG_DATA, _TAG_AG_SIZES, _TAG_DATA, _TAG_RS_DATA, _TAG_RS_SIZES, _TAG_SIZE, Call,
                        _meta_bytes, timed)
-from .pipeline import _land, _sizes, pieces, post
+from .pipeline import _land, _sizes, decode_to, pieces, post
 from .resolve import _OPS
 
 
@@ -108,7 +108,8 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fa
     def finish(k, bound, sends, recvs, sizes):
         a, b = cuts[k]
         parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
-        _land(t, acc, sends, recvs, sizes, bound, lambda j, buf: timed(acc, "codec_seconds", codec.decode, buf, parts[j]))
+        _land(t, acc, sends, recvs, sizes, bound,
+              lambda j, buf: timed(acc, "codec_seconds", decode_to, codec, buf, parts[j], fate, t, j))
         timed(acc, "codec_seconds", fate.guard, REDUCE, reduce_piece, a, b, parts)
         if on_piece is not None:
             on_piece(a, b, result[a:b])
@@ -147,9 +148,9 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, fate: Fate
         if not last:
             # A hop's result is rounded to the dtype anyway; torch adds 16-bit tensors in
             # fp32 and rounds once, so this is the fp32 sum, rounded, in one pass.
-            return (torch.add, torch.add, torch.maximum, torch.minimum)[op_code - 1](codec.decode(recv, out=scratch),
-                                                                                    mine)
-        total = codec.decode(recv, out=scratch).to(_acc_dtype(chunks.dtype), copy=True)
+            return (torch.add, torch.add, torch.maximum, torch.minimum)[op_code - 1](
+                decode_to(codec, recv, scratch, fate, t, prv), mine)
+        total = decode_to(codec, recv, scratch, fate, t, prv).to(_acc_dtype(chunks.dtype), copy=True)
         _reduce_into(total, mine, op_code)
         return total
 
@@ -274,10 +275,10 @@ class _Gather:
         try:
             dest = self.dest(j, a, b)
             if dest.numel() == b - a:
-                self.codec.decode(part, out=dest)  # straight into the caller's buffer
+                decode_to(self.codec, part, dest, self.fate, self.t, j)  # straight into the caller's buffer
             else:
                 if self.scratch is None or self.scratch.numel() < b - a:
                     self.scratch = torch.empty_like(mine)
-                dest.copy_(self.codec.decode(part, out=self.scratch[:b - a])[:dest.numel()])
+                dest.copy_(decode_to(self.codec, part, self.scratch[:b - a], self.fate, self.t, j)[:dest.numel()])
         finally:
             self.acc["codec_seconds"] += time.perf_counter() - t0

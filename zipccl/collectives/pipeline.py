@@ -93,6 +93,23 @@ def post(t, packets, mail: _SizeMail, tag: int, acc: dict, device, bound: int) -
     return sends, recvs
 
 
+def defers(codec, packet: torch.Tensor) -> bool:
+    """Whether ``decode_to`` leaves ``packet``'s verdict for later: on CUDA, where the codec
+    decodes without a host read (``decode_into``: the Triton lossless codec, no payload checksum)."""
+    return packet.is_cuda and hasattr(codec, "decode_into") and not getattr(codec, "checksum", False)
+
+
+def decode_to(codec, packet: torch.Tensor, out: torch.Tensor, fate: Fate, t, peer: int) -> torch.Tensor:
+    """``codec.decode(packet, out=out)``, or where it ``defers``, ``decode_into``, its verdict
+    left with the call's ``fate``, which reads every piece's at once before the call settles: a
+    read per packet made the host wait for each decode in turn. A bad packet then fails the call
+    at its end, not at once; the call raises all the same, on every rank (zipccl.failure)."""
+    if defers(codec, packet):
+        fate.expect(t, peer, codec.decode_into(packet, out))
+        return out
+    return codec.decode(packet, out=out)
+
+
 def _land(t, acc: dict, sends: list, recvs: dict, sizes: _SizeMail, bound: int, decode) -> None:
     """Finish a piece: for each peer, its size (a poison code makes the call failed here),
     its packet, and ``decode(peer, packet)`` while the call has not failed; then this rank's
