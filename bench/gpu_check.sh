@@ -119,8 +119,8 @@ step env "${ENV_S:-10}" $py -c "$env_py"
 # The gpu suite in steps, so that a hang in one part costs the others' results nothing; the
 # killed-rank test comes last, since the ranks it leaves behind could slow what follows.
 gpu_suite="$py -m pytest -m gpu -q -rfEsxXp -p no:cacheprovider"  # -q: no banner; -r...p names every test
-step suite_kernels "${SUITE_KERNELS_S:-70}" $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
-step codec_cuda "${CODEC_S:-20}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
+step suite_kernels "${SUITE_KERNELS_S:-90}" $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
+step codec_cuda "${CODEC_S:-15}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
     --json "$out/codec_cuda.json"
 for case in ${STAGES:-33554432:bf16 4194304:bf16}; do
     step "stages_${case/:/_}" "${STAGES_S:-15}" $py bench/gpu_stages.py --numel "${case%:*}" --dtype "${case#*:}" \
@@ -130,7 +130,7 @@ step codec_ab "${AB_S:-15}" $py bench/gpu_ab.py --data "$data" --label "$(git re
     || echo checkout)" --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json"
 step suite_ranks "${SUITE_RANKS_S:-125}" $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py \
     -k "(transport or dropin or collectives or clock or perf_lab) and not mail"
-step suite_entry "${SUITE_ENTRY_S:-60}" $gpu_suite -s tests/test_gpu_lab.py -k entry_point
+step suite_entry "${SUITE_ENTRY_S:-45}" $gpu_suite -s tests/test_gpu_lab.py -k entry_point
 # The pipeline's host synchronisations per piece, and the mail channel: sizes pass pending packets.
 step suite_syncs "${SUITE_SYNCS_S:-45}" $gpu_suite -s tests/test_gpu_lab.py tests/test_nccl_gpu.py \
     -k "synchronisations or mail"
