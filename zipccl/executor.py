@@ -88,7 +88,9 @@ def _worker(q: queue.Queue) -> None:
                 handle._future.set_result(fn())
                 continue
             device, ready = start
-            stream = _streams.setdefault(device, torch.cuda.Stream(device))
+            stream = _streams.get(device)
+            if stream is None:
+                stream = _streams[device] = torch.cuda.Stream(device)
             stream.wait_event(ready)
             for t in tensors:
                 t.record_stream(stream)
