@@ -216,6 +216,50 @@ def test_a_deferred_verdict_fails_the_call_on_every_rank(pool, collective, algor
         assert seconds < BUDGET and usable, (rank, res)
 
 
+class _CorruptTriton(Lossless):
+    """The Triton codec (under the interpreter here), whose first packet with ``corrupt`` leaves
+    with its element count flipped: the header's CRC no longer matches."""
+
+    def __init__(self, corrupt: bool):
+        super().__init__("triton", block_size=256)
+        self.corrupt, self.sent = corrupt, 0
+
+    def encode(self, x):
+        packet = Lossless.encode(self, x)
+        self.sent += 1
+        if self.corrupt and self.sent == 1:
+            packet = packet.clone()
+            packet[8] ^= 0x40
+        return packet
+
+
+def _triton_verdicts(rank, groups):
+    """All-gathers through the Triton decode_into with its verdicts on the device (as on CUDA):
+    a clean one, against plain torch's all-gather, then one whose culprit sends a corrupt packet."""
+    group, n = groups[4], 4
+    real, P.defers = P.defers, lambda codec, packet: isinstance(codec, Lossless)
+    try:
+        x = torch.randn(300, generator=torch.Generator().manual_seed(rank))
+        got = torch.empty(n * x.numel())
+        zipccl.all_gather(got, x, group=group, codec=_CorruptTriton(False), algorithm="flat")
+        clean = bool(torch.equal(got, _gathered(x, n).view(-1)))
+        try:
+            zipccl.all_gather(got, x, group=group, codec=_CorruptTriton(rank == CULPRIT), algorithm="flat")
+            return clean, "ok", None, None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return clean, type(e).__name__, getattr(e, "rank", None), getattr(e, "kind", None)
+    finally:
+        P.defers = real
+
+
+def test_triton_verdicts_on_the_device_fail_the_call_on_every_rank(pool):
+    """The on-device verdict of the Triton decode_into, through a collective's Fate: a clean
+    all-gather gives plain torch's bits; a corrupt packet makes every rank raise RankFailure
+    naming its sender, kind "corrupt"."""
+    res = pool.run(_triton_verdicts, timeout=240)
+    assert res == [(True, "RankFailure", CULPRIT, "corrupt")] * 4, res
+
+
 # ---- bad input before any message: NaN and Inf, a non-contiguous tensor, a selection that fails ----------------
 
 def _gathered(x: torch.Tensor, n: int) -> torch.Tensor:

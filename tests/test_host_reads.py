@@ -171,10 +171,11 @@ def test_triton_decode_into_reads_nothing_and_its_verdict_once(dtype):
     assert torch.equal(out.view(ints), x.view(ints))
 
 
-@pytest.mark.parametrize("corrupt", ["numel", "header_byte", "header_crc", "entry", "totals", "block_size"])
+@pytest.mark.parametrize("corrupt", ["numel", "header_byte", "header_crc", "sizes", "entry", "totals", "block_size"])
 def test_decode_into_writes_nothing_through_a_bad_header_or_index(corrupt):
     """A packet whose header is not the one ``out`` implies (a valid packet of 867 elements into
-    868; a header byte flipped without its CRC, or its CRC; blocks of 512), or whose index is bad, leaves
+    868; a header byte flipped without its CRC, or its CRC; a stream size with the top bit set,
+    re-signed; blocks of 512), or whose index is bad, leaves
     ``out`` untouched, and its verdict names the problem as the reference names it (the
     reference's decode into an ``out`` of 868, or with blocks of 256: its FormatError)."""
     x = _data()
@@ -187,6 +188,12 @@ def test_decode_into_writes_nothing_through_a_bad_header_or_index(corrupt):
         packet[20] ^= 1  # ntables
     elif corrupt == "header_crc":
         packet[52] ^= 1
+    elif corrupt == "sizes":  # stream bytes with the top bit set, the header re-signed: far past the packet
+        h = zipccl.format.parse_header(packet[:56].numpy().tobytes(), None, packet.numel())
+        s0, s1, s2, s3 = h.sections
+        packet = packet.clone()
+        packet[:56] = torch.frombuffer(bytearray(zipccl.format.Header(**{**h.__dict__, "sections": (
+            s0, s1, s2 | (1 << 63), s3)}).pack()), dtype=torch.uint8)
     elif corrupt == "entry":
         packet[entry + 1] = zipccl.format.RAW_BLOCK - 1
     elif corrupt == "totals":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..codecs import Lossless
 from ..errors import FormatError
 from ..failure import ENCODE, SIZE, Fate
 from .metadata import Call, _SizeMail, _meta_bytes, _peers, timed
@@ -94,9 +95,12 @@ def post(t, packets, mail: _SizeMail, tag: int, acc: dict, device, bound: int) -
 
 
 def defers(codec, packet: torch.Tensor) -> bool:
-    """Whether ``decode_to`` leaves ``packet``'s verdict for later: on CUDA, where the codec
-    decodes without a host read (``decode_into``: the Triton lossless codec, no payload checksum)."""
-    return packet.is_cuda and hasattr(codec, "decode_into") and not getattr(codec, "checksum", False)
+    """Whether ``decode_to`` leaves ``packet``'s verdict for later: on CUDA, where the codec is
+    zipccl's Lossless as it is (a subclass's own ``decode`` is kept) and decodes without a host
+    read (``decode_into``: the Triton kernels, no payload checksum). Every rank's codec has the
+    same implementation and block size (the call's signature: collectives.resolve._codec_id)."""
+    return (packet.is_cuda and isinstance(codec, Lossless) and type(codec).decode is Lossless.decode
+            and not codec.checksum)
 
 
 def decode_to(codec, packet: torch.Tensor, out: torch.Tensor, fate: Fate, t, peer: int) -> torch.Tensor:

@@ -67,8 +67,11 @@ def resolve_codec(codec, dtype: torch.dtype, nbytes: int):
 def _codec_id(codec) -> int:
     if codec is None:
         return 0
+    # impl and checksum too: a receiver on CUDA decodes with decode_into, which takes the packets
+    # of its own implementation's block size and no payload checksum (collectives.pipeline.defers)
     key = f"{getattr(codec, 'name', type(codec).__name__)}:{getattr(codec, 'block_size', 0)}:" \
-          f"{getattr(codec, 'density', 0)}:{getattr(codec, 'algorithm', '')}:{getattr(codec, 'sampled', '')}"
+          f"{getattr(codec, 'density', 0)}:{getattr(codec, 'algorithm', '')}:{getattr(codec, 'sampled', '')}:" \
+          f"{getattr(codec, 'impl', '')}:{getattr(codec, 'checksum', False)}"
     return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 

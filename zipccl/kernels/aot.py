@@ -52,8 +52,8 @@ def _specs(dtype: str):
                            "rest_start_ptr": "*i64"},
            dict(BS=bs, ITEMSIZE=itemsize), gpu.block_warps(bs))
     yield ("_seal", {"hdr_ptr": "*u8", "totals_ptr": "*i64", "size_ptr": "*i64", "s1": "i64"}, {}, 1)
-    yield ("_check_header", {"pkt_ptr": "*u8", "tmpl_ptr": "*u8", "size": "i64", "s1": "i64", "n": "i64",
-                             "out_ptr": "*i64"}, {}, 1)
+    yield ("_check_header", {"pkt_ptr": "*u8", "tmpl_ptr": "*u8", "room": "i64", "n": "i64", "out_ptr": "*i64"},
+           {}, 1)
     from . import device_plan
     yield ("_choose", {"sampled_ptr": "*i16", "exact_ptr": "*i16", "stride": "i64", "ref_ptr": "*i32",
                        "bits_ptr": "*i32", "index_ptr": "*i16", "block_ptr": "*i64", "lens_ptr": "*i64", "nb": "i64",

@@ -56,6 +56,7 @@ from .device_plan import read_index
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 _TEMPLATES: dict = {}  # (dtype, numel, block size, device) -> encode_into's header template there
+_CAPTURED: dict = {}   # the templates a CUDA graph capture used: never freed
 LANES = 32  # blocks decoded in lock step by one program
 DECODE_WARPS = 1  # LANES lanes fill one warp
 JOIN_CHUNK, JOIN_WARPS = 32, 4  # _decode_join's program: elements of each of LANES blocks (divides every block size)
@@ -300,18 +301,20 @@ def _seal(hdr_ptr, totals_ptr, size_ptr, s1):
 
 
 @triton.jit
-def _check_header(pkt_ptr, tmpl_ptr, size, s1, n, out_ptr):
+def _check_header(pkt_ptr, tmpl_ptr, room, n, out_ptr):
     """decode_into's header check on the device: every field the caller's ``out`` and the codec
     fix (bytes 0-31: magic to the index's size; 48-51: no payload CRC) equals the template's,
-    the CRC-32 of bytes 0-51 is the one at 52, and the data sizes (u64 at 32 and 40) make a
-    packet of at most ``size`` bytes that ``n`` elements fit in, as parse_header and
-    check_lossless_header require. Writes [1 if so else 0, stream bytes, rest bytes] to out_ptr."""
+    the CRC-32 of bytes 0-51 is the one at 52, and the data sizes (u64 at 32 and 40) fit in the
+    ``room`` bytes the packet has after its index and hold ``n`` elements, as parse_header and
+    check_lossless_header require. Writes [1 if so else 0, stream bytes, rest bytes] to out_ptr.
+    The sizes are compared with ``room`` one at a time, in int64: a sum with the header and
+    index sizes could wrap in a 32-bit argument's arithmetic."""
     crc = tl.load(pkt_ptr).to(tl.int64) * 0 + 0xFFFFFFFF
-    s2, s3, stored, same = crc * 0, crc * 0, crc * 0, crc == crc
+    s2, s3, stored, differ = crc * 0, crc * 0, crc * 0, crc * 0
     for i in range(56):
         b = tl.load(pkt_ptr + i).to(tl.int64)
         fixed = (i < 32) | ((i >= 48) & (i < 52))
-        same = same & (~fixed | (b == tl.load(tmpl_ptr + i).to(tl.int64)))
+        differ += tl.where(fixed & (b != tl.load(tmpl_ptr + i).to(tl.int64)), 1, 0)
         s2 += tl.where((i >= 32) & (i < 40), b << (8 * (i % 8)), 0)
         s3 += tl.where((i >= 40) & (i < 48), b << (8 * (i % 8)), 0)
         stored += tl.where(i >= 52, b << (8 * ((i + 4) % 8)), 0)
@@ -319,8 +322,8 @@ def _check_header(pkt_ptr, tmpl_ptr, size, s1, n, out_ptr):
         for _ in range(8):
             c = (c >> 1) ^ (0xEDB88320 * (c & 1))
         crc = tl.where(i < 52, c, crc)
-    fits = (s2 >= 0) & (s3 >= 0) & (s2 <= size) & (s3 <= size) & (56 + s1 + s2 + s3 <= size)
-    ok = same & ((crc ^ 0xFFFFFFFF) == stored) & (s2 % 4 == 0) & fits & (n <= 8 * s2 + s3)
+    fits = (s2 >= 0) & (s3 >= 0) & (s2 <= room) & (s3 <= room - s2)
+    ok = (differ == 0) & ((crc ^ 0xFFFFFFFF) == stored) & (s2 % 4 == 0) & fits & (n <= 8 * s2 + s3)
     tl.store(out_ptr, ok.to(tl.int64))
     tl.store(out_ptr + 1, s2)
     tl.store(out_ptr + 2, s3)
@@ -415,15 +418,22 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
 
 def _template(dtype: torch.dtype, n: int, block_size: int, device: torch.device) -> torch.Tensor:
     """The header of encode_into's packets of ``n`` elements, data sizes and CRC zero, kept on the
-    device: a graph that captures encode_into copies it from there at every replay (a copy from
-    host memory would replay from wherever that memory went)."""
+    device (decode_into compares packets with it there): a graph that captures either reads it
+    from there at every replay (a copy from host memory would replay from wherever that memory
+    went). The last 256 are kept, and for good any that a graph capture used: a replay reads it
+    by its address."""
     key = (dtype, n, block_size, device)
+    if key in _CAPTURED:
+        return _CAPTURED[key]
     if key not in _TEMPLATES:
         if len(_TEMPLATES) >= 256:
             _TEMPLATES.pop(next(iter(_TEMPLATES)))
         h = Header(CODEC_LOSSLESS, dtype, n, 0, block_size, BANK_SIZE, NSYM, MAXLEN,
                    (0, num_blocks(n, block_size) * INDEX_ENTRY, 0, 0), 0)
         _TEMPLATES[key] = to_device(h.pack(), device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _CAPTURED[key] = _TEMPLATES.pop(key)
+        return _CAPTURED[key]
     return _TEMPLATES[key]
 
 
@@ -478,7 +488,7 @@ def decode_into(packet: torch.Tensor, out: torch.Tensor, block_size: int) -> Ver
                        known=f"packet of {packet.numel()} bytes is shorter than the header and index of {n} elements "
                              f"in blocks of {block_size} ({stream_offset} bytes)")
     head = torch.empty(3, dtype=torch.int64, device=dev)
-    _check_header[(1,)](packet, _template(out.dtype, n, block_size, dev), packet.numel(), nb * INDEX_ENTRY, n, head)
+    _check_header[(1,)](packet, _template(out.dtype, n, block_size, dev), packet.numel() - stream_offset, n, head)
     (ref, table, _, nzero, _, word_start, rest_start), check = read_index(
         packet, HEADER_SIZE, stream_offset, n, block_size, BANK_SIZE, layout)
     good = (head[0] == 1) & (check[0] == nb) & (check[1] * 4 == head[1]) & (check[2] == head[2])
