@@ -162,6 +162,36 @@ def test_exact_sum_inputs_have_zero_wrong(pool, size, n, algorithm):
         assert all(v == 0 for v in r.values()), r
 
 
+def _batched(rank, groups, size, n):
+    """_verifiable_in with each piece's reduce-scatter packets encoded into one buffer and their
+    sizes read at once (pipeline.batches, true on CUDA, made true here: numba's encode_into
+    encodes and copies); also how many parts went that way."""
+    if rank >= size:
+        return None
+    batched, real = [0], P.batches
+
+    def always(codec, x):
+        batched[0] += isinstance(codec, Lossless)
+        return isinstance(codec, Lossless)
+
+    P.batches = always
+    try:
+        with piece_bytes(SMALL_PIECE_BYTES):
+            return _verifiable_in(groups[size], rank, size, n), batched[0]
+    finally:
+        P.batches = real
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_batched_encodes_have_zero_wrong(pool, size):
+    """The reduce-scatter's packets of a piece encoded into one buffer, their sizes read at once
+    (as on CUDA): the exact-sum inputs still come back exact, in several pieces."""
+    for r in pool.run(_batched, size, 600_007, timeout=240)[:size]:
+        assert not isinstance(r, BaseException), r
+        wrong, batched = r
+        assert batched > 0 and all(v == 0 for v in wrong.values()), r
+
+
 REAL_NUMEL = 1_000_003  # of the real bucket: 2 MB of bf16, several pipeline pieces of SMALL_PIECE_BYTES, padded
 
 

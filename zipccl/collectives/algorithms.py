@@ -12,7 +12,7 @@ from ..failure import ENCODE, REDUCE, SIZE, Fate
 from ..kernels import reduce
 from .metadata import (_TAG_AG_DATA, _TAG_AG_SIZES, _TAG_DATA, _TAG_RS_DATA, _TAG_RS_SIZES, _TAG_SIZE, Call,
                        _meta_bytes, timed)
-from .pipeline import _land, _sizes, decode_to, pieces, post
+from .pipeline import _land, _sizes, decode_to, encode_all, pieces, post
 from .resolve import _OPS
 
 
@@ -84,9 +84,11 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fa
             fate.guard(REDUCE, ready, a, b)
 
         def packets():
-            out = timed(acc, "codec_seconds", lambda: [
-                codec.encode(chunks[j, a:b]) if j != r else chunks[j, :0].view(torch.uint8) for j in range(n)])
-            return out, [p.numel() for p in out]
+            peers = [j for j in range(n) if j != r]
+            out, sizes = timed(acc, "codec_seconds", encode_all, codec, [chunks[j, a:b] for j in peers])
+            out.insert(r, chunks[r, :0].view(torch.uint8))
+            sizes.insert(r, 0)
+            return out, sizes
 
         acc["raw_bytes"] += (n - 1) * (b - a) * chunks.element_size()
         return _sizes(t, None if k else call, _TAG_RS_SIZES, acc, packets, fate)

@@ -7,6 +7,7 @@ import torch
 from ..codecs import Lossless
 from ..errors import FormatError
 from ..failure import ENCODE, SIZE, Fate
+from ..reference.packet import to_host
 from .metadata import Call, _SizeMail, _meta_bytes, _peers, timed
 
 
@@ -92,6 +93,30 @@ def post(t, packets, mail: _SizeMail, tag: int, acc: dict, device, bound: int) -
                 buf = torch.empty(n, dtype=torch.uint8, device=device)
                 recvs[j] = buf, fate.recv(t, buf, j, tag)
     return sends, recvs
+
+
+def batches(codec, x: torch.Tensor) -> bool:
+    """Whether ``encode_all`` encodes ``x``'s kind of parts into one buffer and reads their sizes
+    at once: on CUDA, where the codec is zipccl's Lossless as it is (a subclass's own ``encode`` is
+    kept) and encodes without a host read (``encode_into``: the Triton kernels, no checksum)."""
+    return (x.is_cuda and isinstance(codec, Lossless) and type(codec).encode is Lossless.encode
+            and not codec.checksum)
+
+
+def encode_all(codec, parts: list) -> tuple[list, list[int]]:
+    """Each part's packet, and their sizes. Where the codec ``batches``, the packets go into one
+    buffer (each at a 16-byte aligned slot of the codec's bound) and their sizes are read from
+    the device at once: one host read for a piece's n - 1 packets of a reduce-scatter, not one
+    each (each read waits for the device to finish the encodes before it)."""
+    if not parts or not batches(codec, parts[0]):
+        packets = [codec.encode(x) for x in parts]
+        return packets, [p.numel() for p in packets]
+    slots = [-(-codec.max_encoded_size(x.numel(), x.dtype) // 16) * 16 for x in parts]
+    buf = torch.empty(sum(slots), dtype=torch.uint8, device=parts[0].device)
+    starts = [sum(slots[:i]) for i in range(len(parts))]
+    sizes = to_host(torch.stack([codec.encode_into(x, buf[s:s + slot])
+                                 for x, s, slot in zip(parts, starts, slots)])).tolist()
+    return [buf[s:s + size] for s, size in zip(starts, sizes)], sizes
 
 
 def defers(codec, packet: torch.Tensor) -> bool:
