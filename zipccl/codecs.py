@@ -162,10 +162,10 @@ class Lossless:
         the mirror of ``encode_into``: with the Triton kernels the host reads nothing (the header
         and index are checked on the device, and nothing is decoded unless they hold), and the
         returned Verdict tells later, in one read (``check()``, ``problem()``, or
-        ``zipccl.reference.packet.read_all`` for many), what ``decode`` would have raised. A CUDA
-        graph can capture it. The packet's blocks must be this codec's block size (Triton's
-        default where unset), and it must carry no payload checksum. Elsewhere ``decode``, its
-        FormatError kept in the verdict."""
+        ``zipccl.reference.packet.read_all`` for many), what was wrong, in ``decode``'s words
+        wherever ``decode`` refuses the packet too. A CUDA graph can capture it. There the
+        packet's blocks must be this codec's block size (Triton's default where unset), and it
+        must carry no payload checksum. Elsewhere ``decode``, its FormatError kept in the verdict."""
         packet = _check_packet(packet)
         if not isinstance(out, torch.Tensor) or not out.is_contiguous() or out.device != packet.device:
             raise ValueError(f"decode_into needs a contiguous out on the packet's device ({packet.device})")

@@ -104,12 +104,13 @@ def _worker(q: queue.Queue) -> None:
             handle._future.set_exception(e)
 
 
-def _issued_on() -> tuple | None:
-    """(device, event on the issuing thread's current stream now), or None where this process has
-    not touched CUDA (then no call of it has CUDA tensors)."""
+def _issued_on(tensors: list) -> tuple | None:
+    """(device, event on the issuing thread's current stream there now): the device of the call's
+    CUDA ``tensors``, else the current one; None where this process has not touched CUDA (then
+    no call of it has CUDA tensors)."""
     if not torch.cuda.is_initialized():
         return None
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = tensors[0].device if tensors else torch.device("cuda", torch.cuda.current_device())
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(device))
     return device, ready
@@ -133,7 +134,8 @@ def run(fn, async_op: bool, tensors=()):
             last._done.wait()  # the collectives underneath must run in the order of issue
         fn()
         return None
-    start = _issued_on()
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
+    start = _issued_on(tensors)
     with _queue_lock:
         if _queue is None:
             _queue = queue.Queue()
@@ -141,5 +143,5 @@ def run(fn, async_op: bool, tensors=()):
             _worker_thread.start()
         handle = Handle(device=None if start is None else start[0])
         _last = handle
-        _queue.put((fn, handle, start, [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]))
+        _queue.put((fn, handle, start, tensors))
     return handle

@@ -271,8 +271,9 @@ class NcclTransport(Transport):
         """Device tensors: torch's current stream waits for the operation; the host waits too,
         bounded, where ZIPCCL_TIMEOUT is set (a peer that died leaves its receive pending for
         ever: the stream would hang the next host read, with no one to name). Host tensors
-        (mails): the host waits for the mail stream alone, then copies from pinned memory. A host wait takes at most ZIPCCL_TIMEOUT seconds (or
-        ``timeout`` where that is shorter), checking NCCL's async errors; a timeout or an error
+        (mails): the host waits for the mail stream alone, then copies from pinned memory. A host
+        wait takes at most ZIPCCL_TIMEOUT seconds (or ``timeout`` where that is shorter),
+        checking NCCL's async errors (both communicators'); a timeout or an error
         aborts the communicator (ncclCommAbort), and the error of a timeout says so
         (``timed_out``, as for TorchTransport)."""
         if work.event is None:
