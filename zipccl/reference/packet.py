@@ -198,8 +198,8 @@ class Verdict:
     """What a ``decode_into`` found, kept on the device until read (the GPU decoder's: a good
     flag, the packet's header bytes, the index's check and the blocks' errors), or known
     already (``known``: a decoder that checked on the host). ``problem()`` (one host read) says
-    what was wrong, as ``decode`` would have raised it, or None; ``check()`` raises that
-    FormatError; ``read_all`` reads several verdicts in one go."""
+    what was wrong (in ``decode``'s words wherever ``decode`` refuses the packet too), or None;
+    ``check()`` raises that FormatError; ``read_all`` reads several verdicts in one go."""
     __slots__ = ("values", "packet_size", "numel", "dtype", "block_size", "known")
 
     def __init__(self, values: torch.Tensor | None, packet_size: int, numel: int, dtype: torch.dtype,
