@@ -181,7 +181,13 @@ def check_out(header: Header, out: torch.Tensor) -> torch.Tensor:
     that disagrees with the caller's buffer is a FormatError (the packet is the untrusted side)."""
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
-    if out.dtype != header.dtype or out.numel() != header.numel:
-        raise FormatError(f"packet holds {header.numel} elements of {header.dtype}, "
-                          f"out has {out.numel()} of {out.dtype}")
+    if problem := out_mismatch(header, out.numel(), out.dtype):
+        raise FormatError(problem)
     return out.view(-1)
+
+
+def out_mismatch(header: Header, numel: int, dtype: torch.dtype) -> str | None:
+    """What differs between a packet's elements and an output of ``numel`` ``dtype`` ones, or None."""
+    if dtype != header.dtype or numel != header.numel:
+        return f"packet holds {header.numel} elements of {header.dtype}, out has {numel} of {dtype}"
+    return None

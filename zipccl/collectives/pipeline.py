@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..codecs import Lossless
@@ -95,12 +97,18 @@ def post(t, packets, mail: _SizeMail, tag: int, acc: dict, device, bound: int) -
     return sends, recvs
 
 
-def batches(codec, x: torch.Tensor) -> bool:
-    """Whether ``encode_all`` encodes ``x``'s kind of parts into one buffer and reads their sizes
-    at once: on CUDA, where the codec is zipccl's Lossless as it is (a subclass's own ``encode`` is
-    kept) and encodes without a host read (``encode_into``: the Triton kernels, no checksum)."""
-    return (x.is_cuda and isinstance(codec, Lossless) and type(codec).encode is Lossless.encode
+def _without_host_reads(codec, x: torch.Tensor, method: str) -> bool:
+    """Whether ``codec`` codes ``x`` (a tensor or packet) without a host read through its
+    ``*_into`` twin of ``method``: on CUDA (the Triton kernels), zipccl's Lossless with its own
+    ``method`` (a subclass's is kept), no payload checksum."""
+    return (x.is_cuda and isinstance(codec, Lossless) and getattr(type(codec), method) is getattr(Lossless, method)
             and not codec.checksum)
+
+
+def batches(codec, x: torch.Tensor) -> bool:
+    """Whether ``encode_all`` encodes ``x``'s kind of parts into one buffer (``encode_into``) and
+    reads their sizes at once."""
+    return _without_host_reads(codec, x, "encode")
 
 
 def encode_all(codec, parts: list) -> tuple[list, list[int]]:
@@ -112,20 +120,18 @@ def encode_all(codec, parts: list) -> tuple[list, list[int]]:
         packets = [codec.encode(x) for x in parts]
         return packets, [p.numel() for p in packets]
     slots = [-(-codec.max_encoded_size(x.numel(), x.dtype) // 16) * 16 for x in parts]
-    buf = torch.empty(sum(slots), dtype=torch.uint8, device=parts[0].device)
-    starts = [sum(slots[:i]) for i in range(len(parts))]
+    starts = [0, *itertools.accumulate(slots)]
+    buf = torch.empty(starts.pop(), dtype=torch.uint8, device=parts[0].device)
     sizes = to_host(torch.stack([codec.encode_into(x, buf[s:s + slot])
                                  for x, s, slot in zip(parts, starts, slots)])).tolist()
     return [buf[s:s + size] for s, size in zip(starts, sizes)], sizes
 
 
 def defers(codec, packet: torch.Tensor) -> bool:
-    """Whether ``decode_to`` leaves ``packet``'s verdict for later: on CUDA, where the codec is
-    zipccl's Lossless as it is (a subclass's own ``decode`` is kept) and decodes without a host
-    read (``decode_into``: the Triton kernels, no payload checksum). Every rank's codec has the
-    same implementation and block size (the call's signature: collectives.resolve._codec_id)."""
-    return (packet.is_cuda and isinstance(codec, Lossless) and type(codec).decode is Lossless.decode
-            and not codec.checksum)
+    """Whether ``decode_to`` decodes ``packet`` with ``decode_into`` and leaves its verdict for
+    later. Every rank's codec has the same implementation and block size (the call's signature:
+    collectives.resolve._codec_id), as decode_into needs."""
+    return _without_host_reads(codec, packet, "decode")
 
 
 def decode_to(codec, packet: torch.Tensor, out: torch.Tensor, fate: Fate, t, peer: int) -> torch.Tensor:

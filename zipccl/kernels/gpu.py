@@ -280,6 +280,15 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded_pt
 
 
 @triton.jit
+def _crc32_byte(crc, b):
+    """zlib's CRC-32 register after one more byte ``b`` (bitwise, reflected polynomial)."""
+    crc = crc ^ b
+    for _ in range(8):
+        crc = (crc >> 1) ^ (0xEDB88320 * (crc & 1))
+    return crc
+
+
+@triton.jit
 def _seal(hdr_ptr, totals_ptr, size_ptr, s1):
     """A header whose data sizes stay on the device (encode_into): its stream and rest bytes
     (offsets 32 and 40, u64 little-endian, zero in the template) written from the plan's totals,
@@ -291,9 +300,7 @@ def _seal(hdr_ptr, totals_ptr, size_ptr, s1):
         size = tl.where(i < 40, s2, s3)
         b = tl.load(hdr_ptr + i).to(tl.int64) | tl.where((i >= 32) & (i < 48), (size >> (8 * (i % 8))) & 0xFF, 0)
         tl.store(hdr_ptr + i, b.to(tl.uint8))
-        crc = crc ^ b
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0xEDB88320 * (crc & 1))
+        crc = _crc32_byte(crc, b)
     crc = crc ^ 0xFFFFFFFF
     for j in range(4):
         tl.store(hdr_ptr + 52 + j, ((crc >> (8 * j)) & 0xFF).to(tl.uint8))
@@ -318,10 +325,7 @@ def _check_header(pkt_ptr, tmpl_ptr, room, n, out_ptr):
         s2 += tl.where((i >= 32) & (i < 40), b << (8 * (i % 8)), 0)
         s3 += tl.where((i >= 40) & (i < 48), b << (8 * (i % 8)), 0)
         stored += tl.where(i >= 52, b << (8 * ((i + 4) % 8)), 0)
-        c = crc ^ b
-        for _ in range(8):
-            c = (c >> 1) ^ (0xEDB88320 * (c & 1))
-        crc = tl.where(i < 52, c, crc)
+        crc = tl.where(i < 52, _crc32_byte(crc, b), crc)
     fits = (s2 >= 0) & (s3 >= 0) & (s2 <= room) & (s3 <= room - s2)
     ok = (differ == 0) & ((crc ^ 0xFFFFFFFF) == stored) & (s2 % 4 == 0) & fits & (n <= 8 * s2 + s3)
     tl.store(out_ptr, ok.to(tl.int64))

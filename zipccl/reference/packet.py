@@ -19,7 +19,7 @@ from numba import njit
 from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_BLOCK_SIZE, MAXLEN,
                       MIN_BLOCK_SIZE, NSYM, RAW_BLOCK, FloatLayout, Header,
-                      check_payload_crc, num_blocks, parse_header)
+                      check_payload_crc, num_blocks, out_mismatch, parse_header)
 from ..bank import BANK, BANK_SIZE
 
 
@@ -227,8 +227,8 @@ class Verdict:
             return str(e)
         if h.flags & FLAG_CRC:
             return "decode_into takes packets without a payload checksum (decode checks one)"
-        if (h.numel, h.dtype) != (self.numel, self.dtype):
-            return f"packet holds {h.numel} elements of {h.dtype}, out has {self.numel} of {self.dtype}"
+        if problem := out_mismatch(h, self.numel, self.dtype):
+            return problem
         if h.block_size != self.block_size:
             return f"packet's blocks hold {h.block_size} elements; this decoder reads blocks of {self.block_size}"
         if problem := index_error(check, h):
