@@ -3,8 +3,8 @@
     python bench/codec_stages.py [--data FILE.npy] [--dtype bf16|fp16|fp32] [--runs 15]
 
 Where the codec benchmark (python -m zipccl.bench.codec) says how fast, this says
-where the time goes: analyse, tables, pack, plan and rest on the encode side; symbol
-decoding and the join on the decode side (bf16 and fp32; fp16 decodes in one pass).
+where the time goes: analyse, tables, pack, plan and rest on the encode side; on the decode
+side, the kernel alone (symbols and join, a few blocks at a time) against the whole call.
 """
 
 from __future__ import annotations
@@ -68,15 +68,9 @@ def stages(x: torch.Tensor) -> dict:
     stream = np.zeros(4 * nw + 8 + (MAXLEN + layout.ebits + layout.inline_bits) * bs // 8, np.uint8)
     stream[:4 * nw] = raw[p.stream_offset:p.rest_offset]
     luts, mluts = C._decoder_tables(p.lengths.tobytes(), layout.inline_bits)
-    sym, xexp = np.empty(n + 4, np.uint8), np.empty(n + 4, np.uint8)
-    stats = np.zeros((len(p.ref), 4), np.int64)
     rest = raw[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
-    symbols = lambda: C._symbols(stream, bs, n, layout.ebits, layout.inline_bits, p.table,  # noqa: E731
-                                 p.word_start, luts, mluts, sym, xexp, stats)
-    symbols()
-    out_stages["symbols"] = symbols
-    out_stages["join"] = lambda: C._compose(sym, xexp, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero,
-                                            p.word_start, p.rest_start, stats, C._int_view(out))
+    out_stages["decode kernel"] = lambda: C._decode(stream, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero,  # noqa: E731
+                                                    p.word_start, p.rest_start, luts, mluts, C._int_view(out))
     out_stages["decode (all)"] = lambda: codec.decode(packet, out=out)
     return out_stages
 

@@ -39,7 +39,7 @@ def test_codec_stages_smoke():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = (torch.randn(20_000, generator=torch.Generator().manual_seed(1)) * 1e-3).to(dtype)
         stages = stages_mod.stages(x)
-        assert set(stages) == {"analyse", "tables", "pack", "plan", "rest", "encode (all)", "symbols", "join",
+        assert set(stages) == {"analyse", "tables", "pack", "plan", "rest", "encode (all)", "decode kernel",
                                "decode (all)"}
         assert all(stages_mod.best(fn, 2) > 0 for fn in stages.values())
 

@@ -1,12 +1,13 @@
 """numba CPU kernels for the lossless format, byte-identical to zipccl/reference.
 
 Encode reads the data three times: analyse (histograms), pack (codes into the
-bit stream) and rest (sign+mantissa bytes). Decode runs two passes: Huffman
-symbols into a byte buffer (a 10-bit lookup yields up to four symbols, stored
-with one 32-bit write; float16's three inline bits ride in the same bytes,
-above the symbol), then a branch-free pass joining exponents and rest bytes.
-Huffman decoding is serial within a block, so four blocks go in lock step to
-keep the core busy while one waits on a table lookup. The codes are the fixed
+bit stream) and rest (sign+mantissa bytes). Decode takes four blocks at a time:
+their Huffman symbols into a small byte buffer (a 10-bit lookup yields up to four
+symbols, stored with one 32-bit write; float16's three inline bits ride in the
+same bytes, above the symbol), then a branch-free pass joining exponents and rest
+bytes while that buffer is in cache. Huffman decoding is serial within a block, so
+the four blocks go in lock step to keep the core busy while one waits on a table
+lookup. The codes are the fixed
 bank's (zipccl/bank.py); reference/plan.py picks each block's entry from its sampled histogram.
 
 Numba lessons measured here: index through per-block slices rather than
@@ -513,75 +514,69 @@ def _single(stream, lut, p, k, s, x, xbits, inline_bits, sym, xexp):
     return p, k + 1, x, (e >> 8) == 0
 
 
-@njit(**_NOGIL)
-def _symbols(stream, bs, n, ebits, inline_bits, table, word_start, luts, mluts, sym, xexp, stats):
-    """Decode every coded block's tokens (see _multi_luts) into ``sym``, and each escape's
-    exponent and inline bits into ``xexp``. stats[b] = (unused, escapes, end bit, error).
+@njit(inline="always")
+def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_start, luts, mluts, sym, xexp, stats):
+    """Decode the tokens (see _multi_luts) of the ``m`` coded blocks ``blocks[:m]`` into ``sym``,
+    block q's at q * bs, and each escape's exponent and inline bits into ``xexp`` alike.
+    stats[q] = (unused, escapes, end bit, error).
 
     Four blocks go in lock step. Each lane refills a 64-bit bit container once per round
     and makes ROUND lookups on it without touching memory but the table, so the loop
     carries no branch: a lane that meets an element for the single-symbol path (a
     _SPECIAL entry uses no bits) repeats it until the round ends, then decodes it alone.
     A lookup stores four symbols, so a round stays 4 * ROUND short of a block's end."""
-    coded = np.nonzero(table != RAW_BLOCK)[0]
-    nc = coded.shape[0]
-    xbits = ebits + inline_bits
     P = np.zeros(LANES, np.int64)
     Kk = np.zeros(LANES, np.int64)
     X = np.zeros(LANES, np.int64)
-    for g in range(0, nc, LANES):
-        m = min(LANES, nc - g)
-        bad = False
-        for q in range(m):
-            P[q] = word_start[coded[g + q]] * 32
-            Kk[q] = 0
-            X[q] = 0
-        if m == LANES:
-            b0, b1, b2, b3 = coded[g], coded[g + 1], coded[g + 2], coded[g + 3]
-            t0, t1, t2, t3 = mluts[table[b0]], mluts[table[b1]], mluts[table[b2]], mluts[table[b3]]
-            l0, l1, l2, l3 = luts[table[b0]], luts[table[b1]], luts[table[b2]], luts[table[b3]]
-            s0, s1, s2, s3 = b0 * bs, b1 * bs, b2 * bs, b3 * bs
-            p0, p1, p2, p3 = P[0], P[1], P[2], P[3]
-            k0 = k1 = k2 = k3 = x0 = x1 = x2 = x3 = np.int64(0)
-            lim = min(bs, n - b3 * bs) - 4 * ROUND
-            while k0 <= lim and k1 <= lim and k2 <= lim and k3 <= lim and not bad:
-                c0, c1, c2, c3 = _reader(stream, p0), _reader(stream, p1), _reader(stream, p2), _reader(stream, p3)
-                for _ in range(ROUND):
-                    c0, p0, k0, e0 = _multi(t0, c0, p0, sym, s0, k0)
-                    c1, p1, k1, e1 = _multi(t1, c1, p1, sym, s1, k1)
-                    c2, p2, k2, e2 = _multi(t2, c2, p2, sym, s2, k2)
-                    c3, p3, k3, e3 = _multi(t3, c3, p3, sym, s3, k3)
-                if (e0 | e1 | e2 | e3) < 0:
-                    if e0 < 0:
-                        p0, k0, x0, f0 = _single(stream, l0, p0, k0, s0, x0, xbits, inline_bits, sym, xexp)
-                        bad |= f0
-                    if e1 < 0:
-                        p1, k1, x1, f1 = _single(stream, l1, p1, k1, s1, x1, xbits, inline_bits, sym, xexp)
-                        bad |= f1
-                    if e2 < 0:
-                        p2, k2, x2, f2 = _single(stream, l2, p2, k2, s2, x2, xbits, inline_bits, sym, xexp)
-                        bad |= f2
-                    if e3 < 0:
-                        p3, k3, x3, f3 = _single(stream, l3, p3, k3, s3, x3, xbits, inline_bits, sym, xexp)
-                        bad |= f3
-            P[0], P[1], P[2], P[3] = p0, p1, p2, p3
-            Kk[0], Kk[1], Kk[2], Kk[3] = k0, k1, k2, k3
-            X[0], X[1], X[2], X[3] = x0, x1, x2, x3
-        for q in range(m):  # each lane's tail, and groups of fewer than LANES blocks
-            b = coded[g + q]
-            nv = min(bs, n - b * bs)
-            p, k, x = P[q], Kk[q], X[q]
-            ml, sl = mluts[table[b]], luts[table[b]]
-            s = b * bs
-            while k + 4 <= nv and not bad:
-                _, p, k, e = _multi(ml, _reader(stream, p), p, sym, s, k)
-                if e < 0:
-                    p, k, x, bad = _single(stream, sl, p, k, s, x, xbits, inline_bits, sym, xexp)
-            while k < nv and not bad:
+    bad = False
+    for q in range(m):
+        P[q] = word_start[blocks[q]] * 32
+    if m == LANES:
+        b0, b1, b2, b3 = blocks[0], blocks[1], blocks[2], blocks[3]
+        t0, t1, t2, t3 = mluts[table[b0]], mluts[table[b1]], mluts[table[b2]], mluts[table[b3]]
+        l0, l1, l2, l3 = luts[table[b0]], luts[table[b1]], luts[table[b2]], luts[table[b3]]
+        s0, s1, s2, s3 = 0, bs, 2 * bs, 3 * bs
+        p0, p1, p2, p3 = P[0], P[1], P[2], P[3]
+        k0 = k1 = k2 = k3 = x0 = x1 = x2 = x3 = np.int64(0)
+        lim = min(bs, n - b3 * bs) - 4 * ROUND
+        while k0 <= lim and k1 <= lim and k2 <= lim and k3 <= lim and not bad:
+            c0, c1, c2, c3 = _reader(stream, p0), _reader(stream, p1), _reader(stream, p2), _reader(stream, p3)
+            for _ in range(ROUND):
+                c0, p0, k0, e0 = _multi(t0, c0, p0, sym, s0, k0)
+                c1, p1, k1, e1 = _multi(t1, c1, p1, sym, s1, k1)
+                c2, p2, k2, e2 = _multi(t2, c2, p2, sym, s2, k2)
+                c3, p3, k3, e3 = _multi(t3, c3, p3, sym, s3, k3)
+            if (e0 | e1 | e2 | e3) < 0:
+                if e0 < 0:
+                    p0, k0, x0, f0 = _single(stream, l0, p0, k0, s0, x0, xbits, inline_bits, sym, xexp)
+                    bad |= f0
+                if e1 < 0:
+                    p1, k1, x1, f1 = _single(stream, l1, p1, k1, s1, x1, xbits, inline_bits, sym, xexp)
+                    bad |= f1
+                if e2 < 0:
+                    p2, k2, x2, f2 = _single(stream, l2, p2, k2, s2, x2, xbits, inline_bits, sym, xexp)
+                    bad |= f2
+                if e3 < 0:
+                    p3, k3, x3, f3 = _single(stream, l3, p3, k3, s3, x3, xbits, inline_bits, sym, xexp)
+                    bad |= f3
+        P[0], P[1], P[2], P[3] = p0, p1, p2, p3
+        Kk[0], Kk[1], Kk[2], Kk[3] = k0, k1, k2, k3
+        X[0], X[1], X[2], X[3] = x0, x1, x2, x3
+    for q in range(m):  # each lane's tail, and groups of fewer than LANES blocks
+        b = blocks[q]
+        nv = min(bs, n - b * bs)
+        p, k, x = P[q], Kk[q], X[q]
+        ml, sl = mluts[table[b]], luts[table[b]]
+        s = q * bs
+        while k + 4 <= nv and not bad:
+            _, p, k, e = _multi(ml, _reader(stream, p), p, sym, s, k)
+            if e < 0:
                 p, k, x, bad = _single(stream, sl, p, k, s, x, xbits, inline_bits, sym, xexp)
-            stats[b, 1] = x
-            stats[b, 2] = p
-            stats[b, 3] = bad
+        while k < nv and not bad:
+            p, k, x, bad = _single(stream, sl, p, k, s, x, xbits, inline_bits, sym, xexp)
+        stats[q, 1] = x
+        stats[q, 2] = p
+        stats[q, 3] = bad
 
 
 @njit(inline="always")
@@ -682,77 +677,101 @@ def _offsets_fit(sb, base, emax):
 
 
 @njit(**_NOGIL)
-def _compose(sym, xexp, rest, bs, n, mbits, ref, table, nzero, word_start, rest_start, stats, out):
-    """_compose_layout for the dtype that ``mbits`` tells (see _constants)."""
+def _decode(stream, rest, bs, n, mbits, ref, table, nzero, word_start, rest_start, luts, mluts, out):
+    """_decode_layout for the dtype that ``mbits`` tells (see _constants)."""
     if mbits == _BF16[0]:
-        return _compose_layout(sym, xexp, rest, bs, n, _BF16, ref, table, nzero, word_start, rest_start, stats, out)
+        return _decode_layout(stream, rest, bs, n, _BF16, ref, table, nzero, word_start, rest_start, luts, mluts, out)
     if mbits == _FP16[0]:
-        return _compose_layout(sym, xexp, rest, bs, n, _FP16, ref, table, nzero, word_start, rest_start, stats, out)
-    return _compose_layout(sym, xexp, rest, bs, n, _FP32, ref, table, nzero, word_start, rest_start, stats, out)
+        return _decode_layout(stream, rest, bs, n, _FP16, ref, table, nzero, word_start, rest_start, luts, mluts, out)
+    return _decode_layout(stream, rest, bs, n, _FP32, ref, table, nzero, word_start, rest_start, luts, mluts, out)
 
 
 @njit(inline="always")
-def _compose_layout(sym, xexp, rest, bs, n, layout, ref, table, nzero, word_start, rest_start, stats, out):
-    """Join exponents and sign+mantissa bytes (float16: and the tokens' inline bits) into
-    ``out``; returns 0 or an error code."""
-    mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
-    mmask = (1 << mbits) - 1
-    zpos = np.empty(bs // 16 + 2, np.int64)
+def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, rest_start, luts, mluts, out):
+    """Decode every block into ``out``; returns 0 or an error code (that of the first bad block).
+
+    Coded blocks go LANES at a time: their tokens into a buffer of LANES blocks, then joined
+    with their rest bytes while that buffer is still in the core's cache (a buffer for the
+    whole tensor, written by one pass and read by the next, made decoding 1.03-1.2x slower,
+    most where other work had run between calls)."""
+    itemsize = layout[5]
     for b in range(ref.shape[0]):
-        lo = b * bs
-        nv = min(n, lo + bs) - lo
-        j = rest_start[b]
         if table[b] == RAW_BLOCK:
-            for i in range(nv):
+            lo, j = b * bs, rest_start[b]
+            for i in range(min(n, lo + bs) - lo):
                 v = np.int64(0)
                 for k in range(itemsize):
                     v |= np.int64(rest[j + itemsize * i + k]) << (8 * k)
                 out[lo + i] = v
-            continue
-        if stats[b, 3] or stats[b, 2] > word_start[b + 1] * 32:
-            return -1
-        sb = sym[lo:lo + nv]
-        zeros = _count_zeros(sb)
-        if zeros != nzero[b]:
-            return -3
-        r = np.int64(ref[b])
-        if zeros * 16 <= nv:
-            # Every symbol but the few zeros is an offset or an escape: between zeros, the
-            # runs join without branches (they vectorize); the zeros take no rest bytes.
-            if not _offsets_fit(sb, r - 28, emax):
-                return -2
-            _zero_positions(sb, zeros, zpos)
-            a = 0
-            for z in range(zeros + 1):
-                e = zpos[z]
-                ob, tb, xb = out[lo + a:lo + e], sym[lo + a:lo + e], xexp[lo + a:lo + e]
-                rb = rest[j:j + (e - a) * rest_bytes]
-                if inline_bits:
-                    _join_run_inline(ob, tb, xb, rb, r - 28, stats[b, 1], mmask, mbits, ebits)
-                else:
-                    _join_run(ob, tb, xb, rb, r - 28, stats[b, 1], mmask, mbits, ebits, rest_bytes)
-                j += (e - a) * rest_bytes
-                if e < nv:
-                    out[lo + e] = 0
-                a = e + 1
-            continue
-        for i in range(lo, lo + nv):
-            tok = np.int64(sym[i])
-            if tok == 0:
-                out[i] = 0
-                continue
-            s, top = tok & 31, tok >> 5
-            if s == 1:
-                ex, top = np.int64(xexp[i]) & emax, np.int64(xexp[i]) >> ebits
+    coded = np.nonzero(table != RAW_BLOCK)[0]
+    sym = np.empty(LANES * bs + 4, np.uint8)
+    xexp = np.empty(LANES * bs + 4, np.uint8)  # read only where a symbol is an escape
+    stats = np.zeros((LANES, 4), np.int64)
+    zpos = np.empty(bs // 16 + 2, np.int64)
+    xbits = layout[1] + layout[4]
+    for g in range(0, coded.shape[0], LANES):
+        m = min(LANES, coded.shape[0] - g)
+        _lane_symbols(stream, bs, n, xbits, layout[4], coded[g:g + m], m, table, word_start, luts, mluts,
+                      sym, xexp, stats)
+        for q in range(m):
+            b = coded[g + q]
+            lo = b * bs
+            nv = min(n, lo + bs) - lo
+            if stats[q, 3] or stats[q, 2] > word_start[b + 1] * 32:
+                return -1
+            err = _join_block(sym[q * bs:q * bs + nv], xexp[q * bs:q * bs + nv], stats[q, 1], rest, rest_start[b],
+                              layout, np.int64(ref[b]), nzero[b], zpos, out[lo:lo + nv])
+            if err:
+                return err
+    return 0
+
+
+@njit(inline="always")
+def _join_block(sb, xb, escapes, rest, j, layout, r, nzero, zpos, ob):
+    """Join one coded block's exponents and sign+mantissa bytes (float16: and the tokens'
+    inline bits) into ``ob``, its rest bytes from byte ``j``; returns 0 or an error code."""
+    mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
+    mmask = (1 << mbits) - 1
+    nv = ob.shape[0]
+    zeros = _count_zeros(sb)
+    if zeros != nzero:
+        return -3
+    if zeros * 16 <= nv:
+        # Every symbol but the few zeros is an offset or an escape: between zeros, the
+        # runs join without branches (they vectorize); the zeros take no rest bytes.
+        if not _offsets_fit(sb, r - 28, emax):
+            return -2
+        _zero_positions(sb, zeros, zpos)
+        a = 0
+        for z in range(zeros + 1):
+            e = zpos[z]
+            rb = rest[j:j + (e - a) * rest_bytes]
+            if inline_bits:
+                _join_run_inline(ob[a:e], sb[a:e], xb[a:e], rb, r - 28, escapes, mmask, mbits, ebits)
             else:
-                ex = r + s - 28
-                if ex < 0 or ex > emax:
-                    return -2
-            rv = top << (8 * rest_bytes)
-            for k in range(rest_bytes):
-                rv |= np.int64(rest[j]) << (8 * k)
-                j += 1
-            out[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
+                _join_run(ob[a:e], sb[a:e], xb[a:e], rb, r - 28, escapes, mmask, mbits, ebits, rest_bytes)
+            j += (e - a) * rest_bytes
+            if e < nv:
+                ob[e] = 0
+            a = e + 1
+        return 0
+    for i in range(nv):
+        tok = np.int64(sb[i])
+        if tok == 0:
+            ob[i] = 0
+            continue
+        s, top = tok & 31, tok >> 5
+        if s == 1:
+            ex, top = np.int64(xb[i]) & emax, np.int64(xb[i]) >> ebits
+        else:
+            ex = r + s - 28
+            if ex < 0 or ex > emax:
+                return -2
+        rv = top << (8 * rest_bytes)
+        for k in range(rest_bytes):
+            rv |= np.int64(rest[j]) << (8 * k)
+            j += 1
+        ob[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
     return 0
 
 
@@ -779,12 +798,8 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         stream = _scratch("words", reach, np.uint8)
         stream[4 * nw:] = 0
         stream[:4 * nw] = buf[p.stream_offset:p.rest_offset]
-    sym = _scratch("sym", n + 4, np.uint8)
-    xexp = _scratch("xexp", n + 4, np.uint8)  # read only where a symbol is an escape
-    stats = np.zeros((len(p.ref), 4), np.int64)
-    _symbols(stream, bs, n, layout.ebits, layout.inline_bits, p.table, p.word_start, luts, mluts, sym, xexp, stats)
-    err = _compose(sym, xexp, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero, p.word_start, p.rest_start,
-                   stats, view)
+    err = _decode(stream, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero, p.word_start, p.rest_start,
+                  luts, mluts, view)
     if err:
         raise FormatError(_ERRORS[err])
     return out
