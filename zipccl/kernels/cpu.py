@@ -53,7 +53,7 @@ WINDOW = 10        # bits a multi-symbol lookup resolves: 8 KB of table per code
                    # cache while the collectives decode peers' packets in turn (12 bits: 1.2x slower
                    # on an all-reduce's packets replayed, the same on one tensor decoded repeatedly)
 ROUND = 4          # lookups per refill of a lane's bit container (4 x WINDOW <= 57 bits)
-_SPECIAL = -(1 << 63)  # multi-symbol entry for an element that takes the single-symbol path
+_SPECIAL = 1 << 6  # multi-symbol entry for an element that takes the single-symbol path
 _HISTS = 4  # interleaved histograms of the sample, so that repeated exponents don't wait on each
             # other's counts (bf16 bucket: 2, 4 and 8 histograms 0.51, 0.49 and 0.52 ms)
 
@@ -458,12 +458,14 @@ def _multi_lut(key: bytes, inline_bits: int) -> np.ndarray:
 def _multi_luts(lut, inline_bits):
     """A lookup that resolves up to four elements from the next WINDOW bits.
 
-    entry = bits used (bits 0-5) | token bytes << 8 (first element lowest) | count << 40,
-    with the bits used lowest so that the bit reader shifts by the entry itself. A token
-    is the symbol, with float16's inline bits (the ``inline_bits`` that follow a nonzero
-    symbol's code) above its five bits. _SPECIAL (nothing used, count 0) sends the element
-    to the single-symbol path: an escape, an invalid code, or a code that with its inline
-    bits is longer than the window. A window stops before such an element."""
+    entry = bits used (bits 0-5) | token bytes << 9 (first element lowest) | count << 56:
+    the bits used lowest, so that the bit reader shifts by the entry itself and a round's
+    entries summed hold their bits used in the low six bits; the count on top, so that one
+    shift gives it. A token is the symbol, with float16's inline bits (the ``inline_bits``
+    that follow a nonzero symbol's code) above its five bits. _SPECIAL (bit 6; nothing used,
+    count 0) sends the element to the single-symbol path: an escape, an invalid code, or a
+    code that with its inline bits is longer than the window. A window stops before such an
+    element."""
     m = np.zeros(1 << WINDOW, dtype=np.int64)
     for w in range(1 << WINDOW):
         toks, cnt, used = np.int64(0), 0, 0
@@ -477,7 +479,7 @@ def _multi_luts(lut, inline_bits):
             toks |= (s | (((w >> (used + ln)) & ((1 << extra) - 1)) << 5)) << (8 * cnt)
             cnt += 1
             used += ln + extra
-        m[w] = used | (toks << 8) | (np.int64(cnt) << 40) if cnt else _SPECIAL
+        m[w] = used | (toks << 9) | (np.int64(cnt) << 56) if cnt else _SPECIAL
     return m
 
 
@@ -488,12 +490,13 @@ def _reader(stream, p):
 
 
 @njit(inline="always")
-def _multi(mlut, c, p, sym, s, k):
-    """One lookup on the bit container ``c`` (bit ``p`` of the stream): four token bytes stored
-    at once (the surplus is overwritten next). Returns (c, p, k, entry), all advanced."""
+def _multi(mlut, c, used, sym, k):
+    """One lookup on the bit container ``c``: four token bytes stored at once at ``sym[k]`` (the
+    surplus is overwritten next). Returns (c, used, k, entry): ``c`` and ``k`` advanced, the entry
+    added to ``used``, whose low six bits sum the bits of a round's lookups (at most 40)."""
     e = mlut[c & ((1 << WINDOW) - 1)]
-    _store_u32(sym, s + k, e >> 8)
-    return c >> (e & 63), p + (e & 63), k + ((e >> 40) & 7), e
+    _store_u32(sym, k, e >> 9)
+    return c >> (e & 63), used + e, k + (e >> 56), e
 
 
 @njit(inline="always")
@@ -531,49 +534,52 @@ def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_star
     bad = False
     for q in range(m):
         P[q] = word_start[blocks[q]] * 32
+        Kk[q] = q * bs  # k: the next token's place in sym
     if m == LANES:
         b0, b1, b2, b3 = blocks[0], blocks[1], blocks[2], blocks[3]
         t0, t1, t2, t3 = mluts[table[b0]], mluts[table[b1]], mluts[table[b2]], mluts[table[b3]]
         l0, l1, l2, l3 = luts[table[b0]], luts[table[b1]], luts[table[b2]], luts[table[b3]]
-        s0, s1, s2, s3 = 0, bs, 2 * bs, 3 * bs
         p0, p1, p2, p3 = P[0], P[1], P[2], P[3]
-        k0 = k1 = k2 = k3 = x0 = x1 = x2 = x3 = np.int64(0)
+        k0, k1, k2, k3 = Kk[0], Kk[1], Kk[2], Kk[3]
+        x0 = x1 = x2 = x3 = np.int64(0)
         lim = min(bs, n - b3 * bs) - 4 * ROUND
-        while k0 <= lim and k1 <= lim and k2 <= lim and k3 <= lim and not bad:
+        while k0 <= lim and k1 <= bs + lim and k2 <= 2 * bs + lim and k3 <= 3 * bs + lim and not bad:
             c0, c1, c2, c3 = _reader(stream, p0), _reader(stream, p1), _reader(stream, p2), _reader(stream, p3)
+            u0 = u1 = u2 = u3 = np.int64(0)
             for _ in range(ROUND):
-                c0, p0, k0, e0 = _multi(t0, c0, p0, sym, s0, k0)
-                c1, p1, k1, e1 = _multi(t1, c1, p1, sym, s1, k1)
-                c2, p2, k2, e2 = _multi(t2, c2, p2, sym, s2, k2)
-                c3, p3, k3, e3 = _multi(t3, c3, p3, sym, s3, k3)
-            if (e0 | e1 | e2 | e3) < 0:
-                if e0 < 0:
-                    p0, k0, x0, f0 = _single(stream, l0, p0, k0, s0, x0, xbits, inline_bits, sym, xexp)
+                c0, u0, k0, e0 = _multi(t0, c0, u0, sym, k0)
+                c1, u1, k1, e1 = _multi(t1, c1, u1, sym, k1)
+                c2, u2, k2, e2 = _multi(t2, c2, u2, sym, k2)
+                c3, u3, k3, e3 = _multi(t3, c3, u3, sym, k3)
+            p0, p1, p2, p3 = p0 + (u0 & 63), p1 + (u1 & 63), p2 + (u2 & 63), p3 + (u3 & 63)
+            if (e0 | e1 | e2 | e3) & _SPECIAL:
+                if e0 & _SPECIAL:
+                    p0, k0, x0, f0 = _single(stream, l0, p0, k0, 0, x0, xbits, inline_bits, sym, xexp)
                     bad |= f0
-                if e1 < 0:
-                    p1, k1, x1, f1 = _single(stream, l1, p1, k1, s1, x1, xbits, inline_bits, sym, xexp)
+                if e1 & _SPECIAL:
+                    p1, k1, x1, f1 = _single(stream, l1, p1, k1, 0, x1, xbits, inline_bits, sym, xexp)
                     bad |= f1
-                if e2 < 0:
-                    p2, k2, x2, f2 = _single(stream, l2, p2, k2, s2, x2, xbits, inline_bits, sym, xexp)
+                if e2 & _SPECIAL:
+                    p2, k2, x2, f2 = _single(stream, l2, p2, k2, 0, x2, xbits, inline_bits, sym, xexp)
                     bad |= f2
-                if e3 < 0:
-                    p3, k3, x3, f3 = _single(stream, l3, p3, k3, s3, x3, xbits, inline_bits, sym, xexp)
+                if e3 & _SPECIAL:
+                    p3, k3, x3, f3 = _single(stream, l3, p3, k3, 0, x3, xbits, inline_bits, sym, xexp)
                     bad |= f3
         P[0], P[1], P[2], P[3] = p0, p1, p2, p3
         Kk[0], Kk[1], Kk[2], Kk[3] = k0, k1, k2, k3
         X[0], X[1], X[2], X[3] = x0, x1, x2, x3
     for q in range(m):  # each lane's tail, and groups of fewer than LANES blocks
         b = blocks[q]
-        nv = min(bs, n - b * bs)
+        end = q * bs + min(bs, n - b * bs)
         p, k, x = P[q], Kk[q], X[q]
         ml, sl = mluts[table[b]], luts[table[b]]
-        s = q * bs
-        while k + 4 <= nv and not bad:
-            _, p, k, e = _multi(ml, _reader(stream, p), p, sym, s, k)
-            if e < 0:
-                p, k, x, bad = _single(stream, sl, p, k, s, x, xbits, inline_bits, sym, xexp)
-        while k < nv and not bad:
-            p, k, x, bad = _single(stream, sl, p, k, s, x, xbits, inline_bits, sym, xexp)
+        while k + 4 <= end and not bad:
+            _, u, k, e = _multi(ml, _reader(stream, p), np.int64(0), sym, k)
+            p += u & 63
+            if e & _SPECIAL:
+                p, k, x, bad = _single(stream, sl, p, k, 0, x, xbits, inline_bits, sym, xexp)
+        while k < end and not bad:
+            p, k, x, bad = _single(stream, sl, p, k, 0, x, xbits, inline_bits, sym, xexp)
         stats[q, 1] = x
         stats[q, 2] = p
         stats[q, 3] = bad
