@@ -1,8 +1,10 @@
 """Sizes of alternative exponent codings on a gradient bucket: the table in docs/FORMAT.md.
 
     python bench/format_alternatives.py [path/to/grads.npy]
+    python bench/format_alternatives.py --float16 [path/to/grads.npy]
 
-The layout modelled is format version 1's (code tables per packet, up to 8): the measurements
+--float16 prints what float16 would gain by coding the top mantissa bits with the exponent
+(the float16 table in docs/FORMAT.md). The layout modelled otherwise is format version 1's (code tables per packet, up to 8): the measurements
 that chose the coding. Version 2 takes its codes from a fixed bank; bench/bank_design.py
 measures that against this model's packets.
 """
@@ -51,7 +53,30 @@ def huffman_size(bits: np.ndarray, bs: int, ntables: int, stride: int = 1, zero_
     return HEADER_SIZE + ntables * TABLE_BYTES + nb * INDEX_ENTRY + int(np.minimum(coded, 2 * valid.sum(axis=1)).sum())
 
 
+def float16_splits(x: torch.Tensor, bs: int = 4096) -> list[tuple[str, float]]:
+    """Ratios of float16 with a free Huffman code per block (lengths up to 15 bits, no table or
+    index cost: a bound) over three symbols: the exponent field, as version 2 codes it with its
+    three other bits raw (sign and top two mantissa bits), or joined with the top one or two
+    mantissa bits. The low mantissa byte is raw, +0.0 has its own symbol and no rest."""
+    bits = x.to(torch.float16).view(torch.int16).numpy().view(np.uint16).astype(np.int64)
+    n = bits.size // bs * bs  # whole blocks
+    b = bits[:n].reshape(-1, bs)
+    zero, exp, top2 = b == 0, (b >> 10) & 31, (b >> 8) & 3
+    rows = []
+    for name, sym, raw_bits in (("exponent (version 2's symbol)", exp, 3), ("exponent and top mantissa bit", exp * 2 + (top2 >> 1), 2),
+                                ("exponent and top two mantissa bits", exp * 4 + top2, 1)):
+        sym = np.where(zero, 128, sym)
+        coded = sum((c * T.limited_lengths(c, 15)).sum() for c in (np.bincount(row, minlength=129) for row in sym))
+        rows.append((name, (coded + (raw_bits + 8) * (~zero).sum()) / (16 * n)))
+    return rows
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--float16"]:
+        x = torch.from_numpy(np.load(sys.argv[2] if len(sys.argv) > 2 else DEFAULT_DATA))
+        for name, ratio in float16_splits(x):
+            print(f"| {name} | {ratio:.4f} |")
+        return
     x = torch.from_numpy(np.load(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_DATA)).to(torch.bfloat16)
     bits = x.view(torch.int16).numpy().view(np.uint16).astype(np.int64)
     n, raw = bits.size, 2 * bits.size
