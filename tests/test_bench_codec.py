@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from zipccl.bench import codec as bench
 
 
@@ -82,3 +84,18 @@ def test_bank_design_smoke(tmp_path):
     # the last column, a free optimal code per block, bounds today's tables and every bank
     assert all(float(row[-1]) <= min(float(r) for r in row[:-1]) for row in rows), out
     assert json.loads((tmp_path / "bank.json").read_text())["banks"]["fp16"]["4"]
+
+
+def test_format_alternatives_float16_splits():
+    """--float16's bound, on blocks whose every element is one value: one symbol, so one bit
+    each (a Huffman code has no shorter word), plus the raw bits that each split leaves."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("format_alternatives",
+                                                  Path(__file__).parents[1] / "bench/format_alternatives.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = dict(mod.float16_splits(torch.full((2 * 4096 + 5,), 1.5)))  # the 5 past whole blocks are left out
+    assert rows == {"exponent (version 2's symbol)": (1 + 3 + 8) / 16, "exponent and top mantissa bit": (1 + 2 + 8) / 16,
+                    "exponent and top two mantissa bits": (1 + 1 + 8) / 16}
