@@ -7,8 +7,8 @@ symbols, stored with one 32-bit write; float16's three inline bits ride in the
 same bytes, above the symbol), then a branch-free pass joining exponents and rest
 bytes while that buffer is in cache. Huffman decoding is serial within a block, so
 the four blocks go in lock step to keep the core busy while one waits on a table
-lookup. The codes are the fixed
-bank's (zipccl/bank.py); reference/plan.py picks each block's entry from its sampled histogram.
+lookup. The codes are the fixed bank's (zipccl/bank.py); reference/plan.py picks
+each block's entry from its sampled histogram.
 
 Numba lessons measured here: index through per-block slices rather than
 ``offset + i`` (offset indexing kept loops from vectorizing: 10x slower); keep
@@ -389,7 +389,8 @@ SCRATCH_MAX = 8 << 20  # elements: larger buffers are allocated per call rather 
 
 def _scratch(name: str, size: int, dtype) -> np.ndarray:
     """A buffer of ``size`` elements that this thread reuses from call to call (up to SCRATCH_MAX):
-    the decoder's intermediate streams, which a fresh allocation would fault in page by page."""
+    the encoder's streams before they are placed, and the decoder's zero-padded copy of a stream
+    that lies too near its packet's end; a fresh allocation would fault them in page by page."""
     if size > SCRATCH_MAX:
         return np.empty(size, dtype)
     buf = getattr(_local, name, None)
@@ -500,20 +501,20 @@ def _multi(mlut, c, used, sym, k):
 
 
 @njit(inline="always")
-def _single(stream, lut, p, k, s, x, xbits, inline_bits, sym, xexp):
-    """One element by the single-symbol lookup: its token into sym, an escape's raw exponent
-    and inline bits into xexp. Returns (p, k, escapes, error), advanced."""
+def _single(stream, lut, p, k, x, xbits, inline_bits, sym, xexp):
+    """One element by the single-symbol lookup: its token into sym[k], an escape's raw exponent
+    and inline bits into xexp[k]. Returns (p, k, escapes, error), advanced."""
     e = lut[_reader(stream, p) & ((1 << MAXLEN) - 1)]
     tok = e & 255
     p += e >> 8
     if tok == 1:
-        xexp[s + k] = _reader(stream, p) & ((1 << xbits) - 1)
+        xexp[k] = _reader(stream, p) & ((1 << xbits) - 1)
         p += xbits
         x += 1
     elif tok != 0 and inline_bits:
         tok |= (_reader(stream, p) & ((1 << inline_bits) - 1)) << 5
         p += inline_bits
-    sym[s + k] = tok
+    sym[k] = tok
     return p, k + 1, x, (e >> 8) == 0
 
 
@@ -521,7 +522,7 @@ def _single(stream, lut, p, k, s, x, xbits, inline_bits, sym, xexp):
 def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_start, luts, mluts, sym, xexp, stats):
     """Decode the tokens (see _multi_luts) of the ``m`` coded blocks ``blocks[:m]`` into ``sym``,
     block q's at q * bs, and each escape's exponent and inline bits into ``xexp`` alike.
-    stats[q] = (unused, escapes, end bit, error).
+    stats[q] = (escapes, end bit, error).
 
     Four blocks go in lock step. Each lane refills a 64-bit bit container once per round
     and makes ROUND lookups on it without touching memory but the table, so the loop
@@ -554,16 +555,16 @@ def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_star
             p0, p1, p2, p3 = p0 + (u0 & 63), p1 + (u1 & 63), p2 + (u2 & 63), p3 + (u3 & 63)
             if (e0 | e1 | e2 | e3) & _SPECIAL:
                 if e0 & _SPECIAL:
-                    p0, k0, x0, f0 = _single(stream, l0, p0, k0, 0, x0, xbits, inline_bits, sym, xexp)
+                    p0, k0, x0, f0 = _single(stream, l0, p0, k0, x0, xbits, inline_bits, sym, xexp)
                     bad |= f0
                 if e1 & _SPECIAL:
-                    p1, k1, x1, f1 = _single(stream, l1, p1, k1, 0, x1, xbits, inline_bits, sym, xexp)
+                    p1, k1, x1, f1 = _single(stream, l1, p1, k1, x1, xbits, inline_bits, sym, xexp)
                     bad |= f1
                 if e2 & _SPECIAL:
-                    p2, k2, x2, f2 = _single(stream, l2, p2, k2, 0, x2, xbits, inline_bits, sym, xexp)
+                    p2, k2, x2, f2 = _single(stream, l2, p2, k2, x2, xbits, inline_bits, sym, xexp)
                     bad |= f2
                 if e3 & _SPECIAL:
-                    p3, k3, x3, f3 = _single(stream, l3, p3, k3, 0, x3, xbits, inline_bits, sym, xexp)
+                    p3, k3, x3, f3 = _single(stream, l3, p3, k3, x3, xbits, inline_bits, sym, xexp)
                     bad |= f3
         P[0], P[1], P[2], P[3] = p0, p1, p2, p3
         Kk[0], Kk[1], Kk[2], Kk[3] = k0, k1, k2, k3
@@ -577,12 +578,12 @@ def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_star
             _, u, k, e = _multi(ml, _reader(stream, p), np.int64(0), sym, k)
             p += u & 63
             if e & _SPECIAL:
-                p, k, x, bad = _single(stream, sl, p, k, 0, x, xbits, inline_bits, sym, xexp)
+                p, k, x, bad = _single(stream, sl, p, k, x, xbits, inline_bits, sym, xexp)
         while k < end and not bad:
-            p, k, x, bad = _single(stream, sl, p, k, 0, x, xbits, inline_bits, sym, xexp)
-        stats[q, 1] = x
-        stats[q, 2] = p
-        stats[q, 3] = bad
+            p, k, x, bad = _single(stream, sl, p, k, x, xbits, inline_bits, sym, xexp)
+        stats[q, 0] = x
+        stats[q, 1] = p
+        stats[q, 2] = bad
 
 
 @njit(inline="always")
@@ -712,7 +713,7 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
     coded = np.nonzero(table != RAW_BLOCK)[0]
     sym = np.empty(LANES * bs + 4, np.uint8)
     xexp = np.empty(LANES * bs + 4, np.uint8)  # read only where a symbol is an escape
-    stats = np.zeros((LANES, 4), np.int64)
+    stats = np.zeros((LANES, 3), np.int64)
     zpos = np.empty(bs // 16 + 2, np.int64)
     xbits = layout[1] + layout[4]
     for g in range(0, coded.shape[0], LANES):
@@ -723,9 +724,9 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
             b = coded[g + q]
             lo = b * bs
             nv = min(n, lo + bs) - lo
-            if stats[q, 3] or stats[q, 2] > word_start[b + 1] * 32:
+            if stats[q, 2] or stats[q, 1] > word_start[b + 1] * 32:
                 return -1
-            err = _join_block(sym[q * bs:q * bs + nv], xexp[q * bs:q * bs + nv], stats[q, 1], rest, rest_start[b],
+            err = _join_block(sym[q * bs:q * bs + nv], xexp[q * bs:q * bs + nv], stats[q, 0], rest, rest_start[b],
                               layout, np.int64(ref[b]), nzero[b], zpos, out[lo:lo + nv])
             if err:
                 return err
