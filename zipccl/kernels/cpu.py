@@ -4,10 +4,10 @@ Encode reads the data three times: analyse (histograms), pack (codes into the
 bit stream) and rest (sign+mantissa bytes). Decode takes four blocks at a time:
 their Huffman symbols into a small byte buffer (a 10-bit lookup yields up to four
 symbols, stored with one 32-bit write; float16's three inline bits ride in the
-same bytes, above the symbol), then a branch-free pass joining exponents and rest
-bytes while that buffer is in cache. Huffman decoding is serial within a block, so
-the four blocks go in lock step to keep the core busy while one waits on a table
-lookup. The codes are the fixed bank's (zipccl/bank.py); reference/plan.py picks
+same bytes, above the symbol), then a pass joining exponents and rest bytes while
+that buffer is in cache (without branches where a block has few +0.0). Huffman
+decoding is serial within a block, so the four blocks go in lock step to keep the
+core busy while one waits on a table lookup. The codes are the fixed bank's (zipccl/bank.py); reference/plan.py picks
 each block's entry from its sampled histogram.
 
 Numba lessons measured here: index through per-block slices rather than
@@ -460,7 +460,7 @@ def _multi_luts(lut, inline_bits):
     """A lookup that resolves up to four elements from the next WINDOW bits.
 
     entry = bits used (bits 0-5) | token bytes << 9 (first element lowest) | count << 56:
-    the bits used lowest, so that the bit reader shifts by the entry itself and a round's
+    the bits used lowest, so that the bit reader shifts by the entry's low six bits and a round's
     entries summed hold their bits used in the low six bits; the count on top, so that one
     shift gives it. A token is the symbol, with float16's inline bits (the ``inline_bits``
     that follow a nonzero symbol's code) above its five bits. _SPECIAL (bit 6; nothing used,
@@ -525,7 +525,7 @@ def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_star
     stats[q] = (escapes, end bit, error).
 
     Four blocks go in lock step. Each lane refills a 64-bit bit container once per round
-    and makes ROUND lookups on it without touching memory but the table, so the loop
+    and makes ROUND lookups on it, loading nothing but the table, so the loop
     carries no branch: a lane that meets an element for the single-symbol path (a
     _SPECIAL entry uses no bits) repeats it until the round ends, then decodes it alone.
     A lookup stores four symbols, so a round stays 4 * ROUND short of a block's end."""
@@ -695,7 +695,9 @@ def _decode(stream, rest, bs, n, mbits, ref, table, nzero, word_start, rest_star
 
 @njit(inline="always")
 def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, rest_start, luts, mluts, out):
-    """Decode every block into ``out``; returns 0 or an error code (that of the first bad block).
+    """Decode every block into ``out``; returns 0 or an error code: the first failing block's, where
+    an invalid code would fail the whole group of LANES blocks it is decoded with (none is: the
+    bank's codes are complete prefix codes; a corrupt stream fails by where it ends).
 
     Coded blocks go LANES at a time: their tokens into a buffer of LANES blocks, then joined
     with their rest bytes while that buffer is still in the core's cache (a buffer for the
@@ -712,7 +714,7 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
                 out[lo + i] = v
     coded = np.nonzero(table != RAW_BLOCK)[0]
     sym = np.empty(LANES * bs + 4, np.uint8)
-    xexp = np.empty(LANES * bs + 4, np.uint8)  # read only where a symbol is an escape
+    xexp = np.empty(LANES * bs + 4, np.uint8)  # used only where a symbol is an escape
     stats = np.zeros((LANES, 3), np.int64)
     zpos = np.empty(bs // 16 + 2, np.int64)
     xbits = layout[1] + layout[4]
