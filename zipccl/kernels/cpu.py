@@ -519,29 +519,25 @@ def _single(stream, lut, p, k, x, xbits, inline_bits, sym, xexp):
 
 
 @njit(inline="always")
-def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_start, luts, mluts, sym, xexp, stats):
+def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_start, luts, mluts, sym, xexp, lanes):
     """Decode the tokens (see _multi_luts) of the ``m`` coded blocks ``blocks[:m]`` into ``sym``,
     block q's at q * bs, and each escape's exponent and inline bits into ``xexp`` alike.
-    stats[q] = (escapes, end bit, error).
+    lanes[q] = (bit position, token position, escapes, error), block q's at the end.
 
     Four blocks go in lock step. Each lane refills a 64-bit bit container once per round
     and makes ROUND lookups on it, loading nothing but the table, so the loop
     carries no branch: a lane that meets an element for the single-symbol path (a
     _SPECIAL entry uses no bits) repeats it until the round ends, then decodes it alone.
     A lookup stores four symbols, so a round stays 4 * ROUND short of a block's end."""
-    P = np.zeros(LANES, np.int64)
-    Kk = np.zeros(LANES, np.int64)
-    X = np.zeros(LANES, np.int64)
     bad = False
     for q in range(m):
-        P[q] = word_start[blocks[q]] * 32
-        Kk[q] = q * bs  # k: the next token's place in sym
+        lanes[q, 0], lanes[q, 1], lanes[q, 2], lanes[q, 3] = word_start[blocks[q]] * 32, q * bs, 0, 0
     if m == LANES:
         b0, b1, b2, b3 = blocks[0], blocks[1], blocks[2], blocks[3]
         t0, t1, t2, t3 = mluts[table[b0]], mluts[table[b1]], mluts[table[b2]], mluts[table[b3]]
         l0, l1, l2, l3 = luts[table[b0]], luts[table[b1]], luts[table[b2]], luts[table[b3]]
-        p0, p1, p2, p3 = P[0], P[1], P[2], P[3]
-        k0, k1, k2, k3 = Kk[0], Kk[1], Kk[2], Kk[3]
+        p0, p1, p2, p3 = lanes[0, 0], lanes[1, 0], lanes[2, 0], lanes[3, 0]
+        k0, k1, k2, k3 = lanes[0, 1], lanes[1, 1], lanes[2, 1], lanes[3, 1]
         x0 = x1 = x2 = x3 = np.int64(0)
         lim = min(bs, n - b3 * bs) - 4 * ROUND
         while k0 <= lim and k1 <= bs + lim and k2 <= 2 * bs + lim and k3 <= 3 * bs + lim and not bad:
@@ -553,7 +549,8 @@ def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_star
                 c2, u2, k2, e2 = _multi(t2, c2, u2, sym, k2)
                 c3, u3, k3, e3 = _multi(t3, c3, u3, sym, k3)
             p0, p1, p2, p3 = p0 + (u0 & 63), p1 + (u1 & 63), p2 + (u2 & 63), p3 + (u3 & 63)
-            if (e0 | e1 | e2 | e3) & _SPECIAL:
+            if (e0 | e1 | e2 | e3) & _SPECIAL:  # four tests written out: one helper holding the test and
+                # the call (inlined all the same) made decoding 2.2-2.7x slower
                 if e0 & _SPECIAL:
                     p0, k0, x0, f0 = _single(stream, l0, p0, k0, x0, xbits, inline_bits, sym, xexp)
                     bad |= f0
@@ -566,13 +563,13 @@ def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_star
                 if e3 & _SPECIAL:
                     p3, k3, x3, f3 = _single(stream, l3, p3, k3, x3, xbits, inline_bits, sym, xexp)
                     bad |= f3
-        P[0], P[1], P[2], P[3] = p0, p1, p2, p3
-        Kk[0], Kk[1], Kk[2], Kk[3] = k0, k1, k2, k3
-        X[0], X[1], X[2], X[3] = x0, x1, x2, x3
+        lanes[0, 0], lanes[1, 0], lanes[2, 0], lanes[3, 0] = p0, p1, p2, p3
+        lanes[0, 1], lanes[1, 1], lanes[2, 1], lanes[3, 1] = k0, k1, k2, k3
+        lanes[0, 2], lanes[1, 2], lanes[2, 2], lanes[3, 2] = x0, x1, x2, x3
     for q in range(m):  # each lane's tail, and groups of fewer than LANES blocks
         b = blocks[q]
         end = q * bs + min(bs, n - b * bs)
-        p, k, x = P[q], Kk[q], X[q]
+        p, k, x = lanes[q, 0], lanes[q, 1], lanes[q, 2]
         ml, sl = mluts[table[b]], luts[table[b]]
         while k + 4 <= end and not bad:
             _, u, k, e = _multi(ml, _reader(stream, p), np.int64(0), sym, k)
@@ -581,9 +578,7 @@ def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_star
                 p, k, x, bad = _single(stream, sl, p, k, x, xbits, inline_bits, sym, xexp)
         while k < end and not bad:
             p, k, x, bad = _single(stream, sl, p, k, x, xbits, inline_bits, sym, xexp)
-        stats[q, 0] = x
-        stats[q, 1] = p
-        stats[q, 2] = bad
+        lanes[q, 0], lanes[q, 2], lanes[q, 3] = p, x, bad
 
 
 @njit(inline="always")
@@ -715,20 +710,20 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
     coded = np.nonzero(table != RAW_BLOCK)[0]
     sym = np.empty(LANES * bs + 4, np.uint8)
     xexp = np.empty(LANES * bs + 4, np.uint8)  # used only where a symbol is an escape
-    stats = np.zeros((LANES, 3), np.int64)
+    lanes = np.zeros((LANES, 4), np.int64)  # see _lane_symbols
     zpos = np.empty(bs // 16 + 2, np.int64)
     xbits = layout[1] + layout[4]
     for g in range(0, coded.shape[0], LANES):
         m = min(LANES, coded.shape[0] - g)
         _lane_symbols(stream, bs, n, xbits, layout[4], coded[g:g + m], m, table, word_start, luts, mluts,
-                      sym, xexp, stats)
+                      sym, xexp, lanes)
         for q in range(m):
             b = coded[g + q]
             lo = b * bs
             nv = min(n, lo + bs) - lo
-            if stats[q, 2] or stats[q, 1] > word_start[b + 1] * 32:
+            if lanes[q, 3] or lanes[q, 0] > word_start[b + 1] * 32:
                 return -1
-            err = _join_block(sym[q * bs:q * bs + nv], xexp[q * bs:q * bs + nv], stats[q, 0], rest, rest_start[b],
+            err = _join_block(sym[q * bs:q * bs + nv], xexp[q * bs:q * bs + nv], lanes[q, 2], rest, rest_start[b],
                               layout, np.int64(ref[b]), nzero[b], zpos, out[lo:lo + nv])
             if err:
                 return err

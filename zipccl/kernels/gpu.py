@@ -566,4 +566,3 @@ def _raise_first(p: LosslessPacket, err: torch.Tensor | None) -> None:
         values = values[3:]
     if problem := block_error(values):
         raise FormatError(problem)
-

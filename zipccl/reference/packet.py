@@ -216,8 +216,6 @@ class Verdict:
 
     def explain(self, values: np.ndarray) -> str | None:
         """The problem that ``values`` (this verdict's, on the host) show, or None."""
-        if values is None:
-            return self.known
         good, head, check, errors = values[0], values[1:1 + HEADER_SIZE], values[1 + HEADER_SIZE:4 + HEADER_SIZE], \
             values[4 + HEADER_SIZE:]
         try:
