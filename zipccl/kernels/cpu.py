@@ -549,8 +549,8 @@ def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_star
                 c2, u2, k2, e2 = _multi(t2, c2, u2, sym, k2)
                 c3, u3, k3, e3 = _multi(t3, c3, u3, sym, k3)
             p0, p1, p2, p3 = p0 + (u0 & 63), p1 + (u1 & 63), p2 + (u2 & 63), p3 + (u3 & 63)
-            if (e0 | e1 | e2 | e3) & _SPECIAL:  # four tests written out: one helper holding the test and
-                # the call (inlined all the same) made decoding 2.2-2.7x slower
+            if (e0 | e1 | e2 | e3) & _SPECIAL:  # four tests written out: one inlined function
+                # holding the test and the call made decoding 2.2-2.7x slower
                 if e0 & _SPECIAL:
                     p0, k0, x0, f0 = _single(stream, l0, p0, k0, x0, xbits, inline_bits, sym, xexp)
                     bad |= f0
