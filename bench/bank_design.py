@@ -1,4 +1,4 @@
-"""A fixed bank of exponent codes per float layout, from the Gaussian model, against today's per-packet tables.
+"""A fixed bank of exponent codes per float layout, from the Gaussian model, against the encoder's packets.
 
     python bench/bank_design.py [--sizes 8,16,32] [--block 4096] [--json out.json]
 
@@ -9,8 +9,9 @@ host round trip to build tables. This script measures, offline, what the bank co
    format's symbols 2..31), have a shape set by where log2 of the spread falls between two
    powers of two (the phase), the share of exact zeros (symbol 0) and the weight of the tail
    (a Gaussian scale mixture: sigma * exp(s * N(0, 1)), s = 0 is the plain Gaussian). fp16 adds
-   the absolute scale: near 2^-14 values turn subnormal (exponent 0) or underflow to zero.
-   Each grid point gives a symbol histogram of a 4096-element model block.
+   the absolute scale: near 2^-14 values turn subnormal (exponent 0) or underflow to zero;
+   its coded field (format version 3) is the exponent with the top mantissa bit, half-octave
+   steps, whose symbols reach 15 steps above ``ref``. Each grid point gives a symbol histogram of a 4096-element model block.
 2. The bank: the model histograms clustered into K codes by the format's own rule (a 12-bit
    limited Huffman code per group, each histogram moved to the code that costs it fewest bits,
    repeated until stable), grown one code at a time from the histogram served worst. A model
@@ -40,8 +41,7 @@ import torch
 
 from zipccl.bench.common import DEFAULT_DATA
 from zipccl.codecs import Lossless
-from zipccl.format import (HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_OFFSET, MAXLEN, MIN_OFFSET, NSYM, OFFSET_BIAS,
-                           RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO)
+from zipccl.format import (HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO)
 from zipccl.reference import tables as T
 from zipccl.reference.packet import parse_lossless
 
@@ -68,7 +68,7 @@ def block_hists(x: torch.Tensor, bs: int) -> tuple[np.ndarray, np.ndarray]:
     counts = np.zeros((nb, lay.emax + 1), np.int64)
     np.add.at(counts, (rows[sample], exp[sample]), 1)
     d = exp - counts.argmax(axis=1)[:, None]
-    sym = np.where((d >= MIN_OFFSET) & (d <= MAX_OFFSET), d + OFFSET_BIAS, SYM_ESC)
+    sym = np.where((d >= lay.min_offset) & (d <= lay.max_offset), d + lay.offset_bias, SYM_ESC)
     sym = np.where(zero, SYM_ZERO, sym)
     hist = np.zeros((nb, NSYM), np.int64)
     np.add.at(hist, (rows[valid], sym[valid]), 1)
@@ -88,7 +88,8 @@ def check_accounting(hist: np.ndarray, packet: torch.Tensor) -> None:
 def packet_bytes(bits: np.ndarray, hist: np.ndarray, nvalid: np.ndarray, lay) -> tuple[int, np.ndarray]:
     """Bytes of a packet whose blocks code in ``bits`` bits each (raw where that does not pay),
     without section 0, and which blocks are raw."""
-    coded = 4 * -(-bits // 32) + (nvalid - hist[:, SYM_ZERO]) * lay.rest_bytes
+    nonzero = nvalid - hist[:, SYM_ZERO]
+    coded = 4 * -(-bits // 32) + nonzero * lay.rest_bytes + (nonzero * lay.side_bits + 7) // 8
     raw = coded >= nvalid * lay.itemsize
     return HEADER_SIZE + INDEX_ENTRY * len(hist) + int(np.where(raw, nvalid * lay.itemsize, coded).sum()), raw
 
@@ -250,7 +251,7 @@ def main() -> None:
         banks[key] = {k: derive_bank(model, k, LAYOUTS[dt]) for k in sizes}
         print(f"# {key}: {len(model)} model histograms", file=sys.stderr)
     results = []
-    header = "| tensor | elements | today (tables per packet) | " + " | ".join(f"bank {k}" for k in sizes)
+    header = "| tensor | elements | encoder's packets (numba) | " + " | ".join(f"bank {k}" for k in sizes)
     print(header + " | own code per block (bound) |")
     print("|" + "---|" * (4 + len(sizes)))
     for name, x in cases(args.data, args.cache, args.steps, args.width, args.layers):

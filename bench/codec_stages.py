@@ -65,9 +65,9 @@ def stages(x: torch.Tensor) -> dict:
     p = parse_lossless(packet)
     raw = packet.numpy()
     nw = int(p.word_start[-1])
-    stream = np.zeros(4 * nw + 8 + (MAXLEN + layout.ebits + layout.inline_bits) * bs // 8, np.uint8)
+    stream = np.zeros(4 * nw + 8 + (MAXLEN + layout.ebits) * bs // 8, np.uint8)
     stream[:4 * nw] = raw[p.stream_offset:p.rest_offset]
-    luts, mluts = C._decoder_tables(p.lengths.tobytes(), layout.inline_bits)
+    luts, mluts = C._decoder_tables(p.lengths.tobytes())
     rest = raw[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
     out_stages["decode kernel"] = lambda: C._decode(stream, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero,  # noqa: E731
                                                     p.word_start, p.rest_start, luts, mluts, C._int_view(out))

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from zipccl.bench.common import DEFAULT_DATA
-from zipccl.format import (HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_OFFSET, MIN_OFFSET, NSYM, OFFSET_BIAS, SYM_ESC,
-                           TABLE_BYTES)
+from zipccl.format import HEADER_SIZE, INDEX_ENTRY, LAYOUTS, NSYM, SYM_ESC, TABLE_BYTES
 from zipccl.reference import tables as T
 
 
@@ -41,7 +40,7 @@ def huffman_size(bits: np.ndarray, bs: int, ntables: int, stride: int = 1, zero_
     counts = np.zeros((nb, lay.emax + 1), np.int64)
     np.add.at(counts, (rows[sample & ~zero], exp[sample & ~zero]), 1)
     d = exp - counts.argmax(axis=1)[:, None]
-    sym = np.where((d >= MIN_OFFSET) & (d <= MAX_OFFSET), d + OFFSET_BIAS, SYM_ESC)
+    sym = np.where((d >= lay.min_offset) & (d <= lay.max_offset), d + lay.offset_bias, SYM_ESC)
     sym = np.where(zero, 0, sym)
     exact, sampled = np.zeros((nb, NSYM), np.int64), np.zeros((nb, NSYM), np.int64)
     np.add.at(exact, (rows[valid], sym[valid]), 1)

@@ -1,4 +1,4 @@
-"""The fixed bank of codes of format version 2 (zipccl/bank.py) and the version check."""
+"""The fixed bank of codes of format version 3 (zipccl/bank.py) and the version check."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from zipccl.bank import BANK, BANK_SIZE
 from zipccl.codecs import Lossless, Raw
 from zipccl.reference import tables as T
 
-RECORD = Path(__file__).parents[1] / "docs" / "bench" / "2026-11-26-bank" / "block4096.json"
+RECORD = Path(__file__).parents[1] / "docs" / "bench" / "2026-11-27-bank" / "block4096.json"
 KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -50,8 +50,8 @@ def _resign(p: torch.Tensor, offset: int, value: int) -> torch.Tensor:
 @pytest.mark.parametrize("codec", [Lossless("reference"), Lossless("numba"), Raw()], ids=repr)
 def test_other_versions_are_refused_naming_both(codec):
     p = codec.encode(torch.randn(300).to(torch.bfloat16))
-    assert int(p[4]) == F.VERSION == 2
-    for version in (1, 3):
+    assert int(p[4]) == F.VERSION == 3
+    for version in (2, 4):
         with pytest.raises(zipccl.FormatError, match=f"version {version}.*version {F.VERSION}"):
             codec.decode(_resign(p, 4, version))
 
@@ -74,16 +74,15 @@ def test_each_block_takes_the_cheapest_entry_for_its_sample(impl, dtype):
     lay = F.LAYOUTS[dtype]
     ints = x.view(torch.int32 if lay.itemsize == 4 else torch.int16).numpy().astype(np.int64)
     bits = ints & ((1 << (8 * lay.itemsize)) - 1)
-    extra = np.full(F.NSYM, lay.inline_bits)
-    extra[F.SYM_ZERO] = 0
-    extra[F.SYM_ESC] += lay.ebits
+    extra = np.zeros(F.NSYM, np.int64)
+    extra[F.SYM_ESC] = lay.ebits  # an escape's raw field follows its code
     seen = set()
     for b in range(64):
         sample = bits[b * bs:(b + 1) * bs:F.SAMPLE_STRIDE]
         exps = [(v >> lay.mbits) & lay.emax for v in sample if v]
         ref = min(set(exps), key=lambda e: (-exps.count(e), e)) if exps else 0
-        syms = [0 if v == 0 else (((v >> lay.mbits) & lay.emax) - ref + F.OFFSET_BIAS
-                                  if F.MIN_OFFSET <= ((v >> lay.mbits) & lay.emax) - ref <= F.MAX_OFFSET else 1)
+        syms = [0 if v == 0 else (((v >> lay.mbits) & lay.emax) - ref + lay.offset_bias
+                                  if lay.min_offset <= ((v >> lay.mbits) & lay.emax) - ref <= lay.max_offset else 1)
                 for v in sample]
         costs = [sum(int(BANK[dtype][k][s]) + int(extra[s]) for s in syms) for k in range(BANK_SIZE)]
         best = costs.index(min(costs))

@@ -94,13 +94,17 @@ def test_fast_impls_match_reference(impl, dtype, kind, n):
 @pytest.mark.parametrize("impl", FAST)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_longest_codes_match_reference(impl, dtype):
-    """Exponents halving in frequency one step down give codes up to MAXLEN bits: float16's
-    inline bits then overflow the decoder's 12-bit window and take its slow path."""
+    """Coded fields halving in frequency one step down give codes up to MAXLEN bits, longer
+    than the decoder's 10-bit multi-symbol window: those take its single-symbol path."""
     n = 1 << 15  # 32 blocks of the Triton encoder: one decoder program, the interpreter's pace
     g = torch.Generator().manual_seed(0)
-    k = torch.floor(-torch.log2(torch.rand(n, generator=g).clamp_min(1e-30)))  # geometric, p = 1/2
-    sign = (torch.rand(n, generator=g) < 0.5).float().mul(2).sub(1)
-    x = ((1 + torch.rand(n, generator=g)) * 2.0 ** (-k) * sign).to(dtype)
+    lay = F.LAYOUTS[dtype]
+    k = torch.floor(-torch.log2(torch.rand(n, generator=g).clamp_min(1e-30))).long()  # geometric, p = 1/2
+    # the bf16 bank's longest codes lie below a block's reference, float16's above it
+    field = (lay.emax // 2 + k).clamp_max(lay.emax - 3) if dtype == torch.float16 else (lay.emax - 3 - k).clamp_min(1)
+    low = torch.randint(0, 1 << (lay.mbits + 1), (n,), generator=g)  # the sign (top bit) and the mantissa
+    v = (low >> lay.mbits) << (lay.mbits + lay.ebits) | field << lay.mbits | (low & ((1 << lay.mbits) - 1))
+    x = torch.where(v >= 1 << 15, v - (1 << 16), v).to(torch.int16).view(dtype)
     bs = F.GPU_BLOCK_SIZE if impl == "triton" else F.DEFAULT_BLOCK_SIZE  # each one's default (the interpreter
     ref, fast = Lossless("reference", block_size=bs), Lossless(impl, block_size=bs)  # decodes short blocks faster)
     p = ref.encode(x)
@@ -111,8 +115,8 @@ def test_longest_codes_match_reference(impl, dtype):
 
 def _longest_code_used(p: torch.Tensor, x: torch.Tensor) -> int:
     """The longest code among the symbols that the packet's coded blocks hold, each element's
-    symbol worked out from docs/FORMAT.md's rule (exponent - reference + OFFSET_BIAS; +0.0 is
-    SYM_ZERO, an offset outside MIN_OFFSET..MAX_OFFSET the escape)."""
+    symbol worked out from docs/FORMAT.md's rule (coded field - reference + the layout's
+    offset_bias; +0.0 is SYM_ZERO, an offset outside min_offset..max_offset the escape)."""
     lp, layout = parse_lossless(p), F.LAYOUTS[x.dtype]
     v = bits(x).to(torch.int64) & ((1 << 8 * layout.itemsize) - 1)
     exp = ((v >> layout.mbits) & layout.emax).numpy()
@@ -121,7 +125,7 @@ def _longest_code_used(p: torch.Tensor, x: torch.Tensor) -> int:
         if t == F.RAW_BLOCK:
             continue
         off = exp[b * bs:(b + 1) * bs] - int(lp.ref[b])
-        sym = np.where((off < F.MIN_OFFSET) | (off > F.MAX_OFFSET), F.SYM_ESC, off + F.OFFSET_BIAS)
+        sym = np.where((off < layout.min_offset) | (off > layout.max_offset), F.SYM_ESC, off + layout.offset_bias)
         sym = np.where(v[b * bs:(b + 1) * bs].numpy() == 0, F.SYM_ZERO, sym)
         longest = max(longest, int(lp.lengths[t][sym].max()))
     return longest
@@ -171,7 +175,7 @@ def test_real_gradients_ratio_and_reference(real_grads, dtype):
     p = codec.encode(x)
     assert_same_bits(codec.decode(p), x)
     ratio = p.numel() / (x.numel() * x.element_size())
-    assert ratio <= {torch.bfloat16: 0.675, torch.float16: 0.85, torch.float32: 0.835}[dtype]
+    assert ratio <= {torch.bfloat16: 0.675, torch.float16: 0.80, torch.float32: 0.835}[dtype]  # issue 33's targets
     part = x[1_000_000:1_000_000 + 20_000]
     assert torch.equal(Lossless("reference").encode(part), codec.encode(part))
 

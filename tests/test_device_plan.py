@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zipccl.bank import BANK, BANK_SIZE
-from zipccl.format import LAYOUTS, NSYM, RAW_BLOCK, SYM_ESC, SYM_ZERO, num_blocks
+from zipccl.format import LAYOUTS, NSYM, RAW_BLOCK, SYM_ESC, num_blocks
 from zipccl.kernels import device_plan
 from zipccl.reference.plan import choose, plan
 
@@ -27,14 +27,14 @@ def _host(sampled, exact, ref, numel, block_size, dtype):
 
 
 def _cheapest(sampled_row, dtype) -> int:
-    """The bank entry that codes a sample in the fewest bits (code + raw bits after it), ties to
-    the lowest entry, counted symbol by symbol."""
+    """The bank entry that codes a sample in the fewest bits (code + an escape's raw field), ties
+    to the lowest entry, counted symbol by symbol."""
     layout = LAYOUTS[dtype]
     best, best_bits = -1, None
     for k in range(BANK_SIZE):
         bits = 0
         for s in range(NSYM):
-            after = 0 if s == SYM_ZERO else layout.inline_bits + (layout.ebits if s == SYM_ESC else 0)
+            after = layout.ebits if s == SYM_ESC else 0
             bits += int(sampled_row[s]) * (int(BANK[dtype][k][s]) + after)
         if best_bits is None or bits < best_bits:
             best, best_bits = k, bits
@@ -91,7 +91,7 @@ def test_ties_between_entries():
     _check(exact // 8, exact, np.full(nb, 120, np.int64), nb * 1024, 1024, torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_real_gradients(real_grads, dtype):
     """Histograms of the real bucket, as the reference computes them, planned both ways."""
     from zipccl.reference.lossless import block_symbols, float_bits, sample_mask
@@ -112,16 +112,18 @@ def test_no_blocks():
 
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 40), st.sampled_from([256, 4096]), st.integers(0, 2**32 - 1),
-       st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=6))
-def test_index_read_on_the_device_equals_the_host_read(nb, block_size, seed, mutations):
+       st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=6),
+       st.sampled_from([torch.bfloat16, torch.float16]))
+def test_index_read_on_the_device_equals_the_host_read(nb, block_size, seed, mutations, dtype):
     """A real packet's block index, then with bytes overwritten: the same rows, the same first
-    invalid entry and the same totals from both readers (so the same FormatError, or none)."""
+    invalid entry and the same totals from both readers (so the same FormatError, or none);
+    float16's rest totals count its side bytes too."""
     from zipccl.codecs import Lossless
     from zipccl.format import CODEC_LOSSLESS, HEADER_SIZE, parse_header
     from zipccl.reference.packet import read_index
     g = torch.Generator().manual_seed(seed)
     numel = nb * block_size - int(torch.randint(0, block_size, (1,), generator=g))
-    x = (torch.randn(numel, generator=g) * 0.02).to(torch.bfloat16)
+    x = (torch.randn(numel, generator=g) * 0.02).to(dtype)
     x[torch.randint(0, numel, (numel // 7,), generator=g)] = 0.0
     if seed % 2:
         x[:block_size] = 0.0  # a block of +0.0 only: nzero == nvalid, the bound of a check
@@ -131,7 +133,7 @@ def test_index_read_on_the_device_equals_the_host_read(nb, block_size, seed, mut
     stop = start + h.sections[1]
     for where, value in mutations:
         packet[start + where % (stop - start)] = value
-    layout = LAYOUTS[torch.bfloat16]
+    layout = LAYOUTS[dtype]
     host = read_index(packet, start, stop, numel, block_size, h.ntables, layout)
     dev = device_plan.read_index(packet, start, stop, numel, block_size, h.ntables, layout)
     assert isinstance(dev[1], torch.Tensor)  # the check is left on the device

@@ -25,10 +25,11 @@ pytest.importorskip("triton", reason="triton not installed (pip install zipccl[g
 PACKAGE = str(Path(zipccl.__file__).resolve().parent)
 READS = ("cpu", "item", "tolist", "nonzero", "__int__", "__float__", "__bool__", "__index__")
 
-# Counts of format version 2 (2026-11-26; version 1: 5 and 9): encode reads only the packet's
-# size; decode reads the header, then at the end the index's check (first invalid entry and
-# totals) with the blocks' errors, in one read (the coded and raw blocks are ordered and counted
-# on the device). The issue's targets are encode <= 1 and decode into a given out <= 2.
+# Counts of format version 2 (2026-11-26; version 1: 5 and 9), the same in version 3 (its side
+# bits are placed on the device as the rest bytes are): encode reads only the packet's size;
+# decode reads the header, then at the end the index's check (first invalid entry and totals)
+# with the blocks' errors, in one read (the coded and raw blocks are ordered and counted on the
+# device). The issue's targets are encode <= 1 and decode into a given out <= 2.
 ENCODE_READS = 1
 DECODE_READS = 2
 

@@ -5,7 +5,7 @@ header so that a receiver can validate it before touching the payload:
 
     offset size field
       0     4   magic b"ZCCL"
-      4     1   version (2)
+      4     1   version (3)
       5     1   codec   (0 raw, 1 lossless, 2 top-k)
       6     1   dtype   (1 float32, 2 float16, 3 bfloat16)
       7     1   flags   (bit 0: payload CRC32 present)
@@ -34,7 +34,8 @@ import torch
 from .errors import FormatError, UnsupportedError
 
 MAGIC = b"ZCCL"
-VERSION = 2  # 2: lossless blocks name entries of the fixed bank of codes (zipccl/bank.py)
+VERSION = 3  # 2: lossless blocks name entries of the fixed bank of codes (zipccl/bank.py);
+             # 3: float16 codes its exponent with the top mantissa bit, no raw bits in the streams
 HEADER_SIZE = 56
 _HEADER = struct.Struct("<4sBBBBQIBBBBIIQQII")
 assert _HEADER.size == HEADER_SIZE
@@ -127,9 +128,7 @@ def check_payload_crc(packet_bytes, header: Header) -> None:
 # ---- lossless layout (see docs/FORMAT.md, "Lossless payload") ----
 NSYM = 32            # symbols per code table
 SYM_ZERO = 0         # the element is +0.0 (all bits zero): no sign+mantissa stored
-SYM_ESC = 1          # exponent stored inline as raw bits right after the code
-OFFSET_BIAS = 28     # symbol = (exponent - block reference) + OFFSET_BIAS, for offsets -26..+3
-MIN_OFFSET, MAX_OFFSET = 2 - OFFSET_BIAS, NSYM - 1 - OFFSET_BIAS
+SYM_ESC = 1          # coded field stored as raw bits right after the code
 MAXLEN = 12          # longest Huffman code, bits (decoders peek MAXLEN bits)
 SAMPLE_STRIDE = 8    # encoders choose reference exponents and bank entries from every 8th element of
                      # a block (its elements 0, 8, 16, ...); exact sizes come from all of them
@@ -144,22 +143,38 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 256, 32768
 
 @dataclass(frozen=True)
 class FloatLayout:
-    """How one dtype splits into exponent (coded) and the rest (stored)."""
+    """How one dtype splits into the coded field (the exponent; float16: with the top mantissa bit)
+    and the rest (the sign above the mantissa bits below the field), stored in section 3."""
     itemsize: int
-    ebits: int        # exponent field width
-    mbits: int        # mantissa field width (sign sits above the exponent)
-    rest_bytes: int   # whole bytes of sign+mantissa in section 3
-    inline_bits: int  # remaining sign+mantissa bits written after each code
+    ebits: int        # coded field width: bits mbits .. mbits + ebits - 1
+    mbits: int        # mantissa bits below the coded field (the sign sits above it)
+    rest_bytes: int   # whole bytes of each element's rest in section 3: its low 8 * rest_bytes bits
+    side_bits: int    # the rest's remaining top bits, packed after a block's rest bytes
+    offset_bias: int  # symbol = coded field - block reference + offset_bias, for 2 <= symbol < NSYM
 
     @property
     def emax(self) -> int:
         return (1 << self.ebits) - 1
 
+    @property
+    def min_offset(self) -> int:
+        return 2 - self.offset_bias
+
+    @property
+    def max_offset(self) -> int:
+        return NSYM - 1 - self.offset_bias
+
+    def rest_len(self, nonzero: int) -> int:
+        """Section-3 bytes of a coded block with ``nonzero`` elements other than +0.0."""
+        return nonzero * self.rest_bytes + (nonzero * self.side_bits + 7) // 8
+
 
 LAYOUTS = {
-    torch.float32: FloatLayout(4, 8, 23, 3, 0),
-    torch.float16: FloatLayout(2, 5, 10, 1, 3),
-    torch.bfloat16: FloatLayout(2, 8, 7, 1, 0),
+    torch.float32: FloatLayout(4, 8, 23, 3, 0, 28),
+    # float16's field is its exponent and top mantissa bit: half-octave steps, because 43% of the
+    # real bucket's values are subnormal and their top mantissa bit is magnitude (docs/FORMAT.md)
+    torch.float16: FloatLayout(2, 6, 9, 1, 2, 16),
+    torch.bfloat16: FloatLayout(2, 8, 7, 1, 0, 28),
 }
 
 

@@ -18,36 +18,39 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 from ..bank import BANK_SIZE
 from ..errors import UnsupportedError
-from ..format import GPU_BLOCK_SIZE, NSYM, RAW_BLOCK, SYM_ZERO
+from ..format import GPU_BLOCK_SIZE, LAYOUTS, NSYM, RAW_BLOCK, SYM_ZERO
 
 ARCHS = (80, 90)
 BLOCK_SIZE = GPU_BLOCK_SIZE
-_DTYPES = {"bfloat16": ("*i16", 8, 7, 1, 0, 2), "float16": ("*i16", 5, 10, 1, 3, 2),
-           "float32": ("*i32", 8, 23, 3, 0, 4)}  # pointer, ebits, mbits, rest bytes, inline bits, itemsize
+_DTYPES = {"bfloat16": "*i16", "float16": "*i16", "float32": "*i32"}  # the elements' pointer type
 
 
 def _specs(dtype: str):
     """(kernel name, signature, constexprs, num_warps) of every kernel for one dtype."""
-    ptr, ebits, mbits, rest_bytes, inline_bits, itemsize = _DTYPES[dtype]
+    ptr, layout = _DTYPES[dtype], LAYOUTS[getattr(torch, dtype)]
+    ebits, mbits, rest_bytes, side_bits, bias, itemsize = (layout.ebits, layout.mbits, layout.rest_bytes,
+                                                           layout.side_bits, layout.offset_bias, layout.itemsize)
     vmask = -1 if itemsize == 4 else 0xFFFF
     bs = BLOCK_SIZE
     from . import gpu
     yield ("_analyse", {"x_ptr": ptr, "n": "i64", "ref_ptr": "*i32", "hist_ptr": "*i32"},
-           dict(BS=bs, VMASK=vmask, MBITS=mbits, EMAX=(1 << ebits) - 1), gpu.block_warps(bs))
+           dict(BS=bs, VMASK=vmask, MBITS=mbits, EMAX=(1 << ebits) - 1, BIAS=bias), gpu.block_warps(bs))
     yield ("_encode", {"x_ptr": ptr, "n": "i64", "block_ptr": "*i64", "codes_ptr": "*i32", "lens_ptr": "*i32",
                        "words_ptr": "*i32", "rest_ptr": "*u8"},
-           dict(BS=bs, VMASK=vmask, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes, INLINE_BITS=inline_bits,
+           dict(BS=bs, VMASK=vmask, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes, SIDE_BITS=side_bits, BIAS=bias,
                 ITEMSIZE=itemsize), gpu.block_warps(bs))
     yield ("_decode_symbols", {"words_ptr": "*i32", "nwords": "i64", "code_ptr": "*i16", "count_ptr": "*i32",
                                "coded_ptr": "*i64", "ncoded_ptr": "*i64", "n": "i64", "block_ptr": "*i64",
                                "lut_ptr": "*i32", "err_ptr": "*i32"},
-           dict(BS=bs, LANES=gpu.LANES, CHUNK=gpu.JOIN_CHUNK, EBITS=ebits, INLINE_BITS=inline_bits), gpu.DECODE_WARPS)
+           dict(BS=bs, LANES=gpu.LANES, CHUNK=gpu.JOIN_CHUNK, EBITS=ebits, BIAS=bias), gpu.DECODE_WARPS)
     yield ("_decode_join", {"code_ptr": "*i16", "count_ptr": "*i32", "rest_ptr": "*u8", "out_ptr": ptr, "n": "i64",
                             "coded_ptr": "*i64", "ncoded_ptr": "*i64", "block_ptr": "*i64", "err_ptr": "*i32"},
            dict(BS=bs, LANES=gpu.LANES, CHUNK=gpu.JOIN_CHUNK, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes,
-                INLINE_BITS=inline_bits), gpu.JOIN_WARPS)
+                SIDE_BITS=side_bits), gpu.JOIN_WARPS)
     yield ("_decode_raw", {"rest_ptr": "*u8", "out_ptr": ptr, "n": "i64", "order_ptr": "*i64", "ncoded_ptr": "*i64",
                            "rest_start_ptr": "*i64"},
            dict(BS=bs, ITEMSIZE=itemsize), gpu.block_warps(bs))
@@ -59,10 +62,10 @@ def _specs(dtype: str):
                        "bits_ptr": "*i32", "index_ptr": "*i16", "block_ptr": "*i64", "lens_ptr": "*i64", "nb": "i64",
                        "numel": "i64"},
            dict(BS=bs, NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=rest_bytes,
-                ITEMSIZE=itemsize, TILE=device_plan.TILE), 4)
+                SIDE_BITS=side_bits, ITEMSIZE=itemsize, TILE=device_plan.TILE), 4)
     yield ("_index", {"entry_ptr": "*u8", "nb": "i64", "n": "i64", "bs": "i64", "ntables": "i64", "rows_ptr": "*i64",
                       "lens_ptr": "*i64", "bad_ptr": "*i64"},
-           dict(EMAX=(1 << ebits) - 1, ITEMSIZE=itemsize, REST_BYTES=rest_bytes, RAW=RAW_BLOCK,
+           dict(EMAX=(1 << ebits) - 1, ITEMSIZE=itemsize, REST_BYTES=rest_bytes, SIDE_BITS=side_bits, RAW=RAW_BLOCK,
                 TILE=device_plan.INDEX_TILE), 4)
 
 

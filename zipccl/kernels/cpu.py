@@ -1,11 +1,11 @@
 """numba CPU kernels for the lossless format, byte-identical to zipccl/reference.
 
 Encode reads the data three times: analyse (histograms), pack (codes into the
-bit stream) and rest (sign+mantissa bytes). Decode takes four blocks at a time:
-their Huffman symbols into a small byte buffer (a 10-bit lookup yields up to four
-symbols, stored with one 32-bit write; float16's three inline bits ride in the
-same bytes, above the symbol), then a pass joining exponents and rest bytes while
-that buffer is in cache (without branches where a block has few +0.0). Huffman
+bit stream) and rest (sign+mantissa bytes; float16: and side bits). Decode takes four
+blocks at a time: their Huffman symbols into a small byte buffer (a 10-bit lookup
+yields up to four symbols, stored with one 32-bit write), then a pass joining coded
+fields and rest while that buffer is in cache (without branches where a block has
+few +0.0). Huffman
 decoding is serial within a block, so the four blocks go in lock step to keep the
 core busy while one waits on a table lookup. The codes are the fixed bank's (zipccl/bank.py); reference/plan.py picks
 each block's entry from its sampled histogram.
@@ -58,20 +58,13 @@ _HISTS = 4  # interleaved histograms of the sample, so that repeated exponents d
             # other's counts (bf16 bucket: 2, 4 and 8 histograms 0.51, 0.49 and 0.52 ms)
 
 
-def _index_bits(layout) -> tuple[int, int]:
-    """(shift, width): ``bits >> shift`` is the sign, the exponent and the mantissa bits
-    that travel inline (float16: two), ``width`` bits in all; +0.0 gets index 1 << width."""
-    low = max(0, layout.inline_bits - 1)
-    return layout.mbits - low, 1 + layout.ebits + low
-
-
 def _constants(dtype) -> tuple:
     """``dtype``'s layout as a global tuple, which numba compiles in as constants: the
     kernels' loops take it through their ``*_layout`` bodies, one copy per dtype, because
     with the same numbers as run-time values LLVM kept the shifts in 64-bit lanes or
     did not vectorize (the join 4x slower, the sign+mantissa section 4x)."""
     lay = LAYOUTS[dtype]
-    return (lay.mbits, lay.ebits, lay.emax, lay.rest_bytes, lay.inline_bits, lay.itemsize) + _index_bits(lay)
+    return lay.mbits, lay.ebits, lay.emax, lay.rest_bytes, lay.side_bits, lay.itemsize, lay.offset_bias
 
 
 _BF16, _FP16, _FP32 = _constants(torch.bfloat16), _constants(torch.float16), _constants(torch.float32)
@@ -93,7 +86,7 @@ def _analyse_layout(bits, bs, layout, ref, hist, nzero):
     """Per block: reference exponent (mode of the non-zero exponents of its sample, every
     SAMPLE_STRIDE-th element, ties to the smallest), the sample's symbol histogram, and the
     count of +0.0 elements in the whole block."""
-    mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
+    mbits, ebits, emax, rest_bytes, side_bits, itemsize, bias = layout
     n = bits.shape[0]
     nb = ref.shape[0]
     cnt = np.zeros((_HISTS, emax + 1), dtype=np.int16)  # by exponent; a block has at most 4096 samples
@@ -131,8 +124,8 @@ def _analyse_layout(bits, bs, layout, ref, hist, nzero):
         hist[b, :] = 0
         hist[b, 0] = zs
         escapes = m - zs
-        for d in range(max(-26, -best), min(3, emax - best) + 1):
-            hist[b, d + 28] = tot[best + d]
+        for d in range(max(2 - bias, -best), min(NSYM - 1 - bias, emax - best) + 1):
+            hist[b, d + bias] = tot[best + d]
             escapes -= tot[best + d]
         hist[b, 1] = escapes
         z = 0
@@ -182,27 +175,22 @@ _LOW7, _ONES = np.uint64(0x7F7F7F7F7F7F7F7F), np.uint64(0x0101010101010101)
 
 
 @njit(**_NOGIL)
-def _element_table(r, t, codes, lens, ebits, inline_bits, width, tab):
-    """One block's code per element index (see _index_bits): code << 8 | length.
-
-    The code already carries an escape's raw exponent and float16's inline bits,
-    so packing needs one lookup per element and no branches."""
+def _element_table(r, t, codes, lens, ebits, bias, tab):
+    """One block's code per element index, code << 8 | length: index ``bits >> mbits`` (the sign
+    and the coded field), or 1 << (ebits + 1) for +0.0. The code already carries an escape's raw
+    field, so packing needs one lookup per element and no branches."""
     emax = (1 << ebits) - 1
-    low = width - 1 - ebits
-    for idx in range(1 << width):
-        e = (idx >> low) & emax
+    for idx in range(1 << (ebits + 1)):
+        e = idx & emax
         d = e - r
-        if d >= -26 and d <= 3:
-            c = codes[t, d + 28]
-            ln = lens[t, d + 28]
+        if d >= 2 - bias and d <= NSYM - 1 - bias:
+            c = codes[t, d + bias]
+            ln = lens[t, d + bias]
         else:
             c = codes[t, 1] | (e << lens[t, 1])
             ln = lens[t, 1] + ebits
-        if inline_bits:
-            c |= ((idx & ((1 << low) - 1)) | ((idx >> (width - 1)) << low)) << ln
-            ln += inline_bits
         tab[idx] = (c << 8) | ln
-    tab[1 << width] = (codes[t, 0] << 8) | lens[t, 0]
+    tab[1 << (ebits + 1)] = (codes[t, 0] << 8) | lens[t, 0]
 
 
 @njit(inline="always")
@@ -235,7 +223,8 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost):
     to a 64-bit accumulator and stores it unaligned, advancing by whole bytes.
     The store spills zeros past the stream's end, which the next block overwrites;
     the last store always runs, so a block's last word is padded with zeros."""
-    mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
+    mbits, ebits, emax, rest_bytes, side_bits, itemsize, bias = layout
+    shift, width = mbits, ebits + 1  # an element's index in _element_table's table
     n = bits.shape[0]
     tab = np.zeros((1 << width) + 1, np.uint32)
     pairs = np.zeros(bs // 2 + 1, np.uint64)
@@ -243,7 +232,7 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost):
     word = 0
     for b in range(table.shape[0]):
         if ref[b] != last_ref or table[b] != last_table:  # neighbouring blocks often share both
-            _element_table(np.int64(ref[b]), table[b], codes, lens, ebits, inline_bits, width, tab)
+            _element_table(np.int64(ref[b]), table[b], codes, lens, ebits, bias, tab)
             last_ref, last_table = ref[b], table[b]
         vb = bits[b * bs:min(n, b * bs + bs)]
         nv = vb.shape[0]
@@ -278,7 +267,7 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost):
                 acc >>= pending & _U56
                 pending &= _U7
                 i += 2
-        while i < h:  # a pair is at most 40 bits (float16 escapes)
+        while i < h:  # a pair is at most 40 bits (two escapes)
             acc |= (pairs[i] >> _U8) << pending
             pending += pairs[i] & _U255
             _store_u64(out, pos, acc)
@@ -316,17 +305,42 @@ def _zero_positions(values, count, zpos):
 
 
 @njit(inline="always")
-def _rest_run(vb, rest, j, mmask, mbits, ebits, rest_bytes):
-    """Sign+mantissa bytes of a run without +0.0, from byte ``j`` of section 3."""
+def _rest_value_of(v, mmask, mbits, ebits):
+    """An element's rest: its sign above the mantissa bits below the coded field."""
+    return (v & mmask) | ((v >> (mbits + ebits)) << mbits)
+
+
+@njit(inline="always")
+def _rest_run(vb, rest, j, sv, mmask, mbits, ebits, rest_bytes, side_bits):
+    """Rest bytes of a run without +0.0, from byte ``j`` of section 3, and (float16) each
+    element's side bits into ``sv``, a slice as long as the run."""
     if rest_bytes == 1:
         rb = rest[j:j + vb.shape[0]]  # a slice, not offsets: the loop vectorizes
         for i in range(vb.shape[0]):
-            v = np.int64(vb[i])
-            rb[i] = (v & mmask) | ((v >> (mbits + ebits)) << mbits)
+            rb[i] = _rest_value_of(np.int64(vb[i]), mmask, mbits, ebits)
+        if side_bits:
+            for i in range(vb.shape[0]):
+                sv[i] = _rest_value_of(np.int64(vb[i]), mmask, mbits, ebits) >> 8
     else:
         for i in range(vb.shape[0]):
-            v = np.int64(vb[i])
-            _store_u32(rest, j + rest_bytes * i, (v & mmask) | ((v >> (mbits + ebits)) << mbits))
+            _store_u32(rest, j + rest_bytes * i, _rest_value_of(np.int64(vb[i]), mmask, mbits, ebits))
+
+
+@njit(inline="always")
+def _pack_side(sv, out, side_bits):
+    """The ``side_bits``-bit values ``sv`` packed LSB first into ``out``, ceil(len * side_bits / 8) bytes."""
+    per = 8 // side_bits
+    m = sv.shape[0]
+    for i in range(m // per):
+        acc = 0
+        for t in range(per):
+            acc |= np.int64(sv[per * i + t]) << (side_bits * t)
+        out[i] = acc
+    if m % per:
+        acc = 0
+        for t in range(m % per):
+            acc |= np.int64(sv[m - m % per + t]) << (side_bits * t)
+        out[m // per] = acc
 
 
 @njit(**_NOGIL)
@@ -342,18 +356,20 @@ def _rest(bits, bs, mbits, table, nzero, rest_start, rest):
 
 @njit(inline="always")
 def _rest_layout(bits, bs, layout, table, nzero, rest_start, rest):
-    """Section 3: sign+mantissa bytes of non-zero elements; whole raw blocks.
+    """Section 3: the rest bytes of non-zero elements, then (float16) their side bits; whole raw blocks.
 
     Single rest bytes of blocks with few +0.0 (which have no rest bytes) go out in
     runs between the zeros, which vectorize (bf16 of summed gradients, where most
     blocks hold a zero or two: 1.3x). Multi-byte rests are unaligned 32-bit stores
     whose surplus bytes the next element overwrites (or the next block, or the 8
     bytes of slack after the section); zeros there are dropped by not advancing,
-    without a branch (runs were slower for them)."""
-    mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
+    without a branch (runs were slower for them). Side bits are gathered a byte per
+    element alike, then packed."""
+    mbits, ebits, emax, rest_bytes, side_bits, itemsize, bias = layout
     n = bits.shape[0]
     mmask = (1 << mbits) - 1
     zpos = np.empty(bs // 16 + 2, np.int64)
+    sv = np.empty(bs + 4 if side_bits else 0, np.uint8)
     for b in range(table.shape[0]):
         lo = b * bs
         nv = min(n, lo + bs) - lo
@@ -362,20 +378,29 @@ def _rest_layout(bits, bs, layout, table, nzero, rest_start, rest):
         if table[b] == RAW_BLOCK:
             for i in range(nv):
                 _store_u32(rest, j + itemsize * i, vb[i])
-        elif nzero[b] == 0 or (rest_bytes == 1 and nzero[b] * 16 <= nv):  # runs between the few +0.0
+            continue
+        k = 0
+        if nzero[b] == 0 or (rest_bytes == 1 and nzero[b] * 16 <= nv):  # runs between the few +0.0
             nz = nzero[b]
             _zero_positions(vb, nz, zpos)
             a = 0
             for z in range(nz + 1):
                 e = zpos[z]
-                _rest_run(vb[a:e], rest, j, mmask, mbits, ebits, rest_bytes)
+                _rest_run(vb[a:e], rest, j, sv[k:k + e - a], mmask, mbits, ebits, rest_bytes, side_bits)
                 j += (e - a) * rest_bytes
+                k += e - a
                 a = e + 1
         else:
             for i in range(nv):
                 v = np.int64(vb[i])
-                _store_u32(rest, j, (v & mmask) | ((v >> (mbits + ebits)) << mbits))
+                r = _rest_value_of(v, mmask, mbits, ebits)
+                _store_u32(rest, j, r)
                 j += rest_bytes * (v != 0)
+                if side_bits:
+                    sv[k] = r >> 8
+                    k += v != 0
+        if side_bits:
+            _pack_side(sv[:k], rest[j:], side_bits)
 
 
 def _int_view(x: torch.Tensor) -> np.ndarray:
@@ -413,7 +438,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     tables = choose(hist, x.dtype)
     # Every block's stream first, into a buffer this thread reuses: the packet's size, and so
     # where section 3 starts, is known only once the blocks' exact sizes are.
-    longest = MAXLEN + layout.ebits + layout.inline_bits
+    longest = MAXLEN + layout.ebits
     streams = _scratch("streams", 4 * nb * -(-block_size * longest // 32) + 8, np.uint8)
     if nb:
         _pack(bits, block_size, layout.mbits, ref, tables.assign, nzero, tables.codes, tables.lengths, streams, cost)
@@ -437,7 +462,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _decoder_tables(key: bytes, inline_bits: int) -> tuple[np.ndarray, np.ndarray]:
+def _decoder_tables(key: bytes) -> tuple[np.ndarray, np.ndarray]:
     """(single-symbol, multi-symbol) int64 lookups of every table of a packet, keyed by the
     int64 code lengths' bytes (treat as read-only). Packets of one tensor often repeat all
     their tables; where they do not, each table's lookups come from the caches below."""
@@ -445,28 +470,26 @@ def _decoder_tables(key: bytes, inline_bits: int) -> tuple[np.ndarray, np.ndarra
     if not len(lengths):
         return np.zeros((1, 1 << MAXLEN), np.int64), np.zeros((1, 1 << WINDOW), np.int64)
     return (T.decode_luts(lengths).astype(np.int64),
-            np.stack([_multi_lut(row.tobytes(), inline_bits) for row in lengths]))
+            np.stack([_multi_lut(row.tobytes()) for row in lengths]))
 
 
 @lru_cache(maxsize=1024)
-def _multi_lut(key: bytes, inline_bits: int) -> np.ndarray:
+def _multi_lut(key: bytes) -> np.ndarray:
     """One table's multi-symbol lookup, cached by its code lengths' bytes (treat as read-only)."""
     lut = T.decode_lut(np.frombuffer(key, dtype=np.int64)).astype(np.int64)
-    return _multi_luts(lut, inline_bits)
+    return _multi_luts(lut)
 
 
 @njit(**_NOGIL)
-def _multi_luts(lut, inline_bits):
-    """A lookup that resolves up to four elements from the next WINDOW bits.
+def _multi_luts(lut):
+    """A lookup that resolves up to four symbols from the next WINDOW bits.
 
-    entry = bits used (bits 0-5) | token bytes << 9 (first element lowest) | count << 56:
+    entry = bits used (bits 0-5) | symbol bytes << 9 (first element lowest) | count << 56:
     the bits used lowest, so that the bit reader shifts by the entry's low six bits and a round's
     entries summed hold their bits used in the low six bits; the count on top, so that one
-    shift gives it. A token is the symbol, with float16's inline bits (the ``inline_bits``
-    that follow a nonzero symbol's code) above its five bits. _SPECIAL (bit 6; nothing used,
-    count 0) sends the element to the single-symbol path: an escape, an invalid code, or a
-    code that with its inline bits is longer than the window. A window stops before such an
-    element."""
+    shift gives it. _SPECIAL (bit 6; nothing used, count 0) sends the element to the
+    single-symbol path: an escape, an invalid code, or a code longer than the window. A window
+    stops before such an element."""
     m = np.zeros(1 << WINDOW, dtype=np.int64)
     for w in range(1 << WINDOW):
         toks, cnt, used = np.int64(0), 0, 0
@@ -474,12 +497,11 @@ def _multi_luts(lut, inline_bits):
             e = lut[w >> used]  # the window's remaining bits, zeros above: a code that fits them is found
             ln = e >> 8
             s = e & 255
-            extra = inline_bits if s != 0 else 0
-            if ln == 0 or used + ln + extra > WINDOW or s == 1:
+            if ln == 0 or used + ln > WINDOW or s == 1:
                 break
-            toks |= (s | (((w >> (used + ln)) & ((1 << extra) - 1)) << 5)) << (8 * cnt)
+            toks |= s << (8 * cnt)
             cnt += 1
-            used += ln + extra
+            used += ln
         m[w] = used | (toks << 9) | (np.int64(cnt) << 56) if cnt else _SPECIAL
     return m
 
@@ -492,7 +514,7 @@ def _reader(stream, p):
 
 @njit(inline="always")
 def _multi(mlut, c, used, sym, k):
-    """One lookup on the bit container ``c``: four token bytes stored at once at ``sym[k]`` (the
+    """One lookup on the bit container ``c``: four symbol bytes stored at once at ``sym[k]`` (the
     surplus is overwritten next). Returns (c, used, k, entry): ``c`` and ``k`` advanced, the entry
     added to ``used``, whose low six bits sum the bits of a round's lookups (at most 40)."""
     e = mlut[c & ((1 << WINDOW) - 1)]
@@ -501,9 +523,9 @@ def _multi(mlut, c, used, sym, k):
 
 
 @njit(inline="always")
-def _single(stream, lut, p, k, x, xbits, inline_bits, sym, xexp):
-    """One element by the single-symbol lookup: its token into sym[k], an escape's raw exponent
-    and inline bits into xexp[k]. Returns (p, k, escapes, error), advanced."""
+def _single(stream, lut, p, k, x, xbits, sym, xexp):
+    """One element by the single-symbol lookup: its symbol into sym[k], an escape's raw field
+    into xexp[k]. Returns (p, k, escapes, error), advanced."""
     e = lut[_reader(stream, p) & ((1 << MAXLEN) - 1)]
     tok = e & 255
     p += e >> 8
@@ -511,18 +533,15 @@ def _single(stream, lut, p, k, x, xbits, inline_bits, sym, xexp):
         xexp[k] = _reader(stream, p) & ((1 << xbits) - 1)
         p += xbits
         x += 1
-    elif tok != 0 and inline_bits:
-        tok |= (_reader(stream, p) & ((1 << inline_bits) - 1)) << 5
-        p += inline_bits
     sym[k] = tok
     return p, k + 1, x, (e >> 8) == 0
 
 
 @njit(inline="always")
-def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_start, luts, mluts, sym, xexp, lanes):
-    """Decode the tokens (see _multi_luts) of the ``m`` coded blocks ``blocks[:m]`` into ``sym``,
-    block q's at q * bs, and each escape's exponent and inline bits into ``xexp`` alike.
-    lanes[q] = (bit position, token position, escapes, error), block q's at the end.
+def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mluts, sym, xexp, lanes):
+    """Decode the symbols of the ``m`` coded blocks ``blocks[:m]`` into ``sym``, block q's at
+    q * bs, and each escape's raw field into ``xexp`` alike.
+    lanes[q] = (bit position, symbol position, escapes, error), block q's at the end.
 
     Four blocks go in lock step. Each lane refills a 64-bit bit container once per round
     and makes ROUND lookups on it, loading nothing but the table, so the loop
@@ -552,16 +571,16 @@ def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_star
             if (e0 | e1 | e2 | e3) & _SPECIAL:  # four tests written out: one inlined function
                 # holding the test and the call made decoding 2.2-2.7x slower
                 if e0 & _SPECIAL:
-                    p0, k0, x0, f0 = _single(stream, l0, p0, k0, x0, xbits, inline_bits, sym, xexp)
+                    p0, k0, x0, f0 = _single(stream, l0, p0, k0, x0, xbits, sym, xexp)
                     bad |= f0
                 if e1 & _SPECIAL:
-                    p1, k1, x1, f1 = _single(stream, l1, p1, k1, x1, xbits, inline_bits, sym, xexp)
+                    p1, k1, x1, f1 = _single(stream, l1, p1, k1, x1, xbits, sym, xexp)
                     bad |= f1
                 if e2 & _SPECIAL:
-                    p2, k2, x2, f2 = _single(stream, l2, p2, k2, x2, xbits, inline_bits, sym, xexp)
+                    p2, k2, x2, f2 = _single(stream, l2, p2, k2, x2, xbits, sym, xexp)
                     bad |= f2
                 if e3 & _SPECIAL:
-                    p3, k3, x3, f3 = _single(stream, l3, p3, k3, x3, xbits, inline_bits, sym, xexp)
+                    p3, k3, x3, f3 = _single(stream, l3, p3, k3, x3, xbits, sym, xexp)
                     bad |= f3
         lanes[0, 0], lanes[1, 0], lanes[2, 0], lanes[3, 0] = p0, p1, p2, p3
         lanes[0, 1], lanes[1, 1], lanes[2, 1], lanes[3, 1] = k0, k1, k2, k3
@@ -575,9 +594,9 @@ def _lane_symbols(stream, bs, n, xbits, inline_bits, blocks, m, table, word_star
             _, u, k, e = _multi(ml, _reader(stream, p), np.int64(0), sym, k)
             p += u & 63
             if e & _SPECIAL:
-                p, k, x, bad = _single(stream, sl, p, k, x, xbits, inline_bits, sym, xexp)
+                p, k, x, bad = _single(stream, sl, p, k, x, xbits, sym, xexp)
         while k < end and not bad:
-            p, k, x, bad = _single(stream, sl, p, k, x, xbits, inline_bits, sym, xexp)
+            p, k, x, bad = _single(stream, sl, p, k, x, xbits, sym, xexp)
         lanes[q, 0], lanes[q, 2], lanes[q, 3] = p, x, bad
 
 
@@ -598,13 +617,13 @@ def _count_zeros(sb):
 
 
 @njit(inline="always")
-def _join_run(ob, sb, xb, rb, base, escapes, mmask, mbits, ebits, rest_bytes):
-    """Elements of a run without +0.0: exponent ``base`` + symbol, or an escape's raw exponent,
-    joined with their rest bytes.
+def _join_run(ob, sb, xb, rb, ub, base, escapes, mmask, mbits, ebits, rest_bytes, side_bits):
+    """Elements of a run without +0.0: coded field ``base`` + symbol, or an escape's raw field,
+    joined with their rest bytes (float16: and their side bits, a byte each in ``ub``).
 
     Three loops that vectorize: symbol, sign and mantissa with the layout's constants only,
-    then ``base`` added to every exponent (with the run-time ``base`` in the first loop,
-    LLVM kept 64-bit lanes: 4x slower), then, if the block has escapes, their exponents."""
+    then ``base`` added to every field (with the run-time ``base`` in the first loop,
+    LLVM kept 64-bit lanes: 4x slower), then, if the block has escapes, their fields."""
     m = ob.shape[0]
     if rest_bytes == 3:  # each element's three bytes as one load of four, but the last's
         for i in range(m - 1):
@@ -612,54 +631,50 @@ def _join_run(ob, sb, xb, rb, base, escapes, mmask, mbits, ebits, rest_bytes):
             ob[i] = (rv & mmask) | (np.int64(sb[i]) << mbits) | ((rv >> mbits) << (mbits + ebits))
     for i in range(max(m - 1, 0) if rest_bytes == 3 else 0, m):  # runs may be empty
         rv = _rest_value(rb, i, rest_bytes)
+        if side_bits:
+            rv |= np.int64(ub[i]) << 8
         ob[i] = (rv & mmask) | (np.int64(sb[i]) << mbits) | ((rv >> mbits) << (mbits + ebits))
     shifted = base << mbits
     for i in range(m):
         ob[i] += shifted
-    if escapes:  # the base's add leaves the mantissa as it was; the sign is the top rest bit
+    if escapes:  # the base's add leaves the mantissa as it was; the sign is the rest's top bit
         for i in range(m):
-            sign = np.int64(rb[rest_bytes * i + rest_bytes - 1]) >> 7
+            if side_bits:
+                sign = np.int64(ub[i]) >> (side_bits - 1)
+            else:
+                sign = np.int64(rb[rest_bytes * i + rest_bytes - 1]) >> 7
             esc = (ob[i] & mmask) | (np.int64(xb[i]) << mbits) | (sign << (mbits + ebits))
             ob[i] = esc if sb[i] == 1 else ob[i]
 
 
 @njit(inline="always")
 def _rest_value(rb, i, rest_bytes):
-    """Element ``i``'s sign and mantissa from its ``rest_bytes`` little-endian bytes."""
+    """Element ``i``'s rest bytes, little-endian."""
     if rest_bytes == 1:
         return np.int64(rb[i])
     return np.int64(rb[3 * i]) | (np.int64(rb[3 * i + 1]) << 8) | (np.int64(rb[3 * i + 2]) << 16)
 
 
 @njit(inline="always")
-def _join_run_inline(ob, sb, xb, rb, base, escapes, mmask, mbits, ebits):
-    """_join_run for float16, whose tokens and escapes carry the top rest bits (bits 5-7 of a
-    token, above the exponent of an escape), in the same three loops: the elements from token
-    and rest byte with the layout's constants only, ``base`` added to their exponent fields,
-    then, if the block has escapes, their elements."""
-    emax = (1 << ebits) - 1
-    for i in range(ob.shape[0]):
-        tv = np.int64(sb[i])
-        rv = np.int64(rb[i]) | ((tv >> 5) << 8)
-        ob[i] = (rv & mmask) | ((tv & 31) << mbits) | ((rv >> mbits) << (mbits + ebits))
-    shifted = base << mbits
-    for i in range(ob.shape[0]):
-        ob[i] += shifted
-    if escapes:
-        for i in range(ob.shape[0]):
-            xv = np.int64(xb[i])
-            rv = np.int64(rb[i]) | ((xv >> ebits) << 8)
-            esc = (rv & mmask) | ((xv & emax) << mbits) | ((rv >> mbits) << (mbits + ebits))
-            ob[i] = esc if (sb[i] & 31) == 1 else ob[i]
+def _unpack_side(packed, m, ub, side_bits):
+    """The first ``m`` ``side_bits``-bit values of ``packed`` (LSB first), a byte each, into ub[:m]."""
+    per = 8 // side_bits
+    mask = (1 << side_bits) - 1
+    for i in range(m // per):
+        v = np.int64(packed[i])
+        for t in range(per):
+            ub[per * i + t] = (v >> (side_bits * t)) & mask
+    for i in range(m - m % per, m):
+        ub[i] = (np.int64(packed[i // per]) >> (side_bits * (i % per))) & mask
 
 
 @njit(inline="always")
 def _offsets_fit(sb, base, emax):
-    """Whether every offset symbol of a block's tokens (not +0.0's, not an escape) gives an
-    exponent in 0..emax: at once for references from 26 to emax - 3, else eight tokens at a
-    time, as bytewise comparisons of symbols (below 128) that cannot borrow across bytes: the
-    high bit of (s | 0x80) - t is s >= t (float16's references sit low; byte by byte, with
-    numba's 64-bit arithmetic, the pass cost half of float16's join)."""
+    """Whether every offset symbol of a block (not +0.0's, not an escape) gives a coded field
+    in 0..emax: at once for most references, else eight symbols at a time, as bytewise
+    comparisons of symbols (below 128) that cannot borrow across bytes: the high bit of
+    (s | 0x80) - t is s >= t (float16's references sit low; byte by byte, with numba's 64-bit
+    arithmetic, the pass cost half of float16's join)."""
     lo, hi = max(2, -base), min(31, emax - base)
     if lo <= 2 and hi >= 31:
         return True
@@ -694,7 +709,7 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
     an invalid code would fail the whole group of LANES blocks it is decoded with (none is: the
     bank's codes are complete prefix codes; a corrupt stream fails by where it ends).
 
-    Coded blocks go LANES at a time: their tokens into a buffer of LANES blocks, then joined
+    Coded blocks go LANES at a time: their symbols into a buffer of LANES blocks, then joined
     with their rest bytes while that buffer is still in the core's cache (a buffer for the
     whole tensor, written by one pass and read by the next, made decoding 1.03-1.2x slower,
     most where other work had run between calls)."""
@@ -712,11 +727,10 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
     xexp = np.empty(LANES * bs + 4, np.uint8)  # used only where a symbol is an escape
     lanes = np.zeros((LANES, 4), np.int64)  # see _lane_symbols
     zpos = np.empty(bs // 16 + 2, np.int64)
-    xbits = layout[1] + layout[4]
+    ub = np.empty(bs if layout[4] else 0, np.uint8)  # a block's side bits, a byte per element
     for g in range(0, coded.shape[0], LANES):
         m = min(LANES, coded.shape[0] - g)
-        _lane_symbols(stream, bs, n, xbits, layout[4], coded[g:g + m], m, table, word_start, luts, mluts,
-                      sym, xexp, lanes)
+        _lane_symbols(stream, bs, n, layout[1], coded[g:g + m], m, table, word_start, luts, mluts, sym, xexp, lanes)
         for q in range(m):
             b = coded[g + q]
             lo = b * bs
@@ -724,57 +738,60 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
             if lanes[q, 3] or lanes[q, 0] > word_start[b + 1] * 32:
                 return -1
             err = _join_block(sym[q * bs:q * bs + nv], xexp[q * bs:q * bs + nv], lanes[q, 2], rest, rest_start[b],
-                              layout, np.int64(ref[b]), nzero[b], zpos, out[lo:lo + nv])
+                              layout, np.int64(ref[b]), nzero[b], zpos, ub, out[lo:lo + nv])
             if err:
                 return err
     return 0
 
 
 @njit(inline="always")
-def _join_block(sb, xb, escapes, rest, j, layout, r, nzero, zpos, ob):
-    """Join one coded block's exponents and sign+mantissa bytes (float16: and the tokens'
-    inline bits) into ``ob``, its rest bytes from byte ``j``; returns 0 or an error code."""
-    mbits, ebits, emax, rest_bytes, inline_bits, itemsize, shift, width = layout
+def _join_block(sb, xb, escapes, rest, j, layout, r, nzero, zpos, ub, ob):
+    """Join one coded block's coded fields and rest (its bytes from byte ``j``; float16: then its
+    side bits, unpacked into ``ub``) into ``ob``; returns 0 or an error code."""
+    mbits, ebits, emax, rest_bytes, side_bits, itemsize, bias = layout
     mmask = (1 << mbits) - 1
     nv = ob.shape[0]
     zeros = _count_zeros(sb)
     if zeros != nzero:
         return -3
+    if side_bits:
+        _unpack_side(rest[j + (nv - zeros) * rest_bytes:], nv - zeros, ub, side_bits)
     if zeros * 16 <= nv:
         # Every symbol but the few zeros is an offset or an escape: between zeros, the
-        # runs join without branches (they vectorize); the zeros take no rest bytes.
-        if not _offsets_fit(sb, r - 28, emax):
+        # runs join without branches (they vectorize); the zeros take no rest.
+        if not _offsets_fit(sb, r - bias, emax):
             return -2
         _zero_positions(sb, zeros, zpos)
-        a = 0
+        a = k = 0
         for z in range(zeros + 1):
             e = zpos[z]
-            rb = rest[j:j + (e - a) * rest_bytes]
-            if inline_bits:
-                _join_run_inline(ob[a:e], sb[a:e], xb[a:e], rb, r - 28, escapes, mmask, mbits, ebits)
-            else:
-                _join_run(ob[a:e], sb[a:e], xb[a:e], rb, r - 28, escapes, mmask, mbits, ebits, rest_bytes)
+            _join_run(ob[a:e], sb[a:e], xb[a:e], rest[j:j + (e - a) * rest_bytes], ub[k:k + e - a], r - bias,
+                      escapes, mmask, mbits, ebits, rest_bytes, side_bits)
             j += (e - a) * rest_bytes
+            k += e - a
             if e < nv:
                 ob[e] = 0
             a = e + 1
         return 0
+    k = 0
     for i in range(nv):
-        tok = np.int64(sb[i])
-        if tok == 0:
+        s = np.int64(sb[i])
+        if s == 0:
             ob[i] = 0
             continue
-        s, top = tok & 31, tok >> 5
         if s == 1:
-            ex, top = np.int64(xb[i]) & emax, np.int64(xb[i]) >> ebits
+            ex = np.int64(xb[i])
         else:
-            ex = r + s - 28
+            ex = r + s - bias
             if ex < 0 or ex > emax:
                 return -2
-        rv = top << (8 * rest_bytes)
-        for k in range(rest_bytes):
-            rv |= np.int64(rest[j]) << (8 * k)
+        rv = np.int64(0)
+        for t in range(rest_bytes):
+            rv |= np.int64(rest[j]) << (8 * t)
             j += 1
+        if side_bits:
+            rv |= np.int64(ub[k]) << (8 * rest_bytes)
+            k += 1
         ob[i] = (rv & mmask) | (ex << mbits) | ((rv >> mbits) << (mbits + ebits))
     return 0
 
@@ -789,13 +806,13 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
     n, bs = h.numel, h.block_size
     buf = packet.numpy()
     rest = buf[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
-    luts, mluts = _decoder_tables(p.lengths.tobytes(), layout.inline_bits)
+    luts, mluts = _decoder_tables(p.lengths.tobytes())
     view = _int_view(out)
     # A corrupt block's stream can make its decoder read up to the longest element (code,
-    # escaped exponent, inline bits) per element from the block's start: the streams are read
+    # escaped field) per element from the block's start: the streams are read
     # in place where the packet's rest bytes cover that reach, else from a zero-padded copy.
     nw = int(p.word_start[-1])
-    reach = 4 * nw + 8 + (MAXLEN + layout.ebits + layout.inline_bits) * bs // 8
+    reach = 4 * nw + 8 + (MAXLEN + layout.ebits) * bs // 8
     if buf.shape[0] - p.stream_offset >= reach:
         stream = buf[p.stream_offset:]
     else:

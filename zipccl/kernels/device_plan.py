@@ -39,7 +39,7 @@ _BANKS: dict = {}  # (dtype, device) -> the bank's tensors there, uploaded once
 
 def bank(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bank of ``dtype`` on ``device``: code lengths, canonical codes and each symbol's bits
-    (code plus the raw bits after it), all (BANK_SIZE, NSYM) int32; uploaded once per device."""
+    (code plus an escape's raw field after it), all (BANK_SIZE, NSYM) int32; uploaded once per device."""
     key = (dtype, device)
     if key not in _BANKS:
         lengths = BANK[dtype]
@@ -55,7 +55,7 @@ TILE = 4  # blocks per program of _choose: its cost products are TILE x BANK_SIZ
 @triton.jit
 def _choose(sampled_ptr, exact_ptr, stride, ref_ptr, bits_ptr, index_ptr, block_ptr, lens_ptr, nb, numel,
             BS: tl.constexpr, NSYM: tl.constexpr, NBANK: tl.constexpr, ZERO: tl.constexpr, RAW: tl.constexpr,
-            REST_BYTES: tl.constexpr, ITEMSIZE: tl.constexpr, TILE: tl.constexpr):
+            REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr, ITEMSIZE: tl.constexpr, TILE: tl.constexpr):
     """TILE blocks: each one's bank entry (the fewest bits for its sample, ties to the lowest),
     its exact coded size from its whole histogram, or raw where coding would not make it
     smaller; writes its index entry (u16 ref | entry << 8, words, zeros, 0), its row's ref and
@@ -78,7 +78,7 @@ def _choose(sampled_ptr, exact_ptr, stride, ref_ptr, bits_ptr, index_ptr, block_
     nzero = tl.sum(tl.where(syms[None, :] == ZERO, exact, 0), axis=1).to(tl.int64)
     nvalid = tl.minimum(numel - blk.to(tl.int64) * BS, BS)
     nwords = (coded + 31) // 32
-    rest = (nvalid - nzero) * REST_BYTES
+    rest = (nvalid - nzero) * REST_BYTES + ((nvalid - nzero) * SIDE_BITS + 7) // 8  # FloatLayout.rest_len
     raw = 4 * nwords + rest >= nvalid * ITEMSIZE
     ref = tl.where(raw, 0, tl.load(ref_ptr + blk, mask=live, other=0).to(tl.int64))
     table = tl.where(raw, RAW, entry.to(tl.int64))
@@ -124,8 +124,8 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
     if nb:
         _choose[(triton.cdiv(nb, TILE),)](
             sampled, exact, sampled.stride(0), ref, bits, entries, blocks, lens, nb, numel, BS=block_size, NSYM=NSYM,
-            NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=layout.rest_bytes, ITEMSIZE=layout.itemsize,
-            TILE=TILE)
+            NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
+            ITEMSIZE=layout.itemsize, TILE=TILE)
     # The starts: a prefix sum along the rows (a scan down the columns of an (nb, 2) tensor took
     # 3.1 ms for 32768 blocks on an H100, over five times the kernels).
     starts = torch.cumsum(lens, 1)
@@ -144,7 +144,7 @@ INDEX_TILE = 128  # block index entries per program of _index
 
 @triton.jit
 def _index(entry_ptr, nb, n, bs, ntables, rows_ptr, lens_ptr, bad_ptr, EMAX: tl.constexpr, ITEMSIZE: tl.constexpr,
-           REST_BYTES: tl.constexpr, RAW: tl.constexpr, TILE: tl.constexpr):
+           REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr, RAW: tl.constexpr, TILE: tl.constexpr):
     """TILE entries of a block index: reference/packet.py's checks and rows. rows_ptr: ref, entry,
     stream words, zeros and elements per block, each row nb long; lens_ptr: the blocks' stream
     words, then their rest bytes, each row nb + 1 long with the block's value one place on (a
@@ -161,7 +161,7 @@ def _index(entry_ptr, nb, n, bs, ntables, rows_ptr, lens_ptr, bad_ptr, EMAX: tl.
     raw = table == RAW
     ok = tl.where(raw, (nwords == 0) & (nzero == 0) & (ref == 0),  # coded: a bit per element at least
                   (table < ntables) & (ref <= EMAX) & (nzero <= nvalid) & (nvalid <= 32 * nwords)) & (pad == 0)
-    rest = tl.where(raw, nvalid * ITEMSIZE, (nvalid - nzero) * REST_BYTES)
+    rest = tl.where(raw, nvalid * ITEMSIZE, (nvalid - nzero) * REST_BYTES + ((nvalid - nzero) * SIDE_BITS + 7) // 8)
     tl.store(rows_ptr + b, ref, mask=live)
     tl.store(rows_ptr + nb + b, table, mask=live)
     tl.store(rows_ptr + 2 * nb + b, nwords, mask=live)
@@ -183,7 +183,8 @@ def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, nta
     if nb:
         _index[(triton.cdiv(nb, INDEX_TILE),)](packet[start:stop], nb, n, bs, ntables, rows, lens, bad,
                                                 EMAX=layout.emax, ITEMSIZE=layout.itemsize,
-                                                REST_BYTES=layout.rest_bytes, RAW=RAW_BLOCK, TILE=INDEX_TILE)
+                                                REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
+                                                RAW=RAW_BLOCK, TILE=INDEX_TILE)
     else:
         bad.zero_()
     starts = torch.cumsum(lens, 1)

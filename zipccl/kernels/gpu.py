@@ -6,7 +6,7 @@ sm_90 without a GPU. docs/GPU.md explains the design; in short:
 
 encode, two passes over the input and one read by the host:
   1. ``_analyse``: one program per block reads it once and writes the block's
-     reference exponent and two 32-bin symbol histograms of 16-bit counts, of
+     reference (coded field) and two 32-bin symbol histograms of 16-bit counts, of
      its sample and of all its elements (132 bytes per block).
   2. kernels/device_plan.py picks each block's entry of the fixed bank of codes
      (zipccl/bank.py) in one kernel (``_choose``) and lays the packet out with a
@@ -14,10 +14,10 @@ encode, two passes over the input and one read by the host:
      reads the two data section sizes, which size the packet (``encode_into``
      leaves them on the device, and ``_seal`` writes the header there).
   3. ``_encode``: one program per block reads it again and writes its codes and
-     sign+mantissa bytes at the planned offsets. Bit positions come from an
+     rest bytes and side bits at the planned offsets. Bit positions come from an
      in-block prefix sum of code widths; the codes of each 32-bit word are
-     joined by a segmented OR scan, and one element per word stores it, so
-     there are no atomics and no zero-filling.
+     joined by a segmented OR scan, and one element per word stores it (the
+     side bits of each byte alike), so there are no atomics and no zero-filling.
 
 decode: the header is validated on the host and the block index on
 the device (device_plan.read_index), whose verdict stays there: until it is
@@ -31,7 +31,7 @@ that every scattered access is one a lane cannot avoid:
      per block per iteration, and writes each element's 16-bit code where the
      lanes' stores are contiguous; it reports errors per block.
   2. ``_decode_join`` reads those codes as tiles, finds each element's
-     sign+mantissa bytes and writes the elements contiguously.
+     rest bytes and side bits and writes the elements contiguously.
 Measured on an H100, the fused decoder it replaced spent its time on
 scattered accesses (four loads and a store per element and lane), not on the
 serial chain (docs/GPU.md).
@@ -48,7 +48,7 @@ import triton.language as tl
 from ..bank import BANK, BANK_SIZE
 from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAXLEN, NSYM,
-                      OFFSET_BIAS, RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
+                      RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
 from ..reference import tables as T
 from ..reference.packet import LosslessPacket, Verdict, block_error, index_error, parse_lossless, to_device, to_host
 from . import device_plan
@@ -62,9 +62,10 @@ DECODE_WARPS = 1  # LANES lanes fill one warp
 JOIN_CHUNK, JOIN_WARPS = 32, 4  # _decode_join's program: elements of each of LANES blocks (divides every block size)
 DECODE_SCRATCH = 1 << 27  # elements decoded per pair of launches (their 16-bit codes: 256 MiB)
 
-# Format constants as Triton compile-time constants (kernels may read only constexpr globals).
-_NSYM, _BIAS, _ESC, _ZERO, _RAW, _LUT, _STRIDE = (tl.constexpr(v) for v in (
-    NSYM, OFFSET_BIAS, SYM_ESC, SYM_ZERO, RAW_BLOCK, 1 << MAXLEN, SAMPLE_STRIDE))
+# Format constants as Triton compile-time constants (kernels may read only constexpr globals; a
+# layout's numbers, the offset bias among them, come in as constexpr arguments).
+_NSYM, _ESC, _ZERO, _RAW, _LUT, _STRIDE = (tl.constexpr(v) for v in (
+    NSYM, SYM_ESC, SYM_ZERO, RAW_BLOCK, 1 << MAXLEN, SAMPLE_STRIDE))
 
 _ERR_CODE, _ERR_RANGE, _ERR_ZEROS, _ERR_REST = (tl.constexpr(1 << k) for k in range(4))
 
@@ -76,17 +77,17 @@ def _bits(x_ptr, offs, valid, VMASK: tl.constexpr):
 
 
 @triton.jit
-def _symbols(v, valid, ref, MBITS: tl.constexpr, EMAX: tl.constexpr):
+def _symbols(v, valid, ref, MBITS: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr):
     exp = (v >> MBITS) & EMAX
     d = exp - ref
-    sym = tl.where((d >= 2 - _BIAS) & (d <= _NSYM - 1 - _BIAS), d + _BIAS, _ESC)
+    sym = tl.where((d >= 2 - BIAS) & (d <= _NSYM - 1 - BIAS), d + BIAS, _ESC)
     return exp, tl.where(v == 0, _ZERO, sym)
 
 
 @triton.jit
 def _analyse(x_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.constexpr, MBITS: tl.constexpr,
-             EMAX: tl.constexpr):
-    """Per block: reference exponent (most common among the sample's non-zero elements, ties to the
+             EMAX: tl.constexpr, BIAS: tl.constexpr):
+    """Per block: reference coded field (most common among the sample's non-zero elements, ties to the
     smallest), then the histograms of its symbols: the sample's (the tables' input) and the whole
     block's (its exact size)."""
     b = tl.program_id(0)
@@ -97,7 +98,7 @@ def _analyse(x_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.constexpr,
     v = _bits(x_ptr, offs, valid, VMASK)
     counts = tl.histogram((v >> MBITS) & EMAX, EMAX + 1, mask=sampled & (v != 0))
     ref = tl.argmax(counts, axis=0, tie_break_left=True).to(tl.int32)
-    _, sym = _symbols(v, valid, ref, MBITS, EMAX)
+    _, sym = _symbols(v, valid, ref, MBITS, EMAX, BIAS)
     tl.store(ref_ptr + b, ref)
     bins = hist_ptr + b * 2 * _NSYM + tl.arange(0, _NSYM)  # 16-bit counts: a block has at most 32768
     tl.store(bins, tl.histogram(sym, _NSYM, mask=sampled).to(tl.int16))
@@ -112,9 +113,9 @@ def _seg_or(start_a, a, start_b, b):
 
 @triton.jit
 def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: tl.constexpr, VMASK: tl.constexpr,
-            MBITS: tl.constexpr, EBITS: tl.constexpr, REST_BYTES: tl.constexpr, INLINE_BITS: tl.constexpr,
-            ITEMSIZE: tl.constexpr):
-    """One block: its exponent stream (or raw bytes) and its sign+mantissa bytes.
+            MBITS: tl.constexpr, EBITS: tl.constexpr, REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr,
+            BIAS: tl.constexpr, ITEMSIZE: tl.constexpr):
+    """One block: its exponent stream (or raw bytes), and its rest bytes followed by its side bits.
 
     block_ptr holds (ref, table, first word, first rest byte) per block, as int64."""
     b = tl.program_id(0)
@@ -130,7 +131,7 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: t
         for k in tl.static_range(ITEMSIZE):
             tl.store(rest_ptr + r0 + i * ITEMSIZE + k, ((v >> (8 * k)) & 255).to(tl.uint8), mask=valid)
     else:
-        exp, sym = _symbols(v, valid, ref, MBITS, (1 << EBITS) - 1)
+        exp, sym = _symbols(v, valid, ref, MBITS, (1 << EBITS) - 1, BIAS)
         zero = v == 0
         rest = (v & ((1 << MBITS) - 1)) | (((v >> (MBITS + EBITS)) & 1) << MBITS)
         value = tl.load(codes_ptr + t * _NSYM + sym)
@@ -138,9 +139,6 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: t
         esc = sym == _ESC
         value = value | tl.where(esc, exp << width, 0)
         width = width + tl.where(esc, EBITS, 0)
-        if INLINE_BITS > 0:  # fp16: sign and top mantissa bits follow the code
-            value = value | tl.where(zero, 0, (rest >> (8 * REST_BYTES)) << width)
-            width = width + tl.where(zero, 0, INLINE_BITS)
         # 32-bit arithmetic throughout: an element is at most 20 bits, a block at most 2**20 bits.
         width = tl.where(valid, width, 0)
         value = tl.where(valid, value, 0)
@@ -165,14 +163,24 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: t
         k = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
         for j in tl.static_range(REST_BYTES):
             tl.store(rest_ptr + r0 + k * REST_BYTES + j, ((rest >> (8 * j)) & 255).to(tl.uint8), mask=keep)
+        if SIDE_BITS > 0:  # fp16: the k-th kept element's side bits at bit k * SIDE_BITS after the rest bytes
+            # Each byte's side bits joined as a word's codes are: a segment starts at the byte's first
+            # kept element (the elements between add nothing), and the byte's last kept element stores it.
+            nonzero = tl.sum(keep.to(tl.int32), 0)
+            at = k * SIDE_BITS
+            first = (i == 0) | (keep & ((at & 7) == 0))
+            side = tl.where(keep, (rest >> (8 * REST_BYTES)) << (at & 7), 0)
+            _, byte = tl.associative_scan((first.to(tl.int32), side), 0, _seg_or)
+            closes = keep & ((((at + SIDE_BITS) & 7) == 0) | (k == nonzero - 1))
+            tl.store(rest_ptr + r0 + nonzero * REST_BYTES + (at >> 3), byte.to(tl.uint8), mask=closes)
 
 
 @triton.jit
 def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded_ptr, n, block_ptr, lut_ptr, err_ptr,
                     BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, EBITS: tl.constexpr,
-                    INLINE_BITS: tl.constexpr):
+                    BIAS: tl.constexpr):
     """LANES coded blocks in lock step, one symbol each per iteration. Each element's code (a
-    nonzero flag, its exponent and inline bits: at most 9 bits) goes to code_ptr laid out as
+    nonzero flag and its coded field: at most 9 bits) goes to code_ptr laid out as
     [program][element][lane], so that the lanes' stores are contiguous, and each lane's count of
     nonzero elements before every CHUNK-th element to count_ptr ([program][chunk][lane]), so that
     _decode_join can make the elements of every chunk in parallel. A lane keeps its two current
@@ -218,12 +226,9 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded_pt
             s = e & 255
             esc = s == _ESC
             nz = s != _ZERO
-            exp = tl.where(esc, (window >> length) & EMAX, ref + s - _BIAS)
+            exp = tl.where(esc, (window >> length) & EMAX, ref + s - BIAS)
             used = length + tl.where(esc, EBITS, 0)
             code = 1 | ((exp & EMAX) << 1)
-            if INLINE_BITS > 0:
-                code |= ((window >> used) & ((1 << INLINE_BITS) - 1)) << (1 + EBITS)
-                used += tl.where(nz, INLINE_BITS, 0)
             err |= tl.where(act & (length == 0), _ERR_CODE, 0)
             err |= tl.where(act & nz & ((exp < 0) | (exp > EMAX)), _ERR_RANGE, 0)
             nonzero += (act & nz).to(tl.int32)
@@ -243,10 +248,12 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded_pt
 @triton.jit
 def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded_ptr, block_ptr, err_ptr,
                  BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, MBITS: tl.constexpr,
-                 EBITS: tl.constexpr, REST_BYTES: tl.constexpr, INLINE_BITS: tl.constexpr):
+                 EBITS: tl.constexpr, REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr):
     """One chunk of CHUNK elements of each of one _decode_symbols program's blocks: the codes read
-    as a [CHUNK, LANES] tile, each element's sign+mantissa bytes found from the chunk's nonzero count
-    and a running count within it, the elements stored contiguously per block."""
+    as a [CHUNK, LANES] tile; each element's rank among its block's nonzero elements, from the
+    chunk's nonzero count and a running count within it, places its rest bytes and its side bits
+    (after the rest bytes of as many elements as the index counts nonzero); the elements stored
+    contiguously per block."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
     g = tl.program_id(0)
     c = tl.program_id(1)
@@ -256,20 +263,26 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded_pt
     b = tl.load(coded_ptr + lane, mask=live, other=0)
     row = block_ptr + 7 * b
     before = tl.load(count_ptr + (g.to(tl.int64) * (BS // CHUNK) + c) * LANES + lanes, mask=live, other=0)
-    rj = tl.load(row + 4, mask=live, other=0) + before * REST_BYTES
+    r0 = tl.load(row + 4, mask=live, other=0)
     rest_end = tl.load(row + 5, mask=live, other=0)
     base = b * BS
     nv = tl.where(live, tl.minimum(n - base, BS), 0).to(tl.int32)
+    side0 = r0 + (nv - tl.load(row + 6, mask=live, other=0)) * REST_BYTES
     k = c * CHUNK + tl.arange(0, CHUNK)
     codes = tl.load(code_ptr + (g.to(tl.int64) * BS + k[:, None]) * LANES + lanes[None, :]).to(tl.int32)
     act = k[:, None] < nv[None, :]
     nz = act & ((codes & 1) != 0)
     count = nz.to(tl.int32)
-    rp = rj[None, :] + ((tl.cumsum(count, axis=0) - count) * REST_BYTES).to(rj.dtype)
-    take = nz & (rp + REST_BYTES <= rest_end[None, :])
+    rank = before[None, :] + tl.cumsum(count, axis=0) - count
+    rp = r0[None, :] + (rank * REST_BYTES).to(r0.dtype)
+    take = nz & (rp + REST_BYTES <= side0[None, :])  # reads stay in the section: rest bytes before the side bits
     r = tl.zeros([CHUNK, LANES], dtype=tl.int32)
-    if INLINE_BITS > 0:
-        r = (codes >> (1 + EBITS)) << (8 * REST_BYTES)
+    if SIDE_BITS > 0:  # fp16: at bit rank * SIDE_BITS after the rest bytes, in a byte before the section's end
+        at = rank * SIDE_BITS
+        sp = side0[None, :] + (at >> 3)
+        take &= sp < rest_end[None, :]
+        side = tl.load(rest_ptr + sp, mask=take, other=0).to(tl.int32)
+        r = ((side >> (at & 7)) & ((1 << SIDE_BITS) - 1)) << (8 * REST_BYTES)
     for j in tl.static_range(REST_BYTES):
         r |= tl.load(rest_ptr + rp + j, mask=take, other=0).to(tl.int32) << (8 * j)
     exp = (codes >> 1) & EMAX
@@ -382,8 +395,8 @@ def _plan(x: torch.Tensor, block_size: int, read: bool) -> device_plan.DevicePla
     ref = torch.zeros(nb, dtype=torch.int32, device=dev)
     hist = torch.zeros(nb, 2, NSYM, dtype=torch.int16, device=dev)  # read as uint16
     if nb:
-        _analyse[(nb,)](_ints(x), n, ref, hist, BS=block_size, EMAX=layout.emax, num_warps=block_warps(block_size),
-                        **_shape_args(layout))
+        _analyse[(nb,)](_ints(x), n, ref, hist, BS=block_size, EMAX=layout.emax, BIAS=layout.offset_bias,
+                        num_warps=block_warps(block_size), **_shape_args(layout))
     return device_plan.plan(hist[:, 0], hist[:, 1], ref, n, block_size, x.dtype, read)
 
 
@@ -398,8 +411,8 @@ def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: t
     if nb:
         _encode[(nb,)](_ints(x), x.numel(), pl.blocks, pl.codes, pl.lengths,
                        body[s1:s1 + 4 * words].view(torch.int32), body[s1:],
-                       BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
-                       INLINE_BITS=layout.inline_bits, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
+                       BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
+                       BIAS=layout.offset_bias, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
                        **_shape_args(layout))
 
 
@@ -508,7 +521,7 @@ def decode_into(packet: torch.Tensor, out: torch.Tensor, block_size: int) -> Ver
 def _decode_blocks(stream: torch.Tensor, rest: torch.Tensor, ref, table, nzero, word_start, rest_start, good,
                    out: torch.Tensor, bs: int) -> torch.Tensor:
     """The kernels of a decode: ``stream`` (the exponent streams, read up to its end), ``rest``
-    (sign+mantissa bytes at ``rest_start``'s offsets), the index's rows on the device and
+    (rest bytes and side bits at ``rest_start``'s offsets), the index's rows on the device and
     ``good`` (None: the index is known good; else a device bool: nothing is read through the
     index unless it holds). Returns the blocks' errors, on the device."""
     layout, dev = LAYOUTS[out.dtype], rest.device
@@ -545,11 +558,11 @@ def _decode_blocks(stream: torch.Tensor, rest: torch.Tensor, ref, table, nzero, 
         programs = triton.cdiv(len(lanes), LANES)
         _decode_symbols[(programs,)](
             words, nwords, symbols, counts, lanes, live, n, blocks, luts, errs, BS=bs, LANES=LANES,
-            CHUNK=JOIN_CHUNK, EBITS=layout.ebits, INLINE_BITS=layout.inline_bits, num_warps=DECODE_WARPS)
+            CHUNK=JOIN_CHUNK, EBITS=layout.ebits, BIAS=layout.offset_bias, num_warps=DECODE_WARPS)
         _decode_join[(programs, bs // JOIN_CHUNK)](
             symbols, counts, rest, view, n, lanes, live, blocks, errs, BS=bs, LANES=LANES,
             CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
-            INLINE_BITS=layout.inline_bits, num_warps=JOIN_WARPS)
+            SIDE_BITS=layout.side_bits, num_warps=JOIN_WARPS)
     return err
 
 

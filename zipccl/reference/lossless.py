@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, LAYOUTS, MAX_OFFSET, MAXLEN, MIN_OFFSET, SAMPLE_STRIDE,
-                      OFFSET_BIAS, RAW_BLOCK, SYM_ESC, SYM_ZERO, Header, num_blocks)
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, LAYOUTS, MAXLEN, SAMPLE_STRIDE, RAW_BLOCK, SYM_ESC, SYM_ZERO, Header,
+                      num_blocks)
 from ..bank import BANK, BANK_SIZE
 from . import tables as T
 from .packet import LosslessPacket, assemble, parse_lossless
@@ -43,8 +43,8 @@ def sample_mask(block_size: int, device) -> torch.Tensor:
 
 
 def block_symbols(bits: torch.Tensor, layout, block_size: int):
-    """Per block: reference exponent (from the sample), symbols, exponents, zero mask (padded to
-    whole blocks)."""
+    """Per block: reference (the sample's most common coded field), symbols, coded fields, zero mask
+    (padded to whole blocks)."""
     n = bits.numel()
     nb = num_blocks(n, block_size)
     padded = torch.zeros(nb * block_size, dtype=torch.int64, device=bits.device)
@@ -57,9 +57,28 @@ def block_symbols(bits: torch.Tensor, layout, block_size: int):
     counts.scatter_add_(1, exp, (valid & ~zero & sample_mask(block_size, bits.device)).to(torch.int64))
     ref = counts.argmax(dim=1)  # ties -> smallest exponent; all-zero block -> 0
     d = exp - ref[:, None]
-    sym = torch.where((d >= MIN_OFFSET) & (d <= MAX_OFFSET), d + OFFSET_BIAS, torch.full_like(d, SYM_ESC))
+    fits = (d >= layout.min_offset) & (d <= layout.max_offset)
+    sym = torch.where(fits, d + layout.offset_bias, torch.full_like(d, SYM_ESC))
     sym = torch.where(zero, torch.zeros_like(sym), sym)
     return ref, sym, exp, zero, valid, bits2
+
+
+def side_bytes(values: torch.Tensor, keep: torch.Tensor, side_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block (row), the ``side_bits``-bit ``values`` of its kept elements packed LSB first, the
+    k-th kept element at bit k * side_bits, and which of those bytes the block has (uint8 and bool,
+    (rows, ceil(row length * side_bits / 8)))."""
+    rows, cols = values.shape
+    cap = -(-cols * side_bits // 8)
+    if not side_bits:
+        z = torch.zeros(rows, 0, dtype=torch.int64, device=values.device)
+        return z.to(torch.uint8), z.bool()
+    assert 8 % side_bits == 0  # no value straddles two bytes
+    k = torch.cumsum(keep.to(torch.int64), dim=1) - 1
+    pos = torch.where(keep, k * side_bits, 0)
+    side = torch.zeros(rows, cap, dtype=torch.int64, device=values.device)
+    side.scatter_add_(1, pos >> 3, torch.where(keep, (values & ((1 << side_bits) - 1)) << (pos & 7), 0))
+    used = -(-keep.sum(dim=1) * side_bits // 8)
+    return side.to(torch.uint8), torch.arange(cap, device=values.device)[None, :] < used[:, None]
 
 
 def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
@@ -84,14 +103,14 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     cost = (hist.cpu().numpy() * per_symbol[assign]).sum(axis=1)  # entries from the sample, sizes from all
     nvalid = valid.sum(dim=1).cpu().numpy()
     nzero = (zero & valid).sum(dim=1).cpu().numpy()
-    coded_bytes = 4 * (-(-cost // 32)) + (nvalid - nzero) * layout.rest_bytes
+    coded_bytes = 4 * (-(-cost // 32)) + np.vectorize(layout.rest_len, otypes=[np.int64])(nvalid - nzero)
     raw = coded_bytes >= nvalid * layout.itemsize
     nwords = np.where(raw, 0, -(-cost // 32))
 
     m = layout.mbits
     rest_val = (bits2 & ((1 << m) - 1)) | ((bits2 >> (m + layout.ebits)) << m)  # sign above mantissa
 
-    # Exponent streams: each symbol's code, then its inline raw bits, LSB first.
+    # Exponent streams: each symbol's code, then an escape's raw field, LSB first.
     codes = torch.from_numpy(np.stack([T.canonical_codes(l) for l in lengths])).to(dev)
     lens = torch.from_numpy(lengths.copy()).to(dev)
     tab = torch.from_numpy(assign).to(dev)[:, None]
@@ -101,10 +120,6 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     esc = sym == SYM_ESC
     value = value | torch.where(esc, exp << width, torch.zeros_like(exp))
     width = width + torch.where(esc, layout.ebits, 0)
-    if layout.inline_bits:
-        top = rest_val >> (8 * layout.rest_bytes)  # fp16: sign and the top two mantissa bits
-        value = value | torch.where(zero, 0, top << width)
-        width = width + torch.where(zero, 0, layout.inline_bits)
     width = torch.where(coded, width, torch.zeros_like(width))
     word_start = torch.from_numpy(np.concatenate([[0], np.cumsum(nwords)])).to(dev)
     pos = (torch.cumsum(width, dim=1) - width) + word_start[:-1, None] * 32
@@ -116,12 +131,15 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     words.index_add_(0, w + 1, shifted >> 32)
     stream = to_bytes(words[:total_words], 4)
 
-    # Sign+mantissa bytes of non-zero elements of coded blocks; whole raw blocks.
+    # Section 3, block by block: a coded block's rest bytes of its non-zero elements, then their
+    # side bits (float16: the sign and the mantissa bit below the field), LSB first; a raw block whole.
     is_raw = torch.from_numpy(raw).to(dev)[:, None]
     per_elem = torch.where(is_raw[..., None], to_bytes(bits2, layout.itemsize).reshape(nb, block_size, -1),
                            to_bytes(rest_val, layout.itemsize).reshape(nb, block_size, -1))
     count = torch.where(is_raw & valid, layout.itemsize, torch.where(coded & ~zero, layout.rest_bytes, 0))
-    section3 = per_elem[torch.arange(layout.itemsize, device=dev) < count[..., None]]
+    keep_bytes = torch.arange(layout.itemsize, device=dev) < count[..., None]
+    side, keep_side = side_bytes(rest_val >> (8 * layout.rest_bytes), coded & ~zero, layout.side_bits)
+    section3 = torch.cat([per_elem.reshape(nb, -1), side], dim=1)[torch.cat([keep_bytes.reshape(nb, -1), keep_side], 1)]
 
     index = np.zeros((nb, 4), dtype=np.uint16)
     refs = np.where(raw, 0, ref.cpu().numpy())
@@ -157,7 +175,6 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         nvalid = torch.from_numpy(p.nvalid).to(dev)[coded_blocks]
         sym = torch.zeros(nc, bs, dtype=torch.int64, device=dev)
         exp_esc = torch.zeros(nc, bs, dtype=torch.int64, device=dev)
-        top = torch.zeros(nc, bs, dtype=torch.int64, device=dev)
 
         def take(nbits):
             """The next nbits at each block's bit position (clamped reads stay inside ``words``)."""
@@ -175,10 +192,6 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
             is_esc = active & (s == SYM_ESC)
             exp_esc[:, t] = torch.where(is_esc, take(layout.ebits), 0)
             pos = pos + torch.where(is_esc, layout.ebits, 0)
-            if layout.inline_bits:
-                has_top = active & (s != SYM_ZERO)
-                top[:, t] = torch.where(has_top, take(layout.inline_bits), 0)
-                pos = pos + torch.where(has_top, layout.inline_bits, 0)
             if bool((pos > end).any()):
                 raise FormatError("exponent stream overruns its block")
             sym[:, t] = torch.where(active, s, 0)
@@ -186,11 +199,12 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         if not torch.equal(zero.sum(dim=1).cpu(), torch.from_numpy(p.nzero)[coded_blocks.cpu()]):
             raise FormatError("zero count of a block does not match its index entry")
         ref = torch.from_numpy(p.ref).to(dev)[coded_blocks]
-        exp = torch.where(sym == SYM_ESC, exp_esc, ref[:, None] + sym - OFFSET_BIAS)
+        exp = torch.where(sym == SYM_ESC, exp_esc, ref[:, None] + sym - layout.offset_bias)
         exp = torch.where(sym == SYM_ZERO, 0, exp)
         if bool(((exp < 0) | (exp > layout.emax)).any()):
             raise FormatError("decoded exponent out of range")
-        # Rest bytes: the k-th non-zero element of a block takes the k-th rest entry of that block.
+        # Rest: the k-th non-zero element of a block takes the k-th rest entry of that block, and
+        # its side bits at bit k * side_bits after the block's rest bytes.
         rb = layout.rest_bytes
         rest_all = packet[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
         k = torch.cumsum((~zero).to(torch.int64), dim=1) - 1
@@ -200,7 +214,13 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         for j in range(rb):
             idx = torch.where(keep, start + j, 0)
             rest |= torch.where(keep, rest_all[idx].to(torch.int64) << (8 * j), 0) if rest_all.numel() else 0
-        rest |= top << (8 * rb)
+        sb = layout.side_bits
+        if sb:
+            nonzero = torch.from_numpy(p.nvalid - p.nzero).to(dev)[coded_blocks][:, None]
+            bit = k * sb
+            idx = torch.where(keep, start - k * rb + nonzero * rb + (bit >> 3), 0)
+            side = torch.where(keep, rest_all[idx].to(torch.int64), 0) if rest_all.numel() else 0
+            rest |= ((side >> (bit & 7)) & ((1 << sb) - 1)) << (8 * rb)
         m = layout.mbits
         value = (rest & ((1 << m) - 1)) | (exp << m) | ((rest >> m) << (m + layout.ebits))
         bits[coded_blocks] = torch.where(keep, value, 0)

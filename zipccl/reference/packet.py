@@ -98,7 +98,7 @@ def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, nta
     invalid entry or the block count, stream words, rest bytes)). A reader on the device returns
     that triple as a tensor there instead, for the decoder to check (LosslessPacket.index_check)."""
     fields, bad = _read_index(host_bytes(packet, start, stop), n, bs, ntables, layout.emax, layout.itemsize,
-                              layout.rest_bytes)
+                              layout.rest_bytes, layout.side_bits)
     return fields, (fields.shape[1] - 1 if bad < 0 else bad, int(fields[5, -1]), int(fields[6, -1]))
 
 
@@ -155,7 +155,7 @@ def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None 
 
 
 @njit(cache=True)
-def _read_index(entries, n, bs, ntables, emax, itemsize, rest_bytes):
+def _read_index(entries, n, bs, ntables, emax, itemsize, rest_bytes, side_bits):
     """The block index (section 1, INDEX_ENTRY bytes per block: u16 ref | bank entry << 8, u16 nwords,
     u16 nzero, u16 0) as rows ref, table, nwords, nzero, nvalid, word_start, rest_start (the
     last two are prefix sums, one longer than the block count), and the first invalid entry's
@@ -173,7 +173,7 @@ def _read_index(entries, n, bs, ntables, emax, itemsize, rest_bytes):
             rest = nvalid * itemsize
         else:  # every element's code takes at least a bit of the block's nwords
             ok = table < ntables and ref <= emax and nzero <= nvalid and nvalid <= 32 * nwords
-            rest = (nvalid - nzero) * rest_bytes
+            rest = (nvalid - nzero) * rest_bytes + ((nvalid - nzero) * side_bits + 7) // 8
         if not ok or e[6] != 0 or e[7] != 0:
             return f, b
         f[0, b], f[1, b], f[2, b], f[3, b], f[4, b] = ref, table, nwords, nzero, nvalid

@@ -42,7 +42,7 @@ class Tables:
 
 def choose(sampled: np.ndarray, dtype) -> Tables:
     """Each block's bank entry from its sampled symbol histogram: the entry that codes the sample
-    in the fewest bits (code plus inline raw bits), ties to the lowest entry. The costs are
+    in the fewest bits (code plus an escape's raw field), ties to the lowest entry. The costs are
     summed in float64, exact (below 2**53: at most 32768 counts of at most 31 bits each) and
     through BLAS: numpy's int64 product took 0.31 ms for the real bucket's 811 blocks, 0.05."""
     lengths = BANK[dtype]
@@ -77,7 +77,7 @@ def plan(tables: Tables, ref: np.ndarray, cost: np.ndarray, nzero: np.ndarray, n
     """Raw-block decisions and offsets of a packet from its tables and its blocks' exact coded bits."""
     nb = len(ref)
     f = _layout(np.asarray(ref, np.int64), np.asarray(nzero, np.int64), np.asarray(cost, np.int64), tables.assign,
-                numel, block_size, layout.itemsize, layout.rest_bytes)
+                numel, block_size, layout.itemsize, layout.rest_bytes, layout.side_bits)
     word_start, rest_start = f[4], f[5]
     sizes = (0, nb * INDEX_ENTRY, int(word_start[-1]) * 4, int(rest_start[-1]))
     return Plan(tables.lengths, tables.codes, f[0, :nb], f[1, :nb], f[2, :nb], f[3, :nb], word_start,
@@ -93,7 +93,7 @@ def _encoder_codes(dtype) -> np.ndarray:
 
 
 @njit(cache=True)
-def _layout(ref, nzero, cost, assign, numel, block_size, itemsize, rest_bytes):
+def _layout(ref, nzero, cost, assign, numel, block_size, itemsize, rest_bytes, side_bits):
     """Rows ref, table, nwords, nzero (0 for raw blocks, whose table is RAW_BLOCK), then the
     prefix sums word_start and rest_start (one longer than the block count). A block stays raw
     when coding it would not make it smaller. Compiled: in numpy this bookkeeping cost as much
@@ -103,7 +103,7 @@ def _layout(ref, nzero, cost, assign, numel, block_size, itemsize, rest_bytes):
     for b in range(nb):
         nvalid = min(block_size, numel - b * block_size)
         nw = (cost[b] + 31) // 32
-        rest = (nvalid - nzero[b]) * rest_bytes
+        rest = (nvalid - nzero[b]) * rest_bytes + ((nvalid - nzero[b]) * side_bits + 7) // 8
         if 4 * nw + rest >= nvalid * itemsize:
             f[1, b] = RAW_BLOCK
             nw, rest = 0, nvalid * itemsize

@@ -108,11 +108,9 @@ def _canonical_codes(key: bytes) -> np.ndarray:
 
 @lru_cache(maxsize=None)
 def extra_bits(layout: FloatLayout) -> np.ndarray:
-    """Raw bits written after each symbol's code: the exponent after ESC, fp16's top rest bits
-    (read-only)."""
-    extra = np.full(NSYM, layout.inline_bits, dtype=np.int64)
-    extra[SYM_ZERO] = 0
-    extra[SYM_ESC] += layout.ebits
+    """Raw bits written after each symbol's code: the coded field after ESC (read-only)."""
+    extra = np.zeros(NSYM, dtype=np.int64)
+    extra[SYM_ESC] = layout.ebits
     extra.flags.writeable = False
     return extra
 
