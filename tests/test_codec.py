@@ -113,6 +113,36 @@ def test_longest_codes_match_reference(impl, dtype):
     assert_same_bits(fast.decode(p), x)
 
 
+@pytest.mark.parametrize("impl", FAST)
+def test_float16_side_bits_around_zeros(impl):
+    """float16's side bits (the sign and the mantissa bit below the coded field, four elements a
+    byte after a block's rest bytes): blocks whose nonzero elements fill their last side byte
+    with 4, 3, 2 and 1 elements, +0.0 between the elements of a byte and across whole bytes'
+    worth of elements, a block more than a sixteenth +0.0 (the CPU codec's other path), -0.0
+    (side bits only), subnormals and escapes; encode, decode and decode_into against the
+    reference."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(8 * 256 + 70, generator=g) * 1e-3).to(torch.float16)
+    x[5:300:3] = torch.tensor([6e-8, -3e-6, 5e-5], dtype=torch.float16).repeat(33)
+    for b in range(8):  # b +0.0 at random in block b, and in odd blocks a run of 4b + 1
+        x[256 * b + torch.randperm(256, generator=g)[:b]] = 0.0
+        if b % 2:
+            x[256 * b + 20:256 * b + 20 + 4 * b + 1] = 0.0
+    x[256 * 6 + torch.randperm(256, generator=g)[:100]] = 0.0
+    x[256 * 3 + 40:256 * 3 + 48] = -0.0
+    x[256 * 2 + 9:256 * 2 + 12] = torch.tensor([60000.0, -1000.0, float("inf")], dtype=torch.float16)  # escapes
+    ref, fast = Lossless("reference", block_size=256), Lossless(impl, block_size=256)
+    p = ref.encode(x)
+    lp = parse_lossless(p)
+    assert set(((lp.nvalid - lp.nzero) % 4).tolist()) == {0, 1, 2, 3} and F.RAW_BLOCK not in lp.table
+    assert (lp.nzero * 16 > lp.nvalid).any()
+    assert torch.equal(fast.encode(x), p)
+    assert_same_bits(fast.decode(p), x)
+    out = torch.empty_like(x)
+    assert fast.decode_into(p, out).problem() is None
+    assert_same_bits(out, x)
+
+
 def _longest_code_used(p: torch.Tensor, x: torch.Tensor) -> int:
     """The longest code among the symbols that the packet's coded blocks hold, each element's
     symbol worked out from docs/FORMAT.md's rule (coded field - reference + the layout's
