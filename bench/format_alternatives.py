@@ -3,8 +3,8 @@
     python bench/format_alternatives.py [path/to/grads.npy]
     python bench/format_alternatives.py --float16 [path/to/grads.npy]
 
---float16 prints what float16 would gain by coding the top mantissa bits with the exponent
-(the float16 table in docs/FORMAT.md). The layout modelled otherwise is format version 1's (code tables per packet, up to 8): the measurements
+--float16 prints what float16 gains by coding the top mantissa bits with the exponent (the
+float16 table in docs/FORMAT.md; format version 3 codes the top one). The layout modelled otherwise is format version 1's (code tables per packet, up to 8): the measurements
 that chose the coding. Version 2 takes its codes from a fixed bank; bench/bank_design.py
 measures that against this model's packets.
 """

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from ..errors import FormatError
-from ..format import MAXLEN, NSYM, SYM_ESC, SYM_ZERO, TABLE_BYTES, FloatLayout
+from ..format import MAXLEN, NSYM, SYM_ESC, TABLE_BYTES, FloatLayout
 
 CLUSTER_ROUNDS = 2
 
