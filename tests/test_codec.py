@@ -345,19 +345,23 @@ def test_raw_codec_roundtrip_and_bound():
         assert_same_bits(Raw().decode(p), x)
 
 
-def test_format_doc_worked_example():
-    """docs/FORMAT.md's worked example is the packet every implementation produces, byte for byte."""
+@pytest.mark.parametrize("heading, values, dtype, size", [
+    ("## Worked example\n", [1.0, -2.0, 0.0, 0.5, 3.0, 1.5, 0.0, 1e-30], torch.bfloat16, 78),
+    ("## Worked example: float16\n", [1.1, -1.7, 0.0, 2.3, 1.2, -1.0, 0.0, 3.1, 1.05, -0.0, 1.9, 5.0],
+     torch.float16, 85)], ids=["bf16", "fp16"])
+def test_format_doc_worked_example(heading, values, dtype, size):
+    """docs/FORMAT.md's worked examples are the packets every implementation produces, byte for byte."""
     from pathlib import Path
 
     doc = (Path(__file__).parents[1] / "docs" / "FORMAT.md").read_text()
-    block = doc.split("## Worked example", 1)[1].split("```", 2)[1]
+    block = doc.split(heading, 1)[1].split("```", 2)[1]
     data = bytearray()
     for line in block.splitlines():
         for token in line.split()[1 if line[:1].isalpha() else 0:]:
             if len(token) != 2 or any(c not in "0123456789abcdef" for c in token):
                 break
             data.append(int(token, 16))
-    x = torch.tensor([1.0, -2.0, 0.0, 0.5, 3.0, 1.5, 0.0, 1e-30]).to(torch.bfloat16)
+    x = torch.tensor(values).to(dtype)
     for impl in ("reference", "numba", *(["triton"] if HAVE_TRITON else [])):
         assert bytes(Lossless(impl=impl, block_size=256).encode(x).numpy()) == bytes(data), impl
-    assert len(data) == 78
+    assert len(data) == size
