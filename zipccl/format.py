@@ -164,8 +164,9 @@ class FloatLayout:
     def max_offset(self) -> int:
         return NSYM - 1 - self.offset_bias
 
-    def rest_len(self, nonzero: int) -> int:
-        """Section-3 bytes of a coded block with ``nonzero`` elements other than +0.0."""
+    def rest_len(self, nonzero):
+        """Section-3 bytes of a coded block with ``nonzero`` elements other than +0.0 (an int or
+        an integer array)."""
         return nonzero * self.rest_bytes + (nonzero * self.side_bits + 7) // 8
 
 

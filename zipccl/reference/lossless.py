@@ -55,7 +55,7 @@ def block_symbols(bits: torch.Tensor, layout, block_size: int):
     zero = bits2 == 0
     counts = torch.zeros(nb, layout.emax + 1, dtype=torch.int64, device=bits.device)
     counts.scatter_add_(1, exp, (valid & ~zero & sample_mask(block_size, bits.device)).to(torch.int64))
-    ref = counts.argmax(dim=1)  # ties -> smallest exponent; all-zero block -> 0
+    ref = counts.argmax(dim=1)  # ties -> smallest field; all-zero block -> 0
     d = exp - ref[:, None]
     fits = (d >= layout.min_offset) & (d <= layout.max_offset)
     sym = torch.where(fits, d + layout.offset_bias, torch.full_like(d, SYM_ESC))
@@ -103,7 +103,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     cost = (hist.cpu().numpy() * per_symbol[assign]).sum(axis=1)  # entries from the sample, sizes from all
     nvalid = valid.sum(dim=1).cpu().numpy()
     nzero = (zero & valid).sum(dim=1).cpu().numpy()
-    coded_bytes = 4 * (-(-cost // 32)) + np.vectorize(layout.rest_len, otypes=[np.int64])(nvalid - nzero)
+    coded_bytes = 4 * (-(-cost // 32)) + layout.rest_len(nvalid - nzero)
     raw = coded_bytes >= nvalid * layout.itemsize
     nwords = np.where(raw, 0, -(-cost // 32))
 
