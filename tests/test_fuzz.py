@@ -218,6 +218,24 @@ def test_fuzz(family, grads):
         assert any("zero count" in r for r in s.errors), s.errors
 
 
+def test_resized_index_mutations_reach_the_kernels(grads):
+    """A block's zero count or stream words changed with its section resized to match passes the
+    index's sums, so the numba decoder's kernels meet it: they name the zero count or the stream,
+    or decode inside their bounds, and nothing else happens."""
+    bases = fuzz.base_packets("numba", grads)
+    r = random.Random(2)
+    seen = set()
+    for _ in range(400):
+        base = r.choice(bases)
+        buf, name = fuzz._index_resized(r, base.packet.copy(), base)
+        try:
+            Lossless("numba").decode(torch.from_numpy(buf))
+        except zipccl.FormatError as e:
+            seen.add(str(e).split(" (")[0])
+    assert {"zero count of a block does not match its index entry",
+            "invalid or truncated code in an exponent stream"} <= seen, seen
+
+
 def test_fuzz_cases_replay(grads):
     """Case i is the same case whenever it runs: a failure's number reproduces it."""
     bases = fuzz.base_packets("numba", grads)

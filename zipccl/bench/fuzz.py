@@ -326,6 +326,46 @@ def _index(r, buf, base):
     return buf, f"index:{what}"
 
 
+def _index_resized(r, buf, base):
+    """A coded block's zero count or stream words change, and its section-3 bytes or stream are
+    cut or padded with noise at the block's end to match: the index still adds up, so the
+    decoder's kernels read the block with a zero count its symbols contradict, or a stream cut
+    short or run on (plain index mutations mostly stop at the index's sums)."""
+    start, stop = _sections(base.packet, buf)[1]
+    nb = (stop - start) // F.INDEX_ENTRY
+    rows = buf[start:start + nb * F.INDEX_ENTRY].reshape(-1, F.INDEX_ENTRY).astype(np.int64)
+    coded = np.flatnonzero(rows[:, 1] != F.RAW_BLOCK)
+    if not len(coded) or _get(buf, "codec") != F.CODEC_LOSSLESS or _get(buf, "dtype") not in F.DTYPES:
+        return _flip(r, buf, base)
+    layout = F.LAYOUTS[F.DTYPES[_get(buf, "dtype")]]
+    n, bs = _get(buf, "numel"), _get(buf, "block_size")
+    if not 0 < bs <= F.MAX_BLOCK_SIZE or not 0 < n <= nb * bs:  # a header another mutation broke
+        return _flip(r, buf, base)
+    nvalid = np.minimum(bs, n - np.arange(nb) * bs)
+    words, nzero = rows[:, 2] | rows[:, 3] << 8, rows[:, 4] | rows[:, 5] << 8
+    rest = np.where(rows[:, 1] == F.RAW_BLOCK, nvalid * layout.itemsize, layout.rest_len(nvalid - nzero))
+    b = int(coded[r.randrange(len(coded))])
+    if nvalid[b] <= 0:
+        return _flip(r, buf, base)
+    e = start + b * F.INDEX_ENTRY
+    if r.random() < 0.5:
+        new = min(max(int(nzero[b]) + r.choice((-3, -1, 1, 2, 5)), 0), int(nvalid[b]))
+        old_len, new_len = int(rest[b]), layout.rest_len(int(nvalid[b]) - new)
+        section, at, off, what = 3, _sections(base.packet, buf)[3][0] + int(rest[:b + 1].sum()), 4, "nzero"
+    else:
+        new = min(max(int(words[b]) + r.choice((-2, -1, 1, 3)), -(-int(nvalid[b]) // 32)), 65535)
+        old_len, new_len = 4 * int(words[b]), 4 * new
+        section, at, off, what = 2, _sections(base.packet, buf)[2][0] + 4 * int(words[:b + 1].sum()), 2, "nwords"
+    if new_len > old_len:
+        buf = np.concatenate([buf[:at], np.frombuffer(r.randbytes(new_len - old_len), np.uint8), buf[at:]])
+    else:
+        buf = np.concatenate([buf[:at - (old_len - new_len)], buf[at:]])
+    buf[e + off], buf[e + off + 1] = new & 255, new >> 8
+    _set(buf, f"s{section}", _get(buf, f"s{section}") + new_len - old_len)
+    resign_payload(buf)
+    return buf, f"index_resized:{what}"
+
+
 def _payload_bytes(section: int, label: str):
     def mutate(r, buf, base):
         start, stop = _sections(base.packet, buf)[section]
@@ -391,11 +431,11 @@ _COMMON = (_flip, _flip, _flip_header, _truncate, _extend, _field, _field, _resi
 MUTATIONS = {
     "raw": _COMMON,
     "topk": _COMMON + (_topk_index, _topk_index, _topk_index, _payload_bytes(2, "topk:bytes")),
-    "lossless": _COMMON + (_entry, _entry, _index, _index, _index, _index, _payload_bytes(2, "stream"),
-                           _payload_bytes(2, "stream")),
+    "lossless": _COMMON + (_entry, _entry, _index, _index, _index, _index, _index_resized, _index_resized,
+                           _payload_bytes(2, "stream"), _payload_bytes(2, "stream")),
     # The Triton interpreter takes seconds per packet that reaches its kernel: its cases favour
     # mutations of the body that pass the (shared, host-side) validation.
-    "deep": (_flip, _field, _truncate, _extend, _entry, _index, _index, _payload_bytes(3, "rest"),
+    "deep": (_flip, _field, _truncate, _extend, _entry, _index, _index, _index_resized, _payload_bytes(3, "rest"),
              *(_payload_bytes(2, "stream"),) * 4),
 }
 DEEP = ("triton",)
