@@ -143,6 +143,31 @@ def test_float16_side_bits_around_zeros(impl):
     assert_same_bits(out, x)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("planned, actual", [("few", "many"), ("many", "none"), ("many", "few")])
+def test_cpu_rest_section_stays_in_its_plan_when_the_tensor_changes(dtype, planned, actual):
+    """The numba encoder plans section 3 from its first pass over the tensor; a tensor written
+    between that pass and the rest section's (by another thread) must not push its writes past
+    the section and its 8 bytes of slack (with more or fewer +0.0 than planned)."""
+    from zipccl.kernels import cpu as C
+    from zipccl.reference.plan import choose, plan
+
+    def make(kind, seed):
+        x = torch.randn(4 * BS + 17, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        x[::{"many": 2, "few": 100, "none": 10**9}[kind]] = 0
+        return x
+
+    lay, before, after = F.LAYOUTS[dtype], make(planned, 1), make(actual, 2)
+    nb = F.num_blocks(before.numel(), BS)
+    ref, hist, nzero = np.zeros(nb, np.int64), np.zeros((nb, F.NSYM), np.int64), np.zeros(nb, np.int64)
+    C._analyse(C._int_view(before), BS, lay.mbits, ref, hist, nzero)
+    pl = plan(choose(hist, dtype), ref, np.full(nb, 8 * BS), nzero, before.numel(), BS, lay)
+    size = int(pl.rest_start[-1])
+    buf = np.full(size + 8 + 4096, 0xAB, np.uint8)
+    C._rest(C._int_view(after), BS, lay.mbits, pl.table, pl.nzero, pl.rest_start, buf)
+    assert (buf[size + 8:] == 0xAB).all()
+
+
 def _longest_code_used(p: torch.Tensor, x: torch.Tensor) -> int:
     """The longest code among the symbols that the packet's coded blocks hold, each element's
     symbol worked out from docs/FORMAT.md's rule (coded field - reference + the layout's

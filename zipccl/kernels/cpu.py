@@ -311,10 +311,11 @@ def _zero_positions(values, count, zpos):
             if (((v & ~high) + ~high) | v) & high != high:  # a lane of v is zero
                 for t in range(lanes):
                     zpos[z] = lanes * i + t
-                    z += values[lanes * i + t] == 0
+                    z = min(z + (values[lanes * i + t] == 0), count)
         for i in range(lanes * w, values.shape[0]):
             zpos[z] = i
-            z += values[i] == 0
+            z = min(z + (values[i] == 0), count)
+        zpos[z:count] = values.shape[0]  # fewer zeros than counted (a tensor written while encoded)
     zpos[count] = values.shape[0]
 
 
@@ -399,20 +400,21 @@ def _rest_layout(bits, bs, layout, table, nzero, rest_start, rest):
             _zero_positions(vb, nz, zpos)
             a = 0
             for z in range(nz + 1):
-                e = zpos[z]
+                e = max(zpos[z], a)
                 _rest_run(vb[a:e], rest, j, sv[k:k + e - a], mmask, mbits, ebits, rest_bytes, side_bits)
                 j += (e - a) * rest_bytes
                 k += e - a
                 a = e + 1
-        else:
+        else:  # j and k held to the plan: a tensor written while it is encoded cannot push them past it
+            end = j + (nv - nzero[b]) * rest_bytes
             for i in range(nv):
                 v = np.int64(vb[i])
                 r = _rest_value_of(v, mmask, mbits, ebits)
                 _store_u32(rest, j, r)
-                j += rest_bytes * (v != 0)
+                j = min(j + rest_bytes * (v != 0), end)
                 if side_bits:
                     sv[k] = r >> 8
-                    k += v != 0
+                    k = min(k + (v != 0), nv - nzero[b])
         if side_bits:
             _pack_side(sv[:k], rest[j:], side_bits)
 
