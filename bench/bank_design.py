@@ -88,8 +88,7 @@ def check_accounting(hist: np.ndarray, packet: torch.Tensor) -> None:
 def packet_bytes(bits: np.ndarray, hist: np.ndarray, nvalid: np.ndarray, lay) -> tuple[int, np.ndarray]:
     """Bytes of a packet whose blocks code in ``bits`` bits each (raw where that does not pay),
     without section 0, and which blocks are raw."""
-    nonzero = nvalid - hist[:, SYM_ZERO]
-    coded = 4 * -(-bits // 32) + nonzero * lay.rest_bytes + (nonzero * lay.side_bits + 7) // 8
+    coded = 4 * -(-bits // 32) + lay.rest_len(nvalid - hist[:, SYM_ZERO])
     raw = coded >= nvalid * lay.itemsize
     return HEADER_SIZE + INDEX_ENTRY * len(hist) + int(np.where(raw, nvalid * lay.itemsize, coded).sum()), raw
 

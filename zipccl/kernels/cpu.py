@@ -171,8 +171,15 @@ _load_u32 = _unaligned(32, load=True)
 _store_u64 = _unaligned(64, load=False)
 _store_u32 = _unaligned(32, load=False)
 _U3, _U7, _U8, _U56, _U255 = np.uint64(3), np.uint64(7), np.uint64(8), np.uint64(56), np.uint64(255)
-_LOW7, _ONES, _HIGH = np.uint64(0x7F7F7F7F7F7F7F7F), np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
-_HIGH16, _HIGH32 = np.uint64(0x8000800080008000), np.uint64(0x8000000080000000)
+_ONES, _HIGH = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)  # per byte lane
+_HIGH16, _HIGH32 = np.uint64(0x8000800080008000), np.uint64(0x8000000080000000)  # per 2- and 4-byte lane
+
+
+@njit(inline="always")
+def _nonzero_lanes(v, high):
+    """``v`` (uint64) with each lane's top bit (``high``) set where the lane is nonzero and
+    every other bit clear: the low bits of a lane add into its top bit without a carry out."""
+    return (((v & ~high) + ~high) | v) & high
 
 
 @njit(**_NOGIL)
@@ -308,7 +315,7 @@ def _zero_positions(values, count, zpos):
         z = 0
         for i in range(w):
             v = np.uint64(_load_u64(raw, 8 * i))
-            if (((v & ~high) + ~high) | v) & high != high:  # a lane of v is zero
+            if _nonzero_lanes(v, high) != high:  # a lane of v is zero
                 for t in range(lanes):
                     zpos[z] = lanes * i + t
                     z = min(z + (values[lanes * i + t] == 0), count)
@@ -683,12 +690,12 @@ def _scan_symbols(sb, base, emax):
     if lo <= 2 and hi >= 31:
         for i in range(w):
             v = words[i]
-            nonzero += (((((v & _LOW7) + _LOW7) | v) >> _U7 & _ONES) * _ONES) >> _U56  # bytes not 0
+            nonzero += ((_nonzero_lanes(v, _HIGH) >> _U7) * _ONES) >> _U56
     else:
         at_lo, at_hi, at_one = np.uint64(lo) * _ONES, (np.uint64(hi) * _ONES) | _HIGH, _ONES | _HIGH
         for i in range(w):
             v = words[i]
-            nonzero += (((((v & _LOW7) + _LOW7) | v) >> _U7 & _ONES) * _ONES) >> _U56
+            nonzero += ((_nonzero_lanes(v, _HIGH) >> _U7) * _ONES) >> _U56
             fits = (((v | _HIGH) - at_lo) & (at_hi - v)) | (at_one - v)  # lo <= s <= hi, or s <= 1
             bad |= ~fits & _HIGH
     zeros = np.int64(8 * w) - np.int64(nonzero)
