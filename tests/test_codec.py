@@ -161,7 +161,11 @@ def test_cpu_rest_section_stays_in_its_plan_when_the_tensor_changes(dtype, plann
     nb = F.num_blocks(before.numel(), BS)
     ref, hist, nzero = np.zeros(nb, np.int64), np.zeros((nb, F.NSYM), np.int64), np.zeros(nb, np.int64)
     C._analyse(C._int_view(before), BS, lay.mbits, ref, hist, nzero)
-    pl = plan(choose(hist, dtype), ref, np.full(nb, 8 * BS), nzero, before.numel(), BS, lay)
+    tables, cost = choose(hist, dtype), np.zeros(nb, np.int64)
+    streams = np.empty(4 * nb * BS * (F.MAXLEN + lay.ebits) // 32 + 8, np.uint8)
+    C._pack(C._int_view(before), BS, lay.mbits, ref, tables.assign, nzero, tables.codes, tables.lengths, streams, cost)
+    pl = plan(tables, ref, cost, nzero, before.numel(), BS, lay)
+    assert (pl.table[:-1] != F.RAW_BLOCK).all()  # whole blocks coded: their sections planned from nzero
     size = int(pl.rest_start[-1])
     buf = np.full(size + 8 + 4096, 0xAB, np.uint8)
     C._rest(C._int_view(after), BS, lay.mbits, pl.table, pl.nzero, pl.rest_start, buf)
