@@ -1,7 +1,7 @@
 """The README's headline plot, drawn from recorded results only (nothing is measured here).
 
 Three panels, each from JSON in docs/bench:
-- the lossless ratio on the real gradient bucket, zipccl against ZipNN (2026-11-26-format-v2/codec.json);
+- the lossless ratio on the real gradient bucket, zipccl against ZipNN (2026-11-27-encode-zeros/codec_new-1.json);
 - 64 MiB collectives on two nodes of two ranks at 1 Gbit/s per node, torch.distributed
   against zipccl's auto (2026-11-25-hierarchical/*_2x2.json);
 - the Triton codec's kernel throughput on an NVIDIA H100, bf16 (2026-11-26-gpu-decoder/run3).
@@ -23,7 +23,7 @@ def codec_ratios(records: Path) -> dict[str, dict[str, float]]:
     """{dtype: {"zipccl": ratio, "ZipNN": ratio}} on the real bucket."""
     names = {"zipccl-lossless": "zipccl", "zipnn-1thread": "ZipNN"}
     out: dict[str, dict[str, float]] = {}
-    for row in json.loads((records / "2026-11-26-format-v2" / "codec.json").read_text()):
+    for row in json.loads((records / "2026-11-27-encode-zeros" / "codec_new-1.json").read_text()):
         if row["data"] == "grads_step050" and row["codec"] in names:
             out.setdefault(row["dtype"], {})[names[row["codec"]]] = row["ratio"]
     return out
