@@ -235,7 +235,7 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost):
 
     Per block, a branch-free pass looks up each pair of elements and joins their
     codes; in a block with a few +0.0, as if it had none, and the pairs that hold one
-    are then looked up again (testing every element took float16 0.25 ms of 2.3 on the
+    are then looked up again (testing every element cost float16 0.2 ms of 2.36 on the
     real bucket, where 334 of 812 blocks hold 3.5 on average). Then a serial pass
     appends one or two pairs at a time to a 64-bit accumulator and stores it unaligned,
     advancing by whole bytes.
