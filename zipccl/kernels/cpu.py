@@ -432,7 +432,9 @@ def _rest_layout(bits, bs, layout, table, nzero, rest_start, rest):
             _zero_positions(vb, nz, zpos)
             a = 0
             for z in range(nz + 1):
-                e = max(zpos[z], a)
+                # the runs hold the planned nv - nz elements at most: fewer zeros than counted (a
+                # tensor written while it is encoded) would make the last runs longer
+                e = min(max(zpos[z], a), a + nv - nz - k)
                 _rest_run(vb[a:e], rest, j, sv[k:k + e - a], mmask, mbits, ebits, rest_bytes, side_bits)
                 j += (e - a) * rest_bytes
                 k += e - a
