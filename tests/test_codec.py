@@ -175,6 +175,15 @@ def test_cpu_rest_section_stays_in_its_plan_when_the_tensor_changes(dtype, plann
     assert (buf[size + 8:] == 0xAB).all()
 
 
+def test_cpu_encoder_leaves_a_sampled_zero_out_of_the_reference_exponent():
+    """A +0.0 as the sample's last element (every SAMPLE_STRIDE-th element is sampled) must not
+    count toward the block's reference exponent: byte for byte against the reference."""
+    x = torch.tensor([1.0] * 8 + [0.0], dtype=torch.bfloat16)
+    p = Lossless(impl="reference", block_size=256).encode(x)
+    assert int(parse_lossless(p).ref[0]) == 127
+    assert torch.equal(Lossless(impl="numba", block_size=256).encode(x), p)
+
+
 def _longest_code_used(p: torch.Tensor, x: torch.Tensor) -> int:
     """The longest code among the symbols that the packet's coded blocks hold, each element's
     symbol worked out from docs/FORMAT.md's rule (coded field - reference + the layout's
