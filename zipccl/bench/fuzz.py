@@ -331,7 +331,8 @@ def _index_resized(r, buf, base):
     cut or padded with noise at the block's end to match: the index still adds up, so the
     decoder's kernels read the block with a zero count its symbols contradict, or a stream cut
     short or run on (plain index mutations mostly stop at the index's sums)."""
-    start, stop = _sections(base.packet, buf)[1]
+    sections = _sections(base.packet, buf)
+    start, stop = sections[1]
     nb = (stop - start) // F.INDEX_ENTRY
     rows = buf[start:start + nb * F.INDEX_ENTRY].reshape(-1, F.INDEX_ENTRY).astype(np.int64)
     coded = np.flatnonzero(rows[:, 1] != F.RAW_BLOCK)
@@ -351,11 +352,11 @@ def _index_resized(r, buf, base):
     if r.random() < 0.5:
         new = min(max(int(nzero[b]) + r.choice((-3, -1, 1, 2, 5)), 0), int(nvalid[b]))
         old_len, new_len = int(rest[b]), layout.rest_len(int(nvalid[b]) - new)
-        section, at, off, what = 3, _sections(base.packet, buf)[3][0] + int(rest[:b + 1].sum()), 4, "nzero"
+        section, at, off, what = 3, sections[3][0] + int(rest[:b + 1].sum()), 4, "nzero"
     else:
         new = min(max(int(words[b]) + r.choice((-2, -1, 1, 3)), -(-int(nvalid[b]) // 32)), 65535)
         old_len, new_len = 4 * int(words[b]), 4 * new
-        section, at, off, what = 2, _sections(base.packet, buf)[2][0] + 4 * int(words[:b + 1].sum()), 2, "nwords"
+        section, at, off, what = 2, sections[2][0] + 4 * int(words[:b + 1].sum()), 2, "nwords"
     if new_len > old_len:
         buf = np.concatenate([buf[:at], np.frombuffer(r.randbytes(new_len - old_len), np.uint8), buf[at:]])
     else:
