@@ -46,7 +46,7 @@ def stages(x: torch.Tensor) -> dict:
     cost = np.zeros(nb, np.int64)
     streams = np.empty(4 * nb * bs + 8, np.uint8)
     pack = lambda: C._pack(bits, bs, layout.mbits, ref, tables.assign, nzero, tables.codes,  # noqa: E731
-                           tables.lengths, streams, cost)
+                           tables.lengths, streams, cost, C._pair_tables())
     pack()
     pl = plan(tables, ref, cost, nzero, n, bs, layout)
     start = HEADER_SIZE + len(pl.front())

@@ -26,13 +26,11 @@ from numba import njit
 
 from ..errors import FormatError
 from ..format import HEADER_SIZE
-from .cpu import _unaligned
+from .bits import load_u16 as _load_u16, load_u32 as _load_u32
 
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
 DTYPES = (torch.float32, torch.bfloat16)  # gradient, value and residual dtypes these kernels take
 SPAN = 2048  # elements per span
-_load_u32 = _unaligned(32, load=True)
-_load_u16 = _unaligned(16, load=True)
 _NAN_BF16 = np.uint32(0x7FC0)
 
 

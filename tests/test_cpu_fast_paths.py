@@ -1,0 +1,144 @@
+"""The numba encoder's host-dependent fast paths against independent definitions: BMI2's pext
+(zipccl/kernels/bits.py), float16 pair tables (built, kept from call to call, forgotten when all
+slots are taken), and the whole encoder compiled for a CPU without pext."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from zipccl import format as F
+from zipccl.bank import BANK_SIZE
+from zipccl.codecs import Lossless
+from zipccl.kernels import bits, cpu as C
+from zipccl.reference.packet import parse_lossless
+
+FP16 = F.LAYOUTS[torch.float16]
+
+
+def pext_by_definition(value: int, mask: int) -> int:
+    """The bits of ``value`` where ``mask`` has a one, lowest first, packed together."""
+    out = k = 0
+    for i in range(64):
+        if mask >> i & 1:
+            out |= (value >> i & 1) << k
+            k += 1
+    return out
+
+
+def _words(n: int) -> list[int]:
+    rng = np.random.default_rng(0)
+    return [0, 2**64 - 1, 0x7E007E00, 0x8000_8000, *map(int, rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1)]
+
+
+def _compiled(impl):
+    mbits, ebits = FP16.mbits, FP16.ebits
+    return njit(lambda w: impl(w, mbits, ebits))
+
+
+def test_pair_fields_match_their_definition():
+    """A float16 pair's two coded fields (bits 9-14 of each element), first | second << 6, by
+    shifts and, where the host has a fast pext, by pext; the encoder uses the one FAST_PEXT says."""
+    mask = (FP16.emax << FP16.mbits) | (FP16.emax << FP16.mbits + 16)
+    impls = [C._pair_fields_shifts] + ([C._pair_fields_pext] if bits.FAST_PEXT else [])
+    for impl in impls:
+        fields = _compiled(impl)
+        for w in _words(500):
+            w32 = w & 0xFFFF_FFFF
+            assert fields(np.uint64(w32)) == pext_by_definition(w32, mask), (impl, hex(w32))
+    assert C._pair_fields is (C._pair_fields_pext if bits.FAST_PEXT else C._pair_fields_shifts)
+
+
+def test_pext_matches_its_definition_where_fast():
+    """Every mask, not only the encoder's: pext is compiled only where FAST_PEXT holds (elsewhere
+    LLVM may have no instruction for it); then the shift version above is what runs."""
+    if not bits.FAST_PEXT:
+        assert C._pair_fields is C._pair_fields_shifts
+        return
+    f = njit(lambda v, m: bits.pext(v, m))
+    words = _words(300)
+    for v, m in zip(words, words[::-1]):
+        assert int(f(np.uint64(v), np.uint64(m))) == pext_by_definition(v, m), (hex(v), hex(m))
+
+
+def _fresh(slots: int) -> C.PairTables:
+    return C.PairTables(np.full((1 << FP16.ebits, BANK_SIZE), -1, np.int64),
+                        np.empty((slots, 1 << 2 * FP16.ebits), np.uint64), np.zeros(1, np.int64))
+
+
+def _float16(kind: str, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.distributions.Laplace(0.0, 1e-3).sample((n,))
+    if kind == "few_zeros":  # +0.0 in pairs' first and second halves, at blocks' ends
+        x[::97] = 0.0
+        x[1::211] = 0.0
+        x[255::256] = 0.0
+    elif kind == "mixed":  # escapes: a wide range of exponents
+        x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-7, 4, (n,), generator=g).float()
+    elif kind == "subnormal":  # exponent 0 without +0.0
+        x = x * 2.0 ** -12
+    return x.half()
+
+
+@pytest.mark.parametrize("block_size", [256, 4096])
+@pytest.mark.parametrize("kind", ["laplace", "few_zeros", "mixed", "subnormal"])
+def test_float16_pair_tables_match_reference(monkeypatch, kind, block_size):
+    """Tensors whose keys (reference, bank entry) cover PAIR_MIN elements: packed through pair
+    tables built in the call, then through the same tables again, byte for byte as the reference."""
+    tables = _fresh(C.PAIR_SLOTS)
+    monkeypatch.setattr(C, "_pair_tables", lambda: tables)
+    x = _float16(kind, 12 * C.PAIR_MIN + 77, seed=1)  # at 256 elements a block, keys spread thin
+    want = Lossless("reference", block_size=block_size).encode(x)
+    for _ in range(2):
+        assert torch.equal(Lossless("numba", block_size=block_size).encode(x), want)
+        assert tables.used[0] >= 1  # the pair tables ran
+
+
+def test_pair_tables_forget_all_when_full(monkeypatch):
+    """Keys of PAIR_MIN elements and more, more of them than two slots: the tables are forgotten
+    and rebuilt, never looked up for a key whose slot another key took."""
+    tables = _fresh(2)
+    monkeypatch.setattr(C, "_pair_tables", lambda: tables)
+    part = torch.distributions.Laplace(0.0, 1e-3).sample((4 * C.PAIR_MIN,))
+    x = torch.cat([part * 2.0 ** k for k in (0, 3, 6, 9)] + [part[:500]]).half()
+    want = Lossless("reference", block_size=4096).encode(x)
+    lp = parse_lossless(want)
+    keys = collections.Counter(zip(lp.ref.tolist(), lp.table.tolist()))
+    assert sum(4096 * count >= C.PAIR_MIN for count in keys.values()) >= 3  # more keys than slots
+    for _ in range(2):
+        assert torch.equal(Lossless("numba", block_size=4096).encode(x), want)
+        assert 1 <= tables.used[0] <= 2
+
+
+_GENERIC = textwrap.dedent("""
+    import torch
+    from zipccl.codecs import Lossless
+    from zipccl.kernels import bits
+    assert not bits.FAST_PEXT
+    g = torch.Generator().manual_seed(3)
+    x = torch.distributions.Laplace(0.0, 1e-3).sample((70_000,))
+    x[::97] = 0.0
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        y = x.to(dtype)
+        p = Lossless("numba", block_size=4096).encode(y)
+        assert torch.equal(p, Lossless("reference", block_size=4096).encode(y)), dtype
+        assert torch.equal(Lossless("numba").decode(p).view(torch.uint8), y.view(torch.uint8)), dtype
+    print("generic ok")
+""")
+
+
+def test_encoder_compiled_for_a_cpu_without_pext(tmp_path):
+    """NUMBA_CPU_NAME=generic (no BMI2): FAST_PEXT is off, nothing asks LLVM for pext, and the
+    packets are still the reference's (its own kernel cache, so that nothing compiled for this
+    host is loaded)."""
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", _GENERIC], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "generic ok" in run.stdout, run.stdout + run.stderr
