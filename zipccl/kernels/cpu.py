@@ -102,22 +102,23 @@ def _analyse_layout(bits, bs, layout, ref, hist, nzero):
         cnt[:] = 0
         vb = bits[lo:hi]
         m = -(-(hi - lo) // SAMPLE_STRIDE)  # samples
+        zs = 0  # +0.0 hides among exponent 0: counted apart, in the same loop (float16 0.1 ms)
         j = 0
         while j + _HISTS <= m:
             for k in range(_HISTS):
-                cnt[k, (vb[(j + k) * SAMPLE_STRIDE] >> mbits) & emax] += 1
+                v = vb[(j + k) * SAMPLE_STRIDE]
+                cnt[k, (v >> mbits) & emax] += 1
+                zs += v == 0
             j += _HISTS
         while j < m:
-            cnt[0, (vb[j * SAMPLE_STRIDE] >> mbits) & emax] += 1
+            v = vb[j * SAMPLE_STRIDE]
+            cnt[0, (v >> mbits) & emax] += 1
+            zs += v == 0
             j += 1
         tot[:] = 0
         for k in range(_HISTS):
             for e in range(emax + 1):
                 tot[e] += cnt[k, e]
-        zs = 0
-        if tot[0]:  # +0.0 hides among exponent 0: count it apart
-            for j in range(m):
-                zs += vb[j * SAMPLE_STRIDE] == 0
         tot[0] -= zs
         best = 0
         bestc = 0
