@@ -271,10 +271,10 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost, sl
     codes (float16: one lookup per pair in a table of pairs of coded fields, where the block's
     reference and bank entry cover PAIR_MIN elements of the call or were seen before: packing
     the real bucket 1.35x with pext, 1.15x with shifts); in a block with a few +0.0, as if it
-    had none, and the pairs that hold one are then looked up again (testing every element cost float16 0.2 ms of 2.36 on the
-    real bucket, where 334 of 812 blocks hold 3.5 on average). Then a serial pass
-    appends one or two pairs at a time to a 64-bit accumulator and stores it unaligned,
-    advancing by whole bytes.
+    had none, and the pairs that hold one are then looked up again (testing every element cost
+    float16 0.2 ms of 2.36 on the real bucket, where 334 of 812 blocks hold 3.5 on average).
+    Then a serial pass appends one or two pairs at a time to a 64-bit accumulator and stores
+    it unaligned, advancing by whole bytes.
     The store spills zeros past the stream's end, which the next block overwrites;
     the last store always runs, so a block's last word is padded with zeros."""
     mbits, ebits, emax, rest_bytes, side_bits, itemsize, bias = layout

@@ -1,4 +1,4 @@
-"""The numba encoder's host-dependent fast paths against independent definitions: BMI2's pext
+"""Parts of the numba encoder against independent definitions: the bit writer's boundary, BMI2's pext
 (zipccl/kernels/bits.py), float16 pair tables (built, kept from call to call, forgotten when all
 slots are taken), and the whole encoder compiled for a CPU without pext."""
 
@@ -32,6 +32,61 @@ def pext_by_definition(value: int, mask: int) -> int:
             out |= (value >> i & 1) << k
             k += 1
     return out
+
+
+def _code_lengths(v: np.ndarray, ref: int, lengths: np.ndarray, layout) -> np.ndarray:
+    """Each element's code length (bits) under docs/FORMAT.md's symbol rule."""
+    field = (v >> layout.mbits) & layout.emax
+    off = field - ref
+    sym = np.where((off < layout.min_offset) | (off > layout.max_offset), F.SYM_ESC, off + layout.offset_bias)
+    sym = np.where(v == 0, F.SYM_ZERO, sym)
+    return lengths[sym] + np.where(sym == F.SYM_ESC, layout.ebits, 0)
+
+
+@pytest.mark.parametrize("over_28", [False, True])
+def test_pairs_of_longest_codes_after_seven_pending_bits(over_28):
+    """The bit writer stores two pairs at a time where none is over 28 bits (7 pending bits + 2 x 28
+    < 64): a bfloat16 block whose longest pairs (a 20-bit escape of a large exponent and a code:
+    29 bits, or the longest up to 28 that the block's bank entry makes) come two by two after
+    exactly 7 bits, byte for byte as the reference.
+    Only every 8th element is sampled, so the others shape the stream without changing the block's
+    reference exponent or bank entry; they take the shortest code, but where one sets the pending bits."""
+    lay = F.LAYOUTS[torch.bfloat16]
+    g = torch.Generator().manual_seed(0)
+    v = (torch.randn(4096, generator=g) * 0.01).bfloat16().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    as_bf16 = lambda v: torch.from_numpy(v.astype(np.uint16).view(np.int16)).view(torch.bfloat16)  # noqa: E731
+    lp = parse_lossless(Lossless("reference", block_size=4096).encode(as_bf16(v)))
+    ref, entry = int(lp.ref[0]), int(lp.table[0])
+    lengths = lp.lengths[entry]
+    escape = lengths[F.SYM_ESC] + lay.ebits
+    sym_of = {int(n): s for s, n in reversed(list(enumerate(lengths))) if s >= 2}  # a symbol per length
+    longest = 29 if over_28 else max(escape + n for n in sym_of if escape + n <= 28)
+    assert longest - escape in sym_of, "the bank entry has no code to pair with an escape"
+    field = lambda s: ref + s - lay.offset_bias  # noqa: E731
+    shortest = sym_of[min(sym_of)]
+    free = np.arange(4096) % 8 != 0
+    v[free] = field(shortest) << lay.mbits | (v[free] & 0x7F)
+    big = (0xFF - 3) << lay.mbits  # an escape whose raw field's top bit is the pair's last bit
+    placed = 0
+    for gr in range(1, 512, 3):
+        at = 8 * gr
+        for s in sorted(sym_of.values()):  # element at + 3 makes 7 bits pending before at + 4
+            v[at + 3] = field(s) << lay.mbits
+            if _code_lengths(v[:at + 4], ref, lengths, lay).sum() % 8 == 7:
+                break
+        else:
+            continue
+        for i in (at + 4, at + 6):
+            v[i] = field(sym_of[longest - escape]) << lay.mbits | 0x55
+            v[i + 1] = big | 0x2A
+        placed += 1
+    x = as_bf16(v)
+    want = Lossless("reference", block_size=4096).encode(x)
+    lp = parse_lossless(want)
+    assert (int(lp.ref[0]), int(lp.table[0])) == (ref, entry) and placed >= 50
+    pairs = _code_lengths(v, ref, lengths, lay).reshape(-1, 2).sum(axis=1)
+    assert pairs.max() == longest
+    assert torch.equal(Lossless("numba", block_size=4096).encode(x), want)
 
 
 def _words(n: int) -> list[int]:
@@ -130,15 +185,14 @@ _GENERIC = textwrap.dedent("""
         y = x.to(dtype)
         p = Lossless("numba", block_size=4096).encode(y)
         assert torch.equal(p, Lossless("reference", block_size=4096).encode(y)), dtype
-        assert torch.equal(Lossless("numba").decode(p).view(torch.uint8), y.view(torch.uint8)), dtype
     print("generic ok")
 """)
 
 
 def test_encoder_compiled_for_a_cpu_without_pext(tmp_path):
     """NUMBA_CPU_NAME=generic (no BMI2): FAST_PEXT is off, nothing asks LLVM for pext, and the
-    packets are still the reference's (its own kernel cache, so that nothing compiled for this
-    host is loaded)."""
-    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    packets are still the reference's, with every array index bounds-checked (NUMBA_BOUNDSCHECK);
+    its own kernel cache, so that nothing compiled for this host is loaded."""
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path), NUMBA_BOUNDSCHECK="1")
     run = subprocess.run([sys.executable, "-c", _GENERIC], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "generic ok" in run.stdout, run.stdout + run.stderr
