@@ -16,7 +16,6 @@ import torch
 from numba import njit
 
 from zipccl import format as F
-from zipccl.bank import BANK_SIZE
 from zipccl.codecs import Lossless
 from zipccl.kernels import bits, cpu as C
 from zipccl.reference.packet import parse_lossless
@@ -124,11 +123,6 @@ def test_pext_matches_its_definition_where_fast():
         assert int(f(np.uint64(v), np.uint64(m))) == pext_by_definition(v, m), (hex(v), hex(m))
 
 
-def _fresh(slots: int) -> C.PairTables:
-    return C.PairTables(np.full((1 << FP16.ebits, BANK_SIZE), -1, np.int64),
-                        np.empty((slots, 1 << 2 * FP16.ebits), np.uint64), np.zeros(1, np.int64))
-
-
 def _float16(kind: str, n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.distributions.Laplace(0.0, 1e-3).sample((n,))
@@ -148,7 +142,7 @@ def _float16(kind: str, n: int, seed: int) -> torch.Tensor:
 def test_float16_pair_tables_match_reference(monkeypatch, kind, block_size):
     """Tensors whose keys (reference, bank entry) cover PAIR_MIN elements: packed through pair
     tables built in the call, then through the same tables again, byte for byte as the reference."""
-    tables = _fresh(C.PAIR_SLOTS)
+    tables = C.pair_tables(C.PAIR_SLOTS)
     monkeypatch.setattr(C, "_pair_tables", lambda: tables)
     x = _float16(kind, 12 * C.PAIR_MIN + 77, seed=1)  # at 256 elements a block, keys spread thin
     want = Lossless("reference", block_size=block_size).encode(x)
@@ -157,10 +151,22 @@ def test_float16_pair_tables_match_reference(monkeypatch, kind, block_size):
         assert tables.used[0] >= 1  # the pair tables ran
 
 
+def test_small_tensors_get_pair_tables_after_a_few_calls(monkeypatch):
+    """A key's elements count across calls: 4,096-element tensors of one key build its table on the
+    fourth call (PAIR_MIN = 16,384), and every packet before and after is the reference's."""
+    tables = C.pair_tables(C.PAIR_SLOTS)
+    monkeypatch.setattr(C, "_pair_tables", lambda: tables)
+    x = _float16("few_zeros", 4096, seed=5)
+    want = Lossless("reference", block_size=4096).encode(x)
+    for call in range(1, 7):
+        assert torch.equal(Lossless("numba", block_size=4096).encode(x), want)
+        assert tables.used[0] == (call * 4096 >= C.PAIR_MIN), call
+
+
 def test_pair_tables_forget_all_when_full(monkeypatch):
     """Keys of PAIR_MIN elements and more, more of them than two slots: the tables are forgotten
     and rebuilt, never looked up for a key whose slot another key took."""
-    tables = _fresh(2)
+    tables = C.pair_tables(2)
     monkeypatch.setattr(C, "_pair_tables", lambda: tables)
     part = torch.distributions.Laplace(0.0, 1e-3).sample((4 * C.PAIR_MIN,))
     x = torch.cat([part * 2.0 ** k for k in (0, 3, 6, 9)] + [part[:500]]).half()

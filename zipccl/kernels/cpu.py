@@ -186,42 +186,51 @@ def _join(e0, e1):
 
 
 @njit(**_NOGIL)
-def _pack(bits, bs, mbits, ref, table, nzero, codes, lens, out, cost, pairs):
+def _pack(bits, bs, mbits, ref, table, nzero, codes, lens, out, cost, ptabs):
     """_pack_layout for the dtype that ``mbits`` tells (see _constants)."""
     if mbits == _BF16[0]:
-        _pack_layout(bits, bs, _BF16, ref, table, nzero, codes, lens, out, cost, pairs.slot, pairs.table, pairs.used)
+        _pack_layout(bits, bs, _BF16, ref, table, nzero, codes, lens, out, cost, ptabs)
     elif mbits == _FP16[0]:
-        _pack_layout(bits, bs, _FP16, ref, table, nzero, codes, lens, out, cost, pairs.slot, pairs.table, pairs.used)
+        _pack_layout(bits, bs, _FP16, ref, table, nzero, codes, lens, out, cost, ptabs)
     else:
-        _pack_layout(bits, bs, _FP32, ref, table, nzero, codes, lens, out, cost, pairs.slot, pairs.table, pairs.used)
+        _pack_layout(bits, bs, _FP32, ref, table, nzero, codes, lens, out, cost, ptabs)
 
 
 PAIR_SLOTS = 64  # float16 pair tables a thread keeps (32 KB each)
-PAIR_MIN = 16384  # elements of one (reference, bank entry) in a call that pay for building its pair table
+PAIR_MIN = 16384  # elements of one (reference, bank entry) that pay for building its pair table
 
 
 class PairTables(NamedTuple):
     """A thread's float16 pair tables, kept from call to call: table[slot[ref, entry]] = the
-    joined entries of two elements' coded fields (index: first | second << 6), -1 where none is
-    built; used[0] = slots in use. Neighbouring blocks and successive tensors share few keys (the
-    real bucket's 812 float16 blocks have 35), so that each table is built about once."""
+    joined entries of two elements' coded fields (index: first | second << 6), slot -1 where none
+    is built; seen[ref, entry] = elements packed under that key so far, which builds its table
+    once they reach PAIR_MIN (so that small tensors get tables too, after a few calls); used[0] =
+    slots in use. Neighbouring blocks and successive tensors share few keys (the real bucket's
+    812 float16 blocks have 35), so that each table is built about once."""
     slot: np.ndarray
+    seen: np.ndarray
     table: np.ndarray
     used: np.ndarray
 
 
+def pair_tables(slots: int) -> PairTables:
+    """Empty float16 pair tables with room for ``slots`` (32 KB each)."""
+    lay = LAYOUTS[torch.float16]
+    keys = (1 << lay.ebits, BANK_SIZE)
+    return PairTables(np.full(keys, -1, np.int64), np.zeros(keys, np.int64),
+                      np.empty((slots, 1 << (2 * lay.ebits)), np.uint64), np.zeros(1, np.int64))
+
+
 # bfloat16 and float32 have no pair tables (two 8-bit fields index 65,536 pairs)
-_NO_PAIRS = PairTables(np.full((0, 0), -1, np.int64), np.empty((0, 0), np.uint64), np.zeros(1, np.int64))
+_NO_PAIRS = PairTables(np.full((0, 0), -1, np.int64), np.zeros((0, 0), np.int64), np.empty((0, 0), np.uint64),
+                       np.zeros(1, np.int64))
 
 
 def _pair_tables() -> PairTables:
     """This thread's float16 pair tables (2 MB, allocated on its first float16 encode)."""
     t = getattr(_local, "pairs", None)
     if t is None:
-        lay = LAYOUTS[torch.float16]
-        t = PairTables(np.full((1 << lay.ebits, BANK_SIZE), -1, np.int64),
-                       np.empty((PAIR_SLOTS, 1 << (2 * lay.ebits)), np.uint64), np.zeros(1, np.int64))
-        _local.pairs = t
+        t = _local.pairs = pair_tables(PAIR_SLOTS)
     return t
 
 
@@ -243,18 +252,19 @@ _pair_fields = _pair_fields_pext if FAST_PEXT else _pair_fields_shifts
 
 
 @njit(inline="always")
-def _pair_table(r, t, ebits, tab, slot, ptab, used, wanted):
-    """Key (r, t)'s pair table from _element_table's ``tab``: built if ``wanted`` (in a new slot,
-    or in slot 0 after forgetting every table once all are taken). Returns its slot, -1 if none."""
-    s = slot[r, t]
-    if s < 0 and wanted:
-        if used[0] == ptab.shape[0]:
-            slot[:] = -1
-            used[0] = 0
-        s = used[0]
-        used[0] += 1
-        slot[r, t] = s
-        pt = ptab[s]
+def _pair_table(r, t, ebits, tab, ptabs):
+    """Key (r, t)'s slot in ``ptabs`` (see PairTables), -1 if it has none: its table built from
+    _element_table's ``tab`` once PAIR_MIN elements have been seen under the key, in a new slot,
+    or in slot 0 after forgetting every table once all slots are taken."""
+    s = ptabs.slot[r, t]
+    if s < 0 and ptabs.seen[r, t] >= PAIR_MIN:
+        if ptabs.used[0] == ptabs.table.shape[0]:
+            ptabs.slot[:] = -1
+            ptabs.used[0] = 0
+        s = ptabs.used[0]
+        ptabs.used[0] += 1
+        ptabs.slot[r, t] = s
+        pt = ptabs.table[s]
         emax = (1 << ebits) - 1
         for k in range(1 << (2 * ebits)):
             pt[k] = _join(np.uint64(tab[k & emax]), np.uint64(tab[k >> ebits]))
@@ -262,14 +272,14 @@ def _pair_table(r, t, ebits, tab, slot, ptab, used, wanted):
 
 
 @njit(inline="always")
-def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost, slot, ptab, used):
+def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost, ptabs):
     """Huffman-code the exponents of every block into the byte array ``out``, one block's
     stream after the other, each starting at a 32-bit word; cost[b] = block b's bits.
     ``out`` needs 8 bytes of slack after the streams.
 
     Per block, a branch-free pass looks up each pair of elements and joins their
     codes (float16: one lookup per pair in a table of pairs of coded fields, where the block's
-    reference and bank entry cover PAIR_MIN elements of the call or were seen before: packing
+    reference and bank entry have covered PAIR_MIN elements, in this call or before: packing
     the real bucket 1.35x with pext, 1.15x with shifts); in a block with a few +0.0, as if it
     had none, and the pairs that hold one are then looked up again (testing every element cost
     float16 0.2 ms of 2.36 on the real bucket, where 334 of 812 blocks hold 3.5 on average).
@@ -284,9 +294,8 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost, sl
     tab = np.zeros((1 << width) + 1, np.uint32)
     pairs = np.zeros(bs // 2 + 1, np.uint64)
     zpos = np.empty(bs // 16 + 2, np.int64)
-    keyed = np.zeros(slot.shape if paired else (0, 0), np.int64)  # elements per (reference, entry)
     for b in range(table.shape[0] if paired else 0):
-        keyed[ref[b], table[b]] += min(n - b * bs, bs)
+        ptabs.seen[ref[b], table[b]] += min(n - b * bs, bs)
     last_ref = last_table = -1
     s = -1
     word = 0
@@ -295,13 +304,13 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost, sl
             _element_table(np.int64(ref[b]), table[b], codes, lens, ebits, bias, tab)
             last_ref, last_table = ref[b], table[b]
             if paired:
-                s = _pair_table(ref[b], table[b], ebits, tab, slot, ptab, used, keyed[ref[b], table[b]] >= PAIR_MIN)
+                s = _pair_table(ref[b], table[b], ebits, tab, ptabs)
         vb = bits[b * bs:min(n, b * bs + bs)]
         nv = vb.shape[0]
         h = nv // 2
         if nzero[b] * 16 <= nv:  # the pairs as if none held +0.0, then those that do again
             if paired and s >= 0:
-                pt = ptab[s]
+                pt = ptabs.table[s]
                 raw = vb.view(np.uint8)
                 for i in range(h):
                     pairs[i] = pt[_pair_fields(_load_u32(raw, 4 * i), mbits, ebits)]
