@@ -52,6 +52,12 @@ def make(kind: str, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
         x[::97] = 0.0
         x[BS - 1::BS] = 0.0
         x[-1:] = 0.0  # the last of a block whose length is no multiple of a word's lanes
+    elif kind == "zero_runs":  # +0.0 in runs of 1-64 (rows a batch did not touch): odd and even ends
+        x = torch.distributions.Laplace(0.0, 1e-3).sample((n,))
+        lengths = torch.randint(1, 65, (n // 2 + 2,), generator=g)
+        ends = torch.cumsum(lengths, 0)
+        for a, e in zip(ends[0::2].tolist(), ends[1::2].tolist()):  # every other run is zeros
+            x[a:e] = 0.0
     elif kind == "subnormal":  # exponent 0 without +0.0 (which fast paths tell apart by a second look)
         layout = F.LAYOUTS[dtype]
         mant = torch.randint(1, 1 << layout.mbits, (n,), generator=g, dtype=torch.int64)
@@ -72,7 +78,7 @@ def make(kind: str, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return x.to(dtype)
 
 
-KINDS = ["gauss", "laplace", "zeros", "equal", "mixed", "few_zeros", "subnormal", "random_bits"]
+KINDS = ["gauss", "laplace", "zeros", "equal", "mixed", "few_zeros", "zero_runs", "subnormal", "random_bits"]
 SIZES = [0, 1, BS - 1, BS, BS + 1, 5 * BS + 77]
 
 

@@ -272,6 +272,20 @@ def _pair_table(r, t, ebits, tab, ptabs):
 
 
 @njit(inline="always")
+def _lookup_pairs(vb, i0, i1, tab, shift, ptab, s, mbits, ebits, pairs):
+    """pairs[i0:i1] = the codes of element pairs i0..i1 of ``vb``, none of them +0.0: from pair
+    table ``s`` of ``ptab`` if there is one (s >= 0), else from _element_table's ``tab``."""
+    if s >= 0:
+        pt = ptab[s]
+        raw = vb.view(np.uint8)
+        for i in range(i0, i1):
+            pairs[i] = pt[_pair_fields(_load_u32(raw, 4 * i), mbits, ebits)]
+    else:
+        for i in range(i0, i1):
+            pairs[i] = _join(np.uint64(tab[vb[2 * i] >> shift]), np.uint64(tab[vb[2 * i + 1] >> shift]))
+
+
+@njit(inline="always")
 def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost, ptabs):
     """Huffman-code the exponents of every block into the byte array ``out``, one block's
     stream after the other, each starting at a 32-bit word; cost[b] = block b's bits.
@@ -294,6 +308,7 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost, pt
     tab = np.zeros((1 << width) + 1, np.uint32)
     pairs = np.zeros(bs // 2 + 1, np.uint64)
     zpos = np.empty(bs // 16 + 2, np.int64)
+    bounds = np.empty(bs // 8 + 2, np.int64)  # see _nonzero_runs
     for b in range(table.shape[0] if paired else 0):
         ptabs.seen[ref[b], table[b]] += min(n - b * bs, bs)
     last_ref = last_table = -1
@@ -308,19 +323,26 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost, pt
         vb = bits[b * bs:min(n, b * bs + bs)]
         nv = vb.shape[0]
         h = nv // 2
-        if nzero[b] * 16 <= nv:  # the pairs as if none held +0.0, then those that do again
-            if paired and s >= 0:
-                pt = ptabs.table[s]
-                raw = vb.view(np.uint8)
-                for i in range(h):
-                    pairs[i] = pt[_pair_fields(_load_u32(raw, 4 * i), mbits, ebits)]
-            else:
-                for i in range(h):
-                    pairs[i] = _join(np.uint64(tab[vb[2 * i] >> shift]), np.uint64(tab[vb[2 * i + 1] >> shift]))
+        few = nzero[b] * 16 <= nv
+        runs = -1 if few or h == 0 else _nonzero_runs(vb, nv // 16, bounds)
+        if few:  # the pairs as if none held +0.0, then those that do again
+            _lookup_pairs(vb, 0, h, tab, shift, ptabs.table, s, mbits, ebits, pairs)
             _zero_positions(vb, nzero[b], zpos)
             for k in range(nzero[b] if h else 0):
                 i = min(zpos[k] >> 1, h - 1)  # zpos[k] is nv where the tensor changed since it was counted
                 pairs[i] = _join(_element(tab, vb[2 * i], shift, width), _element(tab, vb[2 * i + 1], shift, width))
+        elif runs >= 0:  # pairs inside a run of nonzero elements as above, inside a run of +0.0
+            zero = np.uint64(tab[1 << width])  # the zero pair, and across the ends of runs a second look
+            a = 0  # where the +0.0 before the next run start
+            for q in range(runs + 1):
+                lo, hi = (bounds[2 * q], bounds[2 * q + 1]) if q < runs else (nv, nv)
+                pairs[(a + 1) >> 1:lo >> 1] = _join(zero, zero)
+                _lookup_pairs(vb, (lo + 1) >> 1, hi >> 1, tab, shift, ptabs.table, s, mbits, ebits, pairs)
+                for i in (a >> 1, lo >> 1):
+                    if a < lo and i < h:
+                        pairs[i] = _join(_element(tab, vb[2 * i], shift, width),
+                                         _element(tab, vb[2 * i + 1], shift, width))
+                a = hi
         else:
             for i in range(h):
                 pairs[i] = _join(_element(tab, vb[2 * i], shift, width), _element(tab, vb[2 * i + 1], shift, width))
@@ -398,6 +420,42 @@ def _zero_positions(values, count, zpos):
 
 
 @njit(inline="always")
+def _nonzero_runs(values, cap, bounds):
+    """The runs of nonzero elements of ``values`` (unsigned, 1, 2 or 4 bytes each), run q being
+    values[bounds[2q]:bounds[2q + 1]]; returns their count, or -1 once there are more than ``cap``
+    (element by element is then as fast). Eight bytes at a time, looking into a word only where
+    a run starts or ends in it: blocks dense with +0.0 mostly hold them in long runs (a
+    gradient's rows that the batch did not touch), which the per-element paths took 4-5x longer
+    over than over a block without +0.0."""
+    raw = values.view(np.uint8)
+    lanes = 8 // values.itemsize
+    high = _HIGH if lanes == 8 else (_HIGH16 if lanes == 4 else _HIGH32)
+    n = values.shape[0]
+    w = n // lanes
+    k = 0
+    inside = False  # in a run
+    for i in range(w + (n > lanes * w)):
+        if i < w:
+            m = _nonzero_lanes(np.uint64(_load_u64(raw, 8 * i)), high)
+            if m == (high if inside else np.uint64(0)):  # a uint64 both ways: an int would make both floats
+                continue
+        for t in range(lanes * i, min(n, lanes * i + lanes)):
+            if (values[t] != 0) != inside:
+                if inside:
+                    bounds[2 * k + 1] = t
+                    k += 1
+                elif k == cap:
+                    return -1
+                else:
+                    bounds[2 * k] = t
+                inside = not inside
+    if inside:
+        bounds[2 * k + 1] = n
+        k += 1
+    return k
+
+
+@njit(inline="always")
 def _rest_value_of(v, mmask, mbits, ebits):
     """An element's rest: its sign above the mantissa bits below the coded field."""
     return (v & mmask) | ((v >> (mbits + ebits)) << mbits)
@@ -470,6 +528,7 @@ def _rest_layout(bits, bs, layout, table, nzero, rest_start, rest):
     n = bits.shape[0]
     mmask = (1 << mbits) - 1
     zpos = np.empty(bs // 16 + 2, np.int64)
+    bounds = np.empty(bs // 8 + 2, np.int64)
     sv = np.empty(bs + 4 if side_bits else 0, np.uint8)  # side bits of a block's non-zero elements
     for b in range(table.shape[0]):
         lo = b * bs
@@ -485,7 +544,9 @@ def _rest_layout(bits, bs, layout, table, nzero, rest_start, rest):
             _rest_run(vb, rest, j, sv[:0], mmask, mbits, ebits, rest_bytes, 0)
             _pack_side(vb, rest[j + nv * rest_bytes:], side_bits, True, mmask, mbits, ebits)
             continue
-        if nzero[b] == 0 or (rest_bytes == 1 and nzero[b] * 16 <= nv):  # runs between the few +0.0
+        few = nzero[b] == 0 or (rest_bytes == 1 and nzero[b] * 16 <= nv)
+        runs = -1 if few else _nonzero_runs(vb, nv // 16, bounds)
+        if few:  # runs between the few +0.0
             nz = nzero[b]
             _zero_positions(vb, nz, zpos)
             a = 0
@@ -497,6 +558,14 @@ def _rest_layout(bits, bs, layout, table, nzero, rest_start, rest):
                 j += (e - a) * rest_bytes
                 k += e - a
                 a = e + 1
+        elif runs >= 0:  # many +0.0, in a few runs
+            planned = nv - nzero[b]
+            for q in range(runs):
+                a = bounds[2 * q]
+                e = min(bounds[2 * q + 1], a + planned - k)  # held to the plan, as above
+                _rest_run(vb[a:e], rest, j, sv[k:k + e - a], mmask, mbits, ebits, rest_bytes, side_bits)
+                j += (e - a) * rest_bytes
+                k += e - a
         else:  # j and k held to the plan: a tensor written while it is encoded cannot push them past it
             end = j + (nv - nzero[b]) * rest_bytes
             for i in range(nv):
@@ -826,6 +895,7 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
     xexp = np.empty(LANES * bs + 4, np.uint8)  # used only where a symbol is an escape
     lanes = np.zeros((LANES, 4), np.int64)  # see _lane_symbols
     zpos = np.empty(bs // 16 + 2, np.int64)
+    bounds = np.empty(bs // 8 + 2, np.int64)  # see _nonzero_runs
     ub = np.empty(bs if layout[4] else 0, np.uint8)  # a block's side bits, a byte per element
     for g in range(0, coded.shape[0], LANES):
         m = min(LANES, coded.shape[0] - g)
@@ -837,14 +907,14 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
             if lanes[q, 3] or lanes[q, 0] > word_start[b + 1] * 32:
                 return -1
             err = _join_block(sym[q * bs:q * bs + nv], xexp[q * bs:q * bs + nv], lanes[q, 2], rest, rest_start[b],
-                              layout, np.int64(ref[b]), nzero[b], zpos, ub, out[lo:lo + nv])
+                              layout, np.int64(ref[b]), nzero[b], zpos, bounds, ub, out[lo:lo + nv])
             if err:
                 return err
     return 0
 
 
 @njit(inline="always")
-def _join_block(sb, xb, escapes, rest, j, layout, r, nzero, zpos, ub, ob):
+def _join_block(sb, xb, escapes, rest, j, layout, r, nzero, zpos, bounds, ub, ob):
     """Join one coded block's coded fields and rest (its bytes from byte ``j``; float16: then its
     side bits, unpacked into ``ub``) into ``ob``; returns 0 or an error code."""
     mbits, ebits, emax, rest_bytes, side_bits, itemsize, bias = layout
@@ -871,6 +941,19 @@ def _join_block(sb, xb, escapes, rest, j, layout, r, nzero, zpos, ub, ob):
             if e < nv:
                 ob[e] = 0
             a = e + 1
+        return 0
+    runs = _nonzero_runs(sb, nv // 16, bounds) if fits else -1
+    if runs >= 0:  # many zeros, in a few runs: as above, run by run, and the gaps zeroed
+        a = k = 0
+        for q in range(runs):
+            lo, hi = bounds[2 * q], bounds[2 * q + 1]
+            ob[a:lo] = 0
+            _join_run(ob[lo:hi], sb[lo:hi], xb[lo:hi], rest[j:j + (hi - lo) * rest_bytes], ub[k:k + hi - lo],
+                      r - bias, escapes, mmask, mbits, ebits, rest_bytes, side_bits)
+            j += (hi - lo) * rest_bytes
+            k += hi - lo
+            a = hi
+        ob[a:] = 0
         return 0
     k = 0
     for i in range(nv):

@@ -1,6 +1,7 @@
-"""Parts of the numba encoder against independent definitions: the bit writer's boundary, BMI2's pext
-(zipccl/kernels/bits.py), float16 pair tables (built, kept from call to call, forgotten when all
-slots are taken), and the whole encoder compiled for a CPU without pext."""
+"""Parts of the numba codec (zipccl/kernels/cpu.py) against independent definitions: the runs of
+nonzero elements, the bit writer's boundary, BMI2's pext (zipccl/kernels/bits.py), float16 pair
+tables (built, kept from call to call, forgotten when all slots are taken), and the whole encoder
+compiled for a CPU without pext."""
 
 from __future__ import annotations
 
@@ -31,6 +32,40 @@ def pext_by_definition(value: int, mask: int) -> int:
             out |= (value >> i & 1) << k
             k += 1
     return out
+
+
+def runs_by_definition(values: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each maximal run of nonzero elements."""
+    runs, start = [], None
+    for i, v in enumerate(values.tolist() + [0]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+_runs = njit(lambda values, cap, bounds: C._nonzero_runs(values, cap, bounds))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+def test_nonzero_runs_match_their_definition(dtype):
+    """Every length from 0 to 40 (tails of 0-7 elements after whole words), zeros alone, in runs,
+    at either end, a nonzero lane in a word of zeros and the reverse; and -1 past the cap."""
+    rng = np.random.default_rng(7)
+    for n in range(41):
+        for trial in range(30):
+            density = (0.0, 0.05, 0.5, 0.95, 1.0)[trial % 5]
+            values = ((rng.random(n) < density) * rng.integers(1, 200, n)).astype(dtype)
+            want = runs_by_definition(values)
+            for cap in (len(want), max(len(want) - 1, 0), n):
+                bounds = np.full(2 * n + 2, -7, np.int64)
+                got = _runs(values, cap, bounds)
+                if len(want) > cap:
+                    assert got == -1, (values, cap)
+                else:
+                    assert got == len(want) and list(zip(bounds[0:2 * got:2], bounds[1:2 * got:2])) == want, values
 
 
 def _code_lengths(v: np.ndarray, ref: int, lengths: np.ndarray, layout) -> np.ndarray:
