@@ -58,8 +58,8 @@ def pytest_configure(config):
 #: file). `make test` hands whole files to its two processes in collection order
 #: (--dist loadfile --no-loadscope-reorder): longest first, they finish together.
 LONGEST_FIRST = ("test_codec.py", "test_backend.py", "test_triton.py", "test_soak.py", "test_dead_rank.py",
-                 "test_perf_format.py", "test_fsdp.py", "test_perf_cli.py", "test_ddp.py", "test_fuzz.py",
-                 "test_launch.py", "test_collectives.py", "test_hierarchical.py", "test_sparse.py",
+                 "test_perf_format.py", "test_fsdp.py", "test_perf_cli.py", "test_ddp.py", "test_cpu_kernels.py",
+                 "test_fuzz.py", "test_launch.py", "test_collectives.py", "test_hierarchical.py", "test_sparse.py",
                  "test_device_plan.py", "test_bench_codec.py", "test_gpu_suite_skips.py", "test_faults.py",
                  "test_netlab.py")
 
