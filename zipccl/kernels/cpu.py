@@ -331,9 +331,10 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, codes, lens, out, cost, pt
             for k in range(nzero[b] if h else 0):
                 i = min(zpos[k] >> 1, h - 1)  # zpos[k] is nv where the tensor changed since it was counted
                 pairs[i] = _join(_element(tab, vb[2 * i], shift, width), _element(tab, vb[2 * i + 1], shift, width))
-        elif runs >= 0:  # pairs inside a run of nonzero elements as above, inside a run of +0.0
-            zero = np.uint64(tab[1 << width])  # the zero pair, and across the ends of runs a second look
-            a = 0  # where the +0.0 before the next run start
+        elif runs >= 0:  # +0.0 in a few runs: the pairs inside a run of nonzero elements looked up as
+            # above, those inside the zeros given the zero pair, those across a run's ends a second look
+            zero = np.uint64(tab[1 << width])
+            a = 0  # where the zeros before the next run start
             for q in range(runs + 1):
                 lo, hi = (bounds[2 * q], bounds[2 * q + 1]) if q < runs else (nv, nv)
                 pairs[(a + 1) >> 1:lo >> 1] = _join(zero, zero)
