@@ -81,6 +81,12 @@ def _source(kind: str, n: int, grads: np.ndarray | None, seed: int) -> np.ndarra
         x = rng.laplace(0, 1e-3, size=n)
         x[rng.random(n) < 0.9] = 0.0
         return x.astype(np.float32)
+    if kind == "zero_rows":  # +0.0 in runs of 1-64 (rows a batch did not touch): the run-by-run paths
+        x = rng.laplace(0, 1e-3, size=n)
+        ends = np.cumsum(rng.integers(1, 65, size=n // 2 + 2))
+        for a, e in zip(ends[0::2], ends[1::2]):
+            x[a:e] = 0.0
+        return x.astype(np.float32)
     if kind == "random_bits":
         return rng.integers(0, 1 << 32, size=n, dtype=np.uint64).astype(np.uint32).view(np.float32)
     if kind == "zeros":
@@ -88,7 +94,7 @@ def _source(kind: str, n: int, grads: np.ndarray | None, seed: int) -> np.ndarra
     return rng.normal(0, 1e-2, size=n).astype(np.float32)  # "gauss", and the gradients' stand-in
 
 
-SOURCES = ("grad", "grad_x1e4", "gauss", "mixed", "sparse", "random_bits", "zeros")
+SOURCES = ("grad", "grad_x1e4", "gauss", "mixed", "sparse", "zero_rows", "random_bits", "zeros")
 # (sizes, block sizes) per family: the interpreter and the reference decode small packets only.
 SHAPES = {"raw": ((0, 1, 5, 300, 1000, 4097), (0,)),
           "topk": ((1, 5, 300, 1000, 4097), (0,)),
