@@ -221,13 +221,9 @@ def pair_tables(slots: int) -> PairTables:
                       np.empty((slots, 1 << (2 * lay.ebits)), np.uint64), np.zeros(1, np.int64))
 
 
-# bfloat16 and float32 have no pair tables (two 8-bit fields index 65,536 pairs)
-_NO_PAIRS = PairTables(np.full((0, 0), -1, np.int64), np.zeros((0, 0), np.int64), np.empty((0, 0), np.uint64),
-                       np.zeros(1, np.int64))
-
-
 def _pair_tables() -> PairTables:
-    """This thread's float16 pair tables (2 MB, allocated on its first float16 encode)."""
+    """This thread's float16 pair tables (2 MB, paged in as tables are built; bfloat16 and float32
+    packing leaves them alone: two 8-bit fields would index 65,536 pairs)."""
     t = getattr(_local, "pairs", None)
     if t is None:
         t = _local.pairs = pair_tables(PAIR_SLOTS)
@@ -620,7 +616,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     streams = _scratch("streams", 4 * nb * -(-block_size * longest // 32) + 8, np.uint8)
     if nb:
         _pack(bits, block_size, layout.mbits, ref, tables.assign, nzero, tables.codes, tables.lengths, streams, cost,
-              _pair_tables() if x.dtype == torch.float16 else _NO_PAIRS)
+              _pair_tables())
     pl = plan(tables, ref, cost, nzero, n, block_size, layout)
     buf = np.empty(pl.total_size + 8, dtype=np.uint8)  # the rest section's stores spill up to 8 bytes
     front = pl.front()
