@@ -1,5 +1,5 @@
 """Parts of the numba codec (zipccl/kernels/cpu.py) against independent definitions: the runs of
-nonzero elements, the bit writer's boundary, BMI2's pext (zipccl/kernels/bits.py), float16 pair
+nonzero elements, the bit writers' boundaries, BMI2's pext (zipccl/kernels/bits.py), float16 pair
 tables (built, kept from call to call, forgotten when all slots are taken), and the whole encoder
 compiled for a CPU without pext."""
 
@@ -77,50 +77,127 @@ def _code_lengths(v: np.ndarray, ref: int, lengths: np.ndarray, layout) -> np.nd
     return lengths[sym] + np.where(sym == F.SYM_ESC, layout.ebits, 0)
 
 
-@pytest.mark.parametrize("over_28", [False, True])
-def test_pairs_of_longest_codes_after_seven_pending_bits(over_28):
-    """The bit writer stores two pairs at a time where none is over 28 bits (7 pending bits + 2 x 28
-    < 64): a bfloat16 block whose longest pairs (a 20-bit escape of a large exponent and a code:
-    29 bits, or the longest up to 28 that the block's bank entry makes) come two by two after
-    exactly 7 bits, byte for byte as the reference.
+def _as_float(v: np.ndarray, dtype) -> torch.Tensor:
+    return torch.from_numpy(v.astype(np.uint16).view(np.int16)).view(dtype)
+
+
+class _Crafted:
+    """A 4,096-element bfloat16 or float16 block whose stream a test shapes element by element.
     Only every 8th element is sampled, so the others shape the stream without changing the block's
-    reference exponent or bank entry; they take the shortest code, but where one sets the pending bits."""
-    lay = F.LAYOUTS[torch.bfloat16]
-    g = torch.Generator().manual_seed(0)
-    v = (torch.randn(4096, generator=g) * 0.01).bfloat16().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
-    as_bf16 = lambda v: torch.from_numpy(v.astype(np.uint16).view(np.int16)).view(torch.bfloat16)  # noqa: E731
-    lp = parse_lossless(Lossless("reference", block_size=4096).encode(as_bf16(v)))
-    ref, entry = int(lp.ref[0]), int(lp.table[0])
-    lengths = lp.lengths[entry]
-    escape = lengths[F.SYM_ESC] + lay.ebits
-    sym_of = {int(n): s for s, n in reversed(list(enumerate(lengths))) if s >= 2}  # a symbol per length
+    reference exponent or bank entry; they start with the shortest code."""
+
+    def __init__(self, dtype=torch.bfloat16, seed: int = 0):
+        self.dtype, self.lay = dtype, F.LAYOUTS[dtype]
+        g = torch.Generator().manual_seed(seed)
+        self.v = (torch.randn(4096, generator=g) * 0.01).to(dtype).view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+        lp = parse_lossless(Lossless("reference", block_size=4096).encode(self.tensor()))
+        self.key = int(lp.ref[0]), int(lp.table[0])
+        self.lengths = lp.lengths[self.key[1]]
+        self.escape = int(self.lengths[F.SYM_ESC]) + self.lay.ebits
+        self.sym_of = {int(n): s for s, n in reversed(list(enumerate(self.lengths))) if s >= 2}  # a symbol per length
+        free = np.arange(4096) % 8 != 0
+        self.v[free] = self.field(self.sym_of[min(self.sym_of)]) | (self.v[free] & 0x7F)
+
+    def tensor(self) -> torch.Tensor:
+        return _as_float(self.v, self.dtype)
+
+    def field(self, s: int) -> int:
+        """Symbol s's coded field, in place."""
+        return (self.key[0] + s - self.lay.offset_bias) << self.lay.mbits
+
+    def code(self, n: int) -> int:
+        """An element whose code takes n bits: an escape (a large exponent), or the symbol of that length."""
+        big = (self.lay.emax - 3) << self.lay.mbits
+        return big | 0x2A if n == self.escape else self.field(self.sym_of[n]) | 0x55
+
+    def bits(self) -> np.ndarray:
+        return _code_lengths(self.v, self.key[0], self.lengths, self.lay)
+
+    def pend_seven(self, at: int) -> bool:
+        """Sets element at - 1 so that 7 bits are pending before element ``at``, if some code does."""
+        for s in sorted(self.sym_of.values()):
+            self.v[at - 1] = self.field(s)
+            if _code_lengths(self.v[:at], self.key[0], self.lengths, self.lay).sum() % 8 == 7:
+                return True
+        return False
+
+    def check(self, monkeypatch, zero: bool) -> None:
+        """The block (with one +0.0 as its last element if ``zero``), byte for byte as the reference;
+        float16 packed five times, its pair table built on the fourth (PAIR_MIN)."""
+        if zero:
+            self.v[-1] = 0
+        x = self.tensor()
+        want = Lossless("reference", block_size=4096).encode(x)
+        lp = parse_lossless(want)
+        assert (int(lp.ref[0]), int(lp.table[0])) == self.key
+        tables = C.pair_tables(C.PAIR_SLOTS)
+        monkeypatch.setattr(C, "_pair_tables", lambda: tables)
+        for _ in range(5 if self.dtype == torch.float16 else 1):
+            assert torch.equal(Lossless("numba", block_size=4096).encode(x), want)
+        assert tables.used[0] == (self.dtype == torch.float16)
+
+
+def _lengths_summing_to(options: list[int], count: int, total: int) -> list[int] | None:
+    """``count`` code lengths from ``options`` that add up to ``total``, or None."""
+    if count == 0:
+        return [] if total == 0 else None
+    for n in sorted(options, reverse=True):
+        if n <= total:
+            rest = _lengths_summing_to(options, count - 1, total - n)
+            if rest is not None:
+                return [n, *rest]
+    return None
+
+
+@pytest.mark.parametrize("over_28", [False, True])
+def test_pairs_of_longest_codes_after_seven_pending_bits(monkeypatch, over_28):
+    """In a block with +0.0, the bit writer stores two pairs at a time where none is over 28 bits
+    (7 pending bits + 2 x 28 < 64): a bfloat16 block whose longest pairs (a 20-bit escape of a large
+    exponent and a code: 29 bits, or the longest up to 28 that the block's bank entry makes) come
+    two by two after exactly 7 bits, byte for byte as the reference."""
+    c = _Crafted()
+    sym_of, escape = c.sym_of, c.escape
     longest = 29 if over_28 else max(escape + n for n in sym_of if escape + n <= 28)
     assert longest - escape in sym_of, "the bank entry has no code to pair with an escape"
-    field = lambda s: ref + s - lay.offset_bias  # noqa: E731
-    shortest = sym_of[min(sym_of)]
-    free = np.arange(4096) % 8 != 0
-    v[free] = field(shortest) << lay.mbits | (v[free] & 0x7F)
-    big = (0xFF - 3) << lay.mbits  # an escape whose raw field's top bit is the pair's last bit
     placed = 0
-    for gr in range(1, 512, 3):
-        at = 8 * gr
-        for s in sorted(sym_of.values()):  # element at + 3 makes 7 bits pending before at + 4
-            v[at + 3] = field(s) << lay.mbits
-            if _code_lengths(v[:at + 4], ref, lengths, lay).sum() % 8 == 7:
-                break
-        else:
-            continue
-        for i in (at + 4, at + 6):
-            v[i] = field(sym_of[longest - escape]) << lay.mbits | 0x55
-            v[i + 1] = big | 0x2A
-        placed += 1
-    x = as_bf16(v)
-    want = Lossless("reference", block_size=4096).encode(x)
-    lp = parse_lossless(want)
-    assert (int(lp.ref[0]), int(lp.table[0])) == (ref, entry) and placed >= 50
-    pairs = _code_lengths(v, ref, lengths, lay).reshape(-1, 2).sum(axis=1)
-    assert pairs.max() == longest
-    assert torch.equal(Lossless("numba", block_size=4096).encode(x), want)
+    for gr in range(1, 511, 3):
+        at = 8 * gr + 4
+        if c.pend_seven(at):
+            for i in (at, at + 2):
+                c.v[i], c.v[i + 1] = c.code(longest - escape), c.code(escape)
+            placed += 1
+    assert placed >= 50
+    assert c.bits().reshape(-1, 2).sum(axis=1).max() == longest
+    c.check(monkeypatch, zero=True)
+
+
+@pytest.mark.parametrize("dtype,group,bits", ids=lambda v: str(v).removeprefix("torch."), argvalues=[
+    (torch.bfloat16, 4, 56), (torch.bfloat16, 4, 57), (torch.bfloat16, 2, 57),
+    (torch.float16, 4, 56), (torch.float16, 4, 57),  # float16 codes are at most 12 bits: 4 never pass 56
+])
+def test_groups_of_pairs_packed_whole_up_to_56_bits(monkeypatch, dtype, group, bits):
+    """A block without +0.0 is packed with its lookups inside the append, ``group`` pairs at a time
+    where no group's codes are over 56 bits (7 pending + 56 < 64), else two pairs at a time, else
+    through the passes above: a block whose aligned groups of 2 x ``group`` elements take exactly
+    ``bits`` after exactly 7 pending bits, byte for byte as the reference (float16 with and without
+    its pair table)."""
+    c = _Crafted(dtype, seed=1)
+    options = [*c.sym_of, c.escape]
+    placed = 0
+    for gr in range(1, 511, 3):
+        at = 8 * gr + (4 if group == 2 else 0)  # a group of 2 pairs avoids the sampled element
+        sampled = int(c.bits()[at]) if group == 4 else 0
+        fill = _lengths_summing_to(options, 2 * group - (group == 4), bits - sampled)
+        assert fill is not None, (options, bits)
+        if c.pend_seven(at):
+            c.v[at + (group == 4):at + 2 * group] = [c.code(n) for n in fill]
+            placed += 1
+    n = c.bits()
+    at = np.arange(0, 4096, 2 * group)
+    starts = np.concatenate([[0], np.cumsum(n)])[at] % 8
+    sums = n.reshape(-1, 2 * group).sum(axis=1)
+    assert placed >= 50 and ((sums == bits) & (starts == 7)).sum() == placed and sums.max() == bits
+    c.check(monkeypatch, zero=False)
 
 
 def _words(n: int) -> list[int]:
