@@ -52,7 +52,7 @@ from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NS
 from ..reference import tables as T
 from ..reference.packet import LosslessPacket, parse_lossless
 from ..reference.plan import choose, plan
-from .bits import FAST_PEXT, pext
+from .bits import FAST_PEXT, pext, prefetch
 from .bits import load_u32 as _load_u32, load_u64 as _load_u64, store_u32 as _store_u32, store_u64 as _store_u64
 
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
@@ -108,6 +108,8 @@ def _analyse_layout(bits, bs, layout, ref, hist, nzero):
         zs = 0  # +0.0 hides among exponent 0: counted apart, in the same loop (float16 0.1 ms)
         j = 0
         while j + _HISTS <= m:
+            for k in range(0, _HISTS * SAMPLE_STRIDE * itemsize, 64):  # the lines of the next samples
+                prefetch(vb, j * SAMPLE_STRIDE + PREFETCH + k // itemsize)
             for k in range(_HISTS):
                 v = vb[(j + k) * SAMPLE_STRIDE]
                 cnt[k, (v >> mbits) & emax] += 1
@@ -200,6 +202,7 @@ def _pack(bits, bs, mbits, ref, table, nzero, codes, lens, out, cost, ptabs):
         _pack_layout(bits, bs, _FP32, ref, table, nzero, codes, lens, out, cost, ptabs)
 
 
+PREFETCH = 1024  # elements ahead that packing asks the cache for
 PAIR_SLOTS = 64  # float16 pair tables a thread keeps (32 KB each)
 PAIR_MIN = 16384  # elements of one (reference, bank entry) that pay for building its pair table
 
@@ -312,6 +315,7 @@ def _pack_direct(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos):
     over = np.uint64(0)  # ORs each group's bits + 7: >= 64 where one did not fit
     i = 0
     while i + group <= h:
+        prefetch(vb, 2 * i + PREFETCH)
         if group == 4:
             c0 = _join(_pair_code(vb, raw, i, tab, shift, pt, by_pair, mbits, ebits),
                        _pair_code(vb, raw, i + 1, tab, shift, pt, by_pair, mbits, ebits))
@@ -544,17 +548,23 @@ def _rest_value_of(v, mmask, mbits, ebits):
 @njit(inline="always")
 def _rest_run(vb, rest, j, sv, mmask, mbits, ebits, rest_bytes, side_bits):
     """Rest bytes of a run without +0.0, from byte ``j`` of section 3, and (float16) each
-    element's side bits into ``sv``, a slice as long as the run."""
-    if rest_bytes == 1:
-        rb = rest[j:j + vb.shape[0]]  # a slice, not offsets: the loop vectorizes
-        for i in range(vb.shape[0]):
-            rb[i] = _rest_value_of(np.int64(vb[i]), mmask, mbits, ebits)
-        if side_bits:
-            for i in range(vb.shape[0]):
-                sv[i] = _rest_value_of(np.int64(vb[i]), mmask, mbits, ebits) >> 8
-    else:
-        for i in range(vb.shape[0]):
-            _store_u32(rest, j + rest_bytes * i, _rest_value_of(np.int64(vb[i]), mmask, mbits, ebits))
+    element's side bits into ``sv``, a slice as long as the run. In chunks of 256 elements, each
+    asking the cache for its lines PREFETCH elements ahead."""
+    for c in range(0, vb.shape[0], 256):
+        for k in range(0, 256 * (4 if rest_bytes == 3 else 2), 64):
+            prefetch(vb, c + PREFETCH + k // (4 if rest_bytes == 3 else 2))
+        vc = vb[c:c + 256]
+        if rest_bytes == 1:
+            rb = rest[j + c:j + c + vc.shape[0]]  # a slice, not offsets: the loop vectorizes
+            for i in range(vc.shape[0]):
+                rb[i] = _rest_value_of(np.int64(vc[i]), mmask, mbits, ebits)
+            if side_bits:
+                sc = sv[c:c + vc.shape[0]]
+                for i in range(vc.shape[0]):
+                    sc[i] = _rest_value_of(np.int64(vc[i]), mmask, mbits, ebits) >> 8
+        else:
+            for i in range(vc.shape[0]):
+                _store_u32(rest, j + rest_bytes * (c + i), _rest_value_of(np.int64(vc[i]), mmask, mbits, ebits))
 
 
 @njit(inline="always")
