@@ -76,15 +76,22 @@ def pext(typingctx, value, mask):
     return types.uint64(value, mask), codegen
 
 
-@intrinsic
-def prefetch(typingctx, buf, pos):
-    """A hint to bring the cache line of element ``pos`` of array ``buf`` in for reading
-    (``llvm.prefetch``; no effect on what a kernel computes, and never a fault)."""
-    def codegen(context, builder, sig, args):
-        arr = context.make_array(sig.args[0])(context, builder, args[0])
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.bitcast(builder.gep(arr.data, [args[1]]), i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-    return types.void(buf, pos), codegen
+def _prefetch(write: int):
+    """An intrinsic ``f(buf, pos)``: a hint to bring the cache line of element ``pos`` of array
+    ``buf`` in, to read it or (``write``) to write it (``llvm.prefetch``; no effect on what a
+    kernel computes, and never a fault, wherever ``pos`` points)."""
+    @intrinsic
+    def prefetch_(typingctx, buf, pos):
+        def codegen(context, builder, sig, args):
+            arr = context.make_array(sig.args[0])(context, builder, args[0])
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8")
+            builder.call(fn, [builder.bitcast(builder.gep(arr.data, [args[1]]), i8p), i32(write), i32(3), i32(1)])
+            return context.get_dummy_value()
+        return types.void(buf, pos), codegen
+    return prefetch_
+
+
+prefetch = _prefetch(0)
+prefetch_write = _prefetch(1)

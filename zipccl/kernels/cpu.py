@@ -52,7 +52,7 @@ from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NS
 from ..reference import tables as T
 from ..reference.packet import LosslessPacket, parse_lossless
 from ..reference.plan import choose, plan
-from .bits import FAST_PEXT, pext, prefetch
+from .bits import FAST_PEXT, pext, prefetch, prefetch_write
 from .bits import load_u32 as _load_u32, load_u64 as _load_u64, store_u32 as _store_u32, store_u64 as _store_u64
 
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
@@ -806,10 +806,14 @@ def _single(stream, lut, p, k, x, xbits, sym, xexp):
 
 
 @njit(inline="always")
-def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mluts, sym, xexp, lanes):
+def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mluts, sym, xexp, lanes,
+                  rest, out, ahead, rest_lines, out_lines):
     """Decode the symbols of the ``m`` coded blocks ``blocks[:m]`` into ``sym``, block q's at
     q * bs, and each escape's raw field into ``xexp`` alike.
     lanes[q] = (bit position, symbol position, escapes, error), block q's at the end.
+    ahead = where the next group's stream, rest bytes and output start (bytes, bytes, elements):
+    each round asks the cache for a line of the one, ``rest_lines`` of the other and
+    ``out_lines`` of the output, so that they are in when the next group comes.
 
     Four blocks go in lock step. Each lane refills a 64-bit bit container once per round
     and makes ROUND lookups on it, loading nothing but the table, so the loop
@@ -827,7 +831,17 @@ def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mlut
         k0, k1, k2, k3 = lanes[0, 1], lanes[1, 1], lanes[2, 1], lanes[3, 1]
         x0 = x1 = x2 = x3 = np.int64(0)
         lim = min(bs, n - b3 * bs) - 4 * ROUND
+        ps, pr, po = ahead[0], ahead[1], ahead[2]
+        step = 64 // out.itemsize
         while k0 <= lim and k1 <= bs + lim and k2 <= 2 * bs + lim and k3 <= 3 * bs + lim and not bad:
+            prefetch(stream, ps)
+            ps += 64
+            for _ in range(rest_lines):
+                prefetch(rest, pr)
+                pr += 64
+            for _ in range(out_lines):
+                prefetch_write(out, po)
+                po += step
             c0, c1, c2, c3 = _reader(stream, p0), _reader(stream, p1), _reader(stream, p2), _reader(stream, p3)
             u0 = u1 = u2 = u3 = np.int64(0)
             for _ in range(ROUND):
@@ -987,9 +1001,14 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
     zpos = np.empty(bs // 16 + 2, np.int64)
     bounds = np.empty(bs // 8 + 2, np.int64)  # see _nonzero_runs
     ub = np.empty(bs if layout[4] else 0, np.uint8)  # a block's side bits, a byte per element
+    ahead = np.zeros(3, np.int64)  # see _lane_symbols
     for g in range(0, coded.shape[0], LANES):
         m = min(LANES, coded.shape[0] - g)
-        _lane_symbols(stream, bs, n, layout[1], coded[g:g + m], m, table, word_start, luts, mluts, sym, xexp, lanes)
+        if g + LANES < coded.shape[0]:
+            nb = coded[g + LANES]
+            ahead[0], ahead[1], ahead[2] = 4 * word_start[nb], rest_start[nb], nb * bs
+        _lane_symbols(stream, bs, n, layout[1], coded[g:g + m], m, table, word_start, luts, mluts, sym, xexp, lanes,
+                      rest, out, ahead, layout[3] + (layout[4] > 0), itemsize)
         for q in range(m):
             b = coded[g + q]
             lo = b * bs
