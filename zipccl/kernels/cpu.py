@@ -289,6 +289,17 @@ def _lookup_pairs(vb, i0, i1, tab, shift, ptab, s, mbits, ebits, pairs):
 
 
 @njit(inline="always")
+def _put(out, pos, acc, pending, code, length):
+    """Append ``length`` bits of ``code`` (pending + length < 64) to the stream at byte ``pos``
+    of ``out``, whose last ``pending`` (< 8) bits are in ``acc``: one unaligned 64-bit store,
+    advancing by whole bytes. Returns (pos, acc, pending)."""
+    acc |= code << pending
+    pending += length
+    _store_u64(out, pos, acc)
+    return pos + np.int64(pending >> _U3), acc >> (pending & _U56), pending & _U7
+
+
+@njit(inline="always")
 def _pair_code(vb, raw, i, tab, shift, pt, by_pair, mbits, ebits):
     """Pair i of ``vb`` (neither element +0.0) as code << 8 | length: from the pair table ``pt``
     if ``by_pair``, else from _element_table's ``tab``."""
@@ -330,12 +341,8 @@ def _pack_direct(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos):
         ln = (c0 & _U255) + (c1 & _U255)
         total += ln
         over |= ln + _U7
-        acc |= ((c0 >> _U8) | ((c1 >> _U8) << ((c0 & _U255) & _U63))) << pending  # & 63: defined if over
-        pending += ln
-        _store_u64(out, pos, acc)
-        pos += np.int64(pending >> _U3)
-        acc >>= pending & _U56
-        pending &= _U7
+        # & 63: a defined shift where the group is over
+        pos, acc, pending = _put(out, pos, acc, pending, (c0 >> _U8) | ((c1 >> _U8) << ((c0 & _U255) & _U63)), ln)
         i += group
     while i <= h:  # the last pairs, at most 40 bits each, and an odd last element
         if i < h:
@@ -344,13 +351,8 @@ def _pack_direct(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos):
             c0 = np.uint64(tab[vb[vb.shape[0] - 1] >> shift])
         else:
             c0 = np.uint64(0)
-        acc |= (c0 >> _U8) << pending
-        pending += c0 & _U255
         total += c0 & _U255
-        _store_u64(out, pos, acc)
-        pos += np.int64(pending >> _U3)
-        acc >>= pending & _U56
-        pending &= _U7
+        pos, acc, pending = _put(out, pos, acc, pending, c0 >> _U8, c0 & _U255)
         i += 1
     _store_u64(out, pos, acc)
     return total, over < 64
@@ -452,20 +454,11 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, escapes, codes, lens, out,
         if longest <= 28:  # two pairs fit: 7 + 2 * 28 < 64
             while i + 2 <= h:
                 p0, p1 = pairs[i], pairs[i + 1]
-                acc |= ((p0 >> _U8) | ((p1 >> _U8) << (p0 & _U255))) << pending
-                pending += (p0 & _U255) + (p1 & _U255)
-                _store_u64(out, pos, acc)
-                pos += np.int64(pending >> _U3)
-                acc >>= pending & _U56
-                pending &= _U7
+                pos, acc, pending = _put(out, pos, acc, pending, (p0 >> _U8) | ((p1 >> _U8) << (p0 & _U255)),
+                                         (p0 & _U255) + (p1 & _U255))
                 i += 2
         while i < h:  # a pair is at most 40 bits (two escapes)
-            acc |= (pairs[i] >> _U8) << pending
-            pending += pairs[i] & _U255
-            _store_u64(out, pos, acc)
-            pos += np.int64(pending >> _U3)
-            acc >>= pending & _U56
-            pending &= _U7
+            pos, acc, pending = _put(out, pos, acc, pending, pairs[i] >> _U8, pairs[i] & _U255)
             i += 1
         _store_u64(out, pos, acc)
         cost[b] = total
