@@ -18,7 +18,7 @@ import torch
 
 from zipccl.bench.common import DEFAULT_DATA
 from zipccl.codecs import Lossless
-from zipccl.format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, SYM_ESC, num_blocks
+from zipccl.format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, num_blocks
 from zipccl.kernels import cpu as C
 from zipccl.reference.packet import parse_lossless
 from zipccl.reference.plan import choose, plan
@@ -45,7 +45,7 @@ def stages(x: torch.Tensor) -> dict:
     tables = choose(hist, x.dtype)
     cost = np.zeros(nb, np.int64)
     streams = np.empty(4 * nb * bs + 8, np.uint8)
-    pack = lambda: C._pack(bits, bs, layout.mbits, ref, tables.assign, nzero, hist[:, SYM_ESC].copy(), tables.codes,  # noqa: E731
+    pack = lambda: C._pack(bits, bs, layout.mbits, ref, tables.assign, nzero, hist, tables.codes,  # noqa: E731
                            tables.lengths, streams, cost, C._pair_tables())
     pack()
     pl = plan(tables, ref, cost, nzero, n, bs, layout)

@@ -192,14 +192,14 @@ def _join(e0, e1):
 
 
 @njit(**_NOGIL)
-def _pack(bits, bs, mbits, ref, table, nzero, escapes, codes, lens, out, cost, ptabs):
+def _pack(bits, bs, mbits, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
     """_pack_layout for the dtype that ``mbits`` tells (see _constants)."""
     if mbits == _BF16[0]:
-        _pack_layout(bits, bs, _BF16, ref, table, nzero, escapes, codes, lens, out, cost, ptabs)
+        _pack_layout(bits, bs, _BF16, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
     elif mbits == _FP16[0]:
-        _pack_layout(bits, bs, _FP16, ref, table, nzero, escapes, codes, lens, out, cost, ptabs)
+        _pack_layout(bits, bs, _FP16, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
     else:
-        _pack_layout(bits, bs, _FP32, ref, table, nzero, escapes, codes, lens, out, cost, ptabs)
+        _pack_layout(bits, bs, _FP32, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
 
 
 PREFETCH = 1024  # elements ahead that the encoder's passes ask the cache for
@@ -275,17 +275,25 @@ def _pair_table(r, t, ebits, tab, ptabs):
 
 
 @njit(inline="always")
+def _pair_code(vb, raw, i, tab, shift, pt, by_pair, mbits, ebits):
+    """Pair i of ``vb`` (neither element +0.0) as code << 8 | length: from the pair table ``pt``
+    if ``by_pair``, else from _element_table's ``tab``."""
+    if by_pair:
+        return pt[_pair_fields(_load_u32(raw, 4 * i), mbits, ebits)]
+    return _join(np.uint64(tab[vb[2 * i] >> shift]), np.uint64(tab[vb[2 * i + 1] >> shift]))
+
+
+@njit(inline="always")
 def _lookup_pairs(vb, i0, i1, tab, shift, ptab, s, mbits, ebits, pairs):
     """pairs[i0:i1] = the codes of element pairs i0..i1 of ``vb``, none of them +0.0: from pair
     table ``s`` of ``ptab`` if there is one (s >= 0), else from _element_table's ``tab``."""
+    raw = vb.view(np.uint8)
     if s >= 0:
-        pt = ptab[s]
-        raw = vb.view(np.uint8)
         for i in range(i0, i1):
-            pairs[i] = pt[_pair_fields(_load_u32(raw, 4 * i), mbits, ebits)]
+            pairs[i] = _pair_code(vb, raw, i, tab, shift, ptab[s], True, mbits, ebits)
     else:
         for i in range(i0, i1):
-            pairs[i] = _join(np.uint64(tab[vb[2 * i] >> shift]), np.uint64(tab[vb[2 * i + 1] >> shift]))
+            pairs[i] = _pair_code(vb, raw, i, tab, shift, ptab[0], False, mbits, ebits)
 
 
 @njit(inline="always")
@@ -300,16 +308,16 @@ def _put(out, pos, acc, pending, code, length):
 
 
 @njit(inline="always")
-def _pair_code(vb, raw, i, tab, shift, pt, by_pair, mbits, ebits):
-    """Pair i of ``vb`` (neither element +0.0) as code << 8 | length: from the pair table ``pt``
-    if ``by_pair``, else from _element_table's ``tab``."""
-    if by_pair:
-        return pt[_pair_fields(_load_u32(raw, 4 * i), mbits, ebits)]
-    return _join(np.uint64(tab[vb[2 * i] >> shift]), np.uint64(tab[vb[2 * i + 1] >> shift]))
+def _pack_direct(vb, tab, shift, pt, by_pair, mbits, ebits, out, pos):
+    """_pack_groups four pairs a step, else two: (the block's bits, whether either fitted)."""
+    total, fits = _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, 4, out, pos)
+    if not fits:
+        total, fits = _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, 2, out, pos)
+    return total, fits
 
 
 @njit(inline="always")
-def _pack_direct(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos):
+def _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos):
     """Code a block without +0.0 straight into the stream at byte ``pos`` of ``out``, looking up
     ``group`` (2 or 4) pairs per append: (its bits, whether it fits), where it does not fit if
     some group's codes are over 56 bits (7 pending + 56 < 64), and the stream written is then
@@ -344,28 +352,27 @@ def _pack_direct(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos):
         # & 63: a defined shift where the group is over
         pos, acc, pending = _put(out, pos, acc, pending, (c0 >> _U8) | ((c1 >> _U8) << ((c0 & _U255) & _U63)), ln)
         i += group
-    while i <= h:  # the last pairs, at most 40 bits each, and an odd last element
-        if i < h:
-            c0 = _pair_code(vb, raw, i, tab, shift, pt, by_pair, mbits, ebits)
-        elif vb.shape[0] & 1:
-            c0 = np.uint64(tab[vb[vb.shape[0] - 1] >> shift])
-        else:
-            c0 = np.uint64(0)
+    while i < h:  # the last pairs, at most 40 bits each
+        c0 = _pair_code(vb, raw, i, tab, shift, pt, by_pair, mbits, ebits)
         total += c0 & _U255
         pos, acc, pending = _put(out, pos, acc, pending, c0 >> _U8, c0 & _U255)
         i += 1
+    if vb.shape[0] & 1:
+        c0 = np.uint64(tab[vb[vb.shape[0] - 1] >> shift])
+        total += c0 & _U255
+        pos, acc, pending = _put(out, pos, acc, pending, c0 >> _U8, c0 & _U255)
     _store_u64(out, pos, acc)
     return total, over < 64
 
 
 @njit(inline="always")
-def _pack_layout(bits, bs, layout, ref, table, nzero, escapes, codes, lens, out, cost, ptabs):
+def _pack_layout(bits, bs, layout, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
     """Huffman-code the exponents of every block into the byte array ``out``, one block's
     stream after the other, each starting at a 32-bit word; cost[b] = block b's bits.
     ``out`` needs 8 bytes of slack after the streams.
 
-    A block without +0.0 or sampled escapes (``escapes``: the sample's, from the histogram pass)
-    goes through _pack_direct, four pairs a step, else two: where the sample holds escapes, groups
+    A block without +0.0 or escapes in its sample (``hist``, the histogram pass's) goes through
+    _pack_direct, four pairs a step, else two: where the sample holds escapes, groups
     too long for a step are likely, and trying cost more than it saved (the small GPT's bf16
     gradients, where 30 of 105 blocks have one: packing 0.31 ms, 0.36 with every such block tried,
     0.32 with those whose sample holds escapes left out). Otherwise (or if neither fits), a
@@ -401,16 +408,11 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, escapes, codes, lens, out,
         vb = bits[b * bs:min(n, b * bs + bs)]
         nv = vb.shape[0]
         h = nv // 2
-        if nzero[b] == 0 and escapes[b] == 0:  # four pairs a step, else two, else the passes below
-            pt = ptabs.table[s]
+        if nzero[b] == 0 and hist[b, SYM_ESC] == 0:  # whole groups of pairs, else the passes below
             if s >= 0:
-                total, fits = _pack_direct(vb, tab, shift, pt, True, mbits, ebits, 4, out, word * 4)
-                if not fits:
-                    total, fits = _pack_direct(vb, tab, shift, pt, True, mbits, ebits, 2, out, word * 4)
+                total, fits = _pack_direct(vb, tab, shift, ptabs.table[s], True, mbits, ebits, out, word * 4)
             else:
-                total, fits = _pack_direct(vb, tab, shift, pt, False, mbits, ebits, 4, out, word * 4)
-                if not fits:
-                    total, fits = _pack_direct(vb, tab, shift, pt, False, mbits, ebits, 2, out, word * 4)
+                total, fits = _pack_direct(vb, tab, shift, ptabs.table[0], False, mbits, ebits, out, word * 4)
             if fits:
                 cost[b] = total
                 word += (np.int64(total) + 31) // 32
@@ -709,8 +711,8 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     longest = MAXLEN + layout.ebits
     streams = _scratch("streams", 4 * nb * -(-block_size * longest // 32) + 8, np.uint8)
     if nb:
-        _pack(bits, block_size, layout.mbits, ref, tables.assign, nzero, hist[:, SYM_ESC].copy(), tables.codes,
-              tables.lengths, streams, cost, _pair_tables())
+        _pack(bits, block_size, layout.mbits, ref, tables.assign, nzero, hist, tables.codes, tables.lengths, streams,
+              cost, _pair_tables())
     pl = plan(tables, ref, cost, nzero, n, block_size, layout)
     buf = np.empty(pl.total_size + 8, dtype=np.uint8)  # the rest section's stores spill up to 8 bytes
     front = pl.front()
@@ -808,12 +810,12 @@ def _single(stream, lut, p, k, x, xbits, sym, xexp):
 
 @njit(inline="always")
 def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mluts, sym, xexp, lanes,
-                  rest, out, ahead, rest_lines, out_lines):
+                  rest, out, ps, pr, po, rest_lines, out_lines):
     """Decode the symbols of the ``m`` coded blocks ``blocks[:m]`` into ``sym``, block q's at
     q * bs, and each escape's raw field into ``xexp`` alike.
     lanes[q] = (bit position, symbol position, escapes, error), block q's at the end.
-    ahead = where the next group's stream, rest bytes and output start (bytes, bytes, elements):
-    each round asks the cache for a line of the one, ``rest_lines`` of the other and
+    ps, pr, po = where the next group's stream, rest bytes and output start (bytes, bytes,
+    elements): each round asks the cache for a line of the one, ``rest_lines`` of the other and
     ``out_lines`` of the output, so that they are in when the next group comes.
 
     Four blocks go in lock step. Each lane refills a 64-bit bit container once per round
@@ -832,7 +834,6 @@ def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mlut
         k0, k1, k2, k3 = lanes[0, 1], lanes[1, 1], lanes[2, 1], lanes[3, 1]
         x0 = x1 = x2 = x3 = np.int64(0)
         lim = min(bs, n - b3 * bs) - 4 * ROUND
-        ps, pr, po = ahead[0], ahead[1], ahead[2]
         step = 64 // out.itemsize
         while k0 <= lim and k1 <= bs + lim and k2 <= 2 * bs + lim and k3 <= 3 * bs + lim and not bad:
             prefetch(stream, ps)
@@ -1002,14 +1003,11 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
     zpos = np.empty(bs // 16 + 2, np.int64)
     bounds = np.empty(bs // 8 + 2, np.int64)  # see _nonzero_runs
     ub = np.empty(bs if layout[4] else 0, np.uint8)  # a block's side bits, a byte per element
-    ahead = np.zeros(3, np.int64)  # see _lane_symbols
     for g in range(0, coded.shape[0], LANES):
         m = min(LANES, coded.shape[0] - g)
-        if g + LANES < coded.shape[0]:
-            nxt = coded[g + LANES]
-            ahead[0], ahead[1], ahead[2] = 4 * word_start[nxt], rest_start[nxt], nxt * bs
+        nxt = coded[min(g + LANES, coded.shape[0] - 1)]  # the next group's first block (the last: itself)
         _lane_symbols(stream, bs, n, layout[1], coded[g:g + m], m, table, word_start, luts, mluts, sym, xexp, lanes,
-                      rest, out, ahead, layout[3] + (layout[4] > 0), itemsize)
+                      rest, out, 4 * word_start[nxt], rest_start[nxt], nxt * bs, layout[3] + (layout[4] > 0), itemsize)
         for q in range(m):
             b = coded[g + q]
             lo = b * bs
