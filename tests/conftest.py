@@ -11,9 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-# No GPU here: the Triton kernels run on CPU tensors under Triton's interpreter. It must be set
-# before zipccl.kernels.gpu is imported, because @triton.jit decides at decoration time.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 # NCCL's rules on gloo (zipccl.transport.strict): every collective of the suite proves that it posts
 # exact-size receives, matches messages in issue order without tags and groups its sends and receives.
 os.environ.setdefault("ZIPCCL_STRICT_TRANSPORT", "1")
@@ -60,7 +57,7 @@ def pytest_configure(config):
 LONGEST_FIRST = ("test_codec.py", "test_backend.py", "test_triton.py", "test_soak.py", "test_dead_rank.py",
                  "test_perf_format.py", "test_fsdp.py", "test_perf_cli.py", "test_ddp.py", "test_cpu_kernels.py",
                  "test_fuzz.py", "test_launch.py", "test_collectives.py", "test_hierarchical.py", "test_sparse.py",
-                 "test_device_plan.py", "test_bench_codec.py", "test_gpu_suite_skips.py", "test_faults.py",
+                 "test_device_plan.py", "test_bench_codec.py", "test_faults.py",
                  "test_netlab.py")
 
 
@@ -98,6 +95,7 @@ def pool(pool_factory):
     return pool_factory()
 
 
-# Skips are printed with their reasons (-rs in `make test`); under CI a skip that is not allowed, at
-# collection or at run time, fails the run, and hypothesis is derandomized: tests/ci_rules.py.
-pytest_plugins = ("ci_rules",)
+# Under CI nothing passes silently (an unexpected skip, xfail or deselection fails the run) and
+# hypothesis is derandomized: tests/ci_rules.py. Triton's interpreter for CPU tensors, compiled
+# kernels for the `compiled` tests on a GPU machine: tests/triton_mode.py.
+pytest_plugins = ("ci_rules", "triton_mode")

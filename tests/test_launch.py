@@ -1,7 +1,9 @@
-"""Launch paths: environment detection, local spawn, torchrun and mpirun running the example."""
+"""Launch paths: environment detection, local spawn, torchrun and mpirun running the examples, whose
+printed result is checked against plain torch's."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zipccl import launch
 from zipccl.errors import UnsupportedError
@@ -39,11 +42,31 @@ def _without_torchrun(env: dict[str, str]) -> dict[str, str]:
     return dict(env, PATH=os.pathsep.join(d for d in path if d and not (Path(d) / "torchrun").exists()))
 
 
+def _plain_torch_result(ranks: int) -> str:
+    """The fingerprint of the examples' all-reduce as plain torch computes it from their inputs
+    (each rank's seeded 2 MB bf16 "gradient"): the sum in rank order in fp32, rounded once."""
+    inputs = [(torch.randn(1 << 20, generator=torch.Generator().manual_seed(r)) * 0.01).to(torch.bfloat16)
+              for r in range(ranks)]
+    total = inputs[0].float()
+    for x in inputs[1:]:
+        total += x.float()
+    return hashlib.sha256(total.to(torch.bfloat16).view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+
+
+def _check_result(out: str, ranks: int) -> None:
+    """Every rank printed the result plain torch computes."""
+    got = dict(re.findall(r"rank (\d+): result sha256 ([0-9a-f]{16})", out))
+    assert sorted(got) == [str(r) for r in range(ranks)], out
+    want = _plain_torch_result(ranks)
+    assert set(got.values()) == {want}, (got, want)
+
+
 def _check(out: str, ranks: int) -> None:
     m = LINE.search(out)
     assert m, out
     assert int(m.group(1)) == ranks
     assert float(m.group(2)) < 0.75 * float(m.group(3))
+    _check_result(out, ranks)
 
 
 def test_detect(monkeypatch):
@@ -100,6 +123,7 @@ def _check_dropin(out: str, ranks: int) -> None:
     assert m, out
     assert int(m.group(1)) == ranks and m.group(4) == "zipccl" and m.group(5) == "True"
     assert float(m.group(2)) < 0.75 * float(m.group(3))
+    _check_result(out, ranks)
 
 
 @pytest.mark.timeout(180)

@@ -1,9 +1,10 @@
 """The gpu suite (``pytest -m gpu``, docs/GPU.md): Triton kernels on real CUDA tensors, and the NCCL
 transport on 1, 2 and 4 ranks, against the reference and the gloo path: one GPU per rank where the
 machine has enough, else every rank on cuda:0 as its own NCCL host (the one-GPU lab,
-zipccl.launch.lab_env). Skipped, with the reason, where CUDA is unavailable (CI here:
-tests/conftest.py allows that skip). Run with TRITON_INTERPRET=0, or tests/conftest.py puts
-Triton in its CPU interpreter. More multi-rank tests: tests/test_gpu_lab.py."""
+zipccl.launch.lab_env). Where CUDA is unavailable every gpu-marked test skips for that reason
+alone (tests/ci_rules.py NO_CUDA, the one skip CI allows). The tests that take the ``compiled``
+fixture run the compiled kernels, in a pytest of their own without Triton's interpreter
+(tests/triton_mode.py). More multi-rank tests: tests/test_gpu_lab.py."""
 
 from __future__ import annotations
 
@@ -18,21 +19,12 @@ from zipccl.format import GPU_BLOCK_SIZE
 from zipccl.launch import free_port
 from workers import join_gpu_world, spawn
 
-NO_CUDA = "no CUDA device: the gpu suite runs on a GPU machine (docs/GPU.md)"
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def _digest(x: torch.Tensor) -> str:
     return hashlib.sha1(x.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-@pytest.fixture
-def compiled():
-    """The Triton kernels compiled for the GPU, not in Triton's interpreter."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1: run the gpu suite with TRITON_INTERPRET=0 (docs/GPU.md)")
 
 
 def _data(rank: int, n: int, dtype) -> torch.Tensor:

@@ -141,6 +141,7 @@ def join_gpu_world(rank: int, n: int, port: int, timeout: float = 120.0) -> int:
     import torch.distributed as dist
 
     from zipccl import launch
+    os.environ["TRITON_INTERPRET"] = "0"  # the compiled kernels: the interpreter is the test process's, for CPU tensors
     device = launch.use_gpu(rank, rank, share_gpu=torch.cuda.device_count() < n)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=timeout))

@@ -1,9 +1,9 @@
-"""The fixed bank of exponent codes of format version 3 (docs/FORMAT.md, "Fixed bank of codes").
+"""The fixed bank of exponent codes of format version 3 (docs/FORMAT.md, "The fixed bank of codes").
 
 Per float layout, BANK_SIZE code-length rows over the format's NSYM symbols (12-bit limited
 Huffman codes that code every symbol), derived from a Gaussian model of block exponents by
-bench/bank_design.py (2026-11-26, ``--sizes 32 --block 4096``; the record is
-docs/bench/2026-11-26-bank/block4096.json, which tests/test_bank.py checks this module against).
+bench/bank_design.py (``--sizes 32 --block 4096``); tests/test_bank.py derives them again from the
+model and the rules that docs/FORMAT.md gives.
 Each block of a packet names its entry in the block index, so no packet carries tables and every
 decoder builds its lookup per entry once. Changing a row changes the format: a new version.
 """
