@@ -146,15 +146,25 @@ def test_native_is_torchs_collective_on_nccl_groups_only():
 
 
 def test_nccl_transport_hands_native_to_the_nccl_group(monkeypatch):
-    calls = []
-    fake = types.SimpleNamespace(native=lambda name, *tensors, op=None: calls.append((name, len(tensors), op)))
-    monkeypatch.setattr(TorchTransport, "of", staticmethod(lambda group=None: fake))
+    """What the caller gets from codec "native" on an NCCL group is torch's collective's result
+    on that group: here a stand-in group of two ranks whose peer holds 10, 20, 30, 40."""
+    peer = torch.tensor([10.0, 20.0, 30.0, 40.0])
+
+    def native(name, *tensors, op=None):
+        if name == "all_reduce":
+            assert op == dist.ReduceOp.SUM
+            tensors[0].add_(peer)
+        else:  # all_gather(output, input): rank 0's input, then the peer's
+            tensors[0].copy_(torch.cat([tensors[1], peer]))
+    groups = {"the nccl group": types.SimpleNamespace(native=native)}
+    monkeypatch.setattr(TorchTransport, "of", staticmethod(lambda group=None: groups[group]))
     t = object.__new__(NcclTransport)  # no communicator: torch's collective must not need one
     t.group, t._by_torch = "the nccl group", True
-    x = torch.zeros(4)
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    gathered = torch.zeros(8)
+    t.native("all_gather", gathered, x)
     t.native("all_reduce", x, op=dist.ReduceOp.SUM)
-    t.native("all_gather", torch.zeros(8), x)
-    assert calls == [("all_reduce", 1, dist.ReduceOp.SUM), ("all_gather", 2, None)]
+    assert gathered.tolist() == [1, 2, 3, 4, 10, 20, 30, 40] and x.tolist() == [11, 22, 33, 44]
 
 
 # ---- no CPU tensor on an NCCL group ----------------------------------------------------------------------------
@@ -289,10 +299,9 @@ def test_hierarchical_refuses_shared_memory_for_device_tensors(monkeypatch):
 
 
 def test_hierarchical_levels_take_the_data_devices_transport(monkeypatch):
-    asked = []
-    monkeypatch.setattr(hierarchical, "transport_for", lambda g, d: asked.append((g, d)) or g)
-    assert hierarchical._transports(_levels(), META) == ("intra group", "inter group")
-    assert asked == [("intra group", META), ("inter group", META)]
+    monkeypatch.setattr(hierarchical, "transport_for", lambda g, d: f"{g}'s transport for {d}")
+    assert hierarchical._transports(_levels(), META) == ("intra group's transport for meta",
+                                                         "inter group's transport for meta")
 
 
 # ---- the drop-in backend's routing ----------------------------------------------------------------------------
@@ -323,8 +332,10 @@ def test_drop_in_routing_asks_takes_device(monkeypatch):
 # ---- the lossy path on CUDA ---------------------------------------------------------------------------------
 
 def test_failed_selection_is_refused_on_the_calls_transport(monkeypatch):
-    asked, refused = [], []
-    monkeypatch.setattr(lossy, "transport_for", lambda group, device: asked.append((group, device)) or "transport")
+    """The refusal that tells the peers of a failed selection goes on the transport of the
+    call's group and device, and the caller sees the selection's error."""
+    refused = []
+    monkeypatch.setattr(lossy, "transport_for", lambda group, device: f"{group}'s transport for {device}")
 
     def refuse(name, t, input, op, error):
         refused.append((name, t, input.device))
@@ -335,8 +346,7 @@ def test_failed_selection_is_refused_on_the_calls_transport(monkeypatch):
     flat = torch.zeros(64, device=META)
     with pytest.raises(RuntimeError, match="selection failed"):
         comp._selected("all_reduce", flat, "w", 0.1, None, "the group", dist.ReduceOp.SUM)
-    assert asked == [("the group", META)]
-    assert refused == [("all_reduce", "transport", META)]
+    assert refused == [("all_reduce", "the group's transport for meta", META)]
 
 
 def test_entropy_sums_go_on_the_groups_device(monkeypatch):
@@ -366,7 +376,7 @@ def test_entropy_density_sums_through_the_groups_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     comp = lossy.Compressor("entropy")
     with pytest.raises((AssertionError, RuntimeError), match="CUDA"):  # the estimate's first sum, moved to cuda:0
-        comp.choose(0, True, torch.randn(10_000), "g")
+        comp.choose(0, True, torch.randn(10_000, generator=torch.Generator().manual_seed(0)), "g")
     assert summed == []
 
 
@@ -554,29 +564,40 @@ def test_every_rank_finds_the_agreed_link(pool):
 
 class _CudaStandIns:
     """torch.cuda as the executor sees it, without a GPU: the issuing thread is on cuda:3 and its
-    current stream is "caller@3"; a new stream is "zipccl@3"; every context entered, every
-    stream's wait for an event (and where that event was recorded) and every future's devices
-    are written down."""
+    current stream is "caller@3"; a new stream is "zipccl@3". A stream is the list of what is
+    queued on it: work (``queue``), and waits for an event, which stands for the work its stream
+    had queued when it was recorded. ``before(a, b)``: whether work ``a`` must end before work
+    ``b`` may start, by stream order and waits; the futures' devices are written down."""
 
     def __init__(self, monkeypatch):
         import contextlib
         import threading
 
         from zipccl import executor
-        self.waits, self.futures, self.active = [], [], threading.local()
+        self.streams, self.futures, self.active = {}, [], threading.local()
         main, stand_in = threading.main_thread(), self
 
-        class Stream(str):
+        class Stream:
+            def __init__(self, name):
+                self.name, self.ops = name, []
+                stand_in.streams[name] = self
+
+            def __str__(self):
+                return self.name
+
             def wait_event(self, event):
-                stand_in.waits.append((str(self), event.on))
+                self.ops.append(("wait", event.stream, event.upto))
 
         class Event:
             def record(self, stream):
-                self.on = str(stream)
+                self.stream, self.upto = stream, len(stream.ops)
+
+        caller = Stream("caller@3")
 
         def current_stream(device=None):
             active = getattr(self.active, "stream", None)
-            return active or Stream("caller@3" if threading.current_thread() is main else "worker-default@0")
+            return active or (caller if threading.current_thread() is main else
+                              self.streams.get("worker-default@0") or Stream("worker-default@0"))
 
         @contextlib.contextmanager
         def entered(kind, value):
@@ -592,6 +613,7 @@ class _CudaStandIns:
             self.futures.append(devices)
             return real_future()
 
+        self.current_stream = current_stream
         monkeypatch.setattr(executor, "_streams", {})
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -602,25 +624,47 @@ class _CudaStandIns:
         monkeypatch.setattr(torch.cuda, "Event", Event)
         monkeypatch.setattr(torch.futures, "Future", future)
 
+    def queue(self, work: str) -> None:
+        """``work`` queued on the current thread's current stream, as a kernel launch would be."""
+        self.current_stream().ops.append(("work", work))
+
     def where(self) -> tuple:
         import threading
         return (threading.current_thread().name, str(getattr(self.active, "device", None)),
                 str(getattr(self.active, "stream", None)))
 
+    def _ends_before(self, stream, upto: int) -> set:
+        """The work that must end before position ``upto`` of ``stream`` starts."""
+        out = set()
+        for op in stream.ops[:upto]:
+            out |= {op[1]} if op[0] == "work" else self._ends_before(op[1], op[2])
+        return out
+
+    def before(self, a: str, b: str) -> bool:
+        stream, at = next((s, i) for s in self.streams.values() for i, op in enumerate(s.ops) if op == ("work", b))
+        return a in self._ends_before(stream, at)
+
 
 def test_an_async_call_runs_on_zipccls_stream_after_the_callers(monkeypatch):
-    """An async call on CUDA runs on the worker thread on the issuing thread's device and on a
-    stream of zipccl's, which first waits for an event recorded on the caller's stream at issue
-    (not on the caller's stream itself, where the caller keeps queueing work, nor on the worker
-    thread's defaults); its future is CUDA-aware on that device; ``wait()`` makes the waiting
-    thread's current stream wait for an event recorded on zipccl's stream after the call. The
-    host waits for no device work."""
+    """An async call on CUDA runs on the worker thread, on the issuing thread's device and on a
+    stream of zipccl's: after the work the caller queued before issuing it, and before the work
+    the caller queues after ``wait()``, while the caller's stream, meanwhile, is not held back
+    (no host wait either: the stand-ins have none). Its future is CUDA-aware on that device."""
     from zipccl import executor
     cuda = _CudaStandIns(monkeypatch)
-    handle = executor.run(cuda.where, True)
+
+    def collective():
+        cuda.queue("collective")
+        return cuda.where()
+    cuda.queue("input written")
+    handle = executor.run(collective, True)
+    cuda.queue("caller's next kernel")
     handle.wait(timeout=30)
+    cuda.queue("output read")
     assert handle.get_future().value() == ("zipccl-async", "cuda:3", "zipccl@3")
-    assert cuda.waits == [("zipccl@3", "caller@3"), ("caller@3", "zipccl@3")]
+    assert cuda.before("input written", "collective") and cuda.before("collective", "output read")
+    assert not cuda.before("collective", "caller's next kernel")
+    assert ("work", "collective") in cuda.streams["zipccl@3"].ops
     assert cuda.futures[-1] == [torch.device("cuda", 3)]
 
 
@@ -631,4 +675,4 @@ def test_without_cuda_an_async_call_touches_no_stream(monkeypatch):
     handle = executor.run(cuda.where, True)
     handle.wait(timeout=30)
     assert handle.get_future().value() == ("zipccl-async", "None", "None")
-    assert cuda.waits == [] and cuda.futures[-1] is None
+    assert list(cuda.streams) == ["caller@3"] and cuda.streams["caller@3"].ops == [] and cuda.futures[-1] is None

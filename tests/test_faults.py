@@ -341,9 +341,10 @@ def _lossy_bad_input(rank, groups, case):
         t0 = time.perf_counter()
         comp = Compressor("topk", density=0.01, rules=None)
         if case == "selection":
-            comp.all_reduce(torch.randn(100_000), "w", group=group)
+            comp.all_reduce(torch.randn(100_000, generator=torch.Generator().manual_seed(rank)), "w", group=group)
         else:  # the reduce-scatter's selection (FSDP's lossy modules)
-            comp.reduce_scatter(torch.randn(100_000), torch.empty(100_000 // n), "w", 0, True, group)
+            comp.reduce_scatter(torch.randn(100_000, generator=torch.Generator().manual_seed(rank)),
+                                torch.empty(100_000 // n), "w", 0, True, group)
         return "ok"
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e), time.perf_counter() - t0
