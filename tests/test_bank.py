@@ -96,12 +96,11 @@ def test_bank_is_the_derivation_from_its_definition(dtype):
 
 @pytest.mark.parametrize("dtype", list(KEYS), ids=str)
 def test_every_entry_is_a_complete_prefix_code(dtype):
-    """Every entry codes every symbol in 1..MAXLEN bits with Kraft sum exactly 1, and passes the
-    decoder's table check; no two entries are the same."""
+    """Every entry codes every symbol in 1..MAXLEN bits with Kraft sum exactly 1 (a complete
+    prefix code); no two entries are the same."""
     for row in BANK[dtype]:
         assert row.min() >= 1 and row.max() <= F.MAXLEN
         assert int((1 << (F.MAXLEN - row)).sum()) == 1 << F.MAXLEN
-        T._unpack_table(T.pack_tables(row[None])[:F.TABLE_BYTES].tobytes())
     assert len({row.tobytes() for row in BANK[dtype]}) == BANK_SIZE
 
 

@@ -42,7 +42,7 @@ def test_selection_is_deterministic_with_ties():
     assert idx.tolist() == [0, 1, 2] and values.tolist() == [1.0, -1.0, 1.0]
 
 
-def _rewrite(p, idx=None, values_bytes=None, **header):
+def _rewrite(p, idx=None, **header):
     h = F.parse_header(p[:F.HEADER_SIZE].numpy().tobytes(), None, p.numel())
     body = p[F.HEADER_SIZE:].clone()
     if idx is not None:

@@ -1,10 +1,10 @@
-"""Code tables of the lossless format: how they are built, stored and read.
+"""Code tables of the lossless format: the canonical codes and decode lookups of the fixed
+bank's entries (zipccl/bank.py), the raw bits after each symbol, and the length-limited Huffman
+codes (package-merge) and per-packet clustering from which the bank was derived and against
+which bench/ measures it (tests/test_bank.py derives the bank again with limited_lengths).
 
-Shared by every implementation, because it runs once per packet on a few
-hundred numbers: per-block symbol histograms in, Huffman code lengths and a
-table choice per block out. Everything is integer arithmetic with explicit
-tie-breaking, so every implementation that feeds it the same histograms
-produces the same bytes.
+Everything is integer arithmetic with explicit tie-breaking, so that the same histograms give
+the same codes everywhere.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from functools import lru_cache
 import numpy as np
 from numba import njit
 
-from ..errors import FormatError
-from ..format import MAXLEN, NSYM, SYM_ESC, TABLE_BYTES, FloatLayout
+from ..format import MAXLEN, NSYM, SYM_ESC, FloatLayout
 
 CLUSTER_ROUNDS = 2
 
@@ -162,45 +161,6 @@ def _choose(hist, ntables, extra, maxlen, rounds):
             assign[b] = best
             cost[b] = best_cost
     return lengths, assign, cost
-
-
-def pack_tables(lengths: np.ndarray) -> np.ndarray:
-    """Code lengths as nibbles, two symbols per byte, low nibble first."""
-    nib = lengths.astype(np.uint8).reshape(len(lengths), TABLE_BYTES, 2)
-    return (nib[..., 0] | (nib[..., 1] << 4)).reshape(-1)
-
-
-def unpack_tables(data: np.ndarray, ntables: int) -> np.ndarray:
-    """(ntables, NSYM) code lengths from section 0, each table checked to be a prefix code
-    (read-only: cached by the section's bytes, which repeat from packet to packet)."""
-    return _unpack_section(np.ascontiguousarray(data).tobytes(), ntables)
-
-
-@lru_cache(maxsize=256)
-def _unpack_section(raw: bytes, ntables: int) -> np.ndarray:
-    data = np.frombuffer(raw, dtype=np.uint8).reshape(ntables, TABLE_BYTES)
-    rows = []
-    for t in range(ntables):
-        try:
-            rows.append(_unpack_table(data[t].tobytes()))
-        except FormatError as e:
-            raise FormatError(f"code table {t} {e}") from None
-    lengths = np.stack(rows)
-    lengths.flags.writeable = False
-    return lengths
-
-
-@lru_cache(maxsize=1024)
-def _unpack_table(raw: bytes) -> np.ndarray:
-    """One table's lengths (cached by its bytes, checked once; treat as read-only)."""
-    nib = np.frombuffer(raw, dtype=np.uint8)
-    lengths = np.stack([nib & 15, nib >> 4], axis=-1).reshape(NSYM).astype(np.int64)
-    used = lengths[lengths > 0]
-    if used.size == 0 or used.max() > MAXLEN:
-        raise FormatError(f"is empty or has a code longer than {MAXLEN} bits")
-    if int((1 << (MAXLEN - used)).sum()) > (1 << MAXLEN):
-        raise FormatError("is over-subscribed (not a prefix code)")
-    return lengths
 
 
 def decode_luts(lengths: np.ndarray) -> np.ndarray:
