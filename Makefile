@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# Loopback tables, then (as root) the same collectives in the network lab: 3 min on a 2-core host
-# at load average 6-10, 5 min at 13-19 (docs/bench/2026-11-26-make-bench).
+# Loopback tables, then (as root) the same collectives in the network lab: 111 s on a quiet 2-core
+# host (docs/bench/2026-11-27-make-bench-cc42b72), minutes more on a busy one.
 bench: setup
 	$(PYTHON) -m zipccl.bench.tour
 

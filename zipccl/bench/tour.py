@@ -7,7 +7,7 @@ On loopback (4 ranks on this host, gloo over TCP) compression cannot pay: there 
 must match torch (it learns untimed, then runs the backend's own collective). In the network
 lab (zipccl-netlab: 2 nodes of 2 ranks, 1 Gbit/s per node) the link is the limit, where auto's
 hierarchical and lossless plans can pay, if the cores are free to run them (on a busy 2-core
-host they are not: docs/bench/2026-11-26-make-bench). The lab needs root and network
+host they are not: docs/PERFORMANCE.md "make bench"). The lab needs root and network
 namespaces; elsewhere one line says how to see it. The JSON of each run and the plot go to DIR
 (default bench-results). Flags after the tour's own go to zipccl-perf in both runs.
 """
