@@ -2,7 +2,7 @@
 
     python bench/bank_design.py [--sizes 8,16,32] [--block 4096] [--json out.json]
 
-Issue 33: a GPU encoder that picks each block's code from a bank fixed ahead of time needs no
+A GPU encoder that picks each block's code from a bank fixed ahead of time needs no
 host round trip to build tables. This script measures, offline, what the bank costs in ratio:
 
 1. The model. A block's exponents, taken relative to its most common exponent (``ref``, the

@@ -2,7 +2,7 @@
 
     PYTHONPATH=CHECKOUT python bench/gpu_ab.py --data FILE --label v1 [--cases 33554432:bf16,...]
 
-Written for format A/Bs (v1 on main against v2 on the branch `codec`, issue 25): it uses only
+Written for format A/Bs (v1 against an unmerged v2 prototype): it uses only
 `zipccl.codecs.Lossless`, which both formats share, so one script times both in one run on one
 card. Per case (the real bucket tiled to N elements): the Triton packet must equal the numba
 encoder's bytes (the CPU path, itself tested byte for byte against the reference) and decode to

@@ -24,7 +24,7 @@ the samples past the first ``--warmup`` share of the phase (collectives: its fir
 round included, and the line through each round's mean over the whole rounds past it), and the
 fd count's range there. Each rank hashes the result of every
 call (the model's parameters at the end of a DDP phase); the ranks all-gather their hashes and
-compare them. Targets (issue 20): slope under 1 MiB per 1,000 (``--max-slope``), fds flat (one
+compare them. Targets: slope under 1 MiB per 1,000 (``--max-slope``), fds flat (one
 value after warm-up), every rank's hash equal; the exit status is 1 if any is missed.
 
 The ranks run with glibc's mmap threshold fixed and torch's flight recorder off (ENVIRONMENT,

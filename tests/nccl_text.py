@@ -1,5 +1,5 @@
-"""A strict reader of nccl-tests' (2.19) standard output, written from the format (issue 24,
-and nccl-tests' src/util.cu), not from zipccl's writer: the tests hold zipccl-perf's tables
+"""A strict reader of nccl-tests' (2.19) standard output, written from the format (nccl-tests'
+src/util.cu and its README), not from zipccl's writer: the tests hold zipccl-perf's tables
 to it. It reads what the tools that parse nccl-tests read, at the places they read it (the
 size in field 0, out-of-place busbw in field 7, in-place algbw and busbw in fields 10 and
 11), and refuses anything those tools could misread: a data row of the wrong field count or

@@ -259,7 +259,7 @@ def test_real_gradients_ratio_and_reference(real_grads, dtype):
     p = codec.encode(x)
     assert_same_bits(codec.decode(p), x)
     ratio = p.numel() / (x.numel() * x.element_size())
-    assert ratio <= {torch.bfloat16: 0.675, torch.float16: 0.80, torch.float32: 0.835}[dtype]  # issue 33's targets
+    assert ratio <= {torch.bfloat16: 0.675, torch.float16: 0.80, torch.float32: 0.835}[dtype]  # the format's targets (docs/FORMAT.md)
     part = x[1_000_000:1_000_000 + 20_000]
     assert torch.equal(Lossless("reference").encode(part), codec.encode(part))
 

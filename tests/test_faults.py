@@ -23,7 +23,7 @@ from zipccl.topk import TopK
 pytestmark = pytest.mark.timeout(900)
 
 CULPRIT = 2
-BUDGET = 5.0  # seconds from the call's start to the error, on every rank (the target)
+BUDGET = 5.0  # seconds from the call's start to the error, on every rank (docs/RELIABILITY.md)
 
 
 class _Faulty:

@@ -1,4 +1,4 @@
-"""Hostile packets (issue 20): every decoder raises FormatError or decodes inside its bounds.
+"""Hostile packets: every decoder raises FormatError or decodes inside its bounds.
 
 The targeted tests below pin each check (the caller's bound, sizes against the packet, block
 index entries); the fuzz tests run zipccl.bench.fuzz's seeded mutations of real and synthetic

@@ -285,11 +285,11 @@ def _syncs(rank: int, n: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.xfail(strict=False, reason="the target of the stream pipeline (issue 34): on an H100 at 08145ce, 53 "
+@pytest.mark.xfail(strict=False, reason="the target of the stream pipeline: on an H100 at 08145ce, 53 "
                                         "synchronisations for 24 all-reduce pieces, about 2.2 a piece, before the "
                                         "mail channel and decode_into (not yet run on a GPU)")
 def test_at_most_two_host_synchronisations_per_pipeline_piece(monkeypatch):
-    """Issue 34's target, DESIGN.md invariant 9: a collective makes at most two host
+    """The stream pipeline's target, DESIGN.md invariant 9: a collective makes at most two host
     synchronisations per pipeline piece (a piece of each phase: an all-reduce's reduce-scatter
     and all-gather pieces both count). Counted where torch sees them (set_sync_debug_mode warns
     on each synchronising torch operation; CuPy's and NCCL's own waits are not seen): 2 ranks."""

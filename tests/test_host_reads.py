@@ -1,4 +1,4 @@
-"""Host reads of the GPU codec, counted on CPU under Triton's interpreter (issue 33).
+"""Host reads of the GPU codec, counted on CPU under Triton's interpreter.
 
 On CUDA each read of a tensor's value by the host (``Tensor.cpu``, ``.item``, ``.tolist``,
 ``.nonzero``, ``torch.nonzero``, ``int``/``float``/``bool``/``operator.index`` of a tensor)
@@ -29,7 +29,7 @@ READS = ("cpu", "item", "tolist", "nonzero", "__int__", "__float__", "__bool__",
 # bits are placed on the device as the rest bytes are): encode reads only the packet's size;
 # decode reads the header, then at the end the index's check (first invalid entry and totals)
 # with the blocks' errors, in one read (the coded and raw blocks are ordered and counted on the
-# device). The issue's targets are encode <= 1 and decode into a given out <= 2.
+# device). The targets are encode <= 1 and decode into a given out <= 2.
 ENCODE_READS = 1
 DECODE_READS = 2
 

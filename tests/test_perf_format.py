@@ -1,4 +1,4 @@
-"""zipccl-perf speaks nccl-tests (issue 24): every collective, placement and codec parses under
+"""zipccl-perf speaks nccl-tests: every collective, placement and codec parses under
 a strict reader of nccl-tests' text (nccl_text.py) and its JSON round-trips through a reader of
 nccl-tests' schema (nccl_json.py); the bus bandwidth the tools read from a row (0-based
 fields 7 and 11, nccl-tests' places; field 10 is the in-place algbw) is the one the run
@@ -202,10 +202,9 @@ def _sample() -> str:
 
 
 #: What nccl-tests 2.19.4 printed for `./build/all_reduce_perf -b 8 -e 128M -f 2 -g 8` on one machine
-#: with 8 A100-SXM4-80GB (NCCL 2.19.3), byte for byte, trailing spaces included: the output block of a
-#: public GitHub markdown note on building and running nccl-tests, found in the code index that this
-#: project's tools search (file id 69473998636, whose repository the index does not name; the block
-#: starts after the prompt "root@dkh:~/nccl-tests#"). nccl-tests' own repository has no sample output.
+#: with 8 A100-SXM4-80GB (NCCL 2.19.3), byte for byte, trailing spaces included, as a public note on
+#: building and running nccl-tests shows it (the block after its shell prompt). nccl-tests' own
+#: repository has no sample output.
 GOLDEN = Path(__file__).resolve().parent / "golden" / "nccl_tests_2.19.4_all_reduce_perf.txt"
 
 

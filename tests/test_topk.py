@@ -1,4 +1,4 @@
-"""Top-k codec, error feedback, and the sparse all-reduce (groundwork of issue 7)."""
+"""Top-k codec, error feedback, and the sparse all-reduce."""
 
 from __future__ import annotations
 

@@ -464,7 +464,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def barrier(self, *args, **kwargs):
         return self._inner["cpu"].barrier(*args, **kwargs)
 
-    # ---- helpers --------------------------------------------------------------------------------------------
+    # ---- internals --------------------------------------------------------------------------------------------
 
     def _each(self, outputs, inputs, call) -> dist.Work:
         """A coalesced call that zipccl does not take: one backend call per pair (the backends'

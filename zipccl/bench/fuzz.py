@@ -1,4 +1,4 @@
-"""Hostile packets: real packets, mutated, fed to every decoder (issue 20).
+"""Hostile packets: real packets, mutated, fed to every decoder.
 
 Each case takes a valid packet of one decoder family, mutates it (bit flips,
 truncation, extension, header fields with the header CRC re-signed so that the

@@ -1,7 +1,7 @@
 """Bit primitives for the numba kernels that numba does not offer: unaligned loads and stores,
 and BMI2's ``pext`` (the bits under a mask, packed together), which gathers a float16 pair's two
 coded fields in one instruction where shifts and masks took five. Kernels choose their ``pext``
-helpers at import by FAST_PEXT, with shifts elsewhere."""
+functions at import by FAST_PEXT, with shifts elsewhere."""
 
 from __future__ import annotations
 
