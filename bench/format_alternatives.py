@@ -8,7 +8,7 @@ float16 table in docs/FORMAT.md; format version 3 codes the top one). The layout
 that chose the coding. Version 2 takes its codes from a fixed bank; bench/bank_design.py
 measures that against this model's packets.
 """
-import sys
+import argparse
 
 import numpy as np
 import torch
@@ -71,12 +71,16 @@ def float16_splits(x: torch.Tensor, bs: int = 4096) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--float16"]:
-        x = torch.from_numpy(np.load(sys.argv[2] if len(sys.argv) > 2 else DEFAULT_DATA))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("data", nargs="?", default=DEFAULT_DATA, help="the fp32 gradient bucket (.npy)")
+    ap.add_argument("--float16", action="store_true", help="float16 with its top mantissa bits in the symbol")
+    args = ap.parse_args()
+    if args.float16:
+        x = torch.from_numpy(np.load(args.data))
         for name, ratio in float16_splits(x):
             print(f"| {name} | {ratio:.4f} |")
         return
-    x = torch.from_numpy(np.load(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_DATA)).to(torch.bfloat16)
+    x = torch.from_numpy(np.load(args.data)).to(torch.bfloat16)
     bits = x.view(torch.int16).numpy().view(np.uint16).astype(np.int64)
     n, raw = bits.size, 2 * bits.size
     e = (bits >> 7) & 255

@@ -117,3 +117,7 @@ STRICT_TRANSPORT = _choice("ZIPCCL_STRICT_TRANSPORT", "0", ("0", "1")) == "1"
 #: raised), or "torch" (torch.distributed: CUDA tensors on nccl groups only). CPU tensors always
 #: go through torch.distributed.
 TRANSPORT = _choice("ZIPCCL_TRANSPORT", "auto", ("auto", "torch", "nccl"))
+
+#: ZIPCCL_DATA: the folder of the real gradient bucket that the benchmarks (and the test suite)
+#: read; None: ``shared/data`` beside the checkout.
+DATA = os.environ.get("ZIPCCL_DATA") or None

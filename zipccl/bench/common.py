@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import config
 from ..auto import Policy
 from ..collectives import auto_policy
 from .cuda import Clock
@@ -174,7 +174,7 @@ def rank_order_reduce(inputs: list[torch.Tensor], op, nodes=None) -> torch.Tenso
 
 
 #: The real gradient bucket: in ZIPCCL_DATA (a folder) where set, else in shared/data beside the checkout.
-DEFAULT_DATA = Path(os.environ.get("ZIPCCL_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data") \
+DEFAULT_DATA = Path(config.DATA or Path(__file__).resolve().parents[3] / "shared" / "data") \
     / "grads_step050_bucket0_fp32.npy"
 
 

@@ -1,0 +1,201 @@
+"""What README.md and docs/*.md name exists: every path (a file or folder of the repository), test
+(``file::function``, and ``::function`` after it for the same file), flag (``--flag`` in the
+``--help`` of the command it follows, or of one of the project's commands) and ZIPCCL_ variable
+(read in zipccl/config.py)."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import fnmatch
+import io
+import json
+import re
+import runpy
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TRACKED = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True,
+                         check=True).stdout.split()
+#: ZIPCCL_ variables that configure the test suite, not the library, and the tests that read them.
+TEST_SETTINGS = {"ZIPCCL_FAULT_LOG": ("tests/test_faults.py", "tests/test_dead_rank.py")}
+#: The commands whose flags the docs name: how each is started here, and what names it in a doc.
+COMMANDS = {
+    "zipccl-perf": ("module", "zipccl.bench.perf"), "python -m zipccl.bench": ("module", "zipccl.bench.perf"),
+    "zipccl-codec-bench": ("module", "zipccl.bench.codec"), "python -m zipccl.bench.codec": ("module", "zipccl.bench.codec"),
+    "zipccl-netlab": ("module", "zipccl.bench.netlab"), "python -m zipccl.bench.tour": ("module", "zipccl.bench.tour"),
+    "python -m zipccl.kernels.aot": ("module", "zipccl.kernels.aot"),
+    "torchrun": ("subprocess", "torch.distributed.run"), "pytest": ("subprocess", "pytest"),
+    **{f"{p.parent.name}/{p.name}": ("path", str(p)) for d in ("bench", "examples") for p in (ROOT / d).glob("*.py")},
+}
+
+
+def _spans() -> list[tuple[str, int, str]]:
+    """(doc, line, text) of every inline code span (a line break in one read as a space) and link
+    target of the docs, outside fenced blocks."""
+    out = []
+    for doc in DOCS:
+        text = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), doc.read_text(), flags=re.M | re.S)
+        for pattern in (r"`([^`]+)`", r"\]\(([^)\s]+)\)"):
+            out += [(doc.name, text.count("\n", 0, m.start()) + 1, re.sub(r"\s*\n\s*", " ", m.group(1)).replace(":: ", "::"))
+                    for m in re.finditer(pattern, text) if "://" not in m.group(1)]
+    return out
+
+
+SPANS = _spans()
+
+
+# ---- paths ----------------------------------------------------------------------------------------------------
+
+EXTENSIONS = r"\.(?:py|md|json|jsonl|sh|png|toml|txt)"
+TOP = {t.split("/")[0] for t in TRACKED}
+#: File names the docs give that are not the repository's, and what they are.
+NOT_OURS = {"bench-results/bench.png": "the plot that make bench writes",
+            "analyze_perf_json.py": "nccl-tests' script that reads its JSON"}
+
+
+def _is_path(token: str) -> bool:
+    """A path of the repository: a file name with its extension, or a path under one of its
+    top-level entries (not ``../shared``, an absolute path or a placeholder)."""
+    if not re.fullmatch(r"[\w.*{},/-]+", token) or token.startswith(("../", "/", "~")):
+        return False
+    return bool(re.search(EXTENSIONS + "$", token)) or "/" in token and token.split("/")[0] in TOP
+
+
+def _expand(path: str) -> list[str]:
+    m = re.search(r"\{([^}]*)\}", path)
+    return [p for alt in m.group(1).split(",") for p in _expand(path[:m.start()] + alt + path[m.end():])] if m \
+        else [path]
+
+
+def _exists(path: str, doc: str) -> bool:
+    """A tracked file or folder at ``path`` from the root, from the doc's folder, or, for a short
+    form (``transport/base.py``, ``api.py``), ending a tracked path."""
+    path = path.split("#")[0].rstrip("/")
+    if doc != "README.md" and not path.startswith(("docs/", "zipccl/", "tests/", "bench/", "examples/")):
+        candidates = [path, f"docs/{path}"]
+    else:
+        candidates = [path]
+    for c in candidates:
+        c = str(Path(c)).replace("docs/../", "")
+        if any(fnmatch.fnmatch(t, c) or t.startswith(c.rstrip("*") + "/") and "*" not in c for t in TRACKED):
+            return True
+    return any(fnmatch.fnmatch(t, f"*/{path}") or t.startswith(f"{path}/") or f"/{path}/" in f"/{t}"
+               for t in TRACKED)
+
+
+@lru_cache(maxsize=None)
+def _bundled() -> frozenset:
+    """The files that records of docs/bench hold in one JSON (file name -> contents)."""
+    names = set()
+    for t in TRACKED:
+        if t.startswith("docs/bench/") and t.endswith(".json"):
+            data = json.loads((ROOT / t).read_text())
+            if isinstance(data, dict):
+                names |= {k for k in data if re.search(EXTENSIONS + "$", k)}
+    return frozenset(names)
+
+
+def test_every_path_named_exists():
+    named = [(doc, n, p) for doc, n, span in SPANS for p in _expand(span.strip()) if _is_path(p) and p not in NOT_OURS]
+    assert len(named) > 150, len(named)  # the docs do name paths: the parser found them
+    missing = [f"{doc}:{n}: {p}" for doc, n, p in named
+               if not _exists(p, doc) and not any(fnmatch.fnmatch(k, f"*{p}") for k in _bundled())]
+    assert not missing, "\n".join(missing)
+
+
+# ---- tests ----------------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _test_functions(file: str) -> frozenset:
+    """The test functions pytest collects from tests/``file``: ``test_*`` at module level and in
+    ``Test*`` classes."""
+    path = ROOT / "tests" / file
+    if not path.exists():
+        return frozenset()
+    tree = ast.parse(path.read_text())
+    names = {f.name for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
+    for cls in (c for c in tree.body if isinstance(c, ast.ClassDef) and c.name.startswith("Test")):
+        names |= {f"{cls.name}::{f.name}" for f in cls.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
+    return frozenset(names)
+
+
+def test_every_test_named_exists():
+    named, last = [], {}
+    for doc, n, span in SPANS:
+        for m in re.finditer(r"(?:tests/)?(test_\w+\.py)?::(\w+(?:::\w+)?)", span):
+            file = m.group(1) or last.get(doc)
+            last[doc] = file
+            named.append((doc, n, file, m.group(2)))
+        for m in re.finditer(r"(?:tests/)?(test_\w+\.py)(?!::)", span):
+            last[doc] = m.group(1)
+            if not (ROOT / "tests" / m.group(1)).exists():
+                named.append((doc, n, m.group(1), None))
+    assert len(named) > 60, len(named)
+    missing = [f"{doc}:{n}: {file}::{fn}" for doc, n, file, fn in named
+               if file is None or (fn not in _test_functions(file) if fn else True)]
+    assert not missing, "\n".join(missing)
+
+
+# ---- flags ----------------------------------------------------------------------------------------------------
+
+def _help_of(kind: str, target: str, *args: str) -> str:
+    if kind == "subprocess":
+        return subprocess.run([sys.executable, "-m", target, "--help"], capture_output=True, text=True,
+                              cwd=ROOT, timeout=120).stdout
+    out, argv = io.StringIO(), sys.argv
+    sys.argv = [target, *args, "--help"]
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            (runpy.run_module if kind == "module" else runpy.run_path)(target, run_name="__main__")
+    finally:
+        sys.argv = argv
+    return out.getvalue()
+
+
+@lru_cache(maxsize=None)
+def _flags(command: str) -> frozenset:
+    """The long flags in ``command``'s --help, its subcommands' included."""
+    kind, target = COMMANDS[command]
+    text = _help_of(kind, target)
+    for sub in re.findall(r"\{([\w,-]+)\}", text)[:1]:
+        text += "".join(_help_of(kind, target, s) for s in sub.split(","))
+    return frozenset(re.findall(r"(--[a-zA-Z][\w-]*)", text))
+
+
+def test_every_flag_named_is_in_its_commands_help():
+    named = []
+    for doc, n, span in SPANS:
+        flags = [(m.start(), m.group(1)) for m in re.finditer(r"(?:^|\s)(--[a-zA-Z][\w-]*)", span)]
+        if not flags:
+            continue
+        at = sorted((m.start(), c) for c in COMMANDS for m in re.finditer(re.escape(c) + r"(?=\s|$)", span))
+        at += [(m.start(), None) for m in re.finditer(r"\s--(?=\s)", span)]  # after "--": another program's
+        at.sort(key=lambda a: a[0])
+        for pos, flag in flags:
+            before = [c for start, c in at if start < pos]
+            named.append((doc, n, flag, before[-1] if before else None))
+    assert len(named) > 50, len(named)
+    everything = frozenset().union(*(_flags(c) for c in COMMANDS))
+    missing = [f"{doc}:{n}: {flag}" + (f" ({command} --help)" if command else "")
+               for doc, n, flag, command in named if flag not in (_flags(command) if command else everything)]
+    assert not missing, "\n".join(missing)
+
+
+# ---- environment variables ---------------------------------------------------------------------------------
+
+def test_every_zipccl_variable_named_is_read_in_config():
+    named = {(doc.name, v) for doc in DOCS for v in re.findall(r"\b(ZIPCCL_[A-Z0-9_]*[A-Z0-9])\b", doc.read_text())}
+    assert len({v for _, v in named}) > 8, named
+    config = (ROOT / "zipccl" / "config.py").read_text()
+    read = set(re.findall(r"\"(ZIPCCL_[A-Z0-9_]+)\"", config))
+    for var, files in TEST_SETTINGS.items():
+        assert all(var in (ROOT / f).read_text() for f in files), var
+    missing = sorted(f"{doc}: {v}" for doc, v in named if v not in read and v not in TEST_SETTINGS)
+    assert not missing, "\n".join(missing)
