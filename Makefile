@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 STAMP := .setup.stamp
 
-.PHONY: setup bench codec-bench test clean
+.PHONY: setup bench codec-bench test test-long coverage clean
 
 $(STAMP): pyproject.toml Makefile
 	@# Open MPI for the mpirun tests and launcher, iproute2 for the network lab (Debian/Ubuntu, as
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev iproute2; fi
 	$(PYTHON) -m pip install torch==2.13.0
 	@# cuda12: CuPy + libnccl + NVML for the NCCL transport's CPU-runnable tests (about 470 MB; no GPU needed).
-	$(PYTHON) -m pip install -e '.[test,bench,gpu,cuda12]'
+	$(PYTHON) -m pip install -e '.[test,bench,gpu,cuda12]' -c .ci/versions.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -29,8 +29,29 @@ bench: setup
 codec-bench: setup
 	$(PYTHON) -m zipccl.bench.codec
 
+PYTEST := -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: setup
-	$(PYTHON) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PYTHON) $(PYTEST) $(PYTEST_ARGS)
+
+# Before each release: the long fuzz and soak runs that the suite runs small (tests/test_fuzz.py,
+# tests/test_soak.py), into LONG_OUT; record them in docs/bench/<date>-test-long/ with a README
+# (docs/RELIABILITY.md). About an hour on a 2-core host.
+LONG_OUT ?= long-results
+test-long: setup
+	mkdir -p $(LONG_OUT)
+	$(PYTHON) bench/fuzz.py --cases 200000 --family raw,topk,numba,reference=20000,triton=2000 --json $(LONG_OUT)/fuzz.json
+	$(PYTHON) bench/soak.py --json $(LONG_OUT)/soak.json --plot $(LONG_OUT)/soak.png
+
+# Line coverage of zipccl/ over the whole suite, subprocesses included (pyproject.toml
+# [tool.coverage.run]); prints the total and the modules below 80%. Slower than `make test`.
+coverage: setup
+	rm -f .coverage .coverage.* coverage.json
+	COVERAGE_FILE=$(CURDIR)/.coverage $(PYTHON) -m coverage run -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder $(PYTEST_ARGS)
+	$(PYTHON) -m coverage combine -q
+	$(PYTHON) -m coverage json -q -o coverage.json
+	$(PYTHON) .ci/coverage_below.py coverage.json 80
 
 clean:
 	rm -f $(STAMP)

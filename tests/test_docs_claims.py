@@ -199,3 +199,25 @@ def test_every_zipccl_variable_named_is_read_in_config():
         assert all(var in (ROOT / f).read_text() for f in files), var
     missing = sorted(f"{doc}: {v}" for doc, v in named if v not in read and v not in TEST_SETTINGS)
     assert not missing, "\n".join(missing)
+
+
+# ---- sections ----------------------------------------------------------------------------------------------
+
+def test_every_section_cited_exists():
+    """``docs/X.md, "Section"`` and ``(see "Section")`` name a heading of that page (or of the same
+    page), or a paragraph's bold title: the title, or the start of it."""
+    def titles(page: Path) -> list[str]:
+        text = page.read_text()
+        return [t.strip() for t in re.findall(r"^#+\s+(.+)$", text, re.M) + re.findall(r"\*\*([^*]+)\*\*", text)]
+
+    cited = []
+    for doc in DOCS:
+        text = re.sub(r"\s*\n\s*", " ", doc.read_text())
+        for m in re.finditer(r"(?:([\w./-]*\b[A-Z]+\.md),?:?\s+|\bsee\s+)\"([^\"]{3,80})\"", text):
+            page = next((p for p in (ROOT / (m.group(1) or ""), doc.parent / (m.group(1) or ""), ROOT / "docs" / (m.group(1) or ""))
+                         if m.group(1) and p.is_file()), doc)
+            cited.append((doc.name, page, m.group(2)))
+    assert len(cited) > 10, cited
+    missing = [f"{doc}: {page.relative_to(ROOT)} \"{title}\"" for doc, page, title in cited
+               if not any(t.startswith(title) for t in titles(page))]
+    assert not missing, "\n".join(missing)
