@@ -117,7 +117,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     for row in rows:
         assert row["cubin_bytes"] > 0 and row["ptx_bytes"] > 0
     # Registers and spills come from cuobjdump, which ships with Triton's NVIDIA backend (beside the
-    # ptxas that made the cubins), so CI has it: a skip here fails a CI run (tests/ci_rules.py ALLOWED_SKIPS).
+    # ptxas that made the cubins), so CI has it: a skip here fails a CI run (tests/ci_rules.py).
     unread = [row for row in rows if "cubin_reg" not in row]
     if unread:
         pytest.skip(f"cuobjdump not found (Triton's backends/nvidia/bin or PATH): registers and spills of "
