@@ -390,11 +390,14 @@ def test_scatter_cuts_are_made_on_the_index_device():
 
 class _Device:
     """A fake clock and GPU: a call queues ``device`` seconds of work and returns after ``host``;
-    timing events record when the queued work before them ends; any host wait for the device
-    is counted."""
+    timing events record when the queued work before them ends; the host's waits for the device
+    (an event synchronised, or polled in a loop that sleeps while it has not passed) are counted,
+    once per event; the host's sleeps pass the fake time."""
 
     def __init__(self, monkeypatch):
-        self.now, self.free_at, self.syncs = 100.0, 0.0, 0  # free_at: when the device's queued work ends
+        self.now, self.free_at = 100.0, 0.0  # free_at: when the device's queued work ends
+        self.waited: set = set()
+        self.polled = None  # the event last queried, where it had not passed
         fake = self
 
         class Event:
@@ -407,21 +410,33 @@ class _Device:
                 self.at = max(fake.now, fake.free_at)
 
             def query(self):
+                fake.polled = id(self) if self.at > fake.now else None
                 return self.at <= fake.now
 
             def synchronize(self):
-                fake.syncs += 1
+                fake.waited.add(id(self))
                 fake.now = max(fake.now, self.at)
 
             def elapsed_time(self, end):  # milliseconds, as torch's
                 assert self.query() and end.query()
                 return (end.at - self.at) * 1e3
 
-        monkeypatch.setattr(autoplan.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(autoplan, "time", types.SimpleNamespace(perf_counter=lambda: self.now,
+                                                                    monotonic=lambda: self.now, sleep=self.sleep))
         monkeypatch.setattr(config, "TIMEOUT", None)
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("a device-wide wait"))
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
         monkeypatch.setattr(torch.cuda, "Event", Event)
+
+    @property
+    def syncs(self) -> int:
+        return len(self.waited)
+
+    def sleep(self, seconds: float) -> None:
+        """The host sleeps: in a loop on an event that has not passed, it waits for it."""
+        if self.polled is not None:
+            self.waited.add(self.polled)
+        self.now += seconds
 
     def call(self, host: float, device: float):
         def run(plan):
@@ -465,16 +480,19 @@ def test_cuda_spans_that_have_passed_fold_into_the_lowest(monkeypatch):
 
 def test_a_span_that_never_ends_is_reported_unknown_after_zipccl_timeout(monkeypatch):
     """A measured call whose peer died never ends on the device: the next exchange waits for it
-    at most ZIPCCL_TIMEOUT, then reports -1 (no rank learns from it), rather than hanging."""
-    _Device(monkeypatch)
-    monkeypatch.setattr(config, "TIMEOUT", 0.05)
-    group, key = autoplan._AutoGroup(), auto.Policy.key("all_reduce", torch.bfloat16, 4 << 20)
-    span = autoplan.DeviceSpan("current").close("current")
-    span.end.query = lambda: False
-    group.done(key, "native", span)
-    start = time.monotonic()
-    assert group.take() == [((key, "native"), -1)]
-    assert 0.05 <= time.monotonic() - start < 2
+    at most ZIPCCL_TIMEOUT (unset: config.DEFAULT_TIMEOUT), then reports -1 (no rank learns from
+    it), rather than hanging."""
+    fake = _Device(monkeypatch)
+    for setting in (0.05, None):  # unset: config.DEFAULT_TIMEOUT, never an unbounded wait
+        monkeypatch.setattr(config, "TIMEOUT", setting)
+        monkeypatch.setattr(config, "DEFAULT_TIMEOUT", 0.07)
+        group, key = autoplan._AutoGroup(), auto.Policy.key("all_reduce", torch.bfloat16, 4 << 20)
+        span = autoplan.DeviceSpan("current").close("current")
+        span.end.query = lambda: False
+        group.done(key, "native", span)
+        start = fake.now
+        assert group.take() == [((key, "native"), -1)]
+        assert (setting or 0.07) <= fake.now - start < (setting or 0.07) + 0.01
 
 
 def test_measures_follows_the_probe_floor():

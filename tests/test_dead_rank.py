@@ -13,8 +13,10 @@ import os
 import signal
 import threading
 import time
+import types
 
 import pytest
+import torch
 
 from zipccl import failure
 from zipccl.errors import RankFailure
@@ -23,7 +25,7 @@ from workers import spawn
 
 pytestmark = pytest.mark.timeout(300)
 
-N, VICTIM, TIMEOUT = 4, 3, 5.0
+N, TIMEOUT = 4, 5.0
 #: Upper bounds only, from the instant the victim stops: a loaded host can make any rank late, so
 #: there is no lower bound. A killed rank's connections close at once: no survivor waits out
 #: ZIPCCL_TIMEOUT. A hung one is waited for ZIPCCL_TIMEOUT, then GRACE of it per later wait.
@@ -37,8 +39,13 @@ def _rank(rank: int, port: int, plan: dict, results) -> None:
     import torch.distributed as dist
 
     import zipccl
+    from zipccl import config
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if "default_timeout" in plan:  # ZIPCCL_TIMEOUT unset: the default bound, made small
+        config.DEFAULT_TIMEOUT = plan["default_timeout"]
+    if plan.get("shared_events"):
+        _fail_as_nccl_does()
     dist.init_process_group(plan.get("backend", "gloo"), rank=rank, world_size=N,
                             timeout=datetime.timedelta(seconds=120))
     x = torch.randn(plan["numel"], generator=torch.Generator().manual_seed(rank))
@@ -49,9 +56,9 @@ def _rank(rank: int, port: int, plan: dict, results) -> None:
     call()  # warm: the group's connections and the second lane exist
     dist.barrier()
     threads = threading.active_count()
-    if rank == VICTIM and plan.get("in_status_round"):
+    if rank == plan["victim"] and plan.get("in_status_round"):
         _die_in_status_round(plan["in_status_round"], plan["stamp"])
-    elif rank == VICTIM:
+    elif rank == plan["victim"]:
         threading.Timer(plan["after"], _stop, (plan["stamp"], plan["signal"])).start()
     deadline = time.monotonic() + CALLING_FOR
     try:
@@ -65,6 +72,51 @@ def _rank(rank: int, port: int, plan: dict, results) -> None:
     results.join_thread()  # delivered before the hard exit below
     time.sleep(2)  # a survivor that exits at once can cut off a peer still settling the call (docs/RELIABILITY.md)
     os._exit(0)  # the group is broken: tearing it down would wait on the dead rank's connections
+
+
+def _fail_as_nccl_does() -> None:
+    """zipccl's gloo transport made to fail as its NCCL transport does: every operation issued in
+    one ``grouped()`` block completes with the others (NCCL records one event after the group), and
+    an error says nothing of which peer failed (``anonymous``). A survivor waiting on its
+    operation with a live peer then fails because of the dead one, as with NCCL."""
+    from zipccl.transport.torch_dist import TorchTransport
+    grouped, isend, irecv, wait = TorchTransport.grouped, TorchTransport.isend, TorchTransport.irecv, \
+        TorchTransport.wait
+    opened = threading.local()
+
+    class Shared:
+        def __init__(self, work, group: list):
+            self.work, self.group, self.done = work, group, False
+            group.append(self)
+
+    @contextlib.contextmanager
+    def as_one(self):
+        opened.group = []
+        try:
+            with grouped(self):
+                yield
+        finally:
+            opened.group = None
+
+    def post(original):
+        def issue(self, tensor, peer, tag=0):
+            group = getattr(opened, "group", None)
+            return Shared(original(self, tensor, peer, tag), group if group is not None else [])
+        return issue
+
+    def wait_all(self, work, timeout=None):
+        for w in work.group:
+            if not w.done:
+                try:
+                    wait(self, w.work, timeout)
+                except RuntimeError as e:
+                    error = RuntimeError(f"an operation of the group failed: {e}")
+                    error.anonymous, error.timed_out = True, getattr(e, "timed_out", False)
+                    raise error from e
+                w.done = True
+
+    TorchTransport.grouped, TorchTransport.isend, TorchTransport.irecv = as_one, post(isend), post(irecv)
+    TorchTransport.wait = wait_all
 
 
 def _stop(stamp: str, sig: int) -> None:
@@ -99,15 +151,33 @@ def _die_in_status_round(call: int, stamp: str) -> None:
     failure.Fate.settle = dying
 
 
-@pytest.mark.parametrize("collective,codec,after,sig", [("all_reduce", "lossless", 0.5, "KILL"),
-                                                        ("all_reduce", "raw", 0.2, "KILL"),
-                                                        ("all_gather", "lossless", 0.3, "KILL"),
-                                                        ("all_reduce", "lossless", 0.5, "STOP")])
-def test_killed_rank(monkeypatch, tmp_path, collective, codec, after, sig):
+@pytest.mark.parametrize("collective,codec,after,sig,victim", [("all_reduce", "lossless", 0.5, "KILL", 3),
+                                                               ("all_reduce", "raw", 0.2, "KILL", 3),
+                                                               ("all_gather", "lossless", 0.3, "KILL", 3),
+                                                               ("all_reduce", "lossless", 0.5, "STOP", 3),
+                                                               ("all_reduce", "raw", 0.3, "STOP", 2)])
+def test_killed_rank(monkeypatch, tmp_path, collective, codec, after, sig, victim):
     """SIGKILL: the survivors see its connections close at once. SIGSTOP: it hangs, and they
-    give up on it after ZIPCCL_TIMEOUT."""
+    give up on it after ZIPCCL_TIMEOUT; a survivor that gives up closes its own connections, so
+    that its peers see *it* go: every one of them still names the stopped rank (its heartbeat)."""
     _run_killed(monkeypatch, tmp_path, dict(collective=collective, codec=codec, after=after, numel=2_000_000,
-                                  signal=getattr(signal, "SIG" + sig)))
+                                            signal=getattr(signal, "SIG" + sig), victim=victim))
+
+
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+def test_a_rank_lost_where_errors_name_no_peer_is_named_by_its_heartbeat(monkeypatch, tmp_path, sig):
+    """NCCL's failure mode on gloo (``_fail_as_nccl_does``): rank 2 of 4, which is not the
+    first peer any survivor waits on, is killed or stopped; every survivor's failing wait is on
+    whatever operation it waited for (rank 0's first is with rank 1), and every survivor names rank 2."""
+    _run_killed(monkeypatch, tmp_path, dict(collective="all_reduce", codec="raw", after=0.3, numel=2_000_000,
+                                            signal=getattr(signal, "SIG" + sig), victim=2, shared_events=True))
+
+
+def test_without_zipccl_timeout_no_call_waits_past_the_default_bound(monkeypatch, tmp_path):
+    """ZIPCCL_TIMEOUT unset, the group's timeout 120 s, config.DEFAULT_TIMEOUT made 5 s: a rank
+    stopped in mid-call is given up on after the default bound and named by every survivor."""
+    _run_killed(monkeypatch, tmp_path, dict(collective="all_reduce", codec="lossless", after=0.5, numel=2_000_000,
+                                            signal=signal.SIGSTOP, victim=2, default_timeout=TIMEOUT))
 
 
 def test_killed_rank_on_the_zipccl_backend(monkeypatch, tmp_path):
@@ -115,7 +185,7 @@ def test_killed_rank_on_the_zipccl_backend(monkeypatch, tmp_path):
     raises the same RankFailure on every survivor."""
     monkeypatch.setenv("ZIPCCL_CODEC", "lossless")
     _run_killed(monkeypatch, tmp_path, dict(collective="dist.all_reduce", codec="lossless", after=0.3,
-                                            numel=2_000_000, signal=signal.SIGKILL, backend="zipccl"))
+                                            numel=2_000_000, signal=signal.SIGKILL, backend="zipccl", victim=3))
 
 
 def test_rank_killed_in_status_round(monkeypatch, tmp_path):
@@ -125,29 +195,36 @@ def test_rank_killed_in_status_round(monkeypatch, tmp_path):
     raised at the end of that call and ranks 0 and 1, whose call had succeeded, waited on it
     in the next one and named it (LOST) once it exited."""
     _run_killed(monkeypatch, tmp_path, dict(collective="all_reduce", codec="raw", after=0.0, numel=200_000,
-                                  signal=signal.SIGKILL, in_status_round=3))
+                                            signal=signal.SIGKILL, in_status_round=3, victim=3))
 
 
 def _run_killed(monkeypatch, tmp_path, plan: dict) -> None:
     collective, codec, after, sig = plan["collective"], plan["codec"], plan["after"], plan["signal"].name[3:]
+    victim = plan["victim"]
     plan["stamp"] = str(tmp_path / "stopped_at")  # the victim's wall-clock time as it stops
-    monkeypatch.setenv("ZIPCCL_TIMEOUT", str(TIMEOUT))  # read by the ranks' zipccl.config
+    if "default_timeout" in plan:
+        monkeypatch.delenv("ZIPCCL_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("ZIPCCL_TIMEOUT", str(TIMEOUT))  # read by the ranks' zipccl.config
     got, procs = spawn(_rank, N, (free_port(), plan), answers=N - 1, seconds=240)
-    assert sorted(got) == [r for r in range(N) if r != VICTIM], got  # every survivor answered: none hung
-    assert procs[VICTIM].exitcode == -signal.SIGKILL
+    assert sorted(got) == [r for r in range(N) if r != victim], got  # every survivor answered: none hung
+    assert procs[victim].exitcode == -signal.SIGKILL
     stopped_at = float((tmp_path / "stopped_at").read_text())
     got = {rank: (*v[:4], v[4] - stopped_at, v[5]) for rank, v in got.items()}  # seconds after the stop
     if os.environ.get("ZIPCCL_FAULT_LOG"):  # docs/RELIABILITY.md: time from the victim's stop to the last raise
         with open(os.environ["ZIPCCL_FAULT_LOG"], "a") as f:
-            case = ["killed", collective, codec, after, sig] + (["status round"] if plan.get("in_status_round") else [])
+            case = ["killed", collective, codec, after, sig, f"rank {victim}"] + \
+                (["status round"] if plan.get("in_status_round") else []) + \
+                (["errors name no peer"] if plan.get("shared_events") else []) + \
+                (["default bound"] if "default_timeout" in plan else [])
             f.write(json.dumps(dict(case=case, seconds=max(v[4] for v in got.values()))) + "\n")
-    # A hung rank (SIGSTOP) also holds up the peers that wait for it: a survivor whose own wait
-    # ran out on such a peer names that peer (docs/RELIABILITY.md); a killed rank is named by all.
-    assert any(v[1] == VICTIM for v in got.values()), got
+    # A killed rank's connections close at once; where errors name no peer, its heartbeat goes
+    # silent within heartbeat.stale_after(); a hung one is waited for a whole timeout.
+    within = KILLED_WITHIN if sig == "KILL" and not plan.get("shared_events") else HUNG_WITHIN
     for rank, (err, failing, broken, message, seconds, extra_threads) in got.items():
-        assert err == "RankFailure" and broken and (failing == VICTIM or sig == "STOP"), (rank, got[rank])
+        assert err == "RankFailure" and broken and failing == victim, (rank, got)
         assert f"rank {failing}" in message and "rebuilt" in message, message
-        assert seconds < (KILLED_WITHIN if sig == "KILL" else HUNG_WITHIN), (rank, got)
+        assert seconds < within, (rank, got)
         assert extra_threads == 0, (rank, extra_threads)
         assert procs[rank].exitcode == 0, (rank, procs[rank].exitcode)  # exited, reaped: no zombie
 
@@ -164,6 +241,12 @@ class _Round:
 
     def global_rank(self, rank: int) -> int:
         return rank
+
+    def fence(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.aborted = True
 
     def isend(self, tensor, peer: int, tag: int):
         return peer, None
@@ -265,10 +348,11 @@ def test_waits_after_a_loss_are_shortened(monkeypatch):
         fate.heard(failure.code(1, kind))
         fate.wait(t, 3, 3)
         assert t.timeouts == [(3, grace if hurried else None)], kind
-    monkeypatch.setattr(config, "TIMEOUT", None)  # unset: the group's timeout bounds each wait
+    monkeypatch.setattr(config, "TIMEOUT", None)  # unset: GRACE of the default bound
+    monkeypatch.setattr(config, "DEFAULT_TIMEOUT", 40.0)
     fate, t = failure.Fate("all_reduce", 2), _Waits({1})
     fate.wait(t, 1, 1), fate.wait(t, 3, 3)
-    assert t.timeouts == [(1, None), (3, None)]
+    assert t.timeouts == [(1, None), (3, failure.GRACE * 40.0)]
 
 
 def test_status_round_gave_up_raises():
@@ -289,9 +373,148 @@ def test_torch_wait_takes_the_shorter_timeout(monkeypatch):
             self.timeout = timeout.total_seconds()
             raise RuntimeError("Timed out waiting for recv operation to complete")
 
+    gloo = types.SimpleNamespace(backend="gloo")
     monkeypatch.setattr(config, "TIMEOUT", TIMEOUT)
     for timeout, expected in [(None, TIMEOUT), (100.0, TIMEOUT), (1.25, 1.25)]:
         work = Hung()
         with pytest.raises(RuntimeError) as caught:
-            torch_dist.TorchTransport._wait(None, work, timeout)
+            torch_dist.TorchTransport._wait(gloo, work, timeout)
         assert caught.value.timed_out and work.timeout == expected
+    monkeypatch.setattr(config, "TIMEOUT", None)  # unset: the default bound, never an unbounded wait
+    monkeypatch.setattr(config, "DEFAULT_TIMEOUT", 7.0)
+    for timeout, expected in [(None, 7.0), (100.0, 7.0), (1.25, 1.25)]:
+        work = Hung()
+        with pytest.raises(RuntimeError):
+            torch_dist.TorchTransport._wait(gloo, work, timeout)
+        assert work.timeout == expected
+
+
+# ---- naming from evidence: the heartbeats (zipccl.transport.heartbeat), on stand-ins ---------------------------------
+
+NOW = 1_000_000.0
+GROUP = "0,1,2,3"
+
+
+def _board(monkeypatch, beats: dict, rank: int = 0, calls_here: int = 5):
+    """A Board of this ``rank`` whose store (in-process) holds ``beats`` {rank: (seconds ago, calls
+    on GROUP)}: what zipccl.failure and the NCCL transport read, at the wall time NOW."""
+    import torch.distributed as dist
+
+    from zipccl.transport import heartbeat
+    store = dist.HashStore()
+    board = heartbeat.Board(object(), store, rank, clock=lambda: NOW)
+    board.began, board.calls = NOW - 60, {GROUP: calls_here}
+    for r, (ago, calls) in beats.items():
+        store.set(heartbeat.KEY.format(r), json.dumps({"t": NOW - ago, "calls": {GROUP: calls}}))
+    monkeypatch.setattr(heartbeat, "board", lambda: board)
+    return board
+
+
+def _nccl_stand_in(monkeypatch):
+    """An NcclTransport of 4 ranks (this one rank 0) over communicators that never fail, and a
+    mail from rank 1 that never arrives: its event is the one that NCCL records after the whole
+    group, which never passes while any rank of the group is gone."""
+    from zipccl.transport import cupy_nccl
+
+    class Comm:
+        def check_async_error(self):
+            pass
+
+        def abort(self):
+            pass
+
+    t = object.__new__(cupy_nccl.NcclTransport)
+    t.rank, t.size, t._ranks, t.comm, t.mail_comm, t._open = 0, 4, [0, 1, 2, 3], Comm(), Comm(), None
+    work = cupy_nccl._Work(None, host=torch.zeros(1, dtype=torch.int64), mail=True)
+    work.event = types.SimpleNamespace(query=lambda: False)
+    return t, work
+
+
+def _named(monkeypatch, beats: dict, timeout: float = 2.0, calls_here: int = 5):
+    """Rank 0 of the NCCL stand-in waits on rank 1's mail with ``beats`` in the store: the
+    RankFailure its call raises, and the seconds its wait took."""
+    from zipccl import config
+    monkeypatch.setattr(config, "TIMEOUT", timeout)
+    _board(monkeypatch, beats, calls_here=calls_here)
+    t, work = _nccl_stand_in(monkeypatch)
+    fate = failure.Fate("all_reduce", 0)
+    fate.began = NOW - 10
+    start = time.monotonic()
+    assert not fate.wait(t, work, 1)
+    seconds = time.monotonic() - start
+    with pytest.raises(RankFailure) as e:
+        fate.settle(t)
+    return e.value, seconds
+
+
+def test_nccl_names_the_silent_rank_not_the_peer_waited_on(monkeypatch):
+    """Rank 3 of 4 died: its heartbeat stopped 30 s ago. Rank 0 waits on rank 1's mail (rank 1
+    lives), whose event never passes; once the wait has lasted heartbeat.stale_after() (1 s
+    here, under ZIPCCL_TIMEOUT=2) the transport looks at the beats, gives up and aborts, and the
+    call names rank 3, with the evidence in its message."""
+    e, seconds = _named(monkeypatch, {1: (0.1, 5), 2: (0.2, 5), 3: (30.0, 4)})
+    assert (e.rank, e.kind, e.broken) == (3, "lost", True), e
+    assert "heartbeat in the job's store stopped 30.0 s ago" in str(e) and "rank 3 failed" in str(e)
+    assert 1.0 <= seconds < 1.9, seconds  # before ZIPCCL_TIMEOUT: the silent rank was seen
+
+
+def test_nccl_names_a_live_rank_that_never_reached_the_call(monkeypatch):
+    """Every rank beats, but rank 2's beat (written after this call began here) counts 4 calls
+    on the group where this rank has entered 5: rank 2 is stuck before the call. Named after
+    ZIPCCL_TIMEOUT, and after waiting heartbeat.stale_after() more for a rank to fall silent."""
+    e, seconds = _named(monkeypatch, {1: (0.1, 5), 2: (0.1, 4), 3: (0.2, 5)}, timeout=1.0)
+    assert (e.rank, e.kind) == (2, "lost"), e
+    assert "alive but has not reached this call (4 calls on the group there, 5 here)" in str(e)
+
+
+def test_with_no_evidence_the_peer_waited_on_is_named_and_said_to_be(monkeypatch):
+    """Every rank beats and has entered the call (a rank hung inside it, or a link down): no
+    evidence, so the peer whose operation ran out is named, and the message says so."""
+    e, _ = _named(monkeypatch, {1: (0.1, 5), 2: (0.1, 5), 3: (0.2, 6)}, timeout=0.5)
+    assert e.rank == 1 and "no heartbeat names another rank" in str(e), e
+
+
+def test_a_closed_connection_names_its_peer_at_once_unless_a_rank_is_silent(monkeypatch):
+    """gloo's closed connection identifies its peer: with every beat fresh (a rank killed a
+    moment ago), that peer, without waiting; with rank 3 silent for 6 s (stopped: rank 1 gave up
+    on it and closed its connections, which this rank sees), rank 3."""
+    from zipccl import config
+    monkeypatch.setattr(config, "TIMEOUT", TIMEOUT)  # a rank is silent after 2.5 s
+    t = _Waits({1})
+    for beats, named in [({1: (0.1, 5), 2: (0.1, 5), 3: (0.2, 5)}, 1), ({1: (0.1, 5), 2: (0.1, 5), 3: (6.0, 5)}, 3)]:
+        _board(monkeypatch, beats)
+        fate = failure.Fate("all_reduce", 0)
+        start = time.monotonic()
+        fate.lose(types.SimpleNamespace(size=4, global_rank=t.global_rank), 1, RuntimeError("Connection closed"))
+        assert fate.first == (named, failure.LOST) and time.monotonic() - start < 0.5, (beats, fate.first)
+
+
+def test_a_store_that_does_not_answer_is_no_evidence(monkeypatch):
+    board = _board(monkeypatch, {})
+    board.read = lambda ranks: None
+    fate = failure.Fate("all_reduce", 0)
+    fate.lose(types.SimpleNamespace(size=4, global_rank=lambda r: r), 2, RuntimeError("Connection closed"))
+    assert fate.first == (2, failure.LOST)
+
+
+def test_every_process_beats_in_the_store_and_stops_with_its_group():
+    """A real one-rank group: its first zipccl call starts the heartbeat, whose beat is in the
+    store (the call counted); destroying the group ends the thread."""
+    import torch.distributed as dist
+
+    import zipccl
+    from zipccl.transport import heartbeat
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        zipccl.all_reduce(torch.ones(1000), codec="raw", algorithm="flat")
+        board = heartbeat.board()
+        assert board is not None and board.thread.is_alive() and board.thread.daemon
+        deadline = time.monotonic() + 3 * heartbeat.period() + 5
+        while not (beat := board.read([0])[0])["calls"] and time.monotonic() < deadline:  # the next beat
+            time.sleep(0.1)
+        assert abs(beat["t"] - time.time()) < 30 and beat["calls"].get("0", 0) >= 1, beat
+        assert board.silent([0]) == {}
+    finally:
+        dist.destroy_process_group()
+    board.thread.join(timeout=3 * heartbeat.period() + 5)
+    assert not board.thread.is_alive() and heartbeat.board() is None

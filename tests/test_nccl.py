@@ -210,40 +210,58 @@ class _Comm:
         _Comm.aborted = True
 
 
-def _pending_transport(monkeypatch):
+def _pending_transport(monkeypatch, mail: bool = False):
     """An NcclTransport over stand-ins (no GPU): a communicator that never reports an error and
-    an operation on device tensors whose event never passes, as a receive from a dead peer."""
+    an operation (on device tensors, or a mail: a host tensor) whose event never passes, as a
+    receive from a dead peer."""
     from zipccl.transport.cupy_nccl import NcclTransport, _Work
     t = object.__new__(NcclTransport)
     t.comm, t.mail_comm, t.device, t.rank, t._ranks = _Comm(), _Comm(), "cpu", 0, [0, 1]
     _Comm.aborted = False
     stream = _Stream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    work = _Work(keep=None)
+    work = _Work(keep=None, host=torch.zeros(1, dtype=torch.int64) if mail else None, mail=mail)
     work.event = type("Pending", (), {"query": lambda self: False})()
     return t, work, stream
 
 
-def test_a_pending_device_receive_times_out_under_zipccl_timeout(monkeypatch):
-    """With ZIPCCL_TIMEOUT set, the host waits for an operation on device tensors, bounded: a
-    receive that never completes (its peer died) raises a timed-out NcclError and aborts the
-    communicator, instead of leaving the stream to hang the next host read."""
+@pytest.mark.parametrize("setting", [0.3, None], ids=["ZIPCCL_TIMEOUT", "unset"])
+def test_a_pending_mail_times_out_within_the_bound(monkeypatch, setting):
+    """A mail (a size, a status) whose peer died never arrives: the host waits for it at most
+    ZIPCCL_TIMEOUT, or config.DEFAULT_TIMEOUT where that is unset (here made 0.3 s), then raises a
+    timed-out NcclError and aborts the communicator; no wait is unbounded."""
     from zipccl import config
     from zipccl.transport.cupy_nccl import NcclError
-    monkeypatch.setattr(config, "TIMEOUT", 0.3)
-    t, work, stream = _pending_transport(monkeypatch)
+    monkeypatch.setattr(config, "TIMEOUT", setting)
+    monkeypatch.setattr(config, "DEFAULT_TIMEOUT", 0.3)
+    t, work, stream = _pending_transport(monkeypatch, mail=True)
     start = time.monotonic()
     with pytest.raises(NcclError, match="no progress within 0.3 s") as e:
         t.wait(work)
     assert 0.3 <= time.monotonic() - start < 3
-    assert e.value.timed_out and _Comm.aborted and t.comm is None and not stream.waited
+    assert e.value.timed_out and e.value.anonymous and _Comm.aborted and t.comm is None and not stream.waited
 
 
-def test_without_zipccl_timeout_a_device_wait_leaves_the_host_free(monkeypatch):
-    """Without ZIPCCL_TIMEOUT, waiting for an operation on device tensors only orders torch's
-    current stream after it: the host returns at once."""
+@pytest.mark.parametrize("setting", [0.3, None], ids=["ZIPCCL_TIMEOUT", "unset"])
+def test_a_device_wait_leaves_the_host_free(monkeypatch, setting):
+    """Waiting for an operation on device tensors only orders torch's current stream after it:
+    the host returns at once, with ZIPCCL_TIMEOUT or without (the call's status round, fenced
+    after it, is where a peer that died is found)."""
     from zipccl import config
-    monkeypatch.setattr(config, "TIMEOUT", None)
+    monkeypatch.setattr(config, "TIMEOUT", setting)
     t, work, stream = _pending_transport(monkeypatch)
+    start = time.monotonic()
     t.wait(work)
-    assert stream.waited == [work.event] and not _Comm.aborted
+    assert stream.waited == [work.event] and not _Comm.aborted and time.monotonic() - start < 0.3
+
+
+def test_the_status_round_leaves_after_the_calls_packets(monkeypatch):
+    """fence: the mail stream waits for the bulk stream, so that a peer's status says its packets
+    have gone; abort ends both communicators."""
+    t, _, _ = _pending_transport(monkeypatch)
+    t.stream, t.mail_stream = "bulk", _Stream()
+    t.mail_stream.wait_stream = t.mail_stream.waited.append
+    t.fence()
+    assert t.mail_stream.waited == ["bulk"]
+    t.abort()
+    assert _Comm.aborted and t.comm is None and t.mail_comm is None

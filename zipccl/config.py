@@ -91,8 +91,19 @@ def _seconds(name: str) -> float | None:
 #: Seconds a rank waits for any one operation of a zipccl call (a peer's packet, size or
 #: status, a barrier, the backend's collective) before it counts the peer as lost
 #: (zipccl.failure): every rank then raises RankFailure and the group must be rebuilt.
-#: Unset: the process group's own timeout.
+#: Unset (None): zipccl's own waits take DEFAULT_TIMEOUT (the group's timeout where that is
+#: shorter), and the backend's own collectives keep torch.distributed's semantics.
 TIMEOUT = _seconds("ZIPCCL_TIMEOUT")
+
+#: The bound of each of zipccl's own waits where ZIPCCL_TIMEOUT is unset, so that no zipccl call
+#: blocks for ever (a dead peer on CuPy's NCCL leaves a receive pending for good): 10 minutes,
+#: torch's default timeout for NCCL process groups.
+DEFAULT_TIMEOUT = 600.0
+
+
+def wait_bound() -> float:
+    """Seconds one of zipccl's waits may take: ZIPCCL_TIMEOUT, else DEFAULT_TIMEOUT."""
+    return TIMEOUT if TIMEOUT is not None else DEFAULT_TIMEOUT
 
 
 #: The codec policy of the drop-in backend (``init_process_group(backend="zipccl")``, whose

@@ -12,9 +12,14 @@ At the end of the call the ranks tell each other their status, pairwise (``settl
 failure anywhere makes every rank raise ``RankFailure`` naming the rank that failed and why.
 
 A rank that dies breaks its connections: operations with it fail at once (gloo sees the
-socket close) or, where it hangs instead, after ``ZIPCCL_TIMEOUT`` seconds (default: the
-group's timeout), which closes them. The survivors skip it, finish poisoned, and raise
-``RankFailure`` naming it, with ``broken=True``: the group must be rebuilt. A rank that dies
+socket close) or, where it hangs instead, after ``ZIPCCL_TIMEOUT`` seconds (unset:
+``config.DEFAULT_TIMEOUT``), which closes them. The survivors skip it, finish poisoned, and raise
+``RankFailure`` naming it, with ``broken=True``: the group must be rebuilt. Which rank a loss is
+blamed on comes from evidence (``Fate.lose``): the ranks' heartbeats in the job's store
+(zipccl.transport.heartbeat) name a rank that went silent, or one that never reached the call;
+only where they name none is it the peer whose operation failed, and then only where the
+transport's error identifies that peer (gloo's closed connection; not a wait that ran out, nor
+any NCCL error: all operations of an NCCL group complete together). A rank that dies
 in the status round itself may have told some survivors its status and not others; those
 that see its connection break there have all the call's messages and do not raise for it
 (``settle``; one that gave up waiting on it does), so no survivor leaves the group's
@@ -27,9 +32,12 @@ from __future__ import annotations
 
 import torch
 
+import time
+
 from . import config
 from .errors import FormatError, RankFailure
 from .reference.packet import read_all
+from .transport import heartbeat
 
 __all__ = ["Fate", "CORRUPT", "ENCODE", "DECODE", "SIZE", "REDUCE", "LOST", "MEMORY", "describe"]
 
@@ -54,6 +62,13 @@ def timed_out(error: BaseException | None) -> bool:
     return isinstance(error, TimeoutError) or bool(getattr(error, "timed_out", False))
 
 
+def identifies(error: BaseException | None) -> bool:
+    """Whether ``error`` of an operation with one peer says that *that* peer is gone (gloo's
+    closed connection), rather than that this rank gave up waiting (``timed_out``) or that its
+    transport cannot tell which peer of the group failed (``anonymous``: NCCL's errors)."""
+    return error is not None and not timed_out(error) and not getattr(error, "anonymous", False)
+
+
 def describe(value: int) -> tuple[int, int]:
     """(rank, kind) of a poison code."""
     value -= 1
@@ -64,7 +79,7 @@ class Fate:
     """One call's outcome on this rank, shared by the phases and levels of the call. Ranks are
     the job's (as dist.get_rank()): the levels of a hierarchical call are other groups."""
 
-    __slots__ = ("name", "rank", "first", "error", "lost", "hurry", "gave_up", "verdicts")
+    __slots__ = ("name", "rank", "first", "error", "lost", "hurry", "gave_up", "verdicts", "began", "evidence")
 
     def __init__(self, name: str, rank: int):
         """``rank``: this rank in the job."""
@@ -75,9 +90,13 @@ class Fate:
         self.hurry: float | None = None             # seconds each later wait may take, once a rank is lost (_hurry)
         self.gave_up = False                        # a wait of this call ran out (this rank closed its connections)
         self.verdicts: list = []                    # (job rank of the sender, Verdict) of packets decoded, unread
+        self.began = time.time()                    # wall time: a peer's heartbeat after it has seen the call begin
+        self.evidence = ""                          # why a lost rank is the one named (heartbeat.Board.culprit)
 
     @classmethod
     def of(cls, name: str, t) -> "Fate":
+        """A call on transport ``t``'s group begins here (counted in this rank's heartbeat)."""
+        heartbeat.entered(t)
         return cls(name, t.global_rank(t.rank))
 
     @property
@@ -110,10 +129,10 @@ class Fate:
         on the hung rank, would double its time (a survivor of a SIGSTOP raised 10.06 s after
         it, not 5.03, in about 1 run of 6). What remains is the poisoned end of the schedule
         and the status round, where live peers answer at once; a live peer busier than that
-        in one stretch is given up on and named. Without ZIPCCL_TIMEOUT each wait has the
-        group's timeout."""
-        if self.hurry is None and config.TIMEOUT is not None:
-            self.hurry = GRACE * config.TIMEOUT
+        in one stretch is given up on (and named only where the heartbeats show nothing
+        else). Without ZIPCCL_TIMEOUT it is GRACE of config.DEFAULT_TIMEOUT."""
+        if self.hurry is None:
+            self.hurry = GRACE * config.wait_bound()
 
     def blame(self, t, peer: int, error: BaseException) -> None:
         """A packet from ``peer`` of transport ``t`` failed validation: a corrupt packet is its sender's failure."""
@@ -157,10 +176,34 @@ class Fate:
                 self.fail(CORRUPT, FormatError(problem), rank=rank)
 
     def lose(self, t, peer: int, error: BaseException) -> None:
-        """An operation with ``peer`` of transport ``t`` failed: its connection is gone."""
+        """An operation with ``peer`` of transport ``t`` (-1: a collective of its group) failed:
+        its connection is gone. The first loss of the call is blamed on the rank that the
+        heartbeats name (``_culprit``)."""
         self.lost.add((id(t), peer))
-        self.fail(LOST, error, rank=t.global_rank(peer) if peer >= 0 else -1)
+        if self.first is None:
+            self.fail(LOST, error, rank=self._culprit(t, peer, error))
         self._hurry()
+
+    def _culprit(self, t, peer: int, error: BaseException) -> int:
+        """The job rank to blame for a loss on ``t``: the one the group's heartbeats name
+        (silent, or never in the call), else ``peer`` where ``error`` identifies it, else -1.
+        An error that identifies its peer is taken at once where no rank is silent yet (a
+        killed rank's beat is fresh when its sockets close); one that does not waits up to
+        ``stale_after()`` and a beat for a rank to fall silent (NCCL learns of a killed peer before
+        its beat is stale)."""
+        named = t.global_rank(peer) if peer >= 0 else -1
+        b = heartbeat.board()
+        if b is None:
+            return named
+        known = identifies(error)
+        patience = 0.0 if known else heartbeat.stale_after() + heartbeat.period()
+        found = b.culprit([t.global_rank(r) for r in range(t.size)], self.began, patience)
+        if found is None:
+            if not known and named >= 0:
+                self.evidence = "the peer whose operation ran out: no heartbeat names another rank"
+            return named
+        self.evidence = found[1]
+        return found[0]
 
     def alive(self, t, peer: int) -> bool:
         return (id(t), peer) not in self.lost and not self.broken(t)
@@ -223,6 +266,7 @@ class Fate:
             mine = torch.tensor([self.code], dtype=torch.int64)
             got = torch.zeros(t.size, dtype=torch.int64)
             peers = [j for j in range(t.size) if j != t.rank and self.alive(t, j)]
+            t.fence()
             with t.grouped():
                 sends = [(j, self.send(t, mine, j, TAG_STATUS)) for j in peers]
                 recvs = [(j, self.recv(t, got[j:j + 1], j, TAG_STATUS)) for j in peers]
@@ -231,9 +275,11 @@ class Fate:
                 self.wait(t, w, j)
             lost_here = known is None and self.first is not None and self.first[1] == LOST
             if lost_here and not (self.gave_up or timed_out(self.error)):
-                self.first, self.error = None, None  # lost in the round: see above (self.lost keeps it)
+                self.first, self.error, self.evidence = None, None, ""  # lost in the round: see above (self.lost keeps it)
             for value in heard:
                 self.heard(value)
+        if self.first is not None and (self.lost or self.first[1] == LOST):
+            t.abort()  # the group is broken: no operation of the call stays pending (NCCL)
         self.check()
 
     def check(self) -> None:
@@ -244,6 +290,8 @@ class Fate:
         rank, kind = self.first
         broken = bool(self.lost) or kind == LOST
         text = f"zipccl.{self.name}: rank {rank} failed: {_WHAT.get(kind, _WHAT[OTHER])}"
+        if self.evidence and kind == LOST:
+            text += f" [{self.evidence}]"
         if self.error is not None:
             text += f" ({type(self.error).__name__}: {self.error})"
         elif kind in (CORRUPT, SIZE):

@@ -37,17 +37,14 @@ class DeviceSpan:
 
     def microseconds(self) -> int | None:
         """The span's time, waiting for its end where that has not passed: for at most
-        ZIPCCL_TIMEOUT (None after it: a call whose peer died never ends), else for ever, as
-        any wait on the group's work."""
+        ZIPCCL_TIMEOUT, unset config.DEFAULT_TIMEOUT (None after it: a call whose peer died never
+        ends)."""
         if not self.end.query():
-            if config.TIMEOUT is None:
-                self.end.synchronize()
-            else:
-                deadline = time.monotonic() + config.TIMEOUT
-                while not self.end.query():
-                    if time.monotonic() > deadline:
-                        return None
-                    time.sleep(1e-4)
+            deadline = time.monotonic() + config.wait_bound()
+            while not self.end.query():
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(1e-4)
         return int(self.start.elapsed_time(self.end) * 1000)
 
 

@@ -21,12 +21,11 @@ import torch
 from .. import config
 
 
-def wait_limit(timeout: float | None) -> float | None:
-    """The longest one wait may take, in seconds: ZIPCCL_TIMEOUT, or ``timeout`` where that is
-    shorter; None where ZIPCCL_TIMEOUT is unset (the group's own timeout applies)."""
-    if config.TIMEOUT is None:
-        return None
-    return config.TIMEOUT if timeout is None else min(config.TIMEOUT, timeout)
+def wait_limit(timeout: float | None) -> float:
+    """The longest one wait may take, in seconds: ZIPCCL_TIMEOUT (unset: config.DEFAULT_TIMEOUT),
+    or ``timeout`` where that is shorter. Never None: no wait of zipccl's is unbounded."""
+    bound = config.wait_bound()
+    return bound if timeout is None else min(bound, timeout)
 
 
 class Transport(ABC):
@@ -48,6 +47,15 @@ class Transport(ABC):
     def global_rank(self, rank: int) -> int:
         """The job's rank of this group's ``rank`` (errors name ranks of the job)."""
         return rank
+
+    def fence(self) -> None:
+        """Order what is sent from now on after every operation issued so far: the call's status
+        round (zipccl.failure.Fate.settle) then tells a peer that this rank's messages have all
+        left and arrived. A no-op where messages already go in issue order (gloo)."""
+
+    def abort(self) -> None:
+        """End this group's connections after a failure that broke it, so that no operation stays
+        pending (NCCL: ncclCommAbort). A no-op where a failed operation ends by itself (gloo)."""
 
     def wait(self, work, timeout: float | None = None) -> None:
         """Wait for a handle that ``isend``, ``irecv`` or a collective returned (a transport may

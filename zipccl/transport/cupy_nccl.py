@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..errors import UnsupportedError, ZipcclError
-from . import nccl_stack
+from . import heartbeat, nccl_stack
 from .base import Transport, wait_limit
 from .torch_dist import TorchTransport
 
@@ -61,6 +61,10 @@ def native_by_torch(backend: str) -> bool:
 
 class NcclError(ZipcclError, RuntimeError):
     """NCCL failed (its own message is in the text); the communicator has been aborted."""
+
+    #: NCCL's errors and a wait that runs out do not say which peer failed: every operation of a
+    #: group completes together (one event), so zipccl.failure asks the heartbeats which rank it was.
+    anonymous = True
 
 
 def _aborted() -> NcclError:
@@ -268,28 +272,28 @@ class NcclTransport(Transport):
         return self._p2p(recv, src, False)
 
     def wait(self, work, timeout: float | None = None) -> None:
-        """Device tensors: torch's current stream waits for the operation; the host waits too,
-        bounded, where ZIPCCL_TIMEOUT is set (a peer that died leaves its receive pending for
-        ever: the stream would hang the next host read, with no one to name). Host tensors
-        (mails): the host waits for the mail stream alone, then copies from pinned memory. A host
-        wait takes at most ZIPCCL_TIMEOUT seconds (or ``timeout`` where that is shorter),
-        checking NCCL's async errors (both communicators'); a timeout or an error
-        aborts the communicator (ncclCommAbort), and the error of a timeout says so
+        """Device tensors: torch's current stream waits for the operation, the host does not. A
+        peer that died leaves a receive pending for ever; the call's status round finds it, since
+        its mails go after every device operation of the call (``fence``), and the abort that
+        follows ends the pending kernels, so that no later host read hangs. Host tensors (mails):
+        the host waits for the mail stream alone, then copies from pinned memory. A host wait
+        takes at most ZIPCCL_TIMEOUT seconds (unset: config.DEFAULT_TIMEOUT; or ``timeout`` where
+        that is shorter), checking NCCL's async errors (both communicators') and, once it has
+        lasted ``heartbeat.stale_after()``, the group's heartbeats; a timeout, an error or a
+        silent rank aborts the communicator (ncclCommAbort), and the error of a timeout says so
         (``timed_out``, as for TorchTransport)."""
         if work.event is None:
             raise ZipcclError("NcclTransport: an operation waited for inside its group, before NCCL issued it")
-        limit = wait_limit(timeout)
-        if work.host is None:
-            if limit is not None:
-                self._host_wait(work, limit)
-            if not work.mail:
-                torch.cuda.current_stream(self.device).wait_event(work.event)
+        if not work.mail:
+            torch.cuda.current_stream(self.device).wait_event(work.event)
             return
-        self._host_wait(work, limit)
-        work.host.copy_(work.pinned)
+        self._host_wait(work, wait_limit(timeout))
+        if work.host is not None:
+            work.host.copy_(work.pinned)
 
-    def _host_wait(self, work, limit: float | None) -> None:
-        deadline = None if limit is None else time.monotonic() + limit
+    def _host_wait(self, work, limit: float) -> None:
+        start = time.monotonic()
+        deadline, look = start + limit, start + heartbeat.stale_after()
         while not work.event.query():
             if self.comm is None:  # aborted by another wait of the call
                 raise _aborted()
@@ -298,11 +302,35 @@ class NcclTransport(Transport):
                 self.mail_comm.check_async_error()
             except Exception as e:  # noqa: BLE001
                 raise self._fail(e) from e
-            if deadline is not None and time.monotonic() > deadline:
-                error = self._fail(TimeoutError(f"no progress within {limit:g} s (ZIPCCL_TIMEOUT={config.TIMEOUT})"))
-                error.timed_out = True  # this rank gave up; the peer may live (zipccl.failure)
-                raise error
+            now = time.monotonic()
+            if now > deadline:
+                self._give_up(f"no progress within {limit:g} s (ZIPCCL_TIMEOUT={config.TIMEOUT}, "
+                              f"default {config.DEFAULT_TIMEOUT:g} s)")
+            if now > look:  # a long wait: is a rank of the group silent?
+                look = now + heartbeat.period()
+                board = heartbeat.board()
+                silent = board.silent(self._ranks) if board is not None else {}
+                if silent:
+                    self._give_up("no heartbeat from rank(s) " + ", ".join(
+                        f"{r} for {age:.1f} s" for r, age in sorted(silent.items())))
             time.sleep(1e-4)
+
+    def _give_up(self, why: str):
+        """Abort and raise: this rank gave up waiting (``timed_out``); the peer waited on may live."""
+        error = self._fail(TimeoutError(why))
+        error.timed_out = True
+        raise error
+
+    def fence(self) -> None:
+        """The mail stream waits for the bulk stream's operations so far: the status round's mails
+        leave after the call's packets (a peer that has this rank's status has its packets)."""
+        if self.comm is not None:
+            self.mail_stream.wait_stream(self.stream)
+
+    def abort(self) -> None:
+        """End the communicators (ncclCommAbort): after a failure that broke the group, no operation
+        of the call stays pending on the device."""
+        self._abort()
 
     def all_to_all(self, send, send_splits, recv_splits):
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)

@@ -111,8 +111,9 @@ class TorchTransport(Transport):
         return self._ranks[rank]
 
     def wait(self, work, timeout: float | None = None) -> None:
-        """Wait for ``work`` at most ZIPCCL_TIMEOUT seconds (unset: the group's timeout), or
-        ``timeout`` where that is shorter; a timeout raises and closes the connection (gloo:
+        """Wait for ``work`` at most ZIPCCL_TIMEOUT seconds (unset: config.DEFAULT_TIMEOUT, or the
+        group's timeout where that is shorter; on torch's NCCL the current stream waits, bounded by
+        torch's watchdog), or ``timeout`` where that is shorter; a timeout raises and closes the connection (gloo:
         every connection of the group on this rank), so the peer fails promptly too. The error
         of a wait that ran out says so (``timed_out``, as zipccl.failure reads it): this rank
         gave up, the peer may live."""
@@ -129,8 +130,8 @@ class TorchTransport(Transport):
     def _wait(self, work, timeout: float | None) -> None:
         t0, limit = time.monotonic(), wait_limit(timeout)
         try:
-            if limit is None:
-                work.wait()
+            if self.backend == "nccl" and config.TIMEOUT is None and timeout is None:
+                work.wait()  # torch's NCCL: the current stream waits, the host does not; its watchdog bounds it
             else:
                 work.wait(datetime.timedelta(seconds=limit))
         except RuntimeError as e:
