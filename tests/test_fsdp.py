@@ -106,6 +106,49 @@ def test_custom_comms_match_fsdp2_default(pool, n):
     assert 0 < st["wire_bytes"] < st["raw_bytes"]
 
 
+def _issued(rank, groups, n, late: float):
+    """Rank 1 comes ``late`` seconds after rank 0 to an all-gather and an async reduce-scatter:
+    how long each of rank 0's calls took to return, whether its Work was done then, and the
+    results after ``wait()``, against plain torch on every rank's input (sums in rank order)."""
+    import time
+    if rank >= n:
+        return None
+    group = groups[n]
+    ag, rs = zipccl.fsdp.AllGather("lossless"), zipccl.fsdp.ReduceScatter("lossless")
+    inputs = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    whole = torch.cat(inputs)
+    out, shard, sync = torch.empty(n * 1000), torch.empty(1000), torch.empty(1000)
+    if rank == 1:
+        time.sleep(late)
+    t0 = time.monotonic()
+    works = [ag(out, inputs[rank].clone(), group),
+             rs(shard, whole * (rank + 1), group, dist.ReduceOp.SUM, async_op=True)]
+    returned = time.monotonic() - t0
+    done_at_return = [w.is_completed() for w in works]
+    for w in works:
+        w.wait()
+    unawaited = rs(sync, whole.clone(), group, dist.ReduceOp.SUM)  # FSDP2's call: done when it returns
+    total = whole * 1
+    for r in range(1, n):
+        total = total + whole * (r + 1)
+    mine = slice(rank * 1000, (rank + 1) * 1000)
+    return dict(returned=returned, done=done_at_return, works=[isinstance(w, dist.Work) for w in works],
+                gathered=torch.equal(out, whole), reduced=torch.equal(shard, total[mine]),
+                sync=unawaited is None and torch.equal(sync, (whole + whole)[mine]))
+
+
+def test_all_gather_and_async_reduce_scatter_return_before_the_data_moves(pool):
+    """FSDP2's custom all-gather returns a torch Work at once (FSDP waits for it before its
+    copy-out), as does the reduce-scatter given async_op=True: with the peer 2 s late, rank 0's
+    calls return well before, their Works not done; after wait() the results are plain torch's."""
+    res = pool.run(_issued, 2, 2.0, timeout=120)
+    assert all(not isinstance(r, BaseException) for r in res), res
+    first = res[0]
+    assert first["returned"] < 1.0 and first["done"] == [False, False], first
+    for r in res[:2]:
+        assert r["works"] == [True, True] and r["gathered"] and r["reduced"] and r["sync"], r
+
+
 def _ops(rank, groups, n, dtype):
     """One ReduceScatter call per op on exactly summable data, against plain torch on every rank's input."""
     if rank >= n:

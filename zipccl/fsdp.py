@@ -29,7 +29,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherABC
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterABC
 
-from . import api
+from . import api, executor
+from .backend import _Work
 from .entropy import EntropyRate
 from .errors import UnsupportedError
 from .format import DTYPE_CODES
@@ -132,10 +133,20 @@ def _ring_bytes(numel_out: int, n: int, itemsize: int) -> int:
     return (n - 1) * numel_out * itemsize
 
 
+def _issue(fn, tensors) -> dist.Work:
+    """``fn()`` on zipccl's async thread (zipccl.executor: after the caller's stream on CUDA, in
+    issue order with every other zipccl call), as a torch ``Work`` whose ``wait()`` raises its
+    error and orders the waiting stream after it."""
+    return _Work(executor.run(fn, True, tensors))
+
+
 class AllGather(_AllGatherABC):
     """FSDP2's parameter all-gather through ``zipccl.all_gather`` (``codec`` exact: "auto",
-    "native", "raw", "lossless"). Runs to completion before it returns: FSDP waits only on
-    torch's own ``Work`` objects, so a zipccl handle would not be waited for."""
+    "native", "raw", "lossless"), issued asynchronously as FSDP2's own is: the call returns a
+    torch ``Work`` at once, whatever ``async_op`` says, and FSDP waits for it before it copies the
+    parameters out (``foreach_all_gather_copy_out`` waits for any Work it was given), so that
+    the gather overlaps the compute issued meanwhile, on CPU too. Do not issue other collectives
+    on the FSDP group from another thread while the forward or backward pass runs."""
 
     def __init__(self, codec="auto", name: str = ""):
         if codec not in EXACT_CODECS:
@@ -145,11 +156,14 @@ class AllGather(_AllGatherABC):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        api.all_gather(output_tensor, input_tensor, group=group, codec=_exact_codec(self.codec, input_tensor.dtype))
-        n = dist.get_world_size(group)
-        self.counters.add(_snapshot()["last"], _ring_bytes(input_tensor.numel(), n, input_tensor.element_size()))
-        return None
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False) -> dist.Work:
+        raw = _ring_bytes(input_tensor.numel(), dist.get_world_size(group), input_tensor.element_size())
+        codec = _exact_codec(self.codec, input_tensor.dtype)
+
+        def gather():
+            api.all_gather(output_tensor, input_tensor, group=group, codec=codec)
+            self.counters.add(_snapshot()["last"], raw)  # on the async thread: no other call in between
+        return _issue(gather, (output_tensor, input_tensor))
 
 
 def _plain_op(op):
@@ -191,7 +205,12 @@ class ReduceScatter(_ReduceScatterABC):
     padded gradient goes through top-k with error feedback (zipccl.lossy.Compressor: a sparse
     reduce-scatter of this rank's residual-compensated gradient, each chunk's pairs to its
     owner). The residual covers this rank's whole contribution to the module (the unsharded
-    size): error feedback must remember what *this rank* did not send, for every chunk."""
+    size): error feedback must remember what *this rank* did not send, for every chunk.
+
+    ``async_op=True``: issued on zipccl's async thread, a torch ``Work`` returned. FSDP2 (torch
+    2.13) passes no ``async_op`` here and ignores what the call returns: it reads the output on
+    its reduce-scatter stream right after the call, so the call runs on the calling thread (on
+    CUDA: its device work queued on that stream's order before it returns)."""
 
     def __init__(self, codec="auto", name: str = "", lossy: _Lossy | None = None):
         if codec not in EXACT_CODECS:
@@ -202,22 +221,27 @@ class ReduceScatter(_ReduceScatterABC):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> dist.Work | None:
         plain, factor = _plain_op(op)
-        if factor is not None:
-            input_tensor.mul_(factor)  # FSDP's scratch copy of the gradients: ours to change
+        self.last_op = (plain, factor)
         n = dist.get_world_size(group)
         raw = _ring_bytes(output_tensor.numel(), n, output_tensor.element_size())
-        if self.lossy is not None and input_tensor.dtype in DTYPE_CODES:
-            step, first = self.lossy.step_of(self.name)
-            call = self.lossy.compressor.reduce_scatter(input_tensor.view(-1), output_tensor.view(-1), self.name,
-                                                        step, first, group, plain)
-        else:
-            api.reduce_scatter(output_tensor, input_tensor, op=plain, group=group,
-                               codec=_exact_codec(self.codec, input_tensor.dtype))
-            call = _snapshot()["last"]
-        self.counters.add(call, raw)
-        self.last_op = (plain, factor)
+
+        def reduce():
+            if factor is not None:
+                input_tensor.mul_(factor)  # FSDP's scratch copy of the gradients: ours to change
+            if self.lossy is not None and input_tensor.dtype in DTYPE_CODES:
+                step, first = self.lossy.step_of(self.name)
+                call = self.lossy.compressor.reduce_scatter(input_tensor.view(-1), output_tensor.view(-1), self.name,
+                                                            step, first, group, plain)
+            else:
+                api.reduce_scatter(output_tensor, input_tensor, op=plain, group=group,
+                                   codec=_exact_codec(self.codec, input_tensor.dtype))
+                call = _snapshot()["last"]
+            self.counters.add(call, raw)
+        if async_op:
+            return _issue(reduce, (output_tensor, input_tensor))
+        executor.run(reduce, False)  # after the async calls issued before it (the all-gathers)
         return None
 
 
