@@ -236,7 +236,8 @@ _STREAM = {"synchronize": ("stream.synchronize", False), "query": ("event.poll",
 @contextmanager
 def recording(scope=PACKAGE, is_device=None, cupy: bool = True):
     """A Recorder of every host wait made inside ``scope`` while the block runs (see the module's
-    docstring); everything wrapped is restored on exit. ``cupy``: wrap CuPy's too where it imports."""
+    docstring); everything wrapped is restored on exit. ``cupy``: wrap CuPy's too, where it has
+    been imported."""
     rec, undo = Recorder(scope, is_device), []
     try:
         _patch_class(rec, torch.cuda.Event, "torch.cuda.Event", _EVENT, undo)
@@ -261,13 +262,11 @@ def recording(scope=PACKAGE, is_device=None, cupy: bool = True):
 
 
 def _patch_cupy(rec: Recorder, undo: list) -> None:
-    """CuPy's waits, where CuPy imports here (only the gpu suite's machines have it)."""
-    if "cupy" not in sys.modules:  # zipccl imports CuPy only once a communicator is made
-        try:
-            import cupy  # noqa: F401
-        except Exception:  # noqa: BLE001 - not installed, or no CUDA driver
-            return
-    cp = sys.modules["cupy"]
+    """CuPy's waits, where CuPy has been imported (zipccl imports it once it makes a communicator:
+    warm the call up before recording it)."""
+    cp = sys.modules.get("cupy")
+    if cp is None:
+        return
     _patch_class(rec, cp.cuda.Event, "cupy.cuda.Event", _EVENT, undo)
     _patch_class(rec, cp.cuda.Stream, "cupy.cuda.Stream", _STREAM, undo)
     _patch_class(rec, cp.cuda.Device, "cupy.cuda.Device", {"synchronize": ("device.synchronize", False)}, undo)
