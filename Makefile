@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 STAMP := .setup.stamp
 
-.PHONY: setup bench codec-bench test test-long coverage clean
+.PHONY: setup bench codec-bench test test-long coverage gpu-data clean
 
 $(STAMP): pyproject.toml Makefile
 	@# Open MPI for the mpirun tests and launcher, iproute2 for the network lab (Debian/Ubuntu, as
@@ -52,6 +52,14 @@ coverage: setup
 	$(PYTHON) -m coverage combine -q
 	$(PYTHON) -m coverage json -q -o coverage.json
 	$(PYTHON) .ci/coverage_below.py coverage.json 80
+
+# The real gradients into data/ (ignored by git), which travels with the checkout to a GPU machine
+# (bench/gpu_check.sh, the tests and the benchmarks look there): from ZIPCCL_DATA or ../shared/data.
+GPU_DATA ?= $(or $(ZIPCCL_DATA),../shared/data)
+gpu-data:
+	mkdir -p data
+	cp -u $(GPU_DATA)/*.npy data/
+	ls -l data
 
 clean:
 	rm -f $(STAMP)

@@ -1,6 +1,6 @@
 """The GPU codec's kernels timed, and its bytes checked, for whichever checkout is on the path.
 
-    PYTHONPATH=CHECKOUT python bench/gpu_ab.py --data FILE --label v1 [--cases 33554432:bf16,...]
+    PYTHONPATH=CHECKOUT python bench/gpu_ab.py [--data FILE] --label v1 [--cases 33554432:bf16,...]
 
 Written for format A/Bs (v1 against an unmerged v2 prototype): it uses only
 `zipccl.codecs.Lossless`, which both formats share, so one script times both in one run on one
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import zipccl
+from zipccl.bench.common import DEFAULT_DATA
 from zipccl.codecs import Lossless
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -108,7 +110,9 @@ def case(base: torch.Tensor, numel: int, dtype: str, block: int, repeat: int, de
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                    help="the real fp32 gradient bucket (default: ZIPCCL_DATA, the checkout's data/, ../shared/data); "
+                         "where it is missing, gradient-like synthetic values (said on stderr)")
     ap.add_argument("--label", default="")
     ap.add_argument("--cases", default="4194304:bf16,33554432:bf16,134217728:bf16,33554432:fp16,16777216:fp32")
     ap.add_argument("--block", type=int, default=1024)
@@ -117,7 +121,12 @@ def main() -> None:
     ap.add_argument("--join", default="", help="CHUNKxWARPS,...: also decode under these _decode_join settings")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script under TRITON_INTERPRET=1")
     args = ap.parse_args()
-    base = torch.from_numpy(np.load(args.data))
+    if args.data.exists():
+        base = torch.from_numpy(np.load(args.data))
+    else:
+        print(f"# {args.data} not found: synthetic values (normal, sd 0.02, seed 0) instead of the real gradients",
+              file=sys.stderr)
+        base = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.02
     for spec in args.cases.split(","):
         n, dt = spec.split(":")
         row = {"label": args.label, **case(base, int(n), dt, args.block, args.repeat, args.device, args.join)}

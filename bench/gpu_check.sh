@@ -1,41 +1,106 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, on one GPU machine (docs/GPU.md): the stack's versions, the gpu
-# test suite (its multi-rank tests on the one-GPU lab), the one-GPU NCCL lab's tables (zipccl-perf
-# --device cuda --share-gpu, 4 ranks on loopback: NCCL's own collective, raw, lossless and auto),
-# the all-reduce again under MPS, the codec's GPU throughput and where its time goes. Every file
-# lands in OUTDIR ($OUT if set).
-#   ZIPCCL_DATA=folder-with-the-real-gradients bash bench/gpu_check.sh [OUTDIR]
-# Each step is bounded by `timeout` (480 s in all by default: 8 minutes; SKIP="name ..." leaves
-# steps out, by default the time-sliced lab's three tables, which add 120 s; NAME_S variables set
-# the limits) and the run goes on after a failed step; OUTDIR/steps.txt lists every step's exit
-# code (124: its time ran out) and seconds.
+# The GPU checks in two phases, on one GPU machine (docs/GPU.md, "How to run the GPU suite"):
+#   bash bench/gpu_check.sh [--phase 1|2|all] [--dry-run] [OUTDIR]      # OUTDIR: default $OUT, else gpu_out
+# Phase 1, at most 4 minutes: the stack's versions; Triton's kernels compiled (so that no rank
+# pays a cold compile inside a step's limit; numba's CPU kernels compile meanwhile in the
+# background, for phase 2's codec checks, and take minutes cold); every entry point on CUDA
+# tensors on 4 ranks of the one-GPU lab; a rank killed mid-call; the lab's all-reduce table under MPS against torch's NCCL,
+# 64 KiB to 256 MiB. Phase 2, at most 4 more: the codec's checks (bench/gpu_codec_check.py where it
+# exists), the host waits per pipeline piece, the 2- and 4-rank collectives against plain torch,
+# and (as root) the lab shaped to 10 Gbit/s per rank (zipccl-netlab: one network namespace per
+# rank, NCCL's sockets on its veth) against torch's NCCL on the same ranks, under MPS.
+#
+# Every step is bounded by `timeout` (its limit: NAME_S, e.g. ENTRY_S=90) and by what is left of
+# its phase (232 s each, PHASE_S, so that both end within 8 minutes); the run goes on after a failed step. Each step writes
+# OUTDIR/NAME.txt as it runs; OUTDIR/plan.txt lists the steps first, OUTDIR/steps.txt gets a line
+# per step as it ends (exit code, 124: its time ran out; seconds; limit). SKIP="name ..." adds
+# steps to leave out to DEFAULT_SKIP (the tables that do not fit the 8 minutes: set DEFAULT_SKIP=
+# to run them). The real gradients are read from ZIPCCL_DATA, else data/ in this checkout (`make
+# gpu-data` copies them there, an ignored folder that travels with the checkout), else
+# ../shared/data; without them the steps use synthetic values and say so.
+# --dry-run: the same steps, bookkeeping, limits and files without CUDA: pytest steps run (every
+# gpu test skips, naming CUDA; a selection that matches no test fails), the tables run on 2 CPU
+# ranks over gloo at 64 KiB, the shaped lab on gloo ranks (as root), MPS is not started.
 set -u
-out=${1:-${OUT:-gpu_out}}
+phase=all dry=0 out=
+while (($#)); do
+    case $1 in
+        --phase) phase=$2; shift 2 ;;
+        --phase=*) phase=${1#*=}; shift ;;
+        --dry-run) dry=1; shift ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
+        *) out=$1; shift ;;
+    esac
+done
+case $phase in 1|2|all) ;; *) echo "gpu_check.sh: --phase takes 1, 2 or all" >&2; exit 2 ;; esac
+out=${out:-${OUT:-gpu_out}}
 mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 NCCL_SOCKET_IFNAME=lo
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+((dry)) || export TRITON_INTERPRET=0
 py=${PYTHON:-python3}
-data=${ZIPCCL_DATA:-../shared/data}/grads_step050_bucket0_fp32.npy
+phase_s=${PHASE_S:-232}
+default_skip=${DEFAULT_SKIP-lab_reduce_scatter lab_all_gather shaped_reduce_scatter shaped_all_gather transport}
+skip=" $default_skip ${SKIP-} "
+data=
+for d in ${ZIPCCL_DATA:-} "$PWD/data" "$PWD/../shared/data"; do
+    if [[ -f $d/grads_step050_bucket0_fp32.npy ]]; then data=$d/grads_step050_bucket0_fp32.npy; break; fi
+done
+[[ -n $data ]] && export ZIPCCL_DATA=${data%/*}
 : > "$out/steps.txt"
 
-# step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, its output to OUTDIR/NAME.txt
-# (and here), its exit code and time to OUTDIR/steps.txt.
-step() {
-    local name=$1 limit=$2 t0=$SECONDS
-    shift 2
-    local cmd="$*"
-    if [[ " ${SKIP-lab_all_reduce lab_reduce_scatter lab_all_gather} " == *" $name "* ]]; then
-        echo "$name skipped (SKIP)" | tee -a "$out/steps.txt"
-        return
+# The steps: name, phase, limit (seconds), what runs (a function below). Phase 1's limits add up
+# to at most 4 minutes, phase 2's too, with room for MPS and the lab to start and stop.
+steps=(
+    "env 1 ${ENV_S:-15} run_env"
+    "compile 1 ${COMPILE_S:-35} run_compile"
+    "entry 1 ${ENTRY_S:-70} run_entry"
+    "killed 1 ${KILLED_S:-40} run_killed"
+    "lab_all_reduce_mps 1 ${LAB_MPS_S:-60} mps run_lab all_reduce _mps"
+    "codec 2 ${CODEC_S:-55} run_codec"
+    "syncs 2 ${SYNCS_S:-40} run_syncs"
+    "collectives 2 ${COLLECTIVES_S:-65} run_collectives"
+    "shaped_all_reduce 2 ${SHAPED_S:-60} mps run_shaped all_reduce"
+    "shaped_reduce_scatter 2 ${SHAPED_S:-60} mps run_shaped reduce_scatter"
+    "shaped_all_gather 2 ${SHAPED_S:-60} mps run_shaped all_gather"
+    "lab_reduce_scatter 2 ${LAB_S:-40} run_lab reduce_scatter"
+    "lab_all_gather 2 ${LAB_S:-40} run_lab all_gather"
+    "transport 2 ${TRANSPORT_S:-60} run_transport"
+)
+
+gpu_suite="$py -m pytest -m gpu -q -rfEsxXp -p no:cacheprovider"  # -q: no banner; -r...p names every test
+lab_sizes=(-b 64K -e 256M -f 4 -n 3 -w 1)
+((dry)) && lab_sizes=(-b 64K -e 64K -n 1 -w 0)
+
+# The one-GPU lab's zipccl-perf (4 ranks on cuda:0, each its own NCCL host; torch's NCCL table
+# first, then raw, lossless and auto), or in a dry run 2 CPU ranks over gloo.
+perf() {
+    if ((dry)); then
+        $py -m zipccl.bench.perf --nranks 2 -d bfloat16 --codec raw "${lab_sizes[@]}" "$@"
+    else
+        $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 -d bfloat16 --codec all \
+            "${lab_sizes[@]}" ${data:+--data "$data"} "$@"
     fi
-    echo "### $name (at most ${limit} s): ${cmd%%$'\n'*}" | tee -a "$out/$name.txt"
-    timeout -k 2 "$limit" "$@" 2>&1 | tee -a "$out/$name.txt"
-    local rc=${PIPESTATUS[0]}
-    echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$out/steps.txt"
 }
 
-# The stack: date, commit, the card (nvidia-smi), torch, torch's NCCL, Triton, CuPy's NCCL, NVML.
-env_py=$(cat <<'PY'
+# The steps marked "mps" run with NVIDIA's MPS daemon, so that the ranks' kernels run side by
+# side on the GPU instead of taking turns: started before the step's limit begins, stopped after
+# it ends (also when it ran out), within 5 s each. A dry run starts none.
+mps_start() {
+    if ((dry)); then echo "# dry run: the MPS daemon is not started"; return; fi
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/zipccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/zipccl-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    timeout 5 nvidia-cuda-mps-control -d || echo "# the MPS daemon did not start: the step runs time-sliced"
+}
+mps_stop() {
+    ((dry)) && return
+    echo quit | timeout 5 nvidia-cuda-mps-control || echo "# the MPS daemon did not stop within 5 s"
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
+run_env() {
+    $py - <<'PY'
 import datetime
 import os
 import subprocess
@@ -81,7 +146,7 @@ def link():
 
 def run(*argv):
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=5)
         return (r.stdout or r.stderr).strip() or f"exit code {r.returncode}"
     except (OSError, subprocess.SubprocessError) as e:
         return f"unavailable ({type(e).__name__}: {e})"
@@ -91,7 +156,8 @@ print("date", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="s
 print("commit", os.environ.get("ZIPCCL_COMMIT") or run("git", "rev-parse", "HEAD"))
 print("nvidia-smi:", run("nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total",
                          "--format=csv"))
-print("python", sys.version.split()[0])
+print("python", sys.version.split()[0], "| cores", os.cpu_count())
+print("real gradients:", os.environ.get("ZIPCCL_DATA") or "not found (synthetic values instead)")
 for what, get in [("torch", torch_version), ("GPU", gpu), ("torch's NCCL", torch_nccl), ("triton", triton_version),
                   ("CuPy", cupy_nccl), ("zipccl's GPU stack", stack), ("NVML link between local GPUs", link)]:
     try:
@@ -99,48 +165,157 @@ for what, get in [("torch", torch_version), ("GPU", gpu), ("torch's NCCL", torch
     except Exception as e:  # the next line still prints
         print(f"{what}: unavailable ({type(e).__name__}: {e})")
 PY
-)
-
-# mps step NAME SECONDS COMMAND...: the step with NVIDIA's MPS daemon running, so that the ranks'
-# kernels run side by side on the GPU instead of taking turns; the daemon is stopped afterwards.
-mps() {
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/zipccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/zipccl-mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if nvidia-cuda-mps-control -d; then
-        "$@"
-    else
-        echo "$2 not run: the MPS daemon did not start" | tee -a "$out/steps.txt"
-    fi
-    echo quit | nvidia-cuda-mps-control
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
-step env "${ENV_S:-10}" $py -c "$env_py"
-# The gpu suite in steps, so that a hang in one part costs the others' results nothing; the
-# killed-rank test comes last, since the ranks it leaves behind could slow what follows.
-gpu_suite="$py -m pytest -m gpu -q -rfEsxXp -p no:cacheprovider"  # -q: no banner; -r...p names every test
-step suite_kernels "${SUITE_KERNELS_S:-90}" $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
-step codec_cuda "${CODEC_S:-15}" $py -m zipccl.bench.codec --device cuda --size "${NUMEL:-33554432}" --repeat 10 \
-    --json "$out/codec_cuda.json"
-for case in ${STAGES:-33554432:bf16 4194304:bf16}; do
-    step "stages_${case/:/_}" "${STAGES_S:-15}" $py bench/gpu_stages.py --numel "${case%:*}" --dtype "${case#*:}" \
-        --data "$data"
+# Triton's kernels: one small encode and decode of each dtype on the GPU (its cache, ~/.triton,
+# serves every rank after).
+run_compile() {
+    $py - <<'PY'
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    print("Triton: no CUDA device, nothing to compile (its kernels compile at the first GPU call)")
+else:
+    from zipccl.codecs import Lossless
+    t0 = time.perf_counter()
+    codec = Lossless("triton")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (torch.randn(1 << 16, device="cuda") * 0.02).to(dtype)
+        out = torch.empty_like(x)
+        assert codec.decode_into(codec.encode(x), out).problem() is None
+        assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), dtype
+    torch.cuda.synchronize()
+    print(f"Triton: encode and decode_into of bf16, fp16 and fp32 compiled and checked in {time.perf_counter() - t0:.1f} s")
+PY
+}
+
+# numba's kernels (the CPU codec, top-k, the sums) into their on-disk cache, both families side by
+# side, in the background from the start: cold they take minutes. A step that needs them waits
+# for OUTDIR/numba.done (within its own limit).
+numba_compile() {
+    local t0=$SECONDS
+    $py tests/compile_kernels.py lossless > "$out/numba.txt" 2>&1 & local a=$!
+    $py tests/compile_kernels.py sparse >> "$out/numba.txt" 2>&1 & local b=$!
+    wait $a; local ra=$?
+    wait $b; local rb=$?
+    echo "numba_compile rc=$((ra || rb)) seconds=$((SECONDS - t0)) (lossless rc=$ra, sparse rc=$rb; background)" \
+        > "$out/numba.done"
+}
+wait_numba() {
+    while [[ ! -f $out/numba.done ]]; do sleep 1; done
+    cat "$out/numba.done"
+}
+
+run_entry() { $gpu_suite -s tests/test_gpu_lab.py -k entry_point; }
+run_killed() { $gpu_suite -s tests/test_gpu_lab.py -k killed; }
+run_lab() { perf --collective "$1" -J "$out/lab_$1${2:-}.json"; }
+
+# The codec's checks: bench/gpu_codec_check.py where this checkout has it; else the suite's kernel
+# tests and the A/B of bench/gpu_ab.py on this checkout (the real gradients, else synthetic ones).
+run_codec() {
+    wait_numba
+    if [[ -f bench/gpu_codec_check.py ]]; then
+        $py bench/gpu_codec_check.py --out "$out/codec" ${data:+--data "$data"} $( ((dry)) && echo --dry-run)
+        return
+    fi
+    echo "# bench/gpu_codec_check.py is not in this checkout: the codec's checks did not run; the suite's kernel tests and bench/gpu_ab.py instead"
+    $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
+    local rc=$?
+    $py bench/gpu_ab.py ${data:+--data "$data"} --label "$(git rev-parse --short HEAD 2>/dev/null || echo checkout)" \
+        --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json" $( ((dry)) && echo --device cpu --cases 4096:bf16 --repeat 1)
+    local rc2=$?
+    return $((rc || rc2))
+}
+
+run_syncs() { $gpu_suite -s tests/test_gpu_lab.py tests/test_nccl_gpu.py -k "host_wait or mail"; }
+run_collectives() { $gpu_suite tests/test_gpu_lab.py -k "collectives_match"; }
+run_transport() {
+    wait_numba $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py -k "transport_matches or dropin or clock or perf_lab"; }
+
+# The lab shaped to 10 Gbit/s per rank: 4 network namespaces (zipccl-netlab), NCCL's sockets on
+# each rank's veth, 64 and 256 MiB; root only (a dry run: gloo ranks in the same lab at 64 KiB).
+run_shaped() {
+    local why
+    why=$($py -c "from zipccl.bench import netlab; print(netlab.unavailable() or '')")
+    if [[ -n $why ]]; then
+        echo "# the shaped lab cannot run here: $why"
+        return 3
+    fi
+    if ((dry)); then
+        $py -m zipccl.bench.perf --nranks 4 --netlab "${SHAPED_RATE:-10gbit}" -d bfloat16 --codec raw \
+            "${lab_sizes[@]}" --collective "$1" -J "$out/shaped_$1.json"
+    else
+        $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 --netlab "${SHAPED_RATE:-10gbit}" \
+            -d bfloat16 --codec all -b 64M -e 256M -f 4 -n 3 -w 1 ${data:+--data "$data"} --collective "$1" \
+            -J "$out/shaped_$1.json"
+    fi
+}
+
+# The plan: what runs, in which phase, with which limits.
+declare -A spent=([1]=0 [2]=0)
+{
+    echo "# gpu_check.sh: phase $phase$( ((dry)) && echo ', dry run'), output in $out, $(date -u +%FT%TZ)"
+    echo "# skipped: $(echo $skip)"
+    for s in "${steps[@]}"; do
+        read -r name p limit _ <<<"$s"
+        [[ $phase != all && $phase != "$p" ]] && continue
+        if [[ $skip == *" $name "* ]]; then echo "$name phase=$p skip"; continue; fi
+        spent[$p]=$((spent[$p] + limit))
+        echo "$name phase=$p limit=$limit"
+    done
+    for p in 1 2; do
+        [[ $phase != all && $phase != "$p" ]] && continue
+        echo "# phase $p: limits add up to ${spent[$p]} s of its $phase_s s$( ((spent[$p] > phase_s)) && echo ': OVER, later steps get what is left')"
+    done
+} | tee "$out/plan.txt"
+
+# step NAME PHASE LIMIT [mps] FUNCTION ARGS...: FUNCTION within LIMIT and what is left of the
+# phase, its output to OUTDIR/NAME.txt (and here) as it goes, its exit code and seconds to
+# OUTDIR/steps.txt. `timeout` ends the step's whole process group (the ranks it spawned too).
+phase_end=0 current=0
+step() {
+    local name=$1 p=$2 limit=$3 t0=$SECONDS mps=0
+    shift 3
+    [[ $1 == mps ]] && { mps=1; shift; }
+    if [[ $p != "$current" ]]; then current=$p phase_end=$((SECONDS + phase_s)); fi
+    if [[ $skip == *" $name "* ]]; then
+        echo "$name phase=$p skipped (SKIP)" | tee -a "$out/steps.txt"
+        return
+    fi
+    local left=$((phase_end - SECONDS - 2 - 10 * mps))  # the kill's grace, MPS's start and stop
+    if ((left < 5)); then
+        echo "$name phase=$p skipped (no time left in phase $p)" | tee -a "$out/steps.txt"
+        return
+    fi
+    ((limit > left)) && limit=$left
+    echo "### $name (phase $p, at most $limit s): $*" | tee "$out/$name.txt"
+    ((mps)) && mps_start > >(tee -a "$out/$name.txt") 2>&1  # in this shell: its variables reach the step
+    timeout -k 2 "$limit" bash -c "$(declare -f "$1" perf wait_numba); $(declare -p py dry out data gpu_suite lab_sizes); $*" \
+        2>&1 | tee -a "$out/$name.txt"
+    local rc=${PIPESTATUS[0]}
+    ((mps)) && mps_stop > >(tee -a "$out/$name.txt") 2>&1
+    echo "$name phase=$p rc=$rc seconds=$((SECONDS - t0)) limit=$limit" | tee -a "$out/steps.txt"
+}
+
+rm -f "$out/numba.done"
+numba_pid=
+if [[ $phase != 1 ]]; then  # bounded like the rest, and ended with the script
+    timeout -k 2 $((2 * phase_s)) bash -c "$(declare -f numba_compile); $(declare -p py out); numba_compile" &
+    numba_pid=$!
+fi
+for s in "${steps[@]}"; do
+    read -r name p limit rest <<<"$s"
+    [[ $phase != all && $phase != "$p" ]] && continue
+    step "$name" "$p" "$limit" $rest
 done
-step codec_ab "${AB_S:-15}" $py bench/gpu_ab.py --data "$data" --label "$(git rev-parse --short HEAD 2>/dev/null \
-    || echo checkout)" --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json"
-step suite_ranks "${SUITE_RANKS_S:-125}" $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py \
-    -k "(transport or dropin or collectives or clock or perf_lab) and not mail"
-step suite_entry "${SUITE_ENTRY_S:-45}" $gpu_suite -s tests/test_gpu_lab.py -k entry_point
-# The pipeline's host synchronisations per piece, and the mail channel: sizes pass pending packets.
-step suite_syncs "${SUITE_SYNCS_S:-45}" $gpu_suite -s tests/test_gpu_lab.py tests/test_nccl_gpu.py \
-    -k "synchronisations or mail"
-# The one-GPU NCCL lab: 4 ranks on cuda:0, each its own NCCL host, NCCL's socket transport on
-# loopback (no namespaces here); bf16 at 1, 8 and 64 MiB, one table per variant; then the
-# all-reduce again with MPS.
-lab="$py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 -b 1M -e 64M -f 8 -d bfloat16 --codec all -n 3 -w 1"
-for coll in all_reduce reduce_scatter all_gather; do
-    step "lab_$coll" "${LAB_S:-40}" $lab --collective "$coll" -J "$out/lab_$coll.json"
-done
-mps step lab_all_reduce_mps "${LAB_MPS_S:-45}" $lab --collective all_reduce -J "$out/lab_all_reduce_mps.json"
-step suite_killed "${SUITE_KILLED_S:-60}" $gpu_suite -s tests/test_gpu_lab.py -k killed
-echo "### done: $out/steps.txt"
+if [[ -n $numba_pid ]]; then
+    if [[ ! -f $out/numba.done ]]; then
+        kill "$numba_pid" 2>/dev/null
+        echo "numba_compile ended unfinished (no step waited for it)" | tee -a "$out/steps.txt"
+    fi
+    wait "$numba_pid" 2>/dev/null
+fi
+[[ -f $out/numba.done ]] && tee -a "$out/steps.txt" < "$out/numba.done"
+echo "### done in $SECONDS s: $out/steps.txt" | tee -a "$out/steps.txt"

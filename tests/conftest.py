@@ -19,12 +19,13 @@ GRADS_FILE = "grads_step050_bucket0_fp32.npy"
 
 
 def _grads_dir() -> Path:
-    """ZIPCCL_DATA, else shared/data beside this checkout, else beside the repository it was
-    cloned from where that is a local path (a clone made elsewhere: git clone . "$(mktemp -d)")."""
+    """ZIPCCL_DATA, else data/ in this checkout (`make gpu-data`), else shared/data beside it, else
+    beside the repository it was cloned from where that is a local path (a clone made elsewhere:
+    git clone . "$(mktemp -d)")."""
     if os.environ.get("ZIPCCL_DATA"):
         return Path(os.environ["ZIPCCL_DATA"])
     root = Path(__file__).resolve().parents[1]
-    places = [root.parent / "shared" / "data"]
+    places = [root / "data", root.parent / "shared" / "data"]
     origin = subprocess.run(["git", "-C", str(root), "config", "--get", "remote.origin.url"],
                             capture_output=True, text=True).stdout.strip()
     if origin and Path(origin).is_dir():

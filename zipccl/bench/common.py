@@ -173,9 +173,18 @@ def rank_order_reduce(inputs: list[torch.Tensor], op, nodes=None) -> torch.Tenso
     return total / len(inputs) if op == dist.ReduceOp.AVG else total
 
 
-#: The real gradient bucket: in ZIPCCL_DATA (a folder) where set, else in shared/data beside the checkout.
-DEFAULT_DATA = Path(config.DATA or Path(__file__).resolve().parents[3] / "shared" / "data") \
-    / "grads_step050_bucket0_fp32.npy"
+def _default_data(name: str = "grads_step050_bucket0_fp32.npy") -> Path:
+    """The real gradient bucket: in ZIPCCL_DATA (a folder) where set, else in the checkout's data/
+    (`make gpu-data` copies it there, so that it travels with the checkout to a GPU machine), else
+    in shared/data beside the checkout."""
+    if config.DATA:
+        return Path(config.DATA) / name
+    root = Path(__file__).resolve().parents[2]
+    places = [root / "data" / name, root.parent / "shared" / "data" / name]
+    return next((p for p in places if p.exists()), places[-1])
+
+
+DEFAULT_DATA = _default_data()
 
 
 def load_data(path: Path) -> torch.Tensor:

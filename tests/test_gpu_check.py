@@ -1,0 +1,103 @@
+"""bench/gpu_check.sh --dry-run on a machine without a GPU: its own logic (the steps and phases,
+SKIP added to the defaults, the limits within each phase's 4 minutes, a file per step written
+as it runs, the tables' JSON, the gradients found in the checkout's data/) with every CUDA part
+replaced by what runs on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(900)
+ROOT = Path(__file__).resolve().parents[1]
+PHASE1 = ["env", "compile", "entry", "killed", "lab_all_reduce_mps"]
+PHASE2 = ["codec", "syncs", "collectives", "shaped_all_reduce", "shaped_reduce_scatter", "shaped_all_gather",
+          "lab_reduce_scatter", "lab_all_gather", "transport"]
+DEFAULT_SKIP = {"lab_reduce_scatter", "lab_all_gather", "shaped_reduce_scatter", "shaped_all_gather", "transport"}
+
+
+def _run(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("SKIP", "DEFAULT_SKIP", "PHASE_S", "OUT")}
+    environ.update(PYTHONPATH=str(ROOT), **env)
+    return subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", *args, str(out)], cwd=ROOT, env=environ,
+                          capture_output=True, text=True, timeout=800)
+
+
+def _steps(out: Path) -> dict:
+    """steps.txt: {name: (phase, exit code, or "skip" (SKIP) or "late" (no time left), limit)} in order."""
+    got = {}
+    for line in (out / "steps.txt").read_text().splitlines():
+        if m := re.fullmatch(r"(\w+) phase=(\d) rc=(\d+) seconds=\d+ limit=(\d+)", line):
+            got[m[1]] = (int(m[2]), int(m[3]), int(m[4]))
+        elif m := re.fullmatch(r"(\w+) phase=(\d) skipped \((SKIP|no time left in phase \d)\)", line):
+            got[m[1]] = (int(m[2]), "skip" if m[3] == "SKIP" else "late", None)
+    return got
+
+
+def _plan(out: Path) -> dict:
+    """plan.txt: {phase: sum of its limits}, and the steps in order."""
+    text = (out / "plan.txt").read_text()
+    sums = {int(p): int(s) for p, s in re.findall(r"# phase (\d): limits add up to (\d+) s", text)}
+    return sums, re.findall(r"^(\w+) phase=\d", text, re.M)
+
+
+def test_dry_run_of_both_phases(tmp_path):
+    """Every step in its phase and order, the default skips skipped, every other step run (on
+    CPU its gpu tests skip, naming CUDA) with exit code 0, each within a limit that fits its
+    phase; the all-reduce table's JSON and the stack's lines written; the shaped lab run on gloo
+    ranks where this machine can build it (root), else its reason said."""
+    out = tmp_path / "out"
+    r = _run(out)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = _steps(out)
+    assert list(steps) == PHASE1 + PHASE2, steps
+    sums, planned = _plan(out)
+    assert planned == PHASE1 + PHASE2 and sums[1] <= 232 and sums[2] <= 232, sums
+    for name, (phase, rc, limit) in steps.items():
+        assert phase == (1 if name in PHASE1 else 2), name
+        if name in DEFAULT_SKIP:
+            assert rc == "skip", name
+            continue
+        text = (out / f"{name}.txt").read_text()
+        assert text.startswith(f"### {name} (phase {phase}, at most {limit} s)"), text[:200]
+        if name == "shaped_all_reduce" and rc == 3:
+            assert "the shaped lab cannot run here" in text, text
+            continue
+        assert rc == 0, (name, text[-3000:])
+    assert "GPU: no CUDA device" in (out / "env.txt").read_text()
+    assert f"real gradients: {ROOT / 'data'}" in (out / "env.txt").read_text() or not (ROOT / "data").exists()
+    for name in ("entry", "killed", "syncs", "collectives"):  # the selection matched tests, which skipped on CPU
+        assert re.search(r"\d+ skipped", (out / f"{name}.txt").read_text()), name
+    assert "no CUDA device" in (out / "entry.txt").read_text()
+    table = json.loads((out / "lab_all_reduce_mps.json").read_text())
+    assert table["results"] and all(row["out_of_place"]["nwrong"] == 0 for row in table["results"])
+    assert "dry run: the MPS daemon is not started" in (out / "lab_all_reduce_mps.txt").read_text()
+    if steps["shaped_all_reduce"][1] == 0:
+        assert "# netlab: 4 ranks, 10gbit per rank" in (out / "shaped_all_reduce.txt").read_text()
+        assert (out / "shaped_all_reduce.json").exists()
+
+
+def test_phase_one_alone_and_skip_adds_to_the_defaults(tmp_path):
+    """--phase 1 runs phase 1's steps only; SKIP adds to DEFAULT_SKIP (here it skips all of
+    phase 1 but the stack's versions); a phase's steps get no more than what is left of it."""
+    out = tmp_path / "out"
+    r = _run(out, "--phase", "1", SKIP="compile entry killed lab_all_reduce_mps")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = _steps(out)
+    assert list(steps) == PHASE1 and steps["env"][1] == 0, steps
+    assert all(steps[n][1] == "skip" for n in PHASE1[1:]), steps
+    assert "# skipped: lab_reduce_scatter lab_all_gather" in (out / "plan.txt").read_text()
+    out2 = tmp_path / "short"
+    r = _run(out2, "--phase", "2", PHASE_S="20", DEFAULT_SKIP="",  # the default skips run now, 20 s cut them short
+             SKIP="codec syncs collectives shaped_all_reduce shaped_reduce_scatter shaped_all_gather")
+    steps = _steps(out2)
+    assert list(steps) == PHASE2, steps
+    assert all(steps[n][1] == "skip" for n in PHASE2[:6]), steps
+    _, rc, limit = steps["lab_reduce_scatter"]
+    assert rc in (0, 124) and 16 <= limit <= 20 - 2, steps  # what is left of the phase, less the kill's grace
+    assert all(v[1] == "late" or v[2] < 18 for n, v in steps.items() if n in PHASE2[7:]), steps
