@@ -18,8 +18,9 @@ LOCAL_WORLD_SIZE), from which zipccl.topology finds the nodes. On a GPU machine,
 its own (zipccl.launch.lab_env) whose socket transport uses its node's veth (NCCL_SOCKET_IFNAME).
 Every name starts with ``zcl-``; addresses exist only inside the lab's own
 namespaces. Measured on these 2-core machines: 1 Gbit/s per rank is accurate
-(iperf3 0.95 Gbit/s); netem (delay) is not in this kernel; above about 2 Gbit/s
-the CPUs, not the links, are the limit. Needs root, ``ip`` and ``tc`` (iproute2).
+(iperf3 0.95 Gbit/s); netem (delay) is not in this kernel; above about 1 Gbit/s per
+core the CPUs, not the links, are the limit (a 16-core GPU machine: 10 Gbit/s per rank,
+its bucket a millisecond of traffic, ``burst``). Needs root, ``ip`` and ``tc`` (iproute2).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ PREFIX = "zcl-"
 BRIDGE_NS = f"{PREFIX}br"
 BRIDGE = f"{PREFIX}br0"
 SUBNET = "10.213.0"
-BURST = "128kb"  # >= 64 KiB: smaller bursts under-deliver at Gbit rates
-MAX_ACCURATE_BITS = 2e9
+BURST = 128 << 10  # bytes, at least: >= 64 KiB (a GSO packet); smaller bursts under-deliver at Gbit rates
+#: Each core drives about 1 Gbit/s of shaped veth traffic (measured on these 2-core machines).
+MAX_ACCURATE_BITS_PER_CORE = 1e9
 
 
 class LabError(RuntimeError):
@@ -95,15 +97,22 @@ def shape(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2) or 1)
 
 
+def burst(bits: float) -> int:
+    """tbf's bucket in bytes for ``bits`` per second: BURST, or a millisecond of traffic where
+    that is more (10 Gbit/s: 1.25 MB), so that the timer's granularity does not cap the rate."""
+    return max(BURST, int(bits / 8 / 1000))
+
+
 def up(nranks: int, rate: str) -> None:
     """Build the lab of ``nranks`` nodes (tearing down any previous one first)."""
     check_host()
     bits = rate_bits(rate)
     if not 1 <= nranks <= 200:
         raise ValueError("the number of nodes must be in 1..200")
-    if bits > MAX_ACCURATE_BITS:
-        print(f"# warning: {rate} per rank is above what 2 CPU cores can drive; the CPUs, not the links, "
-              "will limit throughput (1gbit is accurate here)", file=sys.stderr)
+    cores = os.cpu_count() or 1
+    if bits > MAX_ACCURATE_BITS_PER_CORE * cores:
+        print(f"# warning: {rate} per rank is above what {cores} CPU cores can drive; the CPUs, not the links, "
+              "will limit throughput", file=sys.stderr)
     down()
     try:
         _sh("ip", "netns", "add", BRIDGE_NS)
@@ -119,8 +128,8 @@ def up(nranks: int, rate: str) -> None:
             _sh("ip", "link", "set", b, "master", BRIDGE, ns=BRIDGE_NS)
             _sh("ip", "link", "set", b, "up", ns=BRIDGE_NS)
             for dev, where in ((a, ns), (b, BRIDGE_NS)):
-                _sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(bits)}bit", "burst", BURST,
-                    "latency", "100ms", ns=where)
+                _sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(bits)}bit", "burst",
+                    str(burst(bits)), "latency", "100ms", ns=where)
     except BaseException:
         down()
         raise
