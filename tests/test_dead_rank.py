@@ -234,7 +234,7 @@ class _Round:
     (None: its operations fail, as a dead rank's do; "hung": the wait runs out)."""
 
     def __init__(self, rank: int, statuses: dict):
-        self.rank, self.size, self.statuses = rank, N, statuses
+        self.rank, self.size, self.statuses, self.log = rank, N, statuses, []
 
     def grouped(self):
         return contextlib.nullcontext()
@@ -243,12 +243,13 @@ class _Round:
         return rank
 
     def fence(self) -> None:
-        pass
+        self.log.append("fence")
 
     def abort(self) -> None:
-        self.aborted = True
+        self.log.append("abort")
 
     def isend(self, tensor, peer: int, tag: int):
+        self.log.append(f"send {peer}")
         return peer, None
 
     def irecv(self, tensor, peer: int, tag: int):
@@ -353,6 +354,22 @@ def test_waits_after_a_loss_are_shortened(monkeypatch):
     fate, t = failure.Fate("all_reduce", 2), _Waits({1})
     fate.wait(t, 1, 1), fate.wait(t, 3, 3)
     assert t.timeouts == [(1, None), (3, failure.GRACE * 40.0)]
+
+
+def test_the_round_is_fenced_and_a_broken_group_aborted():
+    """The status round's sends go after a fence (on NCCL: after the call's packets); a call
+    that breaks the group aborts its transport (NCCL: ncclCommAbort, nothing left pending), one
+    whose group stays usable (a decode failure heard) does not."""
+    t = _Round(0, {1: 0, 2: failure.code(2, failure.DECODE), 3: 0})
+    with pytest.raises(RankFailure) as e:
+        failure.Fate("all_reduce", 0).settle(t)
+    assert not e.value.broken and t.log[0] == "fence" and t.log[1:] == ["send 1", "send 2", "send 3"], t.log
+    t = _Round(0, {1: 0, 2: 0, 3: 0})
+    fate = failure.Fate("all_reduce", 0)
+    fate.lose(t, 3, RuntimeError("Connection closed by peer 3"))
+    with pytest.raises(RankFailure) as e:
+        fate.settle(t)
+    assert e.value.broken and e.value.rank == 3 and t.log == ["fence", "send 1", "send 2", "abort"], t.log
 
 
 def test_status_round_gave_up_raises():
