@@ -30,9 +30,9 @@ torch.distributed does).
 
 from __future__ import annotations
 
-import torch
-
 import time
+
+import torch
 
 from . import config
 from .errors import FormatError, RankFailure
