@@ -195,7 +195,7 @@ class Fate:
         b = heartbeat.board()
         if b is None:
             return named
-        known = identifies(error)
+        known = peer >= 0 and identifies(error)  # a collective's error names no peer
         patience = 0.0 if known else heartbeat.stale_after() + heartbeat.period()
         found = b.culprit([t.global_rank(r) for r in range(t.size)], self.began, patience)
         if found is None:
