@@ -364,7 +364,8 @@ def _syncs(rank: int, n: int, port: int, results) -> None:
 def test_at_most_one_host_wait_per_pipeline_piece(monkeypatch):
     """DESIGN.md invariant 9: the host waits for the device at most once per pipeline piece (a
     piece of each phase: an all-reduce's reduce-scatter and all-gather pieces both count), for
-    that piece's sizes, and twice more per call (the metadata exchange, the status round).
+    that piece's sizes, and three times more per call (the metadata exchange, the one read of the
+    decoded packets' verdicts, the status round).
     Counted by tests/host_waits.py, which sees event waits and polls, stream and device
     synchronisations and host copies (torch's sync debug mode sees only torch's synchronising
     operations, shown beside): 2 ranks, printed per call with -s."""
@@ -378,7 +379,7 @@ def test_at_most_one_host_wait_per_pipeline_piece(monkeypatch):
                   f"{c['torch_sees']}; not wrapped: {c['missed']})\n{c['table']}")
     for r in range(n):
         for name, c in got[r].items():
-            assert c["waits"] <= c["pieces"] + 2, (r, name, c["waits"], c["pieces"], c["table"])
+            assert c["waits"] <= c["pieces"] + 3, (r, name, c["waits"], c["pieces"], c["table"])
 
 
 # ---- zipccl-perf's clock and its lab -----------------------------------------------------------------------
