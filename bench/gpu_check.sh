@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
 # The GPU checks in two phases, on one GPU machine (docs/GPU.md, "How to run the GPU suite"):
-#   bash bench/gpu_check.sh [--phase 1|2|all] [--dry-run] [OUTDIR]      # OUTDIR: default $OUT, else gpu_out
+#   bash bench/gpu_check.sh [--phase 1|2|all] [--dry-run] [OUTDIR]    # OUTDIR: $OUT, else gpu_out
 # Phase 1, at most 4 minutes: the stack's versions; Triton's kernels compiled (so that no rank
-# pays a cold compile inside a step's limit; numba's CPU kernels compile meanwhile in the
-# background, for phase 2's codec checks, and take minutes cold); every entry point on CUDA
-# tensors on 4 ranks of the one-GPU lab; a rank killed mid-call; the lab's all-reduce table under MPS against torch's NCCL,
-# 64 KiB to 256 MiB. Phase 2, at most 4 more: the codec's checks (bench/gpu_codec_check.py where it
+# pays a cold compile inside a step's limit; numba's CPU kernels, minutes cold, compile in the
+# background meanwhile, for phase 2); every entry point on CUDA tensors on 4 ranks of the one-GPU
+# lab; a rank killed mid-call; the lab's all-reduce table under MPS against torch's NCCL, 64 KiB
+# to 256 MiB. Phase 2, at most 4 more: the codec's checks (bench/gpu_codec_check.py where it
 # exists), the host waits per pipeline piece, the 2- and 4-rank collectives against plain torch,
 # and (as root) the lab shaped to 10 Gbit/s per rank (zipccl-netlab: one network namespace per
 # rank, NCCL's sockets on its veth) against torch's NCCL on the same ranks, under MPS.
 #
 # Every step is bounded by `timeout` (its limit: NAME_S, e.g. ENTRY_S=90) and by what is left of
-# its phase (232 s each, PHASE_S, so that both end within 8 minutes); the run goes on after a failed step. Each step writes
-# OUTDIR/NAME.txt as it runs; OUTDIR/plan.txt lists the steps first, OUTDIR/steps.txt gets a line
-# per step as it ends (exit code, 124: its time ran out; seconds; limit). SKIP="name ..." adds
-# steps to leave out to DEFAULT_SKIP (the tables that do not fit the 8 minutes: set DEFAULT_SKIP=
-# to run them). The real gradients are read from ZIPCCL_DATA, else data/ in this checkout (`make
-# gpu-data` copies them there, an ignored folder that travels with the checkout), else
-# ../shared/data; without them the steps use synthetic values and say so.
-# --dry-run: the same steps, bookkeeping, limits and files without CUDA: pytest steps run (every
-# gpu test skips, naming CUDA; a selection that matches no test fails), the tables run on 2 CPU
-# ranks over gloo at 64 KiB, the shaped lab on gloo ranks (as root), MPS is not started.
+# its phase (232 s each, PHASE_S, so that both end within 8 minutes); the run goes on after a
+# failed step. OUTDIR/plan.txt lists the steps first; each step writes OUTDIR/NAME.txt as it runs
+# and a line to OUTDIR/steps.txt as it ends (exit code, 124: its time ran out; seconds; limit).
+# SKIP="name ..." adds steps to leave out to DEFAULT_SKIP (what does not fit the 8 minutes; set
+# DEFAULT_SKIP= to run it). The real gradients are read from ZIPCCL_DATA, else data/ in this
+# checkout (`make gpu-data` copies them there: an ignored folder that travels with the checkout),
+# else ../shared/data; without them the steps use synthetic values and say so.
+# --dry-run: the same steps, bookkeeping, limits and files without CUDA: the pytest steps run
+# (every gpu test skips, naming CUDA; a selection that matches no test fails), the tables run on
+# 2 CPU ranks over gloo at 64 KiB, the shaped lab on gloo ranks (as root), no MPS daemon starts.
 set -u
 phase=all dry=0 out=
 while (($#)); do
@@ -28,7 +28,7 @@ while (($#)); do
         --phase) phase=$2; shift 2 ;;
         --phase=*) phase=${1#*=}; shift ;;
         --dry-run) dry=1; shift ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 0 ;;
         -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
         *) out=$1; shift ;;
     esac
@@ -224,7 +224,7 @@ run_codec() {
     $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
     local rc=$?
     $py bench/gpu_ab.py ${data:+--data "$data"} --label "$(git rev-parse --short HEAD 2>/dev/null || echo checkout)" \
-        --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json" $( ((dry)) && echo --device cpu --cases 4096:bf16 --repeat 1)
+        --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json" $( ((dry)) && echo --device cpu --cases 512:bf16 --block 256 --repeat 1)
     local rc2=$?
     return $((rc || rc2))
 }
