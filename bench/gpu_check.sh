@@ -187,7 +187,8 @@ else:
         assert codec.decode_into(codec.encode(x), out).problem() is None
         assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), dtype
     torch.cuda.synchronize()
-    print(f"Triton: encode and decode_into of bf16, fp16 and fp32 compiled and checked in {time.perf_counter() - t0:.1f} s")
+    print(f"Triton: encode and decode_into of bf16, fp16 and fp32 compiled and checked in "
+          f"{time.perf_counter() - t0:.1f} s")
 PY
 }
 
@@ -220,11 +221,13 @@ run_codec() {
         $py bench/gpu_codec_check.py --out "$out/codec" ${data:+--data "$data"} $( ((dry)) && echo --dry-run)
         return
     fi
-    echo "# bench/gpu_codec_check.py is not in this checkout: the codec's checks did not run; the suite's kernel tests and bench/gpu_ab.py instead"
+    echo "# bench/gpu_codec_check.py is not in this checkout: the codec's checks did not run;" \
+        "the suite's kernel tests and bench/gpu_ab.py instead"
     $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
     local rc=$?
     $py bench/gpu_ab.py ${data:+--data "$data"} --label "$(git rev-parse --short HEAD 2>/dev/null || echo checkout)" \
-        --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json" $( ((dry)) && echo --device cpu --cases 512:bf16 --block 256 --repeat 1)
+        --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json" \
+        $( ((dry)) && echo --device cpu --cases 512:bf16 --block 256 --repeat 1)
     local rc2=$?
     return $((rc || rc2))
 }
@@ -232,7 +235,9 @@ run_codec() {
 run_syncs() { $gpu_suite -s tests/test_gpu_lab.py tests/test_nccl_gpu.py -k "host_wait or mail"; }
 run_collectives() { $gpu_suite tests/test_gpu_lab.py -k "collectives_match"; }
 run_transport() {
-    wait_numba $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py -k "transport_matches or dropin or clock or perf_lab"; }
+    wait_numba
+    $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py -k "transport_matches or dropin or clock or perf_lab"
+}
 
 # The lab shaped to 10 Gbit/s per rank: 4 network namespaces (zipccl-netlab), NCCL's sockets on
 # each rank's veth, 64 and 256 MiB; root only (a dry run: gloo ranks in the same lab at 64 KiB).
@@ -267,7 +272,8 @@ declare -A spent=([1]=0 [2]=0)
     done
     for p in 1 2; do
         [[ $phase != all && $phase != "$p" ]] && continue
-        echo "# phase $p: limits add up to ${spent[$p]} s of its $phase_s s$( ((spent[$p] > phase_s)) && echo ': OVER, later steps get what is left')"
+        over=$( ((spent[$p] > phase_s)) && echo ": OVER, later steps get what is left")
+        echo "# phase $p: limits add up to ${spent[$p]} s of its $phase_s s$over"
     done
 } | tee "$out/plan.txt"
 
@@ -292,7 +298,8 @@ step() {
     ((limit > left)) && limit=$left
     echo "### $name (phase $p, at most $limit s): $*" | tee "$out/$name.txt"
     ((mps)) && mps_start > >(tee -a "$out/$name.txt") 2>&1  # in this shell: its variables reach the step
-    timeout -k 2 "$limit" bash -c "$(declare -f "$1" perf wait_numba); $(declare -p py dry out data gpu_suite lab_sizes); $*" \
+    local defs="$(declare -f "$1" perf wait_numba); $(declare -p py dry out data gpu_suite lab_sizes)"
+    timeout -k 2 "$limit" bash -c "$defs; $*" \
         2>&1 | tee -a "$out/$name.txt"
     local rc=${PIPESTATUS[0]}
     ((mps)) && mps_stop > >(tee -a "$out/$name.txt") 2>&1
