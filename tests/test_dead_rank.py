@@ -381,7 +381,8 @@ def test_status_round_gave_up_raises():
 
 def test_torch_wait_takes_the_shorter_timeout(monkeypatch):
     """TorchTransport waits min(ZIPCCL_TIMEOUT, ``timeout``) and marks the error of a wait that
-    ran out ``timed_out``."""
+    ran out ``timed_out``; without ZIPCCL_TIMEOUT, min(DEFAULT_TIMEOUT, the group's own timeout,
+    ``timeout``) (gloo replaces the group's timeout with a wait's)."""
     from zipccl import config
     from zipccl.transport import torch_dist
 
@@ -390,20 +391,21 @@ def test_torch_wait_takes_the_shorter_timeout(monkeypatch):
             self.timeout = timeout.total_seconds()
             raise RuntimeError("Timed out waiting for recv operation to complete")
 
-    gloo = types.SimpleNamespace(backend="gloo")
+    gloo = types.SimpleNamespace(backend="gloo", own_timeout=1800.0)
     monkeypatch.setattr(config, "TIMEOUT", TIMEOUT)
     for timeout, expected in [(None, TIMEOUT), (100.0, TIMEOUT), (1.25, 1.25)]:
         work = Hung()
         with pytest.raises(RuntimeError) as caught:
             torch_dist.TorchTransport._wait(gloo, work, timeout)
         assert caught.value.timed_out and work.timeout == expected
-    monkeypatch.setattr(config, "TIMEOUT", None)  # unset: the default bound, never an unbounded wait
+    monkeypatch.setattr(config, "TIMEOUT", None)  # unset: the default bound, or the group's where shorter
     monkeypatch.setattr(config, "DEFAULT_TIMEOUT", 7.0)
-    for timeout, expected in [(None, 7.0), (100.0, 7.0), (1.25, 1.25)]:
-        work = Hung()
+    for own, timeout, expected in [(1800.0, None, 7.0), (1800.0, 100.0, 7.0), (1800.0, 1.25, 1.25), (3.0, None, 3.0),
+                                   (None, None, 7.0)]:
+        work, gloo.own_timeout = Hung(), own
         with pytest.raises(RuntimeError):
             torch_dist.TorchTransport._wait(gloo, work, timeout)
-        assert work.timeout == expected
+        assert work.timeout == expected, (own, timeout, work.timeout)
 
 
 # ---- naming from evidence: the heartbeats (zipccl.transport.heartbeat), on stand-ins ---------------------------------

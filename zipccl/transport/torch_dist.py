@@ -35,6 +35,16 @@ def wire_device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+def _own_timeout(group, device: torch.device) -> float | None:
+    """The group's own timeout in seconds (init_process_group's or new_group's ``timeout``), or
+    None where its backend does not say (the drop-in's)."""
+    try:
+        pg = group if group is not None else dist.GroupMember.WORLD
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - a backend without options
+        return None
+
+
 class _Staged:
     """A receive into ``wire`` (on the group's device) for ``host``, a tensor elsewhere (a CPU
     size or status on an NCCL group), which ``TorchTransport.wait`` fills once it has come."""
@@ -102,6 +112,7 @@ class TorchTransport(Transport):
         self._upward = _twin(group) if gloo and self.size > 1 else None
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
         self.strict = Strict(self.rank, self.meta_device) if config.STRICT_TRANSPORT else None
+        self.own_timeout = _own_timeout(group, self.meta_device)
         self.loose_receives = self.tags = gloo and self.strict is None
 
     def grouped(self):
@@ -129,6 +140,8 @@ class TorchTransport(Transport):
 
     def _wait(self, work, timeout: float | None) -> None:
         t0, limit = time.monotonic(), wait_limit(timeout)
+        if config.TIMEOUT is None and self.own_timeout:  # a wait's timeout replaces the group's: keep the shorter
+            limit = min(limit, self.own_timeout)
         try:
             if self.backend == "nccl" and config.TIMEOUT is None and timeout is None:
                 work.wait()  # torch's NCCL: the current stream waits, the host does not; its watchdog bounds it
