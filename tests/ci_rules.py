@@ -36,10 +36,7 @@ if os.environ.get("CI"):
 NO_CUDA = "no CUDA device: the gpu suite runs on a GPU machine (docs/GPU.md)"
 
 #: Tests that may xfail (or xpass) under CI, as ``path::function`` (any parameters), each with why.
-XFAILS: dict[str, str] = {
-    "tests/test_gpu_lab.py::test_at_most_two_host_synchronisations_per_pipeline_piece":
-        "a target of the GPU stream pipeline not yet met (docs/GPU.md): a gpu test, run on GPU machines only",
-}
+XFAILS: dict[str, str] = {}
 
 _state: dict = {"gpu": 0, "tests": 0, "deselected": 0, "allowed": 0, "unexpected": [], "skips": Counter(),
                 "worker_counts": []}

@@ -34,6 +34,7 @@ COMMANDS = {
     "python -m zipccl.kernels.aot": ("module", "zipccl.kernels.aot"),
     "torchrun": ("parser", "torch.distributed.run"), "pytest": ("pytest", ""),
     **{f"{p.parent.name}/{p.name}": ("path", str(p)) for d in ("bench", "examples") for p in (ROOT / d).glob("*.py")},
+    **{f"bench/{p.name}": ("bash", str(p)) for p in (ROOT / "bench").glob("*.sh")},
 }
 
 
@@ -153,6 +154,8 @@ def _help_of(kind: str, target: str, *args: str) -> str:
                               text=True, cwd=ROOT, timeout=120).stdout
     if kind == "parser":
         return importlib.import_module(target).get_args_parser().format_help()
+    if kind == "bash":
+        return subprocess.run(["bash", target, *args, "--help"], capture_output=True, text=True, timeout=60).stdout
     out, argv = io.StringIO(), sys.argv
     sys.argv = [target, *args, "--help"]
     try:
