@@ -136,7 +136,8 @@ def test_ten_gigabit_lab_of_four_ranks_each_in_its_namespace():
                 assert "tbf" in shown and "rate 10Gbit" in shown, shown
                 env = lab.env(r, 29551)
                 assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == netlab.rank_if(r)
-        assert "# netlab: 4 ranks, 10gbit per rank" in _perf_at_64k("--nranks", "4", "--codec", "raw", "--netlab", "10gbit")
+        out = _perf_at_64k("--nranks", "4", "--codec", "raw", "--netlab", "10gbit")
+        assert "# netlab: 4 ranks, 10gbit per rank" in out
     finally:
         netlab.down()
     assert netlab.namespaces() == []
