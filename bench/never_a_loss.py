@@ -1,7 +1,7 @@
 """Is codec="auto" ever slower than the plain collective, or than the best fixed plan?
 
     python bench/never_a_loss.py --lab loopback|4|2x2 [--collective all_reduce] [--sizes 64K,1M,16M,256M]
-                                 [--rounds 5] [--min-seconds 4] [--json FILE] [--plot FILE.png]
+                                 [--rounds 5] [--min-seconds 4] [--only flat/raw] [--json FILE] [--plot FILE.png]
                                  # labs other than loopback: root
 
 Four ranks: on unshaped loopback (one node), in the 1 Gbit/s lab with one rank per node
@@ -75,7 +75,8 @@ def sweep(args, data: torch.Tensor) -> list[dict]:
             src, out = inp[:numel // n * n].clone(), torch.empty(numel // n, dtype=torch.bfloat16)
         else:
             src, out = inp, inp.clone()
-        runs = variants(args.collective)
+        runs = {name: run for name, run in variants(args.collective).items()
+                if args.only is None or name in ("torch", "auto") or name in args.only}
         one = slowest(_time(runs["torch"], out, src, 1))
         reps = max(1, min(50, int(0.05 / max(one, 1e-6))))
         for _ in range(14):  # auto's learning calls (two of each of up to six plans), then one more
@@ -165,6 +166,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-seconds", dest="min_seconds", type=float, default=4.0,
                     help="small sizes: more rounds, about this long (0: --rounds only)")
+    ap.add_argument("--only", type=lambda s: s.split(","), help="time only these fixed plans besides torch and auto "
+                    "(comma-separated, e.g. flat/raw)")
     ap.add_argument("--data", default=DEFAULT_DATA)
     ap.add_argument("--json")
     ap.add_argument("--plot")
@@ -178,6 +181,7 @@ def main() -> int:
     argv = [sys.executable, os.path.abspath(__file__), "--rank", "--lab", args.lab, "--collective", args.collective,
             "--sizes", ",".join(str(s) for s in args.sizes), "--rounds", str(args.rounds),
             "--min-seconds", str(args.min_seconds), "--data", os.path.abspath(args.data)]
+    argv += ["--only", ",".join(args.only)] if args.only else []
     argv += ["--json", os.path.abspath(args.json)] if args.json else []
     argv += ["--plot", os.path.abspath(args.plot)] if args.plot else []
     timeout = 600 + 60 * len(args.sizes) * args.rounds

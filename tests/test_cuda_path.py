@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import zipccl
 from zipccl import api, auto, backend, config, hierarchical, lossy, topology
 from zipccl import collectives as C
 from zipccl.codecs import Raw
@@ -139,7 +140,7 @@ def test_a_failed_communicator_falls_back_only_on_nccl_groups(routed):
         assert made == ["nccl"]
 
 
-# ---- codec "native" on CUDA ----------------------------------------------------------------------------------
+# ---- codec "native" on CUDA: the group's own collective, no communicator of CuPy -------------------------------
 
 def test_native_is_torchs_collective_on_nccl_groups_only():
     assert [cupy_nccl.native_by_torch(b) for b in ("nccl", "zipccl", "gloo")] == [True, False, False]
@@ -165,6 +166,104 @@ def test_nccl_transport_hands_native_to_the_nccl_group(monkeypatch):
     t.native("all_gather", gathered, x)
     t.native("all_reduce", x, op=dist.ReduceOp.SUM)
     assert gathered.tolist() == [1, 2, 3, 4, 10, 20, 30, 40] and x.tolist() == [11, 22, 33, 44]
+
+
+class _OnGpu(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0: what zipccl's routing reads of a CUDA tensor."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _on_gpu(numel: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype).as_subclass(_OnGpu)
+
+
+class _Made(Exception):
+    """Raised where the stand-in makes an NcclTransport: the call stops there."""
+
+
+@pytest.fixture(params=["nccl", "zipccl"])
+def gpu_group(request, monkeypatch):
+    """A group of four ranks of backend nccl (or the drop-in's) seen from rank 0, with the GPU
+    extra installed: the group's own collectives (torch.distributed's, faked) write down
+    (collective, group, tensor, op); making an NcclTransport (CuPy's communicators) writes
+    "communicator" down and fails, as it would on this machine."""
+    group, seen = object(), []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: request.param)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group=None: [0, 1, 2, 3])
+    monkeypatch.setattr(config, "STRICT_TRANSPORT", False)
+    monkeypatch.setattr(config, "TIMEOUT", None)
+    monkeypatch.setattr(config, "TRANSPORT", "auto")
+    monkeypatch.setattr(torch_dist, "_twin", lambda group: None)
+    monkeypatch.setattr(torch_dist, "wire_device", lambda b: torch.device("cuda", 0) if b == "nccl"
+                        else torch.device("cpu"))
+    monkeypatch.setattr(select.nccl_stack, "extra_installed", lambda: True)
+    monkeypatch.setattr(torch_dist, "_transports", {})
+    monkeypatch.setattr(api, "_natives", {})
+    monkeypatch.setattr(dist, "all_reduce", lambda x, op=None, group=None, async_op=False:
+                        seen.append(("all_reduce", group, x, op)))
+    monkeypatch.setattr(torch_dist, "reduce_scatter_single", lambda out, inp, op=None, group=None, async_op=False:
+                        seen.append(("reduce_scatter", group, inp, op)))
+    monkeypatch.setattr(torch_dist, "all_gather_single", lambda out, inp, group=None, async_op=False:
+                        seen.append(("all_gather", group, inp, None)))
+
+    def communicator(group=None):
+        seen.append("communicator")
+        raise _Made("a communicator is being made")
+    monkeypatch.setattr(NcclTransport, "of", staticmethod(communicator))
+    monkeypatch.setattr(topology, "known", lambda group=None: True)
+    monkeypatch.setattr(topology, "levels", lambda group=None: None)
+    monkeypatch.setattr(topology, "topology", lambda group=None: topology.Topology(((0, 1, 2, 3),), "test", "nvlink"))
+    return group, seen
+
+
+def test_native_traffic_on_cuda_is_the_groups_own_and_makes_no_communicator(gpu_group):
+    """Every call that does not compress (auto below its probe floor, auto over NVLink inside one
+    node, codec "native" at any size, flat or async) reaches the group's own collective with the
+    caller's tensor, and no NcclTransport is made; the first plan that compresses makes it."""
+    group, seen = gpu_group
+    one, big, four = _on_gpu(1), _on_gpu(1 << 21), _on_gpu(4)  # 2 bytes, 4 MiB
+    zipccl_calls = [
+        (one, lambda: zipccl.all_reduce(one, group=group)),
+        (one, lambda: zipccl.all_reduce(one, group=group, algorithm="flat")),
+        (big, lambda: zipccl.all_reduce(big, group=group)),                  # auto: NVLink, one node
+        (big, lambda: zipccl.all_reduce(big, group=group, codec="native")),
+        (one, lambda: zipccl.all_reduce(one, group=group, async_op=True).wait(timeout=30)),
+        (big, lambda: zipccl.all_reduce(big, group=group, async_op=True).wait(timeout=30)),
+        (four, lambda: zipccl.reduce_scatter(one, four, group=group)),
+        (one, lambda: zipccl.all_gather(four, one, group=group, codec="native")),
+    ]
+    for k, (input, call) in enumerate(zipccl_calls):
+        call()
+        assert len(seen) == k + 1 and seen[-1][1] is group, (k, seen)
+        assert seen[-1][2].data_ptr() == input.data_ptr()  # the caller's tensor, as it is
+    assert [s[0] for s in seen] == ["all_reduce"] * 6 + ["reduce_scatter", "all_gather"]
+    with pytest.raises(_Made):
+        zipccl.all_reduce(big, group=group, codec="lossless")
+    assert seen[-1] == "communicator"
+
+
+def test_auto_over_a_slower_link_makes_the_communicator_for_its_compressing_plan(gpu_group, monkeypatch):
+    """Where auto may compress (PCIe: native and lossless), its native plan makes nothing; the
+    communicator comes with the first lossless plan, in the call that runs it."""
+    group, seen = gpu_group
+    monkeypatch.setattr(topology, "topology", lambda group=None: topology.Topology(((0, 1, 2, 3),), "test", "pcie"))
+    big = _on_gpu(1 << 21)
+    _Device(monkeypatch)  # the planner's timing events
+    zipccl.all_reduce(big, group=group)  # auto's first try: native
+    assert [s[0] for s in seen] == ["all_reduce"]
+    with pytest.raises(_Made):
+        zipccl.all_reduce(big, group=group)  # its second: lossless
+    assert seen[-1] == "communicator"
 
 
 # ---- no CPU tensor on an NCCL group ----------------------------------------------------------------------------
@@ -265,6 +364,21 @@ def test_a_call_on_the_wrong_device_for_its_group_is_refused():
     with pytest.raises(UnsupportedError, match=r"backend \(gloo\) takes CPU tensors here, got a tensor on meta"):
         validation._check_device(t, torch.zeros(4, device=META))
     validation._check_device(t, torch.zeros(4))
+    validation._check_device(t, _on_gpu(4))  # CUDA tensors: the group's own collective, or zipccl's NCCL
+
+
+def test_a_plan_runs_on_the_groups_own_transport_unless_it_compresses(monkeypatch):
+    """collectives.carrier: the group itself (TorchTransport) for native plans and the backend's
+    collective after an exchange (None), on every device; transport_for's (on CUDA the NCCL
+    transport) only for a codec that compresses on CUDA."""
+    monkeypatch.setattr(validation.TorchTransport, "of", staticmethod(lambda group=None: ("own", group)))
+    monkeypatch.setattr(validation, "transport_for", lambda group, device: ("carrier", group, device.type))
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert validation.carrier("g", cuda, C.NATIVE) == ("own", "g")
+    assert validation.carrier("g", cuda, None) == ("own", "g")
+    assert validation.carrier("g", cpu, Raw()) == ("own", "g")
+    assert validation.carrier("g", cuda, Raw()) == ("carrier", "g", "cuda")
+    assert validation.carrier("g", None, Raw()) == ("own", "g")
 
 
 # ---- hierarchical on CUDA: NCCL's collective inside the node, no host shared memory --------------------------
@@ -291,7 +405,7 @@ def _levels():
 
 
 def test_hierarchical_refuses_shared_memory_for_device_tensors(monkeypatch):
-    monkeypatch.setattr(hierarchical, "transport_for", lambda g, d: pytest.fail("no transport before the check"))
+    monkeypatch.setattr(C, "carrier", lambda g, d, c: pytest.fail("no transport before the check"))
     x = torch.zeros(16, device=META)
     with pytest.raises(UnsupportedError, match=r"'shm' \(host shared memory\) takes CPU tensors, not tensors on meta"):
         hierarchical.run("all_reduce", _levels(), x, x, dist.ReduceOp.SUM, (hierarchical.SHM, C.NATIVE), C.new_acc(),
@@ -327,6 +441,43 @@ def test_drop_in_routing_asks_takes_device(monkeypatch):
     assert not takes(pg, [x.int()], dist.ReduceOp.SUM)  # still float tensors only
     pg.codec = "native"
     assert not takes(pg, [x], dist.ReduceOp.SUM)
+
+
+def test_drop_in_hands_its_native_calls_to_its_nccl_underneath(gpu_group, monkeypatch):
+    """On the drop-in, a call whose signature zipccl runs natively (auto below the probe floor)
+    goes to the backend underneath for its device (ProcessGroupNCCL for CUDA tensors), from the
+    override itself, and that backend's Work is returned: no zipccl queue, no communicator. A
+    lossy group's calls and a call behind a queued async one keep zipccl's path."""
+    group, seen = gpu_group
+    works = []
+
+    class Nccl:  # the backend underneath: each call returns its own Work
+        def __getattr__(self, name):
+            def call(*args):
+                works.append((name, args[0]))
+                return f"work {len(works)}"
+            return call
+
+    monkeypatch.setattr(backend, "takes_device", lambda device: True)
+    cls = backend.ProcessGroupZipccl
+
+    class DropIn:  # the group's decisions without its store and ranks
+        codec, options, _compressor, _inner = "auto", backend.Options(), None, {"cpu": None, "cuda": Nccl()}
+        _takes, _own, _inner_for = cls._takes, cls._own, cls._inner_for
+
+    pg = DropIn()
+    x, many = _on_gpu(1), _on_gpu(4)
+    assert cls.allreduce(pg, [x], dist.AllreduceOptions()) == "work 1"
+    assert cls.all_gather_single(pg, many, x, None) == "work 2"
+    assert cls.reduce_scatter_single(pg, x, many, None) == "work 3"
+    assert [name for name, _ in works] == ["allreduce", "_allgather_base", "_reduce_scatter_base"]
+    assert works[0][1][0] is x and works[1][1] is many and works[2][1] is x  # the caller's tensors
+    assert "communicator" not in seen and not [s for s in seen if s[1] is pg]  # nothing went through zipccl
+    pg._compressor = object()  # lossy: zipccl's, with its error feedback
+    assert not pg._own("all_reduce", x, x, dist.ReduceOp.SUM)
+    pg._compressor = None
+    monkeypatch.setattr(backend.executor, "idle", lambda: False)  # an async call queued: after it, in order
+    assert not pg._own("all_reduce", x, x, dist.ReduceOp.SUM)
 
 
 # ---- the lossy path on CUDA ---------------------------------------------------------------------------------
@@ -550,15 +701,21 @@ def test_the_link_is_agreed_by_every_rank():
     assert topology.agreed_link(["nvlink", "unknown"]) == "unknown"
 
 
-@pytest.mark.parametrize("device,link,nodes,expected", [
-    ("cuda", "nvlink", 1, ("native",)),                  # NVLink inside one node: NCCL's own, nothing measured
-    ("cuda", "nvlink", 2, ("native", "raw", "lossless")),  # a slower link between the nodes: measured
-    ("cuda", "pcie", 1, ("native", "raw", "lossless")),
-    ("cuda", "unknown", 1, ("native", "raw", "lossless")),
-    ("cpu", "nvlink", 1, ("native", "raw", "lossless")),
+@pytest.mark.parametrize("plans,device,link,nodes,expected", [
+    ("flat", "cuda", "nvlink", 1, ("native",)),                        # NVLink inside one node: NCCL's own
+    ("flat", "cuda", "nvlink", 2, ("native", "lossless")),             # single-rank nodes: the slow level is flat
+    ("both", "cuda", "nvlink", 2, ("native", "hierarchical/lossless")),  # compression between the nodes only
+    ("both", "cuda", "pcie", 2, ("native", "hierarchical/lossless")),
+    ("hier", "cuda", "unknown", 2, ("hierarchical/native", "hierarchical/lossless")),
+    ("flat", "cuda", "pcie", 1, ("native", "lossless")),
+    ("flat", "cuda", "unknown", 1, ("native", "lossless")),
+    ("flat", "cpu", "nvlink", 1, ("native", "raw", "lossless")),      # CPU: every plan, measured
+    ("both", "cpu", "unknown", 2, ("native", "raw", "lossless") + api.HIERARCHICAL_PLANS),
 ])
-def test_auto_measures_nothing_but_native_over_nvlink(device, link, nodes, expected):
-    assert C.plans_for(C.FLAT_PLANS, device, link, nodes) == expected
+def test_auto_on_cuda_measures_only_plans_that_can_pay(plans, device, link, nodes, expected):
+    plans = {"flat": C.FLAT_PLANS, "hier": api.HIERARCHICAL_PLANS,
+             "both": C.FLAT_PLANS + api.HIERARCHICAL_PLANS}[plans]
+    assert C.plans_for(plans, device, link, nodes) == expected
 
 
 def _found_link(rank, groups, links):

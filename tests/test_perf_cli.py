@@ -208,6 +208,23 @@ def test_never_a_loss_smoke(tmp_path):
     assert rows[0]["auto_plan"] == "native" and all(r["auto_vs_torch"] > 0 for r in rows)
 
 
+def test_native_overhead_smoke(tmp_path):
+    """bench/native_overhead.py on 2 ranks, a few calls: a row per collective and variant, each
+    with both medians and the extra host time, and the run's facts in the JSON."""
+    out = tmp_path / "o.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "native_overhead.py"), "--ranks", "2", "--calls", "20",
+                          "--warmup", "5", "--json", str(out)], capture_output=True, text=True, env=env, timeout=280)
+    assert res.returncode == 0, res.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert (record["device"], record["ranks"], record["calls"]) == ("cpu", 2, 20)
+    assert [(r["collective"], r["variant"]) for r in record["rows"]] == [
+        (c, v) for c in ("all_reduce", "reduce_scatter", "all_gather") for v in ("zipccl auto", "zipccl native",
+                                                                                "drop-in")]
+    assert all(r["plain_us"] > 0 and r["zipccl_us"] > 0 and len(r["extra_us_by_rank"]) == 2 for r in record["rows"])
+    assert "worst extra" in res.stdout
+
+
 def _row(size, oop, ip, dtype="bfloat16", redop="sum"):
     return dict(size=size, type=dtype, redop=redop, out_of_place={"busbw": oop}, in_place={"busbw": ip})
 

@@ -11,6 +11,7 @@ module sits above collectives, hierarchical and lossy and dispatches to them.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,13 +19,13 @@ import torch.distributed as dist
 from . import auto, config, hierarchical, lossy, topology
 from . import collectives as C
 from .errors import UnsupportedError
-from .executor import run as _run
+from .executor import drain as _drain, run as _run
 from .failure import Fate
 from .format import DTYPE_CODES
-from .stats import record
+from .stats import record_native
 from .transport import TorchTransport
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "ALGORITHMS", "HIERARCHICAL_PLANS"]
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "goes_native", "ALGORITHMS", "HIERARCHICAL_PLANS"]
 
 ALGORITHMS = ("auto", "flat", "hierarchical")
 #: Plans that codec="auto" adds where the group has two levels: inside the nodes shared memory
@@ -33,7 +34,7 @@ ALGORITHMS = ("auto", "flat", "hierarchical")
 HIERARCHICAL_PLANS = ("hierarchical/native", "hierarchical/raw", "hierarchical/lossless")
 LEVELS = ("intra", "inter")
 _FLOATS = frozenset(DTYPE_CODES)
-_SMALL_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN, None)
+_NATIVE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN, None)
 
 
 class _Plan:
@@ -77,31 +78,124 @@ def _intra(levels, device: torch.device) -> object:
     return hierarchical.SHM if levels.memory is not None and device.type == "cpu" else C.NATIVE
 
 
-def _small(name: str, group, output, input, op) -> bool:
-    """The common small call, where "auto" always runs the backend's collective (below the
-    policy's probe floor, zipccl.auto): that collective and the statistics, nothing else, when
-    every check is cheap and passes (else False: the full path checks and explains). zipccl's
-    ordinary path costs about 50 us of Python a call, which on 4 loopback ranks sharing 2 cores
-    made a 64 KiB all-reduce 0.4-0.6 ms (10-14%) slower than the backend's."""
-    if not (isinstance(input, torch.Tensor) and input.dtype in _FLOATS and input.device.type == "cpu"
-            and input.is_contiguous() and op in _SMALL_OPS):
+#: How each call signature runs (``_route``), decided once: (collective, group, op, codec,
+#: algorithm, dtype, input numel, output numel, on CUDA, on the CPU) -> True (the group's own
+#: collective, always), an _Auto (auto chooses per call) or False (the full path).
+_routes: dict = {}
+
+
+class _Auto(NamedTuple):
+    """A valid codec="auto" call above the probe floor on a group whose topology is known: the
+    policy's class of the call, its bytes and its candidate plans (zipccl.auto)."""
+    key: tuple
+    nbytes: int
+    plans: tuple
+
+
+def _decide(name: str, group, output, input, op, codec, algorithm: str):
+    """How every call of this signature runs, whichever calls came before it, from what every
+    rank knows alike. True: the group's own collective (codec "native"; codec "auto" below the
+    policy's probe floor, for dtypes no codec takes, where nothing could carry compressed
+    packets, and on CUDA inside one node joined by NVLink: autoplan.plans_for). An _Auto: a
+    valid auto call whose plan the policy chooses each time. False where the full path is
+    needed (it also explains a bad call). None where that may change (the group's topology is
+    not known yet)."""
+    if op not in _NATIVE_OPS or algorithm not in ("auto", "flat") or codec not in ("native", "auto"):
         return False
-    nbytes = input.numel() * input.element_size()
-    if nbytes >= auto.PROBE_MIN_BYTES or not config.AUTO_LEARN or config.CHECK_NATIVE:
+    dtype, device = input.dtype, input.device
+    try:
+        t = TorchTransport.of(group)
+    except (ValueError, RuntimeError):
+        return False
+    if (op == dist.ReduceOp.AVG and not dtype.is_floating_point) or device.type not in (t.meta_device.type, "cuda"):
         return False
     if name != "all_reduce":
-        if not (isinstance(output, torch.Tensor) and output.dtype == input.dtype and output.is_contiguous()
-                and output.device.type == "cpu"):
-            return False
-        t = TorchTransport.of(group)
         big, small = (input, output) if name == "reduce_scatter" else (output, input)
-        if big.numel() != t.size * small.numel():
+        if output.dtype != dtype or big.numel() != t.size * small.numel():
             return False
-        t.native(name, output.view(-1), input.view(-1), op=op)
+    if codec == "native":
+        return True
+    if dtype not in _FLOATS or not config.AUTO_LEARN:
+        return dtype not in _FLOATS
+    nbytes = input.numel() * input.element_size()
+    if nbytes < auto.PROBE_MIN_BYTES:
+        return True
+    if device.type == "cuda":
+        try:
+            C.check_carrier(group, device)
+        except UnsupportedError:
+            return True  # nothing carries compressed packets here: "auto" is the group's own collective
+    if algorithm != "auto" or not dist.is_initialized():
+        return False
+    if not topology.known(group):
+        return None
+    topo, levels = topology.topology(group), topology.levels(group)
+    plans = C.plans_for(C.FLAT_PLANS + (HIERARCHICAL_PLANS if levels is not None else ()), device.type, topo.link,
+                        len(topo.nodes))
+    return True if plans == ("native",) else _Auto(auto.Policy.key(name, dtype, nbytes), nbytes, plans)
+
+
+def _route(name: str, group, output, input, op, codec, algorithm: str):
+    """``_decide``'s answer for this call's signature (a dictionary look-up after the first,
+    every part of whose key is cheap to read), where the call's cheap checks pass (contiguous
+    tensors on one device; ZIPCCL_CHECK_NATIVE unset); else False."""
+    try:
+        key = (name, group, _NATIVE_OPS.index(op), codec, algorithm, input.dtype, input.numel(), output.numel(),
+               input.is_cuda, input.is_cpu)
+        route = _routes.get(key)
+    except (ValueError, AttributeError, TypeError):  # an op zipccl does not take, not tensors, a codec mapping
+        return False
+    if route is None:
+        route = _decide(name, group, output, input, op, codec, algorithm)
+        if route is None:
+            return False
+        _routes[key] = route
+    if not route or config.CHECK_NATIVE or not input.is_contiguous() or not (
+            output is input or (output.is_contiguous() and output.get_device() == input.get_device())):
+        return False
+    return route
+
+
+def goes_native(name: str, group, output, input, op, codec, algorithm: str = "auto") -> bool:
+    """Whether this call runs the group's own collective alone, whatever came before it
+    (``_route``). The drop-in backend asks this, and then calls its backend underneath itself."""
+    return _route(name, group, output, input, op, codec, algorithm) is True
+
+
+def _native(name: str, group, output, input, op) -> None:
+    """The group's own collective (TorchTransport.native)."""
+    if name == "all_reduce":
+        TorchTransport.of(group).native(name, input, op=op)
     else:
-        TorchTransport.of(group).native(name, input.view(-1), op=op)
-    record(name, "native", raw_bytes=0, wire_bytes=0, meta_bytes=0, codec_seconds=0.0, comm_seconds=0.0)
+        TorchTransport.of(group).native(name, _flat(output), _flat(input), op=op)
+
+
+def _direct(name: str, group, output, input, op, codec, algorithm: str):
+    """The call's fast path, after the async calls issued before it (as every call): where it
+    always runs the group's own collective, that collective and the statistics (True); where
+    auto chooses its plan (an _Auto route), the policy's choice, and if that is native, the
+    collective, timed for the policy (True), else the plan (the full path runs it). Else None:
+    the full path checks, plans and explains, at 50-100 us of Python a call (on 4 loopback
+    ranks sharing 2 cores it made a 64 KiB all-reduce 0.4-0.6 ms, 10-14%, slower than the
+    backend's)."""
+    route = _route(name, group, output, input, op, codec, algorithm)
+    if not route:
+        return None
+    _drain()
+    if route is not True:
+        plan = C.auto_policy(group).choose(route.key, route.nbytes, route.plans)
+        if plan != "native":
+            return plan
+        C.planned(group, name, input.dtype, route.nbytes, route.plans,
+                  lambda plan: _native(name, group, output, input, op), input.device, plan)
+    else:
+        _native(name, group, output, input, op)
+    record_native(name)
     return True
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 1 else x.view(-1)
 
 
 def _outside_autograd(x):
@@ -112,7 +206,8 @@ def _outside_autograd(x):
 
 def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: bool):
     output, input = _outside_autograd(output), _outside_autograd(input)
-    if codec == "auto" and algorithm == "auto" and not async_op and _small(name, group, output, input, op):
+    chosen = None if async_op else _direct(name, group, output, input, op, codec, algorithm)
+    if chosen is True:
         return None
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r}: use one of {ALGORITHMS}")
@@ -129,24 +224,25 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
     tensors = (input,) if name == "all_reduce" else (output, input)
     t, c, error = C.prepare(name, group, tensors, op, "raw" if per_level else codec, numel, nbytes,
                             C.check_shapes(name, output, input))
-    dtype = input.dtype
+    dtype, device = (input.dtype, input.device) if isinstance(input, torch.Tensor) else (None, None)
     fixed = None if codec == "auto" else _level_codecs(codec, dtype, nbytes)
 
     def hier(levels, codecs, acc):
-        plan, fate = _Plan(codecs), Fate.of(name, t)
+        whole = C.carrier(group, device, codecs[1])  # the group's own, or the nodes' level's carrier
+        plan, fate = _Plan(codecs), Fate.of(name, whole)
         if codecs[1] is not C.NATIVE or config.CHECK_NATIVE:  # signature and auto reports, whole group
-            C.Call(name, dtype, numel, op, plan).exchange(t, [], None, fate)
+            C.Call(name, dtype, numel, op, plan).exchange(whole, [], None, fate)
         hierarchical.run(name, levels, output, input, op, codecs, acc, fate)
-        C.timed(acc, "comm_seconds", fate.settle, t)  # a failure on any level, in any node, reaches every rank
+        C.timed(acc, "comm_seconds", fate.settle, whole)  # a failure on any level, in any node, reaches every rank
         return plan
 
     def flat(codec, acc):
-        C.run_flat(name, t, output, input, op, codec, acc)
+        C.run_flat(name, C.carrier(group, device, codec), output, input, op, codec, acc)
         return codec
 
     def run():
         if error is not None:
-            C.refuse(name, t, input, op, error)
+            C.refuse(name, C.carrier(group, device, c), input, op, error)
         acc, used = C.new_acc(), [None]
         levels = topology.levels(group)  # made above
         if algorithm == "hierarchical" and levels is None:
@@ -158,21 +254,21 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             else:  # one level: a single node's codec is "intra", single-rank nodes' "inter"
                 used[0] = flat(fixed[0] if len(topology.topology(group).nodes) == 1 else fixed[1], acc)
         elif c is not C.AUTO:  # not a float type, or ZIPCCL_AUTO_LEARN=0: what "auto" resolved to
-            used[0] = hier(levels, (_intra(levels, input.device), c), acc) if algorithm == "hierarchical" \
+            used[0] = hier(levels, (_intra(levels, device), c), acc) if algorithm == "hierarchical" \
                 else flat(c, acc)
         else:
             plans = HIERARCHICAL_PLANS if algorithm == "hierarchical" else \
                 C.FLAT_PLANS + (HIERARCHICAL_PLANS if levels is not None else ())
             topo = topology.topology(group)
-            plans = C.plans_for(plans, input.device.type, topo.link, len(topo.nodes))
+            plans = C.plans_for(plans, device.type, topo.link, len(topo.nodes))
 
             def go(plan: str) -> None:
                 if plan.startswith("hierarchical/"):
-                    used[0] = hier(levels, (_intra(levels, input.device), C.PLAN_CODECS[plan.split("/", 1)[1]]), acc)
+                    used[0] = hier(levels, (_intra(levels, device), C.PLAN_CODECS[plan.split("/", 1)[1]]), acc)
                 else:
                     used[0] = flat(C.PLAN_CODECS[plan], acc)
 
-            C.planned(t.group, name, dtype, nbytes, plans, go, input.device)
+            C.planned(t.group, name, dtype, nbytes, plans, go, device, chosen)
         return C.finish(name, used[0], acc)
 
     return _run(run, async_op, (output, input))

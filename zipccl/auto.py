@@ -48,6 +48,7 @@ class Policy:
         self.calls: dict = {}   # class -> calls decided so far
         self.last: dict = {}    # (class, plan) -> the index of the call that last ran it
         self.recent: dict = {}  # (class, plan) -> the last two times of a call
+        self._schedule: dict = {}  # class -> (candidates, fastest, ((loser, re-try interval), ...)) until it learns
 
     @staticmethod
     def key(collective: str, dtype, nbytes: int) -> tuple:
@@ -72,22 +73,32 @@ class Policy:
         return plan
 
     def _exploit(self, key, i: int, candidates) -> str:
-        times = {c: self.seconds(key, c) for c in candidates}
-        timed = [c for c in candidates if times[c] is not None]
-        best = min(timed, key=times.get) if timed else candidates[0]
-        share = self.budget / (len(candidates) - 1)  # each loser's part of the budget
-        for c in candidates:  # the first loser whose turn has come
-            if c == best:
-                continue
-            loss = 0.0 if times[c] is None else max(0.0, times[c] / max(times[best], 1e-9) - 1)
-            interval = min(MAX_REPROBE, max(self.reprobe, math.ceil(loss / share)))
+        schedule = self._schedule.get(key)
+        if schedule is None or schedule[0] != candidates:  # worked out once per time learned: calls are many
+            schedule = self._schedule[key] = (candidates, *self._plan(key, candidates))
+        _, best, losers = schedule
+        for c, interval in losers:  # the first loser whose turn has come
             if i - self.last.get((key, c), -MAX_REPROBE) >= interval:
                 return c
         return best
 
+    def _plan(self, key, candidates) -> tuple[str, tuple]:
+        """The class's fastest plan and each loser's re-try interval, from the times so far."""
+        times = {c: self.seconds(key, c) for c in candidates}
+        timed = [c for c in candidates if times[c] is not None]
+        best = min(timed, key=times.get) if timed else candidates[0]
+        share = self.budget / (len(candidates) - 1)  # each loser's part of the budget
+        losers = []
+        for c in candidates:
+            if c != best:
+                loss = 0.0 if times[c] is None else max(0.0, times[c] / max(times[best], 1e-9) - 1)
+                losers.append((c, min(MAX_REPROBE, max(self.reprobe, math.ceil(loss / share)))))
+        return best, tuple(losers)
+
     def learn(self, key: tuple, plan: str, seconds: float) -> None:
         """A finished call's time (the slowest rank's)."""
         self.recent[(key, plan)] = (self.recent.get((key, plan), ())[-1:] + (seconds,))
+        self._schedule.pop(key, None)
 
     def seconds(self, key: tuple, plan: str) -> float | None:
         """The plan's time in this class: the lower of its last two, since whatever else runs on

@@ -283,6 +283,19 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             dtype = x.dtype
         return True
 
+    def _own(self, name: str, output: torch.Tensor, input: torch.Tensor, op=None) -> bool:
+        """Whether zipccl would run this call as the group's own collective (api.goes_native,
+        decided once per signature), with no zipccl call queued before it: then the backend
+        underneath takes it here, directly, and its Work is the call's, as with torch's own
+        backend (through zipccl's queue and back into this group a call cost several times
+        what the backend's own took). Not lossy calls, nor PREMUL_SUM for gloo (which lacks it:
+        zipccl applies the factor)."""
+        if self._compressor is not None or not executor.idle() or \
+                (op is not None and _red_type(op) == _RED.PREMUL_SUM and input.device.type != "cuda"):
+            return False
+        return api.goes_native(name, self, output, input, None if op is None else _ZIPCCL_OPS[_red_type(op)],
+                               self.codec, self.options.algorithm)
+
     def _run(self, fn, result, async_op: bool) -> dist.Work:
         """``fn()`` through zipccl's queue (after every async call issued before it), inside
         zipccl; a Work whose future's value is ``result`` (DDP reads its first tensor)."""
@@ -305,7 +318,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
-        if len(tensors) != 1 or not self._takes(tensors, op):  # several: one sum over all of them, gloo's
+        if len(tensors) != 1 or not self._takes(tensors, op) or self._own("all_reduce", tensors[0], tensors[0], op):
             return self._inner_for(tensors[0]).allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
         zop, factor, x = _ZIPCCL_OPS[_red_type(op)], _factor(op), tensors[0].data
         lossy = self._lossy_name(x, zop)
@@ -340,7 +353,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         async_op = getattr(opts, "asyncOp", True)
-        if not self._takes([output, input]):
+        if not self._takes([output, input]) or self._own("all_gather", output, input):
             return self._inner_for(input)._allgather_base(output, input, _options(AllgatherOptions, opts))
         out, src = _data([output, input])
         return self._run(lambda: api.all_gather(out, src, group=self, codec=self.codec,
@@ -348,7 +361,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
-        if not self._takes([output, input], op):
+        if not self._takes([output, input], op) or self._own("reduce_scatter", output, input, op):
             return self._inner_for(input)._reduce_scatter_base(
                 output, input, _options(dist.ReduceScatterOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)

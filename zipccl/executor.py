@@ -27,7 +27,7 @@ import torch
 
 from .errors import TimeoutError  # noqa: A004 - zipccl's, a subclass of the builtin
 
-__all__ = ["Handle", "run", "submit"]
+__all__ = ["Handle", "drain", "idle", "run", "submit"]
 
 
 class Handle:
@@ -123,15 +123,28 @@ def submit(fn) -> Handle:
     return run(fn, True)
 
 
+def drain() -> None:
+    """Return once the async calls issued before have finished (their errors stay with their
+    handles): the collectives underneath must run in the order of issue. At once on the worker
+    thread, which runs them."""
+    last = _last
+    if last is not None and threading.current_thread() is not _worker_thread:
+        last._done.wait()
+
+
+def idle() -> bool:
+    """Whether no async call is queued or running: a call issued now is next on the group."""
+    last = _last
+    return last is None or last._done.is_set()
+
+
 def run(fn, async_op: bool, tensors=()):
     """``fn()`` on this thread once the async calls issued before it have finished (returns
     None; their errors stay with their handles), or queued behind them (returns a Handle).
     ``tensors``: the call's tensors (recorded on the stream an async CUDA call runs on)."""
     global _queue, _worker_thread, _last
     if not async_op:
-        last = _last
-        if last is not None and threading.current_thread() is not _worker_thread:
-            last._done.wait()  # the collectives underneath must run in the order of issue
+        drain()
         fn()
         return None
     tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]

@@ -21,8 +21,9 @@ differ from a flat all-reduce in the last bits (another order of additions, and 
 types two roundings instead of one); lossless still equals raw under the same algorithm,
 bit for bit.
 
-On CUDA tensors both levels go over NCCL (zipccl.transport.select), and codec "native" on
-the intra-node level is NCCL's own collective (NVLink where it exists). For CPU tensors the
+On CUDA tensors a level whose codec compresses goes over zipccl's NCCL transport
+(zipccl.transport.select), and a native level is the level group's own collective (torch's
+NCCL, NVLink where it exists). For CPU tensors the
 intra-node level may also be the node's shared memory (SHM, zipccl.transport.shm), which
 sums like zipccl's raw level; the all-reduce then makes each piece of the node's sum just
 before the nodes' pipeline encodes it (_shm_all_reduce).
@@ -38,7 +39,7 @@ from .collectives import run_flat
 from .errors import UnsupportedError
 from .failure import MEMORY, REDUCE, Fate
 from .topology import Levels
-from .transport import TorchTransport, transport_for
+from .transport import TorchTransport
 
 __all__ = ["run", "SHM"]
 
@@ -55,10 +56,12 @@ class _Shm:
 SHM = _Shm()
 
 
-def _transports(levels: Levels, device: torch.device) -> tuple:
-    """Each level's transport for tensors on ``device`` (zipccl.transport.select): on CUDA NCCL
-    at both levels, the intra-node one running NCCL's own collective where its codec is native."""
-    return transport_for(levels.intra, device), transport_for(levels.inter, device)
+def _transports(levels: Levels, device: torch.device, codecs: tuple) -> tuple:
+    """Each level's transport for tensors on ``device`` with its codec (collectives.carrier): the
+    level's group itself where the codec is native (NCCL's own collective on CUDA) or shared
+    memory, the carrier of compressed packets (on CUDA zipccl's NCCL transport) where it compresses."""
+    return tuple(C.carrier(group, device, None if codec is SHM else codec)
+                 for group, codec in zip((levels.intra, levels.inter), codecs))
 
 
 _ARRANGEMENTS: dict = {}  # (nodes, device) -> _arrangement's index there
@@ -109,7 +112,7 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
     if codecs[0] is SHM and memory is None:
         raise UnsupportedError("the intra-node codec 'shm' needs the nodes' shared memory, which this group does not "
                                "have (ranks of a node on different machines, no /dev/shm, or ZIPCCL_SHM=0)")
-    intra, inter = _transports(levels, input.device)
+    intra, inter = _transports(levels, input.device, codecs)
 
     def intra_reduce_scatter(out, inp):
         if codecs[0] is SHM:

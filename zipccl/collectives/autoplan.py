@@ -101,8 +101,12 @@ _autos_lock = threading.Lock()
 
 
 def _auto_group(group) -> _AutoGroup:
+    key = group or dist.GroupMember.WORLD
+    found = _autos.get(key)
+    if found is not None:
+        return found
     with _autos_lock:
-        return _autos.setdefault(group or dist.GroupMember.WORLD, _AutoGroup())
+        return _autos.setdefault(key, _AutoGroup())
 
 
 def auto_policy(group=None) -> Policy:
@@ -111,28 +115,37 @@ def auto_policy(group=None) -> Policy:
     return _auto_group(group).policy
 
 
-def plans_for(plans: tuple[str, ...], device: str, link: str, nodes: int) -> tuple[str, ...]:
+def plans_for(plans: tuple[str, ...], device: str, link: str = "unknown", nodes: int = 1) -> tuple[str, ...]:
     """The plans that codec "auto" measures for a call on ``device`` (a device type) in a group
     of ``nodes`` nodes whose GPUs are joined by ``link`` (zipccl.topology.LINKS, the same on every
-    rank): on CUDA within one node joined by NVLink, the backend's own collective alone, since
-    the codec (about 120 GB/s each way on an H100) cannot beat links of hundreds of GB/s, and
-    measuring the others would cost the calls that try them; else ``plans``."""
-    if device == "cuda" and link == "nvlink" and nodes == 1:
-        return ("native",)
-    return plans
+    rank), the first of ``plans`` (the backend's own collective) first. On CPU ``plans``. On CUDA
+    only the plans that can pay against NCCL's own collective: within one node joined by NVLink,
+    NCCL's alone, since the codec (about 120 GB/s each way on an H100) cannot beat links of
+    hundreds of GB/s; elsewhere NCCL's and lossless compression on the slowest level alone (between
+    the nodes, hierarchical/lossless, where ``plans`` hold it; else flat). Raw moves NCCL's bytes
+    through zipccl's pipeline, and compressing across the fast links inside a node costs more
+    than it saves: measuring them cost six plans tried twice each before auto settled."""
+    if device != "cuda":
+        return plans
+    if link == "nvlink" and nodes == 1:
+        return plans[:1]
+    slow = "hierarchical/lossless" if "hierarchical/lossless" in plans else "lossless"
+    return (plans[0], slow) if slow in plans else plans[:1]
 
 
 def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], run,
-            device: torch.device = torch.device("cpu")) -> None:
+            device: torch.device = torch.device("cpu"), plan: str | None = None) -> None:
     """``run(plan)`` with the plan that the group's auto policy chooses for this call among
-    ``candidates``, in call order on every rank; the call's time on this rank goes out with the
+    ``candidates`` (``plan``: chosen already, by the caller's fast path), in call order on every
+    rank; the call's time on this rank goes out with the
     group's next metadata exchange. On CUDA, where the policy measures the call, that is its span
     on the caller's stream (DeviceSpan), not the host's: a CUDA call returns once its work is
     queued (a native call, queued on NCCL's stream, would look free), and waiting for the device
     at each end of every call, as this did before, added two host synchronisations per call."""
     key = Policy.key(name, dtype, nbytes)
     auto = _auto_group(group)
-    plan = auto.policy.choose(key, nbytes, candidates)
+    if plan is None:
+        plan = auto.policy.choose(key, nbytes, candidates)
     if device.type == "cuda" and auto.policy.measures(nbytes, candidates):
         stream = torch.cuda.current_stream(device)
         span = DeviceSpan(stream)

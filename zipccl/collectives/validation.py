@@ -4,11 +4,14 @@ joins the metadata exchange (``refuse``) so that no rank hangs."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import config
 from ..errors import UnsupportedError
 from ..stats import record as _record
-from ..transport import NcclTransport, TorchTransport, transport_for
+from ..transport import TorchTransport, transport_for
+from ..transport.select import choose
+from ..transport import nccl_stack
 from .metadata import Call
 from .resolve import _OPS, AUTO, NATIVE, check_op, resolve_codec
 
@@ -21,15 +24,33 @@ def _check_tensor(name: str, x) -> None:
 
 
 def _check_device(t, *tensors: torch.Tensor) -> None:
+    """The tensors on one device that the group ``t`` (its TorchTransport) takes: its messages'
+    device, or CUDA (its own collective, or zipccl's NCCL transport: ``carrier``)."""
     devices = {x.device for x in tensors}
     if len(devices) > 1:
         raise UnsupportedError(f"tensors are on different devices: {sorted(map(str, devices))}")
     dev = devices.pop()
-    if isinstance(t, TorchTransport) and t.meta_device.type != dev.type:
+    if dev.type != t.meta_device.type and dev.type != "cuda":
         raise UnsupportedError(f"the process group's backend ({t.backend}) takes {t.meta_device.type.upper()} "
                                f"tensors here, got a tensor on {dev}")
-    if isinstance(t, NcclTransport) and dev.type != "cuda":
-        raise UnsupportedError(f"the NCCL transport takes CUDA tensors, got a tensor on {dev}")
+
+
+def check_carrier(group, device) -> None:
+    """UnsupportedError where no transport can carry the packets of a plan that compresses
+    tensors on ``device`` (zipccl.transport.select.choose), without making one."""
+    if device.type == "cuda":
+        choose("cuda", dist.get_backend(group), config.TRANSPORT, nccl_stack.extra_installed())
+
+
+def carrier(group, device, codec):
+    """The transport of a plan with ``codec`` (resolved) on ``group``'s tensors on ``device``: the
+    group's own (TorchTransport: its own collective and, on CPU, the pipeline) where the plan does
+    not compress (NATIVE, or None: the backend's collective after zipccl's metadata exchange),
+    else transport_for's (on CUDA NcclTransport, whose communicators are made on its first use:
+    the first plan that compresses, in the same call on every rank)."""
+    if codec is NATIVE or codec is None or device is None or device.type != "cuda":
+        return TorchTransport.of(group)
+    return transport_for(group, device)
 
 
 def input_size(x) -> tuple[int, int]:
@@ -51,11 +72,14 @@ def _world_multiple(name, big_label, big, small_label, small):
 
 
 def prepare(name, group, tensors, op, codec, numel, nbytes, check):
-    """Validate locally: (transport, the resolved codec (AUTO where "auto" learns), the error or
-    None). A call with an error must still join the metadata exchange (``refuse``), in its
-    place in the order of calls, so that no rank hangs."""
+    """Validate locally: (the group's own transport (TorchTransport, made once; a plan that
+    compresses runs on ``carrier``'s), the resolved codec (AUTO where "auto" learns), the error
+    or None). A call with an error must still join the metadata exchange (``refuse``), in its
+    place in the order of calls, so that no rank hangs. "auto" where nothing could carry
+    compressed packets (CUDA tensors on a group of gloo without the GPU extra) is the group's
+    own collective."""
     dtype = tensors[-1].dtype if isinstance(tensors[-1], torch.Tensor) else None
-    t = transport_for(group, tensors[-1].device if dtype is not None else None)
+    t = TorchTransport.of(group)
     error, resolved = None, None
     try:
         for label, x in zip(("tensor",) if len(tensors) == 1 else ("output", "input"), tensors):
@@ -68,6 +92,13 @@ def prepare(name, group, tensors, op, codec, numel, nbytes, check):
         resolved = codec if codec is AUTO else resolve_codec(codec, dtype, nbytes)
         if codec == "auto" and resolved is not NATIVE and config.AUTO_LEARN:
             resolved = AUTO
+        if resolved is not NATIVE and resolved is not None:
+            try:
+                check_carrier(group, tensors[-1].device)
+            except UnsupportedError:
+                if resolved is not AUTO and codec != "auto":
+                    raise
+                resolved = NATIVE
         if not getattr(resolved, "exact", True):
             if name == "all_gather":
                 raise UnsupportedError(f"lossy codec {resolved!r} reduces: all_reduce and reduce_scatter only, "

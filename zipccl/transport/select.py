@@ -1,15 +1,18 @@
-"""Which transport carries a call: the call's device, the group's backend, ZIPCCL_TRANSPORT
-(config.TRANSPORT) and whether the GPU extra (CuPy with NCCL) is installed.
+"""Which transport carries a call that compresses (zipccl's pipeline): the call's device, the
+group's backend, ZIPCCL_TRANSPORT (config.TRANSPORT) and whether the GPU extra (CuPy with NCCL)
+is installed. A call that does not compress (codec "native", auto's native plan, every fallback)
+is the group's own collective, on the group the user passed (TorchTransport.native: torch's
+ProcessGroupNCCL for CUDA tensors, gloo for CPU ones, the drop-in's backend underneath), and
+never asks for a transport here: so NcclTransport (CuPy's communicators) is made only when a
+plan that compresses CUDA tensors first runs, inside that call, in the same place on every rank.
 
 ``choose`` is the decision, pure, so that it is tested on machines without a GPU; its table:
 
 - CPU tensors (or no tensor): "torch", always (NCCL moves device memory only).
 - CUDA tensors, ZIPCCL_TRANSPORT "auto" (default) or "nccl": "nccl" (NcclTransport) whatever
-  the group's backend name (nccl, the drop-in "zipccl", gloo), for every codec: "native" on
-  an nccl group is torch's own NCCL collective (NcclTransport.native hands it to the group),
-  elsewhere NCCL's collective on zipccl's communicator. Without the extra: "torch" on an nccl
-  group (torch's NCCL carries everything, the metadata staged on the GPU), an error naming the
-  extra on any other group, where nothing could carry a CUDA tensor's bytes.
+  the group's backend name (nccl, the drop-in "zipccl", gloo). Without the extra: "torch" on
+  an nccl group (torch's NCCL carries everything, the metadata staged on the GPU), an error
+  naming the extra on any other group, where nothing could carry a CUDA tensor's packets.
 - CUDA tensors, ZIPCCL_TRANSPORT=torch: "torch" on an nccl group; an error on any other
   group (its torch backend takes CPU tensors).
 
@@ -61,7 +64,9 @@ def choose(device: str | None, backend: str, setting: str, extra: bool) -> str:
 
 
 def transport_for(group, device) -> Transport:
-    """The transport of a call on ``group`` with tensors on ``device`` (None: not a tensor)."""
+    """The transport of a call that compresses on ``group`` with tensors on ``device`` (None: not
+    a tensor): TorchTransport.of(group) for CPU tensors, NcclTransport (made here on first use)
+    or TorchTransport for CUDA ones, as ``choose`` says."""
     if device is None or device.type != "cuda":
         return TorchTransport.of(group)
     backend = dist.get_backend(group)
