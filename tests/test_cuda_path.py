@@ -142,13 +142,10 @@ def test_a_failed_communicator_falls_back_only_on_nccl_groups(routed):
 
 # ---- codec "native" on CUDA: the group's own collective, no communicator of CuPy -------------------------------
 
-def test_native_is_torchs_collective_on_nccl_groups_only():
-    assert [cupy_nccl.native_by_torch(b) for b in ("nccl", "zipccl", "gloo")] == [True, False, False]
-
-
-def test_nccl_transport_hands_native_to_the_nccl_group(monkeypatch):
-    """What the caller gets from codec "native" on an NCCL group is torch's collective's result
-    on that group: here a stand-in group of two ranks whose peer holds 10, 20, 30, 40."""
+def test_nccl_transport_hands_native_to_the_group(monkeypatch):
+    """What the caller gets from codec "native" through an NcclTransport is the group's own
+    collective's result (never one on zipccl's communicators): here a stand-in group of two ranks
+    whose peer holds 10, 20, 30, 40."""
     peer = torch.tensor([10.0, 20.0, 30.0, 40.0])
 
     def native(name, *tensors, op=None):
@@ -157,10 +154,10 @@ def test_nccl_transport_hands_native_to_the_nccl_group(monkeypatch):
             tensors[0].add_(peer)
         else:  # all_gather(output, input): rank 0's input, then the peer's
             tensors[0].copy_(torch.cat([tensors[1], peer]))
-    groups = {"the nccl group": types.SimpleNamespace(native=native)}
+    groups = {"the group": types.SimpleNamespace(native=native)}
     monkeypatch.setattr(TorchTransport, "of", staticmethod(lambda group=None: groups[group]))
-    t = object.__new__(NcclTransport)  # no communicator: torch's collective must not need one
-    t.group, t._by_torch = "the nccl group", True
+    t = object.__new__(NcclTransport)  # no communicator: the group's collective must not need one
+    t.group = "the group"
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])
     gathered = torch.zeros(8)
     t.native("all_gather", gathered, x)

@@ -12,7 +12,7 @@ from ..failure import ENCODE, REDUCE, SIZE, Fate
 from ..kernels import reduce
 from .metadata import (_TAG_AG_DATA, _TAG_AG_SIZES, _TAG_DATA, _TAG_RS_DATA, _TAG_RS_SIZES, _TAG_SIZE, Call,
                        _meta_bytes, timed)
-from .pipeline import _land, _sizes, decode_to, encode_all, pieces, post
+from .pipeline import Deferred, _land, _sizes, decode_to, encode_all, land_plain, pieces, plain, post, post_plain
 from .resolve import _OPS
 
 
@@ -70,6 +70,8 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fa
     piece k+1 is on the wire. Waiting for a whole piece before posting the next left the
     links idle at every piece boundary: 48 MiB per rank in 2 MiB messages took 690 ms in the
     1 Gbit/s lab one piece at a time and 438 ms two deep (line rate 403 ms)."""
+    if plain(codec):
+        return _reduce_scatter_plain(t, chunks, op, call, acc, fate, on_piece, ready)
     n, r = t.size, t.rank
     op_code = _OPS[op]
     m = chunks.shape[1]
@@ -86,6 +88,9 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fa
         def packets():
             peers = [j for j in range(n) if j != r]
             out, sizes = timed(acc, "codec_seconds", encode_all, codec, [chunks[j, a:b] for j in peers])
+            if isinstance(out, Deferred):  # sizes still on the device: the size mail reads them
+                out = out.to(r, n)
+                return out, out.sizes
             out.insert(r, chunks[r, :0].view(torch.uint8))
             sizes.insert(r, 0)
             return out, sizes
@@ -99,20 +104,12 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fa
         bound = codec.max_encoded_size(b - a, chunks.dtype)
         return (k, bound, *post(t, packets, sizes, _TAG_RS_DATA, acc, chunks.device, bound), sizes)
 
-    def reduce_piece(a, b, parts):
-        if op_code in (1, 2) and chunks.dtype in reduce.DTYPES and chunks.device.type == "cpu":
-            reduce.sum_in_rank_order(parts, chunks[r, a:b], r, op_code == 2, result[a:b])
-        else:
-            total = reduce_in_rank_order([chunks[r, a:b] if j == r else parts[j] for j in range(n)], op_code, n,
-                                         chunks.dtype)
-            result[a:b].copy_(total)
-
     def finish(k, bound, sends, recvs, sizes):
         a, b = cuts[k]
         parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
         _land(t, acc, sends, recvs, sizes, bound,
               lambda j, buf: timed(acc, "codec_seconds", decode_to, codec, buf, parts[j], fate, t, j))
-        timed(acc, "codec_seconds", fate.guard, REDUCE, reduce_piece, a, b, parts)
+        timed(acc, "codec_seconds", fate.guard, REDUCE, _reduce_piece, chunks, r, op_code, parts, result, a, b)
         if on_piece is not None:
             on_piece(a, b, result[a:b])
 
@@ -122,6 +119,58 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fa
         if flight is not None:
             finish(*flight)
         upcoming = encode(k + 1) if k + 1 < len(cuts) else None
+        flight = current
+    finish(*flight)
+    return result
+
+
+def _reduce_piece(chunks, r: int, op_code: int, parts, result, a: int, b: int) -> None:
+    """result[a:b] = every rank's columns [a, b) of chunk r reduced in rank order: ``parts[j]``
+    rank j's (row r unused: this rank's own is ``chunks[r, a:b]``), rounded once."""
+    n = chunks.shape[0]
+    if op_code in (1, 2) and chunks.dtype in reduce.DTYPES and chunks.device.type == "cpu":
+        reduce.sum_in_rank_order(parts, chunks[r, a:b], r, op_code == 2, result[a:b])
+    else:
+        total = reduce_in_rank_order([chunks[r, a:b] if j == r else parts[j] for j in range(n)], op_code, n,
+                                     chunks.dtype)
+        result[a:b].copy_(total)
+
+
+def _reduce_scatter_plain(t, chunks, op, call: Call, acc: dict, fate: Fate, on_piece=None,
+                          ready=None) -> torch.Tensor:
+    """The direct reduce-scatter of a codec that moves bytes as they are (pipeline.plain): the
+    call's exchange first, then each piece's rows straight from ``chunks`` to their owners and
+    from the peers straight into the piece's rows, two pieces deep, each reduced as in
+    ``_reduce_scatter_direct`` (the same bits): no packet, size mail or decode."""
+    n, r = t.size, t.rank
+    op_code, itemsize = _OPS[op], chunks.element_size()
+    m = chunks.shape[1]
+    result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
+    cuts = pieces(m, n, itemsize, plain=True)
+    timed(acc, "comm_seconds", call.exchange, t, [], None, fate)
+    acc["meta_bytes"] += _meta_bytes(n)
+    peers = [j for j in range(n) if j != r]
+
+    def post_piece(k):
+        a, b = cuts[k]
+        if ready is not None:
+            fate.guard(REDUCE, ready, a, b)
+        parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
+        acc["raw_bytes"] += (n - 1) * (b - a) * itemsize
+        return k, parts, *post_plain(t, {j: chunks[j, a:b] for j in peers}, {j: parts[j] for j in peers},
+                                     _TAG_RS_DATA, acc, fate)
+
+    def finish(k, parts, sends, recvs):
+        a, b = cuts[k]
+        land_plain(t, sends, recvs, acc, fate)
+        timed(acc, "codec_seconds", fate.guard, REDUCE, _reduce_piece, chunks, r, op_code, parts, result, a, b)
+        if on_piece is not None:
+            on_piece(a, b, result[a:b])
+
+    flight = post_piece(0)
+    for k in range(1, len(cuts)):
+        current = post_piece(k)
+        finish(*flight)
         flight = current
     finish(*flight)
     return result
@@ -222,12 +271,13 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, fate: Fate
 
 class _Piece:
     """An all-gather piece in flight: its range, this rank's data, its sends, how to learn the
-    peers' sizes, and the receives."""
-    __slots__ = ("a", "b", "bound", "mine", "sends", "sizes", "recvs")
+    peers' sizes (None: a plain piece, whose ``short`` receives land in scratch), and the receives."""
+    __slots__ = ("a", "b", "bound", "mine", "sends", "sizes", "recvs", "short")
 
-    def __init__(self, a: int, b: int, bound: int, mine: torch.Tensor, sends: list, sizes, recvs: dict):
+    def __init__(self, a: int, b: int, bound: int, mine: torch.Tensor, sends: list, sizes, recvs: dict,
+                 short: dict | None = None):
         self.a, self.b, self.bound, self.mine = a, b, bound, mine
-        self.sends, self.sizes, self.recvs = sends, sizes, recvs
+        self.sends, self.sizes, self.recvs, self.short = sends, sizes, recvs, short
 
 
 class _Gather:
@@ -247,10 +297,16 @@ class _Gather:
 
     def push(self, a: int, b: int, mine: torch.Tensor) -> None:
         t, n, acc = self.t, self.t.size, self.acc
+        if plain(self.codec):
+            self._push_plain(a, b, mine)
+            return
 
         def encode():
-            packet = timed(acc, "codec_seconds", self.codec.encode, mine)
-            return packet, [packet.numel()] * n
+            packets, sizes = timed(acc, "codec_seconds", encode_all, self.codec, [mine])
+            if isinstance(packets, Deferred):  # its size still on the device: the size mail reads it
+                packets = packets.to(t.rank, n)
+                return packets, packets.sizes
+            return packets[0], sizes * n
 
         packet, sizes = _sizes(t, self.call, _TAG_AG_SIZES, acc, encode, self.fate)
         self.call = None  # checked: later pieces mail their sizes
@@ -264,12 +320,43 @@ class _Gather:
         if len(self.flights) >= 3:
             self._complete(self.flights.pop(0))
 
+    def _push_plain(self, a: int, b: int, mine: torch.Tensor) -> None:
+        """``push`` for a plain codec (pipeline.plain): the call's exchange before its first
+        piece; ``mine`` to every peer as it is, each peer's piece received straight into its
+        place where that is whole (else into scratch, copied when it lands)."""
+        t, n, acc, fate = self.t, self.t.size, self.acc, self.fate
+        if self.call is not None:
+            timed(acc, "comm_seconds", self.call.exchange, t, [], None, fate)
+            acc["meta_bytes"] += _meta_bytes(n)
+            self.call = None
+        peers = [j for j in range(n) if j != t.rank]
+        into, short = {}, {}
+        for j in peers:
+            dest = self.dest(j, a, b)
+            if dest.numel() == b - a:
+                into[j] = dest
+            else:  # all-reduce's padding: the last rank's piece is cut short
+                into[j] = short[j] = mine.new_empty(b - a)
+        sends, recvs = post_plain(t, {j: mine for j in peers}, into, _TAG_AG_DATA, acc, fate)
+        acc["raw_bytes"] += (n - 1) * mine.numel() * mine.element_size()
+        own = self.dest(t.rank, a, b)
+        own.copy_(mine[:own.numel()])
+        self.flights.append(_Piece(a, b, 0, mine, sends, None, recvs, short))
+        if len(self.flights) >= 3:
+            self._complete(self.flights.pop(0))
+
     def finish(self) -> None:
         """Complete every piece in flight."""
         while self.flights:
             self._complete(self.flights.pop(0))
 
     def _complete(self, f: _Piece) -> None:
+        if f.sizes is None:  # a plain piece (_push_plain)
+            land_plain(self.t, f.sends, f.recvs, self.acc, self.fate)
+            for j, buf in f.short.items():
+                dest = self.dest(j, f.a, f.b)
+                dest.copy_(buf[:dest.numel()])
+            return
         _land(self.t, self.acc, f.sends, f.recvs, f.sizes, f.bound, lambda j, buf: self._decode(j, buf, f.a, f.b, f.mine))
 
     def _decode(self, j: int, part: torch.Tensor, a: int, b: int, mine: torch.Tensor) -> None:

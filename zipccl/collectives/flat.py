@@ -12,12 +12,12 @@ from .. import config
 from ..executor import run as _run
 from ..failure import REDUCE, Fate
 from .algorithms import _Gather, _reduce_scatter_chunks
-from .autoplan import FLAT_PLANS, planned
+from .autoplan import FLAT_PLANS, planned, plans_for
 from .metadata import Call, timed
-from .pipeline import pieces
+from .pipeline import pieces, plain
 from .resolve import AUTO, NATIVE, PLAN_CODECS
 from .sparse_reduce import _sparse_all_reduce, _sparse_reduce_scatter
-from .validation import check_shapes, finish, input_size, new_acc, prepare, refuse
+from .validation import carrier, check_shapes, finish, input_size, new_acc, prepare, refuse
 
 # ---- one flat collective with a decided codec ----------------------------------------------------------------
 
@@ -64,7 +64,7 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
         mine, outs = input.view(-1), output.view(t.size, -1)
         gather = _Gather(t, codec, Call(name, input.dtype, numel, None, codec), acc, lambda j, a, b: outs[j, a:b],
                          fate)
-        for a, b in pieces(numel, t.size, input.element_size()):
+        for a, b in pieces(numel, t.size, input.element_size(), plain(codec)):
             gather.push(a, b, mine[a:b])
         gather.finish()
     elif not getattr(codec, "exact", True):
@@ -90,18 +90,19 @@ def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
     numel, nbytes = input_size(input)
     t, c, error = prepare(name, group, (input,) if name == "all_reduce" else (output, input), op, codec, numel,
                           nbytes, check_shapes(name, output, input))
+    device = input.device if isinstance(input, torch.Tensor) else None
 
     def run():
         if error is not None:
-            refuse(name, t, input, op, error)
+            refuse(name, carrier(group, device, c), input, op, error)
         acc, used = new_acc(), [c]
         if c is AUTO:
             def go(plan):
                 used[0] = PLAN_CODECS[plan]
-                run_flat(name, t, output, input, op, used[0], acc)
-            planned(t.group, name, input.dtype, nbytes, FLAT_PLANS, go, input.device)
+                run_flat(name, carrier(group, device, used[0]), output, input, op, used[0], acc)
+            planned(t.group, name, input.dtype, nbytes, plans_for(FLAT_PLANS, device.type), go, device)
         else:
-            run_flat(name, t, output, input, op, c, acc)
+            run_flat(name, carrier(group, device, c), output, input, op, c, acc)
         return finish(name, used[0], acc)
 
     return _run(run, async_op, (output, input))

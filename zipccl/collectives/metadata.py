@@ -12,6 +12,7 @@ from .. import config
 from .. import format as F
 from ..errors import MismatchError
 from ..failure import Fate
+from ..transport.base import DeviceMail
 from .autoplan import REPORT_SLOTS, _auto_group, _report_id
 from .resolve import _OPS, _codec_id
 
@@ -119,18 +120,33 @@ class _SizeMail:
     packet. Once the call has failed on this rank (zipccl.failure) every value is the poison
     code, negated, and the piece's packets are one-byte stand-ins (``poisoned``)."""
 
-    def __init__(self, t, values: list[int], tag: int, acc: dict, fate: Fate):
+    def __init__(self, t, values, tag: int, acc: dict, fate: Fate):
+        """``values``: this rank's value for each rank, a list, or an int64 tensor on the device
+        that the host has not read (pipeline.Deferred's sizes): each goes out as a DeviceMail,
+        and the host learns them (``own``) with the peers' values, in one wait."""
         self.t, self.acc, self.fate = t, acc, fate
         self.poisoned = fate.failed
         if self.poisoned:
             values = [-fate.code] * t.size
-        self.out = torch.tensor(values, dtype=torch.int64)  # values[j] goes to rank j (alive until sent)
+        device = isinstance(values, torch.Tensor)
+        # values[j] goes to rank j (alive until sent)
+        self.out = values if device else torch.tensor(values, dtype=torch.int64)
         self.got = torch.zeros(t.size, dtype=torch.int64)
+        self.mine = torch.empty(t.size, dtype=torch.int64) if device else self.out
         peers = [j for j in _peers(t) if fate.alive(t, j)]
         with t.grouped():
-            self.sends = [(j, fate.send(t, self.out[j:j + 1], j, tag)) for j in peers]
+            self.sends = [(j, fate.send(t, DeviceMail(self.out[j:j + 1]) if device else self.out[j:j + 1], j, tag))
+                          for j in peers]
+            self.read = t.read_back(self.out, self.mine) if device else None
             self.recvs = {j: fate.recv(t, self.got[j:j + 1], j, tag) for j in peers}
         acc["meta_bytes"] += 8 * len(peers)
+
+    def own(self) -> list[int]:
+        """This rank's values on the host (read with the peers' where they were on the device)."""
+        if self.read is not None:  # a failure here breaks the group (-1): the call fails on every rank
+            timed(self.acc, "comm_seconds", self.fate.wait, self.t, self.read, -1)
+            self.read = None
+        return self.mine.tolist()
 
     def get(self, src: int) -> int | None:
         """``src``'s value; None where ``src`` failed (its poison code goes to the call's fate) or is lost."""

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from ..codecs import Lossless
+from ..codecs import Lossless, Raw
 from ..errors import FormatError
 from ..failure import ENCODE, SIZE, Fate
 from ..reference.packet import to_host
@@ -18,17 +18,21 @@ from .metadata import Call, _SizeMail, _meta_bytes, _peers, timed
 PIECE_BYTES = 8 << 20
 MAX_PIECES = 16
 MIN_RAMP = 4096  # elements: the smallest piece that pieces() cuts off the first or last
+#: A plain codec's pieces (see ``plain``): with nothing to overlap but the reduction, fewer and
+#: larger messages cost less of the host.
+PLAIN_PIECE_BYTES = 16 << 20
 
 
-def pieces(m: int, n: int, itemsize: int) -> list[tuple[int, int]]:
+def pieces(m: int, n: int, itemsize: int, plain: bool = False) -> list[tuple[int, int]]:
     """Element ranges [a, b) that cut a chunk of ``m`` elements into pipeline pieces. Where
     there are several, the first is cut again into a quarter, a quarter and a half, and the
     last into a half, a quarter and a quarter: the links idle while the first piece is
-    encoded and while the last is decoded, so those pieces are small (see _sizes)."""
-    count = max(1, min(MAX_PIECES, -(-m * n * itemsize // PIECE_BYTES), m))
+    encoded and while the last is decoded, so those pieces are small (see _sizes). A plain
+    codec's pieces (``plain``: nothing to encode or decode) are PLAIN_PIECE_BYTES, uncut."""
+    count = max(1, min(MAX_PIECES, -(-m * n * itemsize // (PLAIN_PIECE_BYTES if plain else PIECE_BYTES)), m))
     step = max(1, -(-m // count))
     cuts = [(a, min(m, a + step)) for a in range(0, m, step)] or [(0, 0)]
-    if len(cuts) < 2 or step < 4 * MIN_RAMP:
+    if plain or len(cuts) < 2 or step < 4 * MIN_RAMP:
         return cuts
     return _split(*cuts[0], (1, 1, 2)) + cuts[1:-1] + _split(*cuts[-1], (2, 1, 1))
 
@@ -82,12 +86,13 @@ def post(t, packets, mail: _SizeMail, tag: int, acc: dict, device, bound: int) -
     lengths = {j: max(1, bound) for j in peers} if t.loose_receives else \
         {j: n for j in peers if (n := mail.wire_size(j)) is not None}
     stand_in = torch.zeros(1, dtype=torch.uint8, device=device) if mail.poisoned else None
+    own = mail.own() if isinstance(packets, Deferred) and stand_in is None else None  # with the peers' sizes
     sends, recvs = [], {}
     with t.grouped():
         for j in peers:
             if fate.alive(t, j):
                 packet = stand_in if stand_in is not None else packets if isinstance(packets, torch.Tensor) \
-                    else packets[j]
+                    else packets.packet(j, own[j]) if own is not None else packets[j]
                 sends.append((j, fate.send(t, packet, j, tag)))
                 acc["wire_bytes"] += packet.numel()
         for j, n in lengths.items():
@@ -95,6 +100,38 @@ def post(t, packets, mail: _SizeMail, tag: int, acc: dict, device, bound: int) -
                 buf = torch.empty(n, dtype=torch.uint8, device=device)
                 recvs[j] = buf, fate.recv(t, buf, j, tag)
     return sends, recvs
+
+
+def plain(codec) -> bool:
+    """Whether ``codec`` moves a piece's bytes as they are: zipccl's Raw (not a subclass, which
+    may code). Its pieces need no packet (no header, no copy: the tensor's own bytes go), no size
+    mail (each message's size is the piece's, known to both ends) and no decode (each peer's
+    bytes are received where they belong): nothing for the host to wait for before posting, or
+    to read. In a failed call its messages keep their sizes (the status round tells the peers)."""
+    return type(codec) is Raw
+
+
+def post_plain(t, sends: dict, recvs: dict, tag: int, acc: dict, fate: Fate) -> tuple[list, dict]:
+    """Post a plain piece as one group: ``sends`` {peer: tensor}, ``recvs`` {peer: buffer}, each
+    as its bytes; (sends, {peer: work}) as ``post`` returns them, for the peers still alive."""
+    posted, works = [], {}
+    with t.grouped():
+        for j, x in sends.items():
+            if fate.alive(t, j):
+                posted.append((j, fate.send(t, x.view(torch.uint8), j, tag)))
+                acc["wire_bytes"] += x.numel() * x.element_size()
+        for j, buf in recvs.items():
+            if fate.alive(t, j):
+                works[j] = fate.recv(t, buf.view(torch.uint8), j, tag)
+    return posted, works
+
+
+def land_plain(t, sends: list, recvs: dict, acc: dict, fate: Fate) -> None:
+    """Wait for a plain piece's messages (its receives first)."""
+    for j, w in recvs.items():
+        timed(acc, "comm_seconds", fate.wait, t, w, j)
+    for j, w in sends:
+        timed(acc, "comm_seconds", fate.wait, t, w, j)
 
 
 def _without_host_reads(codec, x: torch.Tensor, method: str) -> bool:
@@ -111,20 +148,41 @@ def batches(codec, x: torch.Tensor) -> bool:
     return _without_host_reads(codec, x, "encode")
 
 
-def encode_all(codec, parts: list) -> tuple[list, list[int]]:
+class Deferred:
+    """Packets in one buffer whose sizes the host has not read: ``sizes`` (int64, on the device)
+    go to the peers in a size mail, which brings them to the host with the peers' (one host
+    wait: metadata._SizeMail), and ``packet(j, size)`` is then packet j."""
+    __slots__ = ("buf", "starts", "sizes")
+
+    def __init__(self, buf: torch.Tensor, starts: list[int], sizes: torch.Tensor):
+        self.buf, self.starts, self.sizes = buf, starts, sizes
+
+    def packet(self, j: int, size: int) -> torch.Tensor:
+        return self.buf[self.starts[j]:self.starts[j] + size]
+
+    def to(self, r: int, n: int) -> "Deferred":
+        """Packet k for each of the ``n`` ranks but ``r`` (their packets in rank order, this
+        rank's own left out), and an empty one for ``r``; one packet (n = 1 part) for every rank."""
+        if len(self.starts) == 1:
+            return Deferred(self.buf, self.starts * n, self.sizes.reshape(1).repeat(n))
+        zero = self.sizes.new_zeros(1)
+        return Deferred(self.buf, self.starts[:r] + [0] + self.starts[r:],
+                        torch.cat([self.sizes[:r], zero, self.sizes[r:]]))
+
+
+def encode_all(codec, parts: list) -> tuple[list | Deferred, list[int] | torch.Tensor]:
     """Each part's packet, and their sizes. Where the codec ``batches``, the packets go into one
-    buffer (each at a 16-byte aligned slot of the codec's bound) and their sizes are read from
-    the device at once: one host read for a piece's n - 1 packets of a reduce-scatter, not one
-    each (each read waits for the device to finish the encodes before it)."""
+    buffer (each at a 16-byte aligned slot of the codec's bound) as a Deferred, their sizes left
+    on the device: the size mail reads them with the peers' (one host wait for a piece, which
+    each read here would double: it waits for the device to finish the encodes before it)."""
     if not parts or not batches(codec, parts[0]):
         packets = [codec.encode(x) for x in parts]
         return packets, [p.numel() for p in packets]
     slots = [-(-codec.max_encoded_size(x.numel(), x.dtype) // 16) * 16 for x in parts]
     starts = [0, *itertools.accumulate(slots)]
     buf = torch.empty(starts.pop(), dtype=torch.uint8, device=parts[0].device)
-    sizes = to_host(torch.stack([codec.encode_into(x, buf[s:s + slot])
-                                 for x, s, slot in zip(parts, starts, slots)])).tolist()
-    return [buf[s:s + size] for s, size in zip(starts, sizes)], sizes
+    sizes = torch.stack([codec.encode_into(x, buf[s:s + slot]) for x, s, slot in zip(parts, starts, slots)])
+    return Deferred(buf, starts, sizes), sizes
 
 
 def defers(codec, packet: torch.Tensor) -> bool:

@@ -28,6 +28,23 @@ def wait_limit(timeout: float | None) -> float:
     return bound if timeout is None else min(bound, timeout)
 
 
+class DeviceMail:
+    """A small device tensor (a piece's packet sizes, not yet read by the host) to ``isend`` as a
+    mail: where a transport has a mail channel (NcclTransport), it goes there, after the work
+    queued so far on torch's current stream, not behind the bulk data; elsewhere as the tensor."""
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class _Done:
+    """A handle whose operation has completed."""
+
+    def wait(self, *args) -> bool:
+        return True
+
+
 class Transport(ABC):
     """One process group seen from one rank."""
 
@@ -56,6 +73,14 @@ class Transport(ABC):
     def abort(self) -> None:
         """End this group's connections after a failure that broke it, so that no operation stays
         pending (NCCL: ncclCommAbort). A no-op where a failed operation ends by itself (gloo)."""
+
+    def read_back(self, values: torch.Tensor, host: torch.Tensor):
+        """Copy ``values`` (on the device) into ``host`` (a CPU tensor) by the time ``wait`` of the
+        handle returned has returned. Inside ``grouped()``, a transport with a mail channel copies
+        there, so that one host wait covers this and the group's mails (NcclTransport); here at
+        once (a host read)."""
+        host.copy_(values)
+        return _Done()
 
     def wait(self, work, timeout: float | None = None) -> None:
         """Wait for a handle that ``isend``, ``irecv`` or a collective returned (a transport may

@@ -18,8 +18,9 @@ left, so about one piece was on the wire at a time). NCCL's rules hold on each c
 invariant 12): exact-size receives, no tags (messages between two ranks match in issue order),
 sends and receives issued inside ``grouped()`` (groupStart/End). Strict mode checks a schedule
 on one channel, which is stricter: an order that matches on one matches on each of two.
-Codec "native" is NCCL's own collective: torch's, on the group, where its backend is nccl
-(``native_by_torch``), else on this communicator.
+Codec "native" is never run here: it is the group's own collective (``native`` hands it to
+the group: torch's ProcessGroupNCCL on an nccl group, the drop-in's NCCL backend underneath), so
+these communicators exist only for the packets of plans that compress (zipccl.transport.select).
 
 GPU-only beyond construction: what runs without a GPU (the bootstrap, its agreed error, the type
 and op tables) is tested in CI (tests/test_nccl.py); the rest is covered by the ``gpu`` suite
@@ -42,21 +43,13 @@ import torch.distributed as dist
 from .. import config
 from ..errors import UnsupportedError, ZipcclError
 from . import heartbeat, nccl_stack
-from .base import Transport, wait_limit
+from .base import DeviceMail, Transport, wait_limit
 from .torch_dist import TorchTransport
 
-__all__ = ["NcclTransport", "NcclError", "native_by_torch"]
+__all__ = ["NcclTransport", "NcclError"]
 
 _transports: dict = {}
 atexit.register(_transports.clear)
-
-
-def native_by_torch(backend: str) -> bool:
-    """Whether codec "native" (the backend's own collective) on a group of torch backend
-    ``backend`` is torch's collective on the group (nccl: torch's own NCCL, the baseline that
-    "auto" measures zipccl against) rather than NCCL's on zipccl's communicator (any other
-    group, whose torch backend takes no CUDA tensors)."""
-    return backend == "nccl"
 
 
 class NcclError(ZipcclError, RuntimeError):
@@ -106,7 +99,6 @@ class NcclTransport(Transport):
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
         backend = dist.get_backend(group)
         self._cpu = backend != "nccl"  # where the group's own collectives take CPU tensors
-        self._by_torch = native_by_torch(backend)
         self._open: list | None = None
         self.comm, self.mail_comm, error = None, None, None
         try:
@@ -238,14 +230,19 @@ class NcclTransport(Transport):
 
     def _p2p(self, tensor: torch.Tensor, peer: int, send: bool) -> _Work:
         """A send or receive: a host tensor (a mail) on the mail channel, staged through pinned
-        memory on its stream; a device tensor on the bulk channel."""
+        memory on its stream; a DeviceMail on the mail channel too, sent from the device once
+        torch's current stream has made it; a device tensor on the bulk channel."""
         if self._open is None:
             raise ZipcclError("NcclTransport: sends and receives are issued inside grouped() (NCCL's group call)")
         if self.comm is None:
             raise _aborted()
-        host, keep, mail = None, None, tensor.device.type == "cpu"
+        from_device = isinstance(tensor, DeviceMail)
+        if from_device:
+            tensor = tensor.tensor
+            self.mail_stream.wait_stream(torch.cuda.current_stream(self.device))
+        host, keep, mail = None, None, from_device or tensor.device.type == "cpu"
         comm, stream = (self.mail_comm, self.mail_stream) if mail else (self.comm, self.stream)
-        if mail:
+        if mail and not from_device:
             with torch.cuda.stream(stream):
                 host, staged = tensor, torch.empty(tensor.shape, dtype=tensor.dtype, device=f"cuda:{self.device}")
                 if send:  # the host's values, final now: no other stream is waited for
@@ -267,6 +264,17 @@ class NcclTransport(Transport):
 
     def isend(self, send, dst, tag=0):
         return self._p2p(send, dst, True)
+
+    def read_back(self, values, host):
+        """``values`` copied to pinned memory on the mail stream, after torch's current stream's
+        work (inside a group: it completes at the group's mail event, so that waiting for the
+        group's mails and for this is one host wait), then into ``host`` when waited for."""
+        if self._open is None:
+            return super().read_back(values, host)
+        self.mail_stream.wait_stream(torch.cuda.current_stream(self.device))
+        work = _Work(values, host, values, mail=True)
+        self._open.append(work)
+        return work
 
     def irecv(self, recv, src, tag=0):
         return self._p2p(recv, src, False)
@@ -348,28 +356,5 @@ class NcclTransport(Transport):
         return recv
 
     def native(self, name, *tensors, op=None):
-        if self._by_torch:
-            TorchTransport.of(self.group).native(name, *tensors, op=op)
-            return
-        out = tensors[0]
-        inp = tensors[1] if len(tensors) > 1 else out
-        if out.dtype not in nccl_stack.DTYPES:
-            raise UnsupportedError(f"NCCL has no type for {out.dtype}")
-        dtype = getattr(self.nccl, nccl_stack.DTYPES[out.dtype][0])
-        stream = self._ready()
-        try:
-            if name == "all_reduce":
-                self.comm.allReduce(inp.data_ptr(), out.data_ptr(), out.numel(), dtype,
-                                    getattr(self.nccl, nccl_stack.OPS[op][0]), stream)
-            elif name == "reduce_scatter":
-                self.comm.reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(), dtype,
-                                        getattr(self.nccl, nccl_stack.OPS[op][0]), stream)
-            elif name == "all_gather":
-                self.comm.allGather(inp.data_ptr(), out.data_ptr(), inp.numel(), dtype, stream)
-            else:
-                raise ValueError(f"unknown collective {name!r}")
-        except (ValueError, KeyError):
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(e) from e
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        """The group's own collective (TorchTransport.native), never one on these communicators."""
+        TorchTransport.of(self.group).native(name, *tensors, op=op)
