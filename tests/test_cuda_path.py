@@ -205,7 +205,7 @@ def gpu_group(request, monkeypatch):
                         else torch.device("cpu"))
     monkeypatch.setattr(select.nccl_stack, "extra_installed", lambda: True)
     monkeypatch.setattr(torch_dist, "_transports", {})
-    monkeypatch.setattr(api, "_natives", {})
+    monkeypatch.setattr(api, "_routes", {})
     monkeypatch.setattr(dist, "all_reduce", lambda x, op=None, group=None, async_op=False:
                         seen.append(("all_reduce", group, x, op)))
     monkeypatch.setattr(torch_dist, "reduce_scatter_single", lambda out, inp, op=None, group=None, async_op=False:
