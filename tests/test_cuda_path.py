@@ -409,10 +409,15 @@ def test_hierarchical_refuses_shared_memory_for_device_tensors(monkeypatch):
                          Fate("all_reduce", 0))
 
 
-def test_hierarchical_levels_take_the_data_devices_transport(monkeypatch):
-    monkeypatch.setattr(hierarchical, "transport_for", lambda g, d: f"{g}'s transport for {d}")
-    assert hierarchical._transports(_levels(), META) == ("intra group's transport for meta",
-                                                         "inter group's transport for meta")
+def test_hierarchical_levels_take_their_codecs_carriers(monkeypatch):
+    asked = []
+    monkeypatch.setattr(C, "carrier", lambda g, d, c: asked.append((g, d, c)) or g)
+    lossless = C.PLAN_CODECS["lossless"]
+    assert hierarchical._transports(_levels(), META, (C.NATIVE, lossless)) == ("intra group", "inter group")
+    assert asked == [("intra group", META, C.NATIVE), ("inter group", META, lossless)]
+    asked.clear()
+    hierarchical._transports(_levels(), META, (hierarchical.SHM, lossless))
+    assert asked[0] == ("intra group", META, None)  # shared memory: the node's group itself
 
 
 # ---- the drop-in backend's routing ----------------------------------------------------------------------------
