@@ -45,6 +45,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from . import api, config, executor
 from .format import DTYPE_CODES
 from .lossy import Compressor
+from .stats import record_native
 from .transport import nccl_stack
 
 __all__ = ["NAME", "Options", "ProcessGroupZipccl", "register", "takes_device"]
@@ -293,8 +294,11 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if self._compressor is not None or not executor.idle() or \
                 (op is not None and _red_type(op) == _RED.PREMUL_SUM and input.device.type != "cuda"):
             return False
-        return api.goes_native(name, self, output, input, None if op is None else _ZIPCCL_OPS[_red_type(op)],
-                               self.codec, self.options.algorithm)
+        own = api.goes_native(name, self, output, input, None if op is None else _ZIPCCL_OPS[_red_type(op)],
+                              self.codec, self.options.algorithm)
+        if own:
+            record_native(name)  # in zipccl.stats, as zipccl's own native calls are
+        return own
 
     def _run(self, fn, result, async_op: bool) -> dist.Work:
         """``fn()`` through zipccl's queue (after every async call issued before it), inside
