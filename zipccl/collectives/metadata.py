@@ -17,7 +17,7 @@ from .autoplan import REPORT_SLOTS, _auto_group, _report_id
 from .resolve import _OPS, _codec_id
 
 
-_COLLECTIVES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_reduce/gather": 4}
+_COLLECTIVES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_reduce/gather": 4, "all_to_all": 5}
 _FIELDS = ("collective", "dtype", "numel", "op", "codec", "reduce-scatter algorithm")
 _ALGORITHMS = {"direct": 1, "ring": 2}
 
@@ -33,6 +33,8 @@ _TAG_SIZE, _TAG_DATA = 1, 2  # the ring: a partial sum's packet follows its size
 _TAG_RS_SIZES, _TAG_AG_SIZES = 3, 4  # _SizeMail of the direct reduce-scatter's and the all-gather's later pieces
 _TAG_RS_DATA, _TAG_AG_DATA = 5, 6  # their packets
 _TAG_META = 7  # the metadata exchange (a call's failure status: zipccl.failure.TAG_STATUS)
+_TAG_A2A_SIZES, _TAG_A2A_DATA = 11, 12  # all-to-all: each round's _SizeMail, its packets (collectives.alltoall)
+_TAG_P2P = 13  # a send's header, sizes and packets (collectives.p2p)
 
 
 def _peers(t) -> list[int]:

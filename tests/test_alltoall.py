@@ -1,0 +1,304 @@
+"""zipccl.all_to_all_single and all_to_all on 4 gloo ranks of the pool (tests/workers.py), against
+torch's own dist.all_to_all_single and dist.all_to_all on the same inputs, bit for bit: bf16,
+fp16 and fp32 activations of a small GPT and real gradients, even, uneven and zero splits, every
+codec; mismatches and failures on one rank raising on every rank; async handles."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import zipccl
+from zipccl.collectives import pipeline as P
+
+pytestmark = pytest.mark.timeout(300)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CODECS = {"raw": "raw", "lossless": "lossless", "auto": "auto", "links": {"intra": "native", "inter": "lossless"}}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def activations(numel: int, seed: int = 0, grads: bool = False) -> torch.Tensor:
+    """Hidden states (or their gradients) of examples/train_gpt.py's GPT, fp32 (bench/activations.py)."""
+    spec = importlib.util.spec_from_file_location("activations", ROOT / "bench" / "activations.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.hidden_states(numel, seed, d=64, layers=2, ctx=32, grads=grads)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1).view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+@contextlib.contextmanager
+def nodes(group, shape: str | None):
+    """ZIPCCL_TOPOLOGY=shape for the calls inside, in this worker (the pool lives on)."""
+    from zipccl import topology
+    old = zipccl.config.TOPOLOGY
+    zipccl.config.TOPOLOGY = shape
+    topology.forget(group)
+    try:
+        yield
+    finally:
+        zipccl.config.TOPOLOGY = old
+        topology.forget(group)
+
+
+@contextlib.contextmanager
+def piece_bytes(nbytes: int):
+    old, P.PIECE_BYTES = P.PIECE_BYTES, nbytes
+    try:
+        yield
+    finally:
+        P.PIECE_BYTES = old
+
+
+def _counts(kind: str, n: int):
+    """count(i, j): rows rank i sends to rank j."""
+    if kind == "even":
+        return lambda i, j: 24
+    if kind == "uneven":
+        return lambda i, j: 3 * i + 5 * j + 1
+    return lambda i, j: 0 if j == (i + 1) % n or i == 2 else 7 * (i + j) + 2  # zero: rank 2 sends nothing
+
+
+def _source(rank, data, seed):
+    """This rank's values: the shared tensor's slice for the rank (real data differ per rank)."""
+    return data.roll(seed * 7919 + rank * 104729)
+
+
+def _compare(rank, groups, data_kind, codec_key, shape, path):
+    """Every dtype x split kind x form: zipccl's result and torch's on the same inputs (gloo), as
+    bit patterns; the bytes zipccl sent; the plans it ran."""
+    g, n, width = groups[4], 4, 5
+    data = torch.from_numpy(np.load(path)).float() if data_kind == "grads" else activations(1 << 16)
+    codec = CODECS[codec_key]
+    out, stats = {}, {}
+    with nodes(g, shape):
+        for dname, dtype in DTYPES.items():
+            for split in ("even", "uneven", "zero"):
+                count = _counts(split, n)
+                ins = [count(rank, j) for j in range(n)]
+                outs = [count(j, rank) for j in range(n)]
+                x = _source(rank, data, len(out))[:sum(ins) * width].reshape(-1, width).to(dtype)
+                want = torch.empty(sum(outs), width, dtype=dtype)
+                dist.all_to_all_single(want, x, outs, ins, group=g)
+                got = torch.full_like(want, float("nan"))
+                zipccl.reset_stats()
+                if split == "even":
+                    zipccl.all_to_all_single(got, x, group=g, codec=codec)
+                else:
+                    zipccl.all_to_all_single(got, x, outs, ins, group=g, codec=codec)
+                s = zipccl.stats()["all_to_all"]
+                out[(dname, split, "single")] = torch.equal(bits(got), bits(want))
+                stats[(dname, split)] = (s["raw_bytes"], s["wire_bytes"], zipccl.stats()["last"]["codec"])
+                # the list form, on the same parts
+                xs = list(x.split(ins))
+                wants = list(want.split(outs))
+                gots = [torch.full_like(w, float("nan")) for w in wants]
+                zipccl.all_to_all(gots, xs, group=g, codec=codec)
+                ref = [torch.empty_like(w) for w in wants]
+                if split == "even":  # gloo's list form takes one size only
+                    dist.all_to_all(ref, xs, group=g)
+                else:
+                    ref = wants
+                out[(dname, split, "list")] = all(torch.equal(bits(a), bits(b)) and torch.equal(bits(a), bits(c))
+                                                  for a, b, c in zip(gots, ref, wants))
+    return out, stats
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless", "auto", "links"])
+@pytest.mark.parametrize("data_kind", ["activations", "grads"])
+def test_matches_torch_bit_for_bit(pool, real_grads, codec, data_kind):
+    """On one node (auto: the backend's all-to-all) and on 2 emulated nodes of 2 ranks (links:
+    plain bytes inside the node, lossless across)."""
+    from conftest import GRADS
+    shape = "2x2" if codec == "links" else None
+    for rank, res in enumerate(pool.run(_compare, data_kind, codec, shape, str(GRADS), timeout=240)):
+        assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
+        same, stats = res
+        assert all(same.values()), (rank, [k for k, v in same.items() if not v])
+        for (dname, split), (raw, wire, plan) in stats.items():
+            if codec == "raw":
+                headers = wire - raw  # one per packet
+                assert plan == "raw" and (headers > 0 if raw else wire == 0), (dname, split, raw, wire)
+                assert headers % zipccl.format.HEADER_SIZE == 0, (dname, split, raw, wire)
+            if codec == "auto":
+                assert plan == "native" and wire == 0  # one node: the backend's all-to-all
+            if codec == "links":
+                assert plan == "links/plain+lossless", plan
+
+
+def _pipelined(rank, groups):
+    """2 MiB of bf16 activations per rank in pieces of 256 KiB, uneven: several rounds, two deep."""
+    g, n = groups[4], 4
+    ins = [(1 << 18) + 4096 * (rank + 3 * j) for j in range(n)]
+    outs = [(1 << 18) + 4096 * (j + 3 * rank) for j in range(n)]
+    x = activations(sum(ins), seed=rank).to(torch.bfloat16)
+    want = torch.empty(sum(outs), dtype=torch.bfloat16)
+    dist.all_to_all_single(want, x, outs, ins, group=g)
+    got = torch.empty_like(want)
+    zipccl.reset_stats()
+    with piece_bytes(1 << 18):
+        rounds = len(P.pieces(ins[0], n, 2))
+        zipccl.all_to_all_single(got, x, outs, ins, group=g, codec="lossless")
+    s = zipccl.stats()["all_to_all"]
+    return rounds, torch.equal(bits(got), bits(want)), s["wire_bytes"] / s["raw_bytes"]
+
+
+def test_pipelined_in_rounds(pool):
+    """Several rounds of pieces, uneven: torch's bits, in about two thirds of the bytes."""
+    for rank, res in enumerate(pool.run(_pipelined, timeout=240)):
+        assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
+        rounds, same, ratio = res
+        assert rounds > 2 and same and ratio < 0.72, (rank, rounds, ratio)
+
+
+def _auto_learns(rank, groups):
+    """2 emulated nodes: auto tries the backend's call, lossless everywhere and lossless across
+    nodes only, the same way on every rank, each result torch's bits."""
+    g = groups[4]
+    x = activations(1 << 20, seed=rank).to(torch.bfloat16)  # 2 MiB per rank: above the probe floor
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x, group=g)
+    used, same = [], True
+    with nodes(g, "2x2"):
+        for _ in range(6):
+            got = torch.empty_like(x)
+            zipccl.all_to_all_single(got, x, group=g)
+            used.append(zipccl.stats()["last"]["codec"])
+            same &= torch.equal(bits(got), bits(want))
+    return used, same
+
+
+def test_auto_tries_each_plan_alike_on_every_rank(pool):
+    res = pool.run(_auto_learns, timeout=240)
+    for r in res:
+        assert not isinstance(r, BaseException), r
+    assert all(r == res[0] for r in res), res
+    used, same = res[0]
+    assert same and used == ["native", "lossless", "links/plain+lossless"] * 2, used
+
+
+def _mismatch(rank, groups, case):
+    g, n = groups[4], 4
+    ins, outs, dtype = [16] * n, [16] * n, torch.bfloat16
+    x = torch.arange(64, dtype=torch.float32)
+    if case == "counts" and rank == 2:
+        outs = [16, 16, 16, 17]  # expects 17 from rank 3, which sends 16
+    if case == "dtype" and rank == 1:
+        dtype = torch.float32
+    y = torch.empty(sum(outs), dtype=dtype)
+    try:
+        zipccl.all_to_all_single(y, x.to(dtype) if case != "noncontig" or rank else torch.zeros(64, 2)[:, 0],
+                                 outs, ins, group=g, codec="lossless")
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def _healthy(rank, groups):
+    g = groups[4]
+    x = torch.arange(8, dtype=torch.bfloat16) + 8 * rank
+    y = torch.empty_like(x)
+    zipccl.all_to_all_single(y, x, group=g, codec="lossless")
+    return torch.equal(y, torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.bfloat16) + 8 * j
+                                     for j in range(4)]))
+
+
+@pytest.mark.parametrize("case", ["counts", "dtype"])
+def test_mismatches_raise_on_every_rank(pool, case):
+    """A count that rank 2 expects from rank 3 but rank 3 does not send, or a dtype: the same
+    MismatchError on every rank, before any data moves; the group works afterwards."""
+    res = pool.run(_mismatch, case, timeout=120)
+    assert all(r[0] == "MismatchError" for r in res), res
+    assert len({r[1] for r in res}) == 1, res
+    if case == "counts":
+        assert "rank 3 sends 16 elements to rank 2, which expects 17 from it" in res[0][1], res
+    else:
+        assert "dtype" in res[0][1], res
+    assert all(h is True for h in pool.run(_healthy, timeout=120))
+
+
+def test_an_invalid_call_raises_on_every_rank(pool):
+    """Rank 0 passes a strided input: its own error there, MismatchError on the others."""
+    res = pool.run(_mismatch, "noncontig", timeout=120)
+    assert res[0] == ("UnsupportedError", "input must be contiguous"), res
+    assert all(r[0] == "MismatchError" and "rank(s) [0]" in r[1] for r in res[1:]), res
+    assert all(h is True for h in pool.run(_healthy, timeout=120))
+
+
+def _decoder_fails(rank, groups):
+    """Rank 1's decoder raises in the middle of the call: RankFailure on every rank, naming it."""
+    from zipccl.collectives import alltoall as A
+    g = groups[4]
+    real = A.decode_to
+
+    def broken(*args):
+        raise RuntimeError("decoder broke")
+
+    if rank == 1:
+        A.decode_to = broken
+    try:
+        x = activations(1 << 12, seed=rank).to(torch.bfloat16)
+        zipccl.all_to_all_single(torch.empty_like(x), x, group=g, codec="lossless")
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, getattr(e, "rank", None), getattr(e, "kind", None), getattr(e, "broken", None)
+    finally:
+        A.decode_to = real
+    return "ok", None, None, None
+
+
+def test_a_failure_reaches_every_rank(pool):
+    res = pool.run(_decoder_fails, timeout=120)
+    assert all(r == ("RankFailure", 1, "decode", False) for r in res), res
+    assert all(h is True for h in pool.run(_healthy, timeout=120))
+
+
+def _async(rank, groups):
+    """Three async calls (two of them zipccl's pipeline), then a sync one: every result torch's."""
+    g = groups[4]
+    xs = [activations(4096 * (k + 1), seed=rank + k).to(torch.bfloat16) for k in range(3)]
+    wants = []
+    for x in xs:
+        w = torch.empty_like(x)
+        dist.all_to_all_single(w, x, group=g)
+        wants.append(w)
+    gots = [torch.empty_like(x) for x in xs]
+    handles = [zipccl.all_to_all_single(y, x, group=g, async_op=True, codec=c)
+               for y, x, c in zip(gots, xs, ("lossless", "native", "raw"))]
+    last = torch.empty_like(xs[0])
+    zipccl.all_to_all_single(last, xs[0], group=g, codec="lossless")
+    done = [h.is_completed() for h in handles]
+    for h in handles:
+        h.wait()
+    return done, [torch.equal(bits(a), bits(b)) for a, b in zip(gots, wants)], torch.equal(bits(last), bits(wants[0]))
+
+
+def test_async_handles(pool):
+    for rank, res in enumerate(pool.run(_async, timeout=120)):
+        assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
+        done, same, last = res
+        assert done == [True] * 3, "a sync call runs after the async calls issued before it"
+        assert same == [True] * 3 and last
+
+
+def _in_place(rank, groups):
+    g = groups[4]
+    x = activations(4096, seed=rank).to(torch.bfloat16)
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x, group=g)
+    buf = x.clone()
+    zipccl.all_to_all_single(buf, buf, group=g, codec="lossless")
+    return torch.equal(bits(buf), bits(want))
+
+
+def test_in_place(pool):
+    """Output and input one buffer (zipccl-perf's in-place column): the input is kept until sent."""
+    assert all(r is True for r in pool.run(_in_place, timeout=120))

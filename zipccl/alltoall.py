@@ -1,0 +1,293 @@
+"""The front door of all-to-all: zipccl.all_to_all_single and zipccl.all_to_all.
+
+Shaped like torch.distributed's, plus ``codec`` and ``algorithm``. A call either runs the
+backend's own all-to-all ("native"), or zipccl's (zipccl.collectives.alltoall): each rank's chunk
+for each peer is one packet, its codec chosen per link. ``algorithm="hierarchical"`` sends the
+peers inside this rank's node the plain bytes and the peers in other nodes ``codec``'s packets
+(zipccl.topology finds the nodes); a mapping ``{"intra": ..., "inter": ...}`` names both;
+``codec="auto"`` learns, per group and class of calls (dtype, the bytes per rank), which of
+the backend's all-to-all, lossless on every link, or lossless across nodes only, is fastest
+(zipccl.auto). On one node "auto" is the backend's all-to-all, with nothing of zipccl's on the
+wire. Small calls with even splits go to the backend at once, as zipccl.api's do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from . import auto, config, topology
+from .collectives.alltoall import counts_row, exchange_counts, run_all_to_all
+from .collectives.autoplan import planned
+from .collectives.links import PLAIN, Links, per_peer
+from .collectives.metadata import Call, timed
+from .collectives.resolve import AUTO, NATIVE, resolve_codec
+from .collectives.validation import _check_device, _check_tensor, finish, new_acc
+from .errors import UnsupportedError
+from .executor import run as _run
+from .failure import Fate
+from .format import DTYPE_CODES
+from .stats import record
+from .transport import transport_for
+
+__all__ = ["all_to_all_single", "all_to_all", "ALGORITHMS", "AUTO_PLANS"]
+
+ALGORITHMS = ("auto", "flat", "hierarchical")
+#: What codec="auto" measures where the group spans several nodes: the backend's all-to-all,
+#: lossless packets to every peer, lossless packets across nodes and plain bytes inside them.
+AUTO_PLANS = ("native", "lossless", "hierarchical/lossless")
+_LEVELS = ("intra", "inter")
+_NAME = "all_to_all"
+
+
+def _outside_autograd(x):
+    return x.data if isinstance(x, torch.Tensor) and x.requires_grad else x
+
+
+def _backend(group, device: torch.device):
+    """Where the backend's own all-to-all runs: torch.distributed, or for a group of zipccl's
+    drop-in backend the backend under it (so that a native plan never comes back into zipccl)."""
+    pg = group if group is not None else dist.group.WORLD
+    return pg._get_backend(device) if dist.get_backend(group) == "zipccl" else None
+
+
+def _native_single(group, output, input, out_splits, in_splits) -> None:
+    inner = _backend(group, input.device)
+    if inner is None:
+        work = dist.all_to_all_single(output, input, out_splits, in_splits, group=group, async_op=True)
+    else:
+        work = inner.alltoall_base(output, input, list(out_splits or []), list(in_splits or []),
+                                   dist.AllToAllOptions())
+    work.wait()
+
+
+def _native_list(group, outputs, inputs) -> None:
+    """The backend's list all-to-all; where the tensors differ in size (gloo's takes one size
+    only), its all_to_all_single on the tensors put end to end."""
+    if len({x.numel() for x in outputs + inputs}) > 1:
+        out = outputs[0].new_empty(sum(x.numel() for x in outputs))
+        _native_single(group, out, torch.cat([x.reshape(-1) for x in inputs]), [x.numel() for x in outputs],
+                       [x.numel() for x in inputs])
+        for x, part in zip(outputs, out.split([x.numel() for x in outputs])):
+            x.copy_(part.view_as(x))
+        return
+    inner = _backend(group, inputs[0].device)
+    work = dist.all_to_all(outputs, inputs, group=group, async_op=True) if inner is None else \
+        inner.alltoall(outputs, inputs, dist.AllToAllOptions())
+    work.wait()
+
+
+def _level(c, dtype):
+    """A link's codec: "native" is the plain bytes (PLAIN); "raw" of a type no codec takes too."""
+    if c == "native" or c is NATIVE:
+        return PLAIN
+    if c == "auto":
+        raise ValueError("a per-link codec takes 'native', 'raw', 'lossless' or a codec instance; "
+                         "codec='auto' chooses the links' codecs itself")
+    r = resolve_codec(c, dtype, 0)
+    if r is None:  # "raw" of a type that no codec takes: its bytes
+        return PLAIN
+    if not getattr(r, "exact", True):
+        raise UnsupportedError(f"lossy codec {r!r} reduces: all_reduce and reduce_scatter only, not all-to-all")
+    return r
+
+
+def _fixed_levels(codec, algorithm: str, dtype):
+    """(intra, inter) codecs of a call whose codec is fixed, or NATIVE (the backend's call)."""
+    if isinstance(codec, Mapping):
+        if set(codec) != set(_LEVELS):
+            raise ValueError(f"a per-link codec maps both of {_LEVELS} (got {sorted(codec)})")
+        if algorithm == "flat":
+            raise ValueError("a per-link codec needs algorithm 'hierarchical' or 'auto'")
+        return tuple(_level(codec[k], dtype) for k in _LEVELS)
+    if codec == "native" or codec is NATIVE:
+        return NATIVE
+    c = _level(codec, dtype)
+    return (PLAIN, c) if algorithm == "hierarchical" else (c, c)
+
+
+def _even(x: torch.Tensor, n: int, label: str) -> list[int]:
+    if x.dim() == 0 or x.shape[0] % n:
+        raise ValueError(f"{label} has {x.shape[0] if x.dim() else 0} rows: without split sizes they must divide "
+                         f"evenly among the group's {n} ranks")
+    return [x.shape[0] // n] * n
+
+
+def _rows(x: torch.Tensor, splits, n: int, label: str) -> list[torch.Tensor]:
+    """``x`` cut along dim 0 by ``splits`` (None: evenly), each part flat."""
+    splits = _even(x, n, label) if splits is None else [int(s) for s in splits]
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != (x.shape[0] if x.dim() else 1):
+        raise ValueError(f"{label} split sizes {splits} must be {n} counts >= 0 that add up to its "
+                         f"{x.shape[0] if x.dim() else 1} rows")
+    per_row = math.prod(x.shape[1:])
+    flat, out, at = x.reshape(-1), [], 0
+    for s in splits:
+        out.append(flat[at * per_row:(at + s) * per_row])
+        at += s
+    return out
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _small(group, output, input, splits) -> bool:
+    """The common small call that codec "auto" always hands to the backend (even splits below
+    the policy's probe floor: rank-consistent without an exchange): that call and the
+    statistics, nothing else, when every check is cheap and passes (else False)."""
+    if splits != (None, None) or not (isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)):
+        return False
+    nbytes = input.numel() * input.element_size()
+    if not (input.dtype in DTYPE_CODES and output.dtype == input.dtype and input.device.type == "cpu"
+            and output.device.type == "cpu" and input.is_contiguous() and output.is_contiguous()
+            and nbytes < auto.PROBE_MIN_BYTES and config.AUTO_LEARN and not config.CHECK_NATIVE):
+        return False
+    _native_single(group, output, input, None, None)
+    record(_NAME, "native", raw_bytes=0, wire_bytes=0, meta_bytes=0, codec_seconds=0.0, comm_seconds=0.0)
+    return True
+
+
+def _validate(outputs, inputs, device_tensors, t):
+    """The local checks of a call (types, layout, device, one dtype)."""
+    for label, x in (("output", outputs), ("input", inputs)):
+        for y in x:
+            _check_tensor(label, y)
+    _check_device(t, *device_tensors)
+    dtypes = {y.dtype for y in outputs + inputs}
+    if len(dtypes) > 1:
+        raise ValueError(f"all-to-all tensors must have one dtype, got {sorted(map(str, dtypes))}")
+
+
+def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: bool):
+    """One all-to-all: ``make_parts(t)`` cuts the caller's tensors into per-peer flat views
+    (sends, recvs) or raises; ``native()`` is the backend's call."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r}: use one of {ALGORITHMS}")
+    first = next((x for x in tensors if isinstance(x, torch.Tensor)), None)
+    t = transport_for(group, first.device if first is not None else None)
+    n, error, sends, recvs = t.size, None, None, None
+    dtype = first.dtype if first is not None else None
+    try:
+        sends, recvs = make_parts(t)
+        levels = None if codec == "auto" else _fixed_levels(codec, algorithm, dtype)
+    except Exception as e:  # noqa: BLE001 - a local error still joins the exchange, so that no rank hangs
+        error, levels = e, None
+
+    def run():
+        acc, fate = new_acc(), Fate.of(_NAME, t)
+        if codec == "native" or codec is NATIVE:  # the backend's call alone, with its own checks
+            if error is not None:
+                raise error
+            return _native(native, acc, fate, t)
+        # the nodes, found on the group's first call (a collective: before any rank's error exchange)
+        topo = topology.topology(group) if t.size > 1 else None
+        row = counts_row(sends, recvs) if error is None else [0] * (2 * n)
+        if error is not None:
+            Call(_NAME, dtype, 0, None, None).exchange(t, row, error, fate)
+        if levels is not None:
+            codecs = [levels[1]] * n if levels[0] is levels[1] else per_peer(topo.nodes, t.rank, *levels)
+            plan = levels[1] if levels[0] is levels[1] else Links(*levels)
+            matrix = exchange_counts(t, Call(_NAME, dtype, 0, None, plan), row, None, fate, acc)
+            return _pipeline(t, sends, recvs, codecs, matrix, plan, acc, fate)
+        nodes = len(topo.nodes) if topo is not None else 1
+        if nodes == 1 or dtype not in DTYPE_CODES:  # one node: every link outruns the codec
+            return _native(native, acc, fate, t)
+        matrix = exchange_counts(t, Call(_NAME, dtype, 0, None, AUTO), row, None, fate, acc)
+        nbytes = sum(sum(r[:n]) for r in matrix) * sends[0].element_size() // n
+        local = any(len(node) > 1 for node in topo.nodes)
+        plans = {"flat": AUTO_PLANS[:2], "hierarchical": AUTO_PLANS[2:]}.get(algorithm, AUTO_PLANS if local else
+                                                                               AUTO_PLANS[:2])
+        if not config.AUTO_LEARN:
+            inter = resolve_codec("auto", dtype, nbytes)
+            codecs = per_peer(topo.nodes, t.rank, PLAIN, inter)
+            return _pipeline(t, sends, recvs, codecs, matrix, Links(PLAIN, inter), acc, fate)
+        out = [None]
+
+        def go(plan: str) -> None:
+            if plan == "native":
+                out[0] = _native(native, acc, fate, t, record_it=False)
+                return
+            inter = resolve_codec("lossless", dtype, nbytes)
+            intra = PLAIN if plan.startswith("hierarchical/") else inter
+            codecs = per_peer(topo.nodes, t.rank, intra, inter)
+            out[0] = _pipeline(t, sends, recvs, codecs, matrix, Links(intra, inter) if intra is PLAIN else inter,
+                               acc, fate, record_it=False)
+
+        planned(t.group, _NAME, dtype, nbytes, plans, go, first.device)
+        return finish(_NAME, out[0], acc)
+
+    return _run(run, async_op, tensors)
+
+
+def _native(native, acc: dict, fate: Fate, t, record_it: bool = True):
+    """The backend's all-to-all, failing as torch.distributed's does (no status round)."""
+    try:
+        timed(acc, "comm_seconds", native)
+    except RuntimeError as e:  # the backend lost a rank, or timed out
+        fate.lose(t, -1, e)
+    fate.check()
+    return finish(_NAME, NATIVE, acc) if record_it else NATIVE
+
+
+def _pipeline(t, sends, recvs, codecs, matrix, plan, acc: dict, fate: Fate, record_it: bool = True):
+    """zipccl's all-to-all after the counts' exchange, then the status round (every rank raises
+    if any failed: zipccl.failure)."""
+    if any(_overlaps(s, r) for s in sends for r in recvs):
+        sends = [s.clone() for s in sends]  # in place: the output overwrites input not yet sent
+    run_all_to_all(t, sends, recvs, codecs, matrix, acc, fate)
+    timed(acc, "comm_seconds", fate.settle, t)
+    return finish(_NAME, plan, acc) if record_it else plan
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op: bool = False, *, codec="auto", algorithm: str = "auto"):
+    """Like ``dist.all_to_all_single``: ``input`` cut along dim 0 by ``input_split_sizes`` (None:
+    evenly), part j to rank j; ``output`` receives rank j's part for this rank at its place among
+    ``output_split_sizes``. Uneven and zero splits are fine; every rank checks every rank's
+    counts against its peers' before any data moves.
+
+    codec: "auto" (default: the backend's all-to-all, or zipccl's packets where they were
+    measured faster: see the module's docstring), "native" (the backend's call alone), "raw",
+    "lossless", a codec instance, or a mapping per link ``{"intra": "native", "inter":
+    "lossless"}`` ("native" on a link: the plain bytes, through zipccl's transport).
+    algorithm: "auto", "flat" (one codec on every link) or "hierarchical" (plain bytes inside
+    the node, ``codec`` across nodes)."""
+    output, input = _outside_autograd(output), _outside_autograd(input)
+    splits = (output_split_sizes, input_split_sizes)
+    if codec == "auto" and algorithm == "auto" and not async_op and _small(group, output, input, splits):
+        return None
+
+    def parts(t):
+        for label, x in (("output", output), ("input", input)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{label} must be a torch.Tensor, got {type(x).__name__}")
+        _validate([output], [input], (output, input), t)
+        return _rows(input, input_split_sizes, t.size, "input"), _rows(output, output_split_sizes, t.size, "output")
+
+    return _call(group, parts, lambda: _native_single(group, output, input, output_split_sizes, input_split_sizes),
+                 (output, input), codec, algorithm, async_op)
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False, *, codec="auto",
+               algorithm: str = "auto"):
+    """Like ``dist.all_to_all``: ``input_tensor_list[j]`` goes to rank j, ``output_tensor_list[j]``
+    receives rank j's tensor for this rank (any sizes, one dtype). ``codec`` and ``algorithm``
+    as in ``all_to_all_single``."""
+    outputs = [_outside_autograd(x) for x in output_tensor_list]
+    inputs = [_outside_autograd(x) for x in input_tensor_list]
+
+    def parts(t):
+        if len(outputs) != t.size or len(inputs) != t.size:
+            raise ValueError(f"all_to_all takes one tensor per rank ({t.size}), got {len(outputs)} outputs and "
+                             f"{len(inputs)} inputs")
+        _validate(outputs, inputs, outputs + inputs, t)
+        return [x.reshape(-1) for x in inputs], [x.reshape(-1) for x in outputs]
+
+    return _call(group, parts, lambda: _native_list(group, outputs, inputs), tuple(outputs + inputs), codec,
+                 algorithm, async_op)
