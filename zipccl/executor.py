@@ -27,7 +27,7 @@ import torch
 
 from .errors import TimeoutError  # noqa: A004 - zipccl's, a subclass of the builtin
 
-__all__ = ["Handle", "drain", "idle", "run", "submit"]
+__all__ = ["Handle", "drain", "idle", "last", "run", "submit"]
 
 
 class Handle:
@@ -68,6 +68,10 @@ class Handle:
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+    def join(self) -> None:
+        """Wait for the call to end without raising its error (which stays with the handle)."""
+        self._done.wait()
 
     def get_future(self) -> torch.futures.Future:
         return self._future
@@ -114,6 +118,12 @@ def _issued_on(tensors: list) -> tuple | None:
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(device))
     return device, ready
+
+
+def last() -> Handle | None:
+    """The handle of the async call issued last (None before the first): every call issued
+    before it has ended once it has (zipccl.p2p waits for the collectives queued before a send)."""
+    return _last
 
 
 def submit(fn) -> Handle:

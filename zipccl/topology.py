@@ -39,7 +39,7 @@ from .transport.shm import NodeMemory
 from .transport.torch_dist import wire_device
 
 __all__ = ["Topology", "Levels", "topology", "levels", "known", "parse", "claim", "from_claims", "nvml_link",
-           "link_between", "forget", "LINKS", "agreed_link", "shares_memory"]
+           "link_between", "forget", "LINKS", "agreed_link", "shares_memory", "same_node", "publish_node"]
 
 _SOURCES = ("ZIPCCL_TOPOLOGY", "torchrun", "mpirun", "slurm", "hostname")
 
@@ -310,6 +310,60 @@ def known(group=None) -> bool:
         return _group_key(group) in _levels
 
 
+def _node_of_rank(rank: int) -> int | None:
+    """The node of the job's ``rank`` where the environment says it for every rank alike:
+    ZIPCCL_TOPOLOGY's N nodes of M consecutive ranks, or torchrun's LOCAL_WORLD_SIZE
+    consecutive ranks per node (where this rank's GROUP_RANK agrees); else None."""
+    if config.TOPOLOGY is not None:
+        return rank // parse(config.TOPOLOGY)[1]
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and "GROUP_RANK" in os.environ and int(os.environ["GROUP_RANK"]) == dist.get_rank() // int(local):
+        return rank // int(local)
+    return None
+
+
+def _claim_text() -> str:
+    source, node, _, _ = claim()
+    return f"{source}:{node}"
+
+
+_peer_nodes: dict = {}
+_published: list = []
+
+
+def publish_node() -> None:
+    """Write this rank's node into the job's store, once, for ``same_node`` on its peers (zipccl.p2p
+    calls it at its first message, before anything of it could wait on a peer)."""
+    if not _published and _node_of_rank(dist.get_rank()) is None:
+        dist.distributed_c10d._get_default_store().set(f"zipccl/node/{dist.get_rank()}", _claim_text())
+        _published.append(True)
+
+
+def same_node(group, peer: int) -> bool:
+    """Whether ``peer`` (a rank of ``group``) runs on this rank's node, found without a collective
+    call (a send has only two ranks): from the group's topology where it has been found, else
+    from ZIPCCL_TOPOLOGY or torchrun's consecutive ranks per node, else from the claims (the
+    launcher's, the host name) that each rank writes once into the job's store (publish_node);
+    two claims from different sources count as different nodes. Both ranks of a pair answer alike."""
+    key = _group_key(group)
+    with _lock:
+        found = _found.get(key)
+    if found is not None:
+        return found.node_of(dist.get_rank(group)) == found.node_of(peer)
+    other = dist.get_global_rank(key, peer)
+    mine = _node_of_rank(dist.get_rank())
+    if mine is not None:
+        return mine == _node_of_rank(other)
+    with _lock:
+        known = _peer_nodes.get(other)
+    if known is None:
+        publish_node()
+        known = dist.distributed_c10d._get_default_store().get(f"zipccl/node/{other}").decode()
+        with _lock:
+            _peer_nodes[other] = known
+    return known == _claim_text()
+
+
 def forget(group=None) -> None:
     """Drop what was found for ``group`` (tests that change ZIPCCL_TOPOLOGY in live workers); the
     groups already created stay alive."""
@@ -317,3 +371,4 @@ def forget(group=None) -> None:
     with _lock:
         _found.pop(key, None)
         _levels.pop(key, None)
+        _peer_nodes.clear()

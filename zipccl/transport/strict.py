@@ -24,6 +24,7 @@ This costs one 32-byte message per payload: a checking mode for tests, not for p
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import deque
 from typing import NamedTuple
 
@@ -94,19 +95,28 @@ class Strict:
         self.rank, self.device = rank, device
         self.log: deque[Op] = deque(maxlen=LOG_LENGTH)
         self.group = 0          # group calls opened so far
-        self.open = False
+        self._thread = threading.local()  # open: a group call of this thread is open
+        self._lock = threading.Lock()
         self._orders: dict = {}  # (kind, peer) -> operations issued
+
+    @property
+    def open(self) -> bool:
+        """Whether this thread is inside a group call. Per thread: a send of zipccl.p2p is
+        posted on the caller's thread while a receive waits on zipccl's async thread (they never
+        share a peer's messages in one direction, so their orders stay apart)."""
+        return getattr(self._thread, "open", False)
 
     @contextlib.contextmanager
     def grouped(self):
         if self.open:
             raise TransportRuleError("strict transport: a group call inside a group call")
-        self.group += 1
-        self.open = True
+        with self._lock:
+            self.group += 1
+        self._thread.open = True
         try:
             yield
         finally:
-            self.open = False
+            self._thread.open = False
 
     def _op(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Op:
         nbytes = tensor.numel() * tensor.element_size()
@@ -118,10 +128,11 @@ class Strict:
             raise TransportRuleError(f"strict transport: rank {self.rank}'s {kind} of {nbytes} bytes with rank {peer} "
                                      f"(tag {tag}) is a tensor on {tensor.device}, but this group carries tensors on "
                                      f"{self.device} (NCCL moves device memory only)")
-        order = self._orders.get((kind, peer), 0)
-        self._orders[(kind, peer)] = order + 1
-        op = Op(kind, peer, order, nbytes, self.group, tag)
-        self.log.append(op)
+        with self._lock:
+            order = self._orders.get((kind, peer), 0)
+            self._orders[(kind, peer)] = order + 1
+            op = Op(kind, peer, order, nbytes, self.group, tag)
+            self.log.append(op)
         return op
 
     def send(self, post, tensor: torch.Tensor, peer: int, tag: int) -> _Sent:

@@ -1,0 +1,249 @@
+"""Point-to-point: one tensor from one rank to another as a framed message, pipelined in pieces.
+
+The receiver knows only its tensor's shape and dtype, so the sender's packet sizes must come
+first. A message is, on the sender's connection to the receiver and in this order: a header
+(the sender's signature, its status and the number of pieces), then per piece its size and its
+packet. Every receive has its message's exact size (DESIGN.md invariant 12): the receiver posts
+a piece's packet once its size has come, and the next piece's size with it, so that piece k is
+decoded while piece k+1 is on the wire. The sender encodes piece k+1 while piece k travels.
+
+Messages between two ranks match in issue order (no tags on the wire, as NCCL); the caller's
+tag is part of the signature. The receiver checks the sender's signature (dtype, elements,
+codec argument, tag) against its own; a receiver that disagrees still takes the sender's pieces
+(into scratch), so the connection stays in step, and both ends raise MismatchError with the same
+words. The receiver's verdict (its signature and status) goes back through the job's store
+(``Verdict``), a channel beside the group's connections, so that a send never waits for the
+receiver inside the group's order of messages: two ranks that send to each other cannot block
+each other. A sender that fails mid-message poisons its remaining sizes (zipccl.failure's code)
+and sends one-byte stand-ins, as the collectives do.
+"""
+
+from __future__ import annotations
+
+import datetime
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from .. import format as F
+from ..errors import FormatError, MismatchError
+from ..failure import ENCODE, OTHER, SIZE, Fate, describe
+from .links import PLAIN
+from .metadata import _TAG_P2P, timed
+from .pipeline import decode_to, pieces
+
+__all__ = ["Signature", "send_message", "receive_message", "Verdict"]
+
+_MAGIC = 0x7A703270  # "zp2p"
+_HEADER = 8  # magic, status, dtype, numel, codec argument, codec used, tag, pieces
+_CODEC_NAMES = ("auto", "native", "raw", "lossless")
+
+
+def codec_argument_id(codec) -> int:
+    """A codec argument as a number both ends compute alike: the known names, else the codec's
+    own identity (collectives.resolve._codec_id of an instance or a per-link mapping)."""
+    if isinstance(codec, str) and codec in _CODEC_NAMES:
+        return _CODEC_NAMES.index(codec)
+    return 16 + zlib.crc32(repr(sorted(codec.items()) if isinstance(codec, dict) else
+                                getattr(codec, "name", repr(codec))).encode()) % 1_000_000
+
+
+def _codec_text(value: int) -> str:
+    return _CODEC_NAMES[value] if 0 <= value < len(_CODEC_NAMES) else f"#{value}"
+
+
+class Signature:
+    """What one end of a message says of it: dtype code, elements, codec argument, tag."""
+    __slots__ = ("dtype", "numel", "codec", "tag")
+
+    def __init__(self, dtype: int, numel: int, codec: int, tag: int):
+        self.dtype, self.numel, self.codec, self.tag = dtype, numel, codec, tag
+
+    @classmethod
+    def of(cls, x: torch.Tensor, codec, tag: int) -> "Signature":
+        return cls(F.DTYPE_CODES.get(x.dtype, 100 + zlib.crc32(str(x.dtype).encode()) % 1000), x.numel(),
+                   codec_argument_id(codec), tag)
+
+    def values(self) -> list[int]:
+        return [self.dtype, self.numel, self.codec, self.tag]
+
+    def __eq__(self, other) -> bool:
+        return self.values() == other.values()
+
+    def __str__(self) -> str:
+        dtype = next((str(d).replace("torch.", "") for d, c in F.DTYPE_CODES.items() if c == self.dtype),
+                     f"dtype #{self.dtype}")
+        return f"{self.numel} x {dtype} (codec {_codec_text(self.codec)}, tag {self.tag})"
+
+
+def mismatch_text(src: int, dst: int, sent: Signature, expected: Signature) -> str:
+    """The words both ends raise for a send and a receive that disagree (job ranks)."""
+    return f"zipccl send/recv: rank {src} sends {sent}, but rank {dst} receives {expected}"
+
+
+def _codec_used_id(codec) -> int:
+    return 0 if codec is PLAIN else 1 + zlib.crc32(repr(codec).encode()) % 1_000_000
+
+
+def _cuts(numel: int, itemsize: int) -> list[tuple[int, int]]:
+    """A message's pieces: pipeline.pieces of one rank's chunk (both ends cut alike)."""
+    return pieces(numel, 1, itemsize) if numel else []
+
+
+def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict, fate: Fate) -> list:
+    """Post the message of ``x`` (flat, contiguous) to group rank ``peer``, each piece encoded with
+    ``codec`` (PLAIN: its bytes) as the previous one leaves: the handles of its sends, to be waited
+    for later (nothing here waits for the peer)."""
+    itemsize = x.element_size()
+    cuts = _cuts(x.numel(), itemsize)
+    header = torch.tensor([_MAGIC, fate.code, sig.dtype, sig.numel, sig.codec, _codec_used_id(codec), sig.tag,
+                           len(cuts)], dtype=torch.int64)
+    sends = []
+    with t.grouped():
+        sends.append(fate.send(t, header, peer, _TAG_P2P))
+    acc["meta_bytes"] += 8 * _HEADER
+    for a, b in cuts:
+        packet = None
+        if not fate.failed:
+            try:
+                packet = codec.encode(x[a:b]) if codec is PLAIN else \
+                    timed(acc, "codec_seconds", codec.encode, x[a:b])
+            except Exception as e:  # noqa: BLE001 - the receiver must hear of it
+                fate.fail(ENCODE, e)
+        if packet is None:
+            packet = torch.zeros(1, dtype=torch.uint8, device=x.device)
+        size = torch.tensor([packet.numel() if not fate.failed else -fate.code], dtype=torch.int64)
+        with t.grouped():
+            sends.append(fate.send(t, size, peer, _TAG_P2P))
+            sends.append(fate.send(t, packet, peer, _TAG_P2P))
+        acc["raw_bytes"] += (b - a) * itemsize
+        acc["wire_bytes"] += packet.numel()
+        acc["meta_bytes"] += 8
+    return sends
+
+
+def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc: dict, fate: Fate) -> str | None:
+    """Receive group rank ``peer``'s message into ``out`` (flat, contiguous), waiting for each part
+    (this blocks until the sender has posted it), decoded with ``codec`` (the one this end's
+    signature and link choose: the sender's must be the same). Returns the mismatch's words where
+    the two signatures differ (the pieces were drained), else None; failures go to ``fate``."""
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    with t.grouped():
+        work = fate.recv(t, header, peer, _TAG_P2P)
+    if not timed(acc, "comm_seconds", fate.wait, t, work, peer):
+        return None
+    magic, status, *values, used, tag, count = header.tolist()
+    if magic != _MAGIC:
+        fate.fail(OTHER, FormatError(f"rank {t.global_rank(peer)} sent no zipccl message header (a send and a "
+                                     f"receive with different codecs, one native?)"), rank=t.global_rank(peer))
+        return None
+    if status:
+        fate.heard(status)
+    theirs = Signature(*values[:3], tag)
+    problem = None if theirs == sig else mismatch_text(t.global_rank(peer), t.global_rank(t.rank), theirs, sig)
+    if problem is None and used != _codec_used_id(codec):
+        fate.fail(OTHER, MismatchError(f"rank {t.global_rank(peer)} encoded with another codec than {codec!r}, "
+                                       "which this end's codec argument and link choose"), rank=t.global_rank(peer))
+    codec = codec if problem is None else None
+    itemsize = out.element_size()
+    cuts = _cuts(theirs.numel, next((torch.empty(0, dtype=d).element_size() for d, c in F.DTYPE_CODES.items()
+                                     if c == theirs.dtype), itemsize))
+    if len(cuts) != count:
+        fate.fail(OTHER, FormatError(f"rank {t.global_rank(peer)} announced {count} pieces for {theirs.numel} "
+                                     f"elements, not {len(cuts)}"), rank=t.global_rank(peer))
+        return problem
+
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in cuts]
+    size_works, flights = {}, []  # flights: (k, size, buffer, work), oldest first
+
+    def landing(k: int, size: int) -> torch.Tensor:
+        """Where piece k's packet of ``size`` bytes lands: in place for plain bytes, else scratch
+        (a poisoned sender's stand-in is one byte)."""
+        a, b = cuts[k]
+        if codec is PLAIN and size == (b - a) * itemsize:
+            return out[a:b].view(torch.uint8)
+        return torch.empty(max(1, size), dtype=torch.uint8, device=out.device)
+
+    def land(k: int, size: int, buf: torch.Tensor, work) -> None:
+        landed = timed(acc, "comm_seconds", fate.wait, t, work, peer)
+        if not landed or problem is not None or size <= 0 or fate.failed:
+            return
+        a, b = cuts[k]
+        if size > codec.max_encoded_size(b - a, out.dtype):
+            fate.fail(SIZE, FormatError(f"rank {t.global_rank(peer)} announced a packet of {size} bytes, above the "
+                                        "codec's bound"), rank=t.global_rank(peer))
+            return
+        fate.decode(t, peer, _decode, codec, buf[:size], out[a:b], fate, t, peer, acc)
+
+    if cuts:
+        with t.grouped():
+            size_works[0] = fate.recv(t, sizes[0], peer, _TAG_P2P)
+    for k in range(len(cuts)):
+        if not timed(acc, "comm_seconds", fate.wait, t, size_works.pop(k), peer):
+            return problem
+        size = int(sizes[k])
+        if size < 0:
+            fate.heard(-size)
+        buf = landing(k, size)
+        with t.grouped():  # this piece's packet, and the next piece's size behind it
+            flights.append((k, size, buf, fate.recv(t, buf, peer, _TAG_P2P)))
+            if k + 1 < len(cuts):
+                size_works[k + 1] = fate.recv(t, sizes[k + 1], peer, _TAG_P2P)
+        if len(flights) > 1:
+            land(*flights.pop(0))
+    while flights:
+        land(*flights.pop(0))
+    return problem
+
+
+def _decode(codec, packet: torch.Tensor, out: torch.Tensor, fate: Fate, t, peer: int, acc: dict) -> None:
+    if codec is PLAIN:
+        PLAIN.decode(packet, out)
+    else:
+        timed(acc, "codec_seconds", decode_to, codec, packet, out, fate, t, peer)
+
+
+class Verdict:
+    """The receiver's word on one message, through the job's store: its signature and status (0,
+    1 for a mismatch, else a poison code of zipccl.failure). Key: the group, the pair (job ranks)
+    and the message's number on that pair, counted alike by both ends."""
+
+    def __init__(self, group_name: str, src: int, dst: int, seq: int):
+        self.key = f"zipccl/p2p/{group_name}/{src}>{dst}/{seq}"
+
+    @staticmethod
+    def _store():
+        return dist.distributed_c10d._get_default_store()
+
+    def give(self, sig: Signature, status: int) -> None:
+        self._store().set(self.key, ",".join(map(str, [status, *sig.values()])))
+
+    def ready(self) -> bool:
+        return self._store().check([self.key])
+
+    def take(self, timeout: float | None) -> tuple[int, Signature]:
+        """(status, the receiver's signature), waiting at most ``timeout`` seconds (None: the
+        store's own); raises TimeoutError past it."""
+        store = self._store()
+        try:
+            if timeout is None:
+                store.wait([self.key])
+            else:
+                store.wait([self.key], datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:  # the store's timeout (DistStoreError)
+            raise TimeoutError(str(e)) from e
+        status, *values = (int(v) for v in store.get(self.key).decode().split(","))
+        store.delete_key(self.key)
+        return status, Signature(*values)
+
+
+def wait_limit() -> float | None:
+    """How long a sender waits for its receiver's verdict: ZIPCCL_TIMEOUT (None: the store's)."""
+    return config.TIMEOUT
+
+
+def describe_status(status: int) -> tuple[int, int]:
+    """(rank, kind) of a verdict's poison code."""
+    return describe(status)

@@ -1,0 +1,319 @@
+"""The front door of point-to-point: zipccl.send, recv, isend, irecv, batch_isend_irecv, P2POp.
+
+Shaped like torch.distributed's, plus ``codec``. Each message either goes to the backend's own
+send and receive ("native"), or is framed by zipccl (zipccl.collectives.p2p: a header with the
+sender's signature, then pipelined packets, the receiver's verdict back through the job's
+store). Both ends decide alike, from what both know: the codec argument, the dtype, the size
+and the link (zipccl.topology.same_node). codec="auto" is native for small messages (below
+zipccl.auto.PROBE_MIN_BYTES), for types no codec takes and inside a node, and lossless across
+nodes: a send cannot learn from its times as the collectives do, since its two ends would have
+to agree on them without talking (see docs/USAGE.md).
+
+Order and progress, as NCCL's: a rank's messages to a peer match the peer's receives in issue
+order. A receive runs on zipccl's async thread, in issue order with zipccl's collectives, and
+holds that queue until its message has come; a send never waits for its peer: it is encoded and
+posted on the caller's thread (after the collectives issued before it) and completes in
+``wait()``. So ranks that send to each other never block each other, whether in one
+``batch_isend_irecv`` (sends first, whatever the list's order) or as separate isend and irecv
+calls; only a receive issued before the send that its peer waits for (on both ranks, with no
+batch) waits as it would on NCCL.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from . import auto, config, executor, topology
+from .collectives.links import PLAIN
+from .collectives.p2p import Signature, Verdict, mismatch_text, receive_message, send_message
+from .collectives.resolve import NATIVE, resolve_codec
+from .collectives.validation import finish, new_acc
+from .errors import MismatchError, UnsupportedError
+from .failure import LOST, Fate, code as poison
+from .format import DTYPE_CODES
+from .transport import transport_for
+
+__all__ = ["send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp"]
+
+
+class P2POp:
+    """One operation of ``batch_isend_irecv``, as ``torch.distributed.P2POp`` (which it takes too):
+    ``op`` is ``isend`` or ``irecv`` (zipccl's or torch's), plus ``codec``."""
+
+    def __init__(self, op, tensor: torch.Tensor, peer: int | None = None, group=None, tag: int = 0,
+                 group_peer: int | None = None, codec="auto"):
+        if _kind(op) is None:
+            raise ValueError(f"P2POp's op must be isend or irecv (zipccl's or torch.distributed's), got {op!r}")
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+        self.group_peer, self.codec = group_peer, codec
+
+
+def _kind(op) -> str | None:
+    return "send" if op in (isend, dist.isend) else "recv" if op in (irecv, dist.irecv) else None
+
+
+class _Op:
+    """One resolved message end: its transport, peer (group rank), codec decision and signature."""
+    __slots__ = ("kind", "tensor", "group", "t", "peer", "tag", "codec", "plan", "sig", "seq")
+
+    def __init__(self, kind: str, tensor, peer, group, tag: int, group_peer, codec):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{kind}'s tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        self.kind, self.tag, self.codec, self.group = kind, int(tag), codec, group
+        self.tensor = tensor.data if tensor.requires_grad else tensor
+        pg = group if group is not None else dist.group.WORLD
+        if (peer is None) == (group_peer is None):
+            raise ValueError(f"{kind}: give exactly one of the peer's rank in the job and its rank in the group")
+        self.peer = group_peer if group_peer is not None else dist.get_group_rank(pg, peer)
+        topology.publish_node()  # before anything here may wait on a peer that looks ours up
+        self.t = transport_for(group, self.tensor.device)
+        if self.peer == self.t.rank:
+            raise ValueError(f"{kind}: rank {dist.get_rank()} cannot {kind} to itself with zipccl")
+        self.plan = _decide(codec, self.tensor, group, self.peer)
+        if self.plan is not NATIVE and not self.tensor.is_contiguous():
+            raise UnsupportedError(f"{kind}'s tensor must be contiguous")
+        self.sig = Signature.of(self.tensor, codec, self.tag)
+        self.seq = None
+
+
+def _decide(codec, x: torch.Tensor, group, peer: int):
+    """NATIVE (the backend's send/recv) or the codec that frames the message, from what both ends
+    know alike (module docstring)."""
+    if isinstance(codec, Mapping):
+        if set(codec) != {"intra", "inter"}:
+            raise ValueError(f"a per-link codec maps both of ('intra', 'inter') (got {sorted(codec)})")
+        codec = codec["intra" if topology.same_node(group, peer) else "inter"]
+    if codec == "native" or codec is NATIVE:
+        return NATIVE
+    nbytes = x.numel() * x.element_size()
+    if codec == "auto":
+        if x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer):
+            return NATIVE
+        return resolve_codec("lossless" if config.AUTO_LEARN else "auto", x.dtype, nbytes)
+    r = resolve_codec(codec, x.dtype, nbytes)
+    if r is None:  # "raw" of a type that no codec takes: its bytes
+        return PLAIN
+    if not getattr(r, "exact", True):
+        raise UnsupportedError(f"lossy codec {r!r} reduces: all_reduce and reduce_scatter only, not send/recv")
+    return r
+
+
+# ---- ordering -------------------------------------------------------------------------------------------------
+
+_receives: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # receive task -> the task queued before it
+_seq_lock = threading.Lock()
+_seqs: dict = {}  # (group name, kind, peer's job rank) -> framed messages so far
+
+
+def _next_seq(op: _Op) -> int:
+    key = (_group_name(op.group), op.kind, op.t.global_rank(op.peer))
+    with _seq_lock:
+        n = _seqs.get(key, 0)
+        _seqs[key] = n + 1
+    return n
+
+
+def _group_name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _after_collectives() -> None:
+    """Wait for the async calls queued before now, except receives: a send may pass those
+    (they only post receives, so no peer's order of messages changes), never a collective."""
+    h = executor.last()
+    while h is not None and not h.is_completed():
+        before = _receives.get(h, _receives)
+        if before is _receives:  # not a receive
+            h.join()
+            return
+        h = before
+
+
+def _backend(group, device):
+    """The backend under a group of zipccl's drop-in (so that a native message never comes back
+    into zipccl); None for any other group (torch.distributed's calls)."""
+    pg = group if group is not None else dist.group.WORLD
+    return pg._get_backend(device) if dist.get_backend(group) == "zipccl" else None
+
+
+def _native_send(op: _Op):
+    inner = _backend(op.group, op.tensor.device)
+    if inner is not None:
+        return inner.send([op.tensor], op.peer, op.tag)
+    return dist.isend(op.tensor, group=op.group, group_dst=op.peer, tag=op.tag)
+
+
+def _native_recv(op: _Op):
+    inner = _backend(op.group, op.tensor.device)
+    if inner is not None:
+        return inner.recv([op.tensor], op.peer, op.tag)
+    return dist.irecv(op.tensor, group=op.group, group_src=op.peer, tag=op.tag)
+
+
+# ---- handles --------------------------------------------------------------------------------------------------
+
+class _SendHandle(executor.Handle):
+    """A framed send: posted, completed by ``wait()`` (its sends, then the receiver's verdict),
+    which raises what went wrong on either end; ``is_completed()`` once the verdict is there."""
+
+    def __init__(self, complete, verdict: Verdict):
+        super().__init__()
+        self._complete, self._verdict, self._lock = complete, verdict, threading.Lock()
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._future.done():
+                return
+            try:
+                self._future.set_result(self._complete())
+            except BaseException as e:  # raised by wait()
+                self._future.set_exception(e)
+
+    def wait(self, timeout=None) -> bool:
+        self._finish()
+        return super().wait(timeout)
+
+    def is_completed(self) -> bool:
+        if not self._future.done() and self._verdict.ready():
+            self._finish()
+        return self._future.done()
+
+
+def _send(op: _Op):
+    """Post ``op``'s message on this thread; its handle."""
+    if op.plan is NATIVE:
+        return _native_send(op)
+    fate, acc = Fate.of("send", op.t), new_acc()
+    op.seq = _next_seq(op)
+    flat = op.tensor.reshape(-1)
+    sends = send_message(op.t, flat, op.peer, op.plan, op.sig, acc, fate)
+    me, peer = op.t.global_rank(op.t.rank), op.t.global_rank(op.peer)
+    verdict = Verdict(_group_name(op.group), me, peer, op.seq)
+
+    def complete():
+        for w in sends:
+            fate.wait(op.t, w, op.peer)
+        if not fate.lost:
+            try:
+                status, theirs = verdict.take(config.TIMEOUT)
+            except TimeoutError as e:
+                fate.lose(op.t, op.peer, e)
+            else:
+                if status == 1:
+                    raise MismatchError(mismatch_text(me, peer, op.sig, theirs))
+                if status and not fate.failed:
+                    fate.heard(status)
+        fate.check()
+        return finish("send", op.plan, acc)
+
+    return _SendHandle(complete, verdict)
+
+
+def _receive(op: _Op):
+    """The body of ``op``'s receive task."""
+    if op.plan is NATIVE:
+        work = _native_recv(op)
+        work.wait()
+        return None
+    fate, acc = Fate.of("recv", op.t), new_acc()
+    me, peer = op.t.global_rank(op.t.rank), op.t.global_rank(op.peer)
+    problem = receive_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)
+    try:
+        fate.check()
+        status = 1 if problem else 0
+    except Exception:
+        status = fate.code or poison(me, LOST)
+        if problem is None and fate.lost:  # the sender is gone: nobody reads a verdict
+            raise
+        Verdict(_group_name(op.group), peer, me, op.seq).give(op.sig, status)
+        raise
+    Verdict(_group_name(op.group), peer, me, op.seq).give(op.sig, status)
+    if problem:
+        raise MismatchError(problem)
+    return finish("recv", op.plan, acc)
+
+
+def _post_receive(op: _Op, async_op: bool):
+    """``op``'s receive, queued in issue order (its handle), or run now (``async_op`` False)."""
+    if op.plan is not NATIVE:
+        op.seq = _next_seq(op)
+    elif async_op and (executor.last() is None or executor.last().is_completed()):
+        return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
+    before = executor.last()
+    handle = executor.run(lambda: _receive(op), async_op, (op.tensor,))
+    if handle is not None:
+        _receives[handle] = before
+    return handle
+
+
+# ---- the calls ------------------------------------------------------------------------------------------------
+
+def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, codec="auto",
+          group_dst: int | None = None):
+    """Like ``dist.isend``: send ``tensor`` to rank ``dst`` (of the job; or ``group_dst`` of
+    ``group``); a handle with ``wait()`` and ``is_completed()``. ``codec``: "auto" (default),
+    "native", "raw", "lossless", a codec instance, or a mapping per link {"intra": ...,
+    "inter": ...}; the receiver must pass the same. ``wait()`` raises where the receiver
+    disagrees (dtype, elements, codec, tag: MismatchError on both ends) or failed."""
+    op = _Op("send", tensor, dst, group, tag, group_dst, codec)
+    if op.plan is not NATIVE:
+        _after_collectives()
+    elif not (executor.last() is None or executor.last().is_completed()):
+        _after_collectives()
+    return _send(op)
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, *, codec="auto",
+          group_src: int | None = None):
+    """Like ``dist.irecv``: receive into ``tensor`` from rank ``src`` (of the job; or ``group_src``
+    of ``group``); a handle with ``wait()`` and ``is_completed()``. Any source (``src`` None) is
+    the backend's own receive: codec "auto" or "native" only."""
+    if src is None and group_src is None:
+        if codec not in ("auto", "native"):
+            raise UnsupportedError("a receive from any source is the backend's own: codec 'auto' or 'native'")
+        return dist.irecv(tensor, group=group, tag=tag)
+    return _post_receive(_Op("recv", tensor, src, group, tag, group_src, codec), True)
+
+
+def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, codec="auto",
+         group_dst: int | None = None) -> None:
+    """Like ``dist.send``: ``isend(...).wait()``."""
+    isend(tensor, dst, group, tag, codec=codec, group_dst=group_dst).wait()
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, *, codec="auto",
+         group_src: int | None = None) -> int:
+    """Like ``dist.recv``: receive into ``tensor`` and return the sender's rank in the job."""
+    if src is None and group_src is None:
+        if codec not in ("auto", "native"):
+            raise UnsupportedError("a receive from any source is the backend's own: codec 'auto' or 'native'")
+        return dist.recv(tensor, group=group, tag=tag)
+    op = _Op("recv", tensor, src, group, tag, group_src, codec)
+    _post_receive(op, False)
+    return op.t.global_rank(op.peer)
+
+
+def batch_isend_irecv(p2p_op_list: list) -> list:
+    """Like ``dist.batch_isend_irecv``: every send of the list is posted first, then the receives
+    are queued, so the list's order never blocks it (two ranks may send to each other in one
+    batch). Takes zipccl's or torch's P2POp; returns one handle per operation."""
+    if not p2p_op_list:
+        raise ValueError("batch_isend_irecv needs at least one operation")
+    ops = []
+    for p in p2p_op_list:
+        kind = _kind(getattr(p, "op", None))
+        if kind is None:
+            raise ValueError(f"batch_isend_irecv takes P2POp (zipccl's or torch's) of isend or irecv, got {p!r}")
+        group_peer = getattr(p, "group_peer", None)  # torch's P2POp sets both ranks
+        ops.append(_Op(kind, p.tensor, p.peer if group_peer is None else None, p.group, getattr(p, "tag", 0),
+                       group_peer, getattr(p, "codec", "auto")))
+    if any(op.kind == "send" for op in ops):
+        _after_collectives()
+    handles = {id(op): _send(op) for op in ops if op.kind == "send"}
+    handles.update({id(op): _post_receive(op, True) for op in ops if op.kind == "recv"})
+    return [handles[id(op)] for op in ops]
