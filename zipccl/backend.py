@@ -1,8 +1,9 @@
 """The drop-in backend: ``dist.init_process_group(backend="zipccl")``.
 
 One word in the user's code, and every ``dist.all_reduce``, ``all_gather_into_tensor``,
-``reduce_scatter_tensor`` (and DDP, FSDP2, HSDP, DeviceMesh, which call them) goes through
-zipccl's planner, while every other call passes straight to the backend underneath.
+``reduce_scatter_tensor`` (and DDP, FSDP2, HSDP, DeviceMesh, which call them),
+``all_to_all_single``, ``all_to_all`` and point-to-point call goes through zipccl's planner,
+while every other call passes straight to the backend underneath.
 
 ``ProcessGroupZipccl`` is a ``torch.distributed.ProcessGroup`` with gloo registered on it as
 its backend for CPU tensors (NCCL for CUDA tensors where torch has it), so that torch's own
@@ -12,14 +13,17 @@ collectives zipccl compresses (``allreduce``, ``allreduce_coalesced``, ``all_gat
 coalesced variants) go to zipccl when it can take the call: a dense CPU or CUDA
 bf16/fp16/fp32 tensor (CUDA: over zipccl's NCCL transport where the GPU extra is installed;
 ``takes_device``) reduced with SUM,
-AVG, MAX, MIN or PREMUL_SUM (the factor applied, then SUM). Everything else (integer, complex
-and sparse tensors, PRODUCT and bitwise ops, CUDA tensors with ZIPCCL_TRANSPORT=torch, and
-broadcast, send, recv, all_to_all, gather, scatter, reduce, barrier) goes to the backend
-underneath through its own binding (``_inner_for`` says why not through ``super()``).
-zipccl's own traffic runs on the same group: its point-to-point and all-to-all calls pass
-through, and the collectives it issues from inside a call (the backend's collective chosen by
-the planner, its metadata) are marked by a thread-local flag and go to the backend underneath,
-never back into zipccl.
+AVG, MAX, MIN or PREMUL_SUM (the factor applied, then SUM). All-to-all (``all_to_all_single``,
+``alltoall``: zipccl.alltoall) and point-to-point (``send``, ``recv``, which ``dist.isend``,
+``dist.irecv`` and ``dist.batch_isend_irecv`` call: zipccl.p2p) take dense float tensors the
+same way. Everything else (integer, complex and sparse tensors, PRODUCT and bitwise ops, CUDA
+tensors with ZIPCCL_TRANSPORT=torch, a receive from any source, and broadcast, gather,
+scatter, reduce, barrier) goes to the backend underneath through its own binding
+(``_inner_for`` says why not through ``super()``). zipccl's own traffic runs on the same
+group: its messages are uint8 and int64 tensors, which pass through, and the collectives it
+issues from inside a call (the backend's collective chosen by the planner) are marked by a
+thread-local flag and go to the backend underneath, never back into zipccl (zipccl.alltoall
+and zipccl.p2p call the backend under a drop-in group directly).
 
 The codec policy: ``Options(codec=...)`` through ``pg_options``, else ``ZIPCCL_CODEC``
 (``auto``, the default: the backend's own collective wherever compression cannot pay, so the
@@ -42,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import api, config, executor
+from . import alltoall, api, config, executor, p2p
 from .format import DTYPE_CODES
 from .lossy import Compressor
 from .stats import record_native
@@ -170,6 +174,12 @@ def _result(handle: executor.Handle, future: torch.futures.Future):
     value = future.wait()
     handle.join_stream()
     return value
+
+
+def _p2p_work(handle) -> dist.Work:
+    """A message's Work: the backend's own where zipccl handed it to the backend, else one over
+    zipccl's handle (a send's ``wait()`` completes it: zipccl.p2p)."""
+    return _Work(handle) if isinstance(handle, executor.Handle) else handle
 
 
 def _finished(result=None, error: BaseException | None = None) -> _Work:
@@ -460,20 +470,44 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def scatter(self, outputs, inputs, *args, **kwargs):
         return self._forward("scatter", _first(outputs), outputs, inputs, *args, **kwargs)
 
-    def alltoall_base(self, output, input, *args, **kwargs):
-        return self._forward("alltoall_base", input, output, input, *args, **kwargs)
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
+        """``dist.all_to_all_single`` (torch 2.13's name; ``alltoall_base`` before): zipccl's
+        all-to-all (zipccl.alltoall) for dense float tensors, uneven splits included."""
+        async_op = getattr(opts, "asyncOp", True)
+        if not self._takes([output, input]):
+            return self._inner_for(input).alltoall_base(output, input, list(output_split_sizes or []),
+                                                        list(input_split_sizes or []),
+                                                        _options(dist.AllToAllOptions, opts))
+        out, src = _data([output, input])
+        outs, ins = (list(s) if s else None for s in (output_split_sizes, input_split_sizes))
+        return self._run(lambda: alltoall.all_to_all_single(out, src, outs, ins, group=self, codec=self.codec,
+                                                            algorithm=self.options.algorithm), [output], async_op)
 
-    def alltoall(self, outputs, inputs, *args, **kwargs):
-        return self._forward("alltoall", _first(inputs), outputs, inputs, *args, **kwargs)
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None):
+        """``dist.all_to_all`` (list form): zipccl's all-to-all for dense float tensors."""
+        async_op = getattr(opts, "asyncOp", True)
+        if not (len(outputs) == len(inputs) == self.size() and self._takes(list(outputs) + list(inputs))):
+            return self._inner_for(_first(inputs)).alltoall(outputs, inputs, _options(dist.AllToAllOptions, opts))
+        outs, ins = _data(outputs), _data(inputs)
+        return self._run(lambda: alltoall.all_to_all(outs, ins, group=self, codec=self.codec,
+                                                     algorithm=self.options.algorithm), list(outputs), async_op)
 
     def allgather_coalesced(self, outputs, inputs, *args, **kwargs):
         return self._forward("allgather_coalesced", _first(inputs), outputs, inputs, *args, **kwargs)
 
-    def send(self, tensors, *args, **kwargs):
-        return self._forward("send", _first(tensors), tensors, *args, **kwargs)
+    def send(self, tensors, dst: int, tag: int = 0):
+        """``dist.send``, ``isend`` and ``batch_isend_irecv``'s sends: zipccl's (zipccl.p2p) for a
+        dense float tensor; its receiver's ``recv`` decides alike."""
+        if len(tensors) != 1 or not self._takes(tensors):
+            return self._inner_for(_first(tensors)).send(tensors, dst, tag)
+        return _p2p_work(p2p.isend(tensors[0], group=self, tag=tag, codec=self.codec, group_dst=dst))
 
-    def recv(self, tensors, *args, **kwargs):
-        return self._forward("recv", _first(tensors), tensors, *args, **kwargs)
+    def recv(self, tensors, src: int, tag: int = 0):
+        if len(tensors) != 1 or not self._takes(tensors):
+            return self._inner_for(_first(tensors)).recv(tensors, src, tag)
+        return _p2p_work(p2p.irecv(tensors[0], group=self, tag=tag, codec=self.codec, group_src=src))
 
     def recv_anysource(self, tensors, *args, **kwargs):
         return self._forward("recv_anysource", _first(tensors), tensors, *args, **kwargs)
