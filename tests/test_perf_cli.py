@@ -301,3 +301,26 @@ def test_make_bench_flow_where_namespaces_fail(tmp_path, monkeypatch, capfd):
     assert not (tmp_path / "lab.json").exists()
     png = tmp_path / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"# plot: {png}" in cap.out
+
+
+def test_make_bench_runs_alltoall_and_sendrecv_in_the_lab(tmp_path, monkeypatch):
+    """Where the lab can be built, make bench runs, after the lab's all-reduce, nccl-tests'
+    alltoall_perf and sendrecv_perf there: 16 MiB per rank, torch against auto, 2 nodes of 2
+    ranks, on the real activations of bench/activations.py (the lab itself stubbed here)."""
+    from zipccl.bench import netlab, perf, tour
+    runs = []
+    monkeypatch.setattr(perf, "main", lambda argv: 0)  # the loopback tables (their own test)
+    monkeypatch.setattr(netlab, "unavailable", lambda: None)
+    monkeypatch.setattr(netlab, "run_in_lab", lambda rate, nranks, argv, timeout, nodes: runs.append(
+        (rate, nranks, nodes, argv)) or 0)
+    monkeypatch.setattr(tour, "activations", lambda out: ["--data", str(out / "activations.npy")])
+    assert tour.main(["--out", str(tmp_path)]) == 0
+    assert [(rate, nranks, nodes) for rate, nranks, nodes, _ in runs] == [("1gbit", 4, 2)] * 3
+    lab, *exchanges = [argv for *_, argv in runs]
+    assert "--collective" not in lab
+    for argv, collective in zip(exchanges, ("alltoall", "sendrecv")):
+        args = perf.parser("zipccl-perf").parse_args(argv)
+        assert (args.collective, args.minbytes, args.maxbytes, args.codec, args.baseline, args.nodes) == \
+            (collective, 16 << 20, 16 << 20, "auto", True, 2)
+        assert str(args.data) == str(tmp_path / "activations.npy")
+        assert str(args.output_file) == str(tmp_path / f"lab_{collective}.json")

@@ -21,7 +21,10 @@ import nccl_text
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = ["torch", "raw", "lossless", "auto"]
 FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-          "reduce_scatter": lambda n: (n - 1) / n}
+          "reduce_scatter": lambda n: (n - 1) / n, "alltoall": lambda n: (n - 1) / n, "sendrecv": lambda n: 1.0}
+#: How many counts a row's size holds (nccl-tests: all-gather and all-to-all count per rank or peer).
+COUNTS_PER_SIZE = {"all_reduce": lambda n: 1, "reduce_scatter": lambda n: n, "all_gather": lambda n: n,
+                   "alltoall": lambda n: n, "sendrecv": lambda n: 1}
 ELEMENT = {"float": 4, "half": 2, "bfloat16": 2}
 
 
@@ -53,8 +56,7 @@ def check_against_json(tables: list, doc: dict, collective: str, nranks: int) ->
     for row, res, raw in zip(rows, got["results"], doc["results"]):
         assert (row["size"], row["count"], row["type"], row["redop"], row["root"]) == \
             (res["size"], res["count"], res["type"], res["redop"], res["root"])
-        per_rank = 1 if collective == "all_reduce" else nranks
-        assert row["count"] * ELEMENT[row["type"]] * per_rank == row["size"]
+        assert row["count"] * ELEMENT[row["type"]] * COUNTS_PER_SIZE[collective](nranks) == row["size"]
         for place in ("out_of_place", "in_place"):
             m = res[place]
             assert m["time"] > 0
@@ -132,6 +134,37 @@ def test_backend_zipccl_times_plain_calls_on_gloo_and_on_the_drop_in(tmp_path, c
     gloo, dropin = ([r["zipccl"] for r in doc["results"] if r["zipccl"]["codec"] == c] for c in ("torch-gloo", "drop-in"))
     assert all(z["wire_bytes"] is None for z in gloo)
     assert all(z["plan"] == "lossless" and 0 < z["wire_bytes"] < z["raw_bytes"] for z in dropin), dropin
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("collective", ["alltoall", "sendrecv"])
+def test_alltoall_and_sendrecv_tables(tmp_path, collective):
+    """nccl-tests' alltoall_perf and sendrecv_perf: one table per codec after torch's, parsing
+    alone; the count column per peer (alltoall, each peer's part in whole 16-byte lines) or per
+    rank (sendrecv), busbw factors (n-1)/n and 1, redop none for alltoall and the -o op for
+    sendrecv; out of place checked for every codec (data moved: one right answer), in place
+    timed and N/A, as nccl-tests; lossless moving fewer bytes."""
+    out_json = tmp_path / "r.json"
+    res = run_perf("-b", "25000", "-e", "100000", "-f", "4", "-n", "2", "-w", "1", "--nranks", "3", "--baseline",
+                   "--collective", collective, "-d", "all", "-J", str(out_json), timeout=580)
+    assert res.returncode == 0, res.stderr[-2000:]
+    tables = nccl_text.parse(res.stdout)
+    assert [t.name for t in tables] == [f"{collective}_perf:{c}" for c in CODECS]
+    for t in tables:
+        assert len(t.rows) == 2 * 3 and t.ok and t.out_of_bounds == 0
+        for r in t.rows:
+            assert r["redop"] == ("none" if collective == "alltoall" else "sum") and r["root"] == -1, r
+            assert r["out_of_place"]["wrong"] == 0 and r["in_place"]["wrong"] is None, r
+    # alltoall: 25000 B over 3 ranks is 8333 B per peer, 8320 in whole 16-byte lines (nccl-tests' paramcount)
+    assert [r["size"] for r in tables[0].rows] == ([24960, 99984] if collective == "alltoall" else [25000, 100000]) * 3
+    doc = json.loads(out_json.read_text())
+    check_against_json(tables, doc, collective, 3)
+    for r in doc["results"]:
+        z = r["zipccl"]
+        if z["codec"] == "lossless" and r["type"] == "bfloat16":
+            assert 0 < z["wire_bytes"] < 0.9 * z["raw_bytes"], z
+        if z["codec"] == "torch":
+            assert z["wire_bytes"] is None
 
 
 @pytest.mark.timeout(300)

@@ -1,6 +1,6 @@
 """The nccl-tests-style harness behind zipccl-perf: flags, sizes, data, timing, checking, plot.
 
-Each collective is a small ``Spec`` (all_reduce.py, reduce_scatter.py, all_gather.py):
+Each collective is a small ``Spec`` (all_reduce.py, reduce_scatter.py, all_gather.py, alltoall.py, sendrecv.py):
 its buffers, where its in-place buffers sit, how to run it, its bus-bandwidth factor and
 its expected output. The output formats live in report.py.
 """
@@ -41,6 +41,11 @@ class Spec:
     run: Callable                                  # run(out, inp, op, group, codec, algorithm), codec None = torch
     expect: Callable                               # expect(inputs of every rank, op, rank, nranks) -> output
     in_place: Callable                             # in_place(numel_in, numel_out, rank, nranks, dtype) -> (out, inp)
+    count: Callable | None = None  # count(numel_in, numel_out, nranks): the count column (None: the smaller)
+    line_bytes: int = 0            # each peer's part rounded down to whole lines of this many bytes (nccl-tests' alltoall)
+    checks_in_place: bool = True   # False: in place is timed, not checked (nccl-tests' alltoall and sendrecv)
+    reduces: bool = True           # False: the output is data moved, the same bits for any plan or backend
+    policy_name: str = ""          # the collective's name in zipccl.auto's classes (default: name)
 
 
 def parse_size(text: str) -> int:
@@ -89,7 +94,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("-g", "--ngpus", type=int, default=1, help="accepted for nccl-tests compatibility: 1 only "
                     "(one process per rank; more ranks: --nranks or a launcher)")
     ap.add_argument("-t", "--nthreads", type=int, default=1, help="accepted for nccl-tests compatibility: 1 only")
-    ap.add_argument("--collective", default="all_reduce", choices=["all_reduce", "reduce_scatter", "all_gather"])
+    ap.add_argument("--collective", default="all_reduce",
+                    choices=["all_reduce", "reduce_scatter", "all_gather", "alltoall", "sendrecv"],
+                    help="the collective (alltoall, sendrecv: nccl-tests' alltoall_perf and sendrecv_perf)")
     ap.add_argument("--codec", default="all", choices=[*CODECS, "all"],
                     help="zipccl codec (default all: one table per codec)")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "zipccl"],
@@ -314,12 +321,14 @@ def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, d
     inp.copy_(data)
     for _ in range(args.warmup_iters):
         spec.run(out, inp, op, group, codec, args.algorithm)
-    row = dict(size=max(numel_in, numel_out) * data.element_size(), count=min(numel_in, numel_out),
+    count = spec.count(numel_in, numel_out, nranks) if spec.count else min(numel_in, numel_out)
+    row = dict(size=max(numel_in, numel_out) * data.element_size(), count=count,
                type=args_type(dtype), redop=op_name(op) if spec.has_op else "none", root=-1, iterations=args.iters)
     wire = raw = calls = 0
     for key, in_place in PLACES:
+        checked = reference if spec.checks_in_place or not in_place else None
         row[key], st = measure_placement(spec, args, in_place, numel_in, numel_out, dtype, op, codec, data,
-                                         reference, rank, nranks, group)
+                                         checked, rank, nranks, group)
         total = st["total"]
         wire, raw, calls = wire + total["wire_bytes"], raw + total["raw_bytes"], calls + total["calls"]
         plan = st["last"].get("codec")
@@ -339,7 +348,8 @@ def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, d
 def auto_class(spec: Spec, group, dtype, numel_in: int) -> tuple:
     """(policy, class): codec "auto"'s policy on ``group`` and the class of this collective's
     calls (zipccl.auto.Policy.key of the input's bytes, as zipccl's calls key it)."""
-    return auto_policy(group), Policy.key(spec.name, dtype, numel_in * torch.empty(0, dtype=dtype).element_size())
+    return auto_policy(group), Policy.key(spec.policy_name or spec.name, dtype,
+                                          numel_in * torch.empty(0, dtype=dtype).element_size())
 
 
 def settled(policy: Policy, key: tuple) -> bool:

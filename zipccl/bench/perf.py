@@ -26,12 +26,12 @@ import torch.distributed as dist
 from .. import __version__, config, launch, topology
 from ..collectives import auto_policy
 from ..errors import UnsupportedError
-from . import all_gather, all_reduce, reduce_scatter, report
+from . import all_gather, all_reduce, alltoall, reduce_scatter, report, sendrecv
 from . import cuda
 from .common import (BASELINE, CODECS, DTYPES, OPS, load_data, measure, parser, plot, progress, rank_order_reduce,
                      real, sizes, validate, verifiable)
 
-SPECS = {s.name: s for s in (all_reduce.SPEC, reduce_scatter.SPEC, all_gather.SPEC)}
+SPECS = {s.name: s for s in (all_reduce.SPEC, reduce_scatter.SPEC, all_gather.SPEC, alltoall.SPEC, sendrecv.SPEC)}
 
 
 #: --backend zipccl's two tables: plain dist.* calls on a gloo group, then on the zipccl world.
@@ -119,13 +119,17 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
         rows, notes = [], []
         for dtype, op, size in points:
             k += 1
-            count = size // torch.empty(0, dtype=dtype).element_size()
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            count = size // itemsize
+            if spec.line_bytes:  # nccl-tests' alltoall: each peer's part in whole 16-byte lines
+                line = spec.line_bytes // itemsize
+                count = count // nranks // line * line * nranks
             numel_in, numel_out = spec.buffers(count, nranks)
             if rank == 0:
                 progress(k, total, f"{spec.name} {size} B {dtype} {label}")
             if numel_in == 0:
                 continue
-            if variant is None and op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo":
+            if variant is None and spec.reduces and op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo":
                 notes.append(f"{size} B {dtype}: avg skipped (gloo has no AVG)")
                 continue
             inp, ref, inputs = _inputs(spec, args, data, dtype, op, numel_in, rank, nranks)
@@ -220,6 +224,8 @@ def real_reference(spec, args, inputs, op, codec, rank: int, nranks: int):
     rounding at every hop): those rows are not checked."""
     if spec.name == "all_gather":
         return torch.cat(inputs)
+    if not spec.reduces:  # data moved: the same bits for every plan and backend
+        return spec.expect(inputs, op, rank, nranks).to(inputs[0].dtype)
     ordered = op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
     if ordered and (codec in (None, "auto") or config.REDUCE_SCATTER == "ring"
                     or (args.algorithm == "hierarchical" and args.intra == "native")):

@@ -1,5 +1,6 @@
-"""make bench: zipccl-perf on loopback, then the same collectives on a shaped network, each table
-summed up against torch.distributed, and one plot of both.
+"""make bench: zipccl-perf on loopback, then the same collectives on a shaped network, and there
+all-to-all and send/recv of real activations too, each table summed up against torch.distributed,
+and one plot of them all.
 
     python -m zipccl.bench.tour [--out DIR] [--no-lab] [zipccl-perf flags, given to both runs]
 
@@ -33,10 +34,34 @@ LAB_RATE = "1gbit"
 LAB = ["-b", "4M", "-e", "64M", "-n", "5", "-w", "2", "--baseline", "--codec", "auto", "--nranks", "4",
        "--nodes", "2"]
 LAB_TIMEOUT = 600.0  # seconds; the lab is torn down after, whatever happened
+#: Then all-to-all and send/recv (nccl-tests' alltoall_perf and sendrecv_perf) in the same lab: 16 MiB
+#: of bf16 activations per rank, torch against auto (a send/recv is a ring shift: two of its four
+#: messages cross between the nodes).
+EXCHANGES = ("alltoall", "sendrecv")
+EXCHANGE = ["-b", "16M", "-e", "16M", "-n", "5", "-w", "2", "--baseline", "--codec", "auto", "--nranks", "4",
+            "--nodes", "2"]
+#: The real activations those runs send (bench/activations.py, in a checkout; elsewhere the
+#: harness's verifiable data).
+ACTIVATIONS = Path(__file__).resolve().parents[2] / "bench" / "activations.py"
 
 
 def lab_command(extra: list[str] = ()) -> str:
     return " ".join(["zipccl-perf", *LAB, *extra, "--netlab", LAB_RATE])
+
+
+def activations(out: Path) -> list[str]:
+    """--data for the exchange runs: 16 MiB of bf16 activations written into ``out``, where this is
+    a checkout (bench/activations.py); else nothing (verifiable data)."""
+    if not ACTIVATIONS.exists():
+        return []
+    path = out / "activations.npy"
+    if not path.exists():
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("activations", ACTIVATIONS)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.main(["--out", str(path), "--numel", str(8 << 20)])
+    return ["--data", str(path)]
 
 
 def _rows(path: Path) -> list[dict]:
@@ -59,20 +84,31 @@ def main(argv: list[str] | None = None) -> int:
     status = perf.main([*LOOPBACK, *extra, "-J", str(loopback)])
     panels = [(f"loopback: {local.nranks} ranks on one host (gloo over TCP)", _rows(loopback))] \
         if loopback.exists() else []
+    exchanges = {c: args.out / f"lab_{c}.json" for c in EXCHANGES}
+    for old in exchanges.values():
+        old.unlink(missing_ok=True)
     if not args.no_lab:
         why = netlab.unavailable()
         if why is None:
             try:
                 status = max(status, netlab.run_in_lab(LAB_RATE, shape.nranks, [*LAB, *extra, "-J", str(lab)],
                                                        LAB_TIMEOUT, shape.nodes))
+                data = activations(args.out)
+                for c, path in exchanges.items():
+                    status = max(status, netlab.run_in_lab(
+                        LAB_RATE, shape.nranks, ["--collective", c, *EXCHANGE, *data, *extra, "-J", str(path)],
+                        LAB_TIMEOUT, shape.nodes))
             except netlab.LabError as e:
                 why = str(e)
         if why is not None:
             print(f"# network lab not run ({why}); to see zipccl win on a 1 Gbit/s network, as root: "
                   f"{lab_command(extra)}", flush=True)
+    where = f"network lab: {shape.nodes} nodes of {shape.nranks // shape.nodes} ranks, {LAB_RATE} per node"
     if lab.exists():
-        panels.append((f"network lab: {shape.nodes} nodes of {shape.nranks // shape.nodes} ranks, {LAB_RATE} per node",
-                       _rows(lab)))
+        panels.append((where, _rows(lab)))
+    for c, path in exchanges.items():
+        if path.exists():
+            panels.append((f"{c}, {where}", _rows(path)))
     png = args.out / "bench.png"
     if panels:
         plot(panels, png)
