@@ -1,11 +1,13 @@
 """Is codec="auto" ever slower than the plain collective, or than the best fixed plan?
 
-    python bench/never_a_loss.py --lab loopback|4|2x2 [--collective all_reduce] [--sizes 64K,1M,16M,256M]
-                                 [--rounds 5] [--min-seconds 4] [--only flat/raw] [--json FILE] [--plot FILE.png]
+    python bench/never_a_loss.py --lab loopback|4|2x2 [--collective all_reduce|...|alltoall|sendrecv]
+                                 [--sizes 64K,1M,16M,256M] [--data FILE] [--rounds 5] [--min-seconds 4]
+                                 [--only flat/raw] [--json FILE] [--plot FILE.png]
                                  # labs other than loopback: root
 
 Four ranks: on unshaped loopback (one node), in the 1 Gbit/s lab with one rank per node
-(``4``), or two nodes of two ranks (``2x2``). For each size (real bf16 gradients, tiled), the
+(``4``), or two nodes of two ranks (``2x2``). For each size (real bf16 gradients, tiled, or
+``--data``: e.g. bench/activations.py's activations), the
 ranks first make codec="auto" finish its learning calls, then time in rounds, one call of
 each in turn (the order rotated every round so that the host's drift falls on all alike):
 the plain ``torch.distributed`` collective, zipccl with ``codec="auto"``, and every plan auto
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 import zipccl
 from zipccl import topology
+from zipccl.bench import alltoall, sendrecv
 from zipccl.bench.common import DEFAULT_DATA, load_data, parse_size, real
 from zipccl.bench.netlab import NetLab
 from zipccl.torch_compat import all_gather_single, reduce_scatter_single
@@ -38,6 +41,8 @@ from zipccl.torch_compat import all_gather_single, reduce_scatter_single
 NATIVE = {"all_reduce": lambda o, i: dist.all_reduce(o),
           "reduce_scatter": lambda o, i: reduce_scatter_single(o, i),
           "all_gather": lambda o, i: all_gather_single(o, i)}
+#: nccl-tests' alltoall_perf and sendrecv_perf calls (zipccl-perf's specs: the same calls as its tables).
+EXCHANGES = {"alltoall": alltoall.SPEC.run, "sendrecv": sendrecv.SPEC.run}
 
 
 def zipccl_call(collective: str, **kw):
@@ -47,7 +52,23 @@ def zipccl_call(collective: str, **kw):
     return lambda o, i: fn(o, i, **kw)
 
 
+def exchange_variants(collective: str) -> dict:
+    """All-to-all (each rank's buffer split evenly among the ranks) or a ring shift of send/recv:
+    torch's, auto, and the plans auto may choose, fixed (per link where there are several nodes:
+    the plain bytes inside a node, lossless between)."""
+    run = EXCHANGES[collective]
+    out = {"torch": lambda o, i: run(o, i, None, None, None)}
+    for name, codec in (("auto", "auto"), ("flat/raw", "raw"), ("flat/lossless", "lossless")):
+        out[name] = lambda o, i, codec=codec: run(o, i, None, None, codec)
+    if len(topology.topology().nodes) > 1:
+        links = {"intra": "native", "inter": "lossless"}
+        out["links/plain+lossless"] = lambda o, i: run(o, i, None, None, links)
+    return out
+
+
 def variants(collective: str) -> dict:
+    if collective in EXCHANGES:
+        return exchange_variants(collective)
     out = {"torch": NATIVE[collective], "auto": zipccl_call(collective),
            "flat/raw": zipccl_call(collective, codec="raw"), "flat/lossless": zipccl_call(collective, codec="lossless")}
     if topology.levels() is not None:
@@ -73,6 +94,9 @@ def sweep(args, data: torch.Tensor) -> list[dict]:
             src, out = inp[:numel // n].clone(), torch.empty(numel // n * n, dtype=torch.bfloat16)
         elif args.collective == "reduce_scatter":
             src, out = inp[:numel // n * n].clone(), torch.empty(numel // n, dtype=torch.bfloat16)
+        elif args.collective in EXCHANGES:
+            src = inp[:numel // n * n].clone()
+            out = torch.empty_like(src)
         else:
             src, out = inp, inp.clone()
         runs = {name: run for name, run in variants(args.collective).items()
@@ -160,7 +184,7 @@ def plot(rows: list[dict], args) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lab", default="loopback", choices=["loopback", "4", "2x2"])
-    ap.add_argument("--collective", default="all_reduce", choices=list(NATIVE))
+    ap.add_argument("--collective", default="all_reduce", choices=[*NATIVE, *EXCHANGES])
     ap.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M,256M",
                     type=lambda s: [parse_size(x) for x in s.split(",")], help="bytes per rank's input")
     ap.add_argument("--rounds", type=int, default=5)

@@ -192,14 +192,15 @@ def test_hierarchical_on_emulated_nodes():
     assert bad.returncode == 2 and "must divide" in bad.stderr
 
 
-def test_never_a_loss_smoke(tmp_path):
+@pytest.mark.parametrize("collective", ["all_reduce", "alltoall"])
+def test_never_a_loss_smoke(tmp_path, collective):
     """bench/never_a_loss.py on loopback at two small sizes, one round: it runs, and its table
-    has a row per size with auto's ratios."""
+    has a row per size with auto's ratios (all-to-all: torch's, auto and the fixed plans)."""
     out = tmp_path / "n.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "never_a_loss.py"), "--lab", "loopback", "--sizes",
-                          "64K,2M", "--rounds", "1", "--min-seconds", "0", "--json", str(out)],
-                         capture_output=True, text=True, env=env, timeout=280)
+                          "64K,2M", "--rounds", "1", "--min-seconds", "0", "--collective", collective, "--json",
+                          str(out)], capture_output=True, text=True, env=env, timeout=280)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["size"] for r in rows] == [65536, 2 << 20]

@@ -14,9 +14,10 @@ order. A receive runs on zipccl's async thread, in issue order with zipccl's col
 holds that queue until its message has come; a send never waits for its peer: it is encoded and
 posted on the caller's thread (after the collectives issued before it) and completes in
 ``wait()``. So ranks that send to each other never block each other, whether in one
-``batch_isend_irecv`` (sends first, whatever the list's order) or as separate isend and irecv
-calls; only a receive issued before the send that its peer waits for (on both ranks, with no
-batch) waits as it would on NCCL.
+``batch_isend_irecv`` (whatever the list's order) or as separate isend and irecv calls. What
+does block: a blocking ``recv`` before the send its peer waits for (on any backend), and a
+collective issued between a receive and the send its peer waits for, on both ranks (the
+collective waits for the receive; docs/USAGE.md).
 """
 
 from __future__ import annotations
@@ -299,9 +300,9 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
 
 
 def batch_isend_irecv(p2p_op_list: list) -> list:
-    """Like ``dist.batch_isend_irecv``: every send of the list is posted first, then the receives
-    are queued, so the list's order never blocks it (two ranks may send to each other in one
-    batch). Takes zipccl's or torch's P2POp; returns one handle per operation."""
+    """Like ``dist.batch_isend_irecv``: the receives are queued, the sends posted on this thread,
+    so the list's order never blocks it (two ranks may send to each other in one batch). Takes
+    zipccl's or torch's P2POp; returns one handle per operation."""
     if not p2p_op_list:
         raise ValueError("batch_isend_irecv needs at least one operation")
     ops = []
@@ -312,8 +313,10 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
         group_peer = getattr(p, "group_peer", None)  # torch's P2POp sets both ranks
         ops.append(_Op(kind, p.tensor, p.peer if group_peer is None else None, p.group, getattr(p, "tag", 0),
                        group_peer, getattr(p, "codec", "auto")))
-    if any(op.kind == "send" for op in ops):
+    # the receives first: queued, they wait on the async thread while this thread encodes and posts
+    # the sends (which never wait for them), so that this rank's decoding overlaps its encoding
+    handles = {id(op): _post_receive(op, True) for op in ops if op.kind == "recv"}
+    if len(handles) < len(ops):
         _after_collectives()
-    handles = {id(op): _send(op) for op in ops if op.kind == "send"}
-    handles.update({id(op): _post_receive(op, True) for op in ops if op.kind == "recv"})
+    handles.update({id(op): _send(op) for op in ops if op.kind == "send"})
     return [handles[id(op)] for op in ops]
