@@ -132,7 +132,8 @@ def main(argv=None) -> int:
     if results and results[0] is not None:
         r = results[0]
         print(f"backend {r['backend']}: losses {' '.join(f'{v:.4f}' for v in r['losses'])}; all-to-all sent "
-              f"{r['wire_bytes'] / 1e6:.2f} MB for {r['raw_bytes'] / 1e6:.2f} MB; params sha256 {r['param_sha256'][:16]}")
+              f"{r['wire_bytes'] / 1e6:.2f} MB for {r['raw_bytes'] / 1e6:.2f} MB; "
+              f"params sha256 {r['param_sha256'][:16]}")
         if args.json:
             Path(args.json).write_text(json.dumps(r, indent=1))
     return 0

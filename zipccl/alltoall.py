@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import auto, config, topology
+from .api import _outside_autograd
 from .collectives.alltoall import counts_row, exchange_counts, run_all_to_all
 from .collectives.autoplan import planned
 from .collectives.links import PLAIN, Links, per_peer
@@ -32,6 +33,7 @@ from .failure import Fate
 from .format import DTYPE_CODES
 from .stats import record
 from .transport import transport_for
+from .transport.torch_dist import underneath
 
 __all__ = ["all_to_all_single", "all_to_all", "ALGORITHMS", "AUTO_PLANS"]
 
@@ -43,19 +45,8 @@ _LEVELS = ("intra", "inter")
 _NAME = "all_to_all"
 
 
-def _outside_autograd(x):
-    return x.data if isinstance(x, torch.Tensor) and x.requires_grad else x
-
-
-def _backend(group, device: torch.device):
-    """Where the backend's own all-to-all runs: torch.distributed, or for a group of zipccl's
-    drop-in backend the backend under it (so that a native plan never comes back into zipccl)."""
-    pg = group if group is not None else dist.group.WORLD
-    return pg._get_backend(device) if dist.get_backend(group) == "zipccl" else None
-
-
 def _native_single(group, output, input, out_splits, in_splits) -> None:
-    inner = _backend(group, input.device)
+    inner = underneath(group, input.device)
     if inner is None:
         work = dist.all_to_all_single(output, input, out_splits, in_splits, group=group, async_op=True)
     else:
@@ -74,7 +65,7 @@ def _native_list(group, outputs, inputs) -> None:
         for x, part in zip(outputs, out.split([x.numel() for x in outputs])):
             x.copy_(part.view_as(x))
         return
-    inner = _backend(group, inputs[0].device)
+    inner = underneath(group, inputs[0].device)
     work = dist.all_to_all(outputs, inputs, group=group, async_op=True) if inner is None else \
         inner.alltoall(outputs, inputs, dist.AllToAllOptions())
     work.wait()

@@ -38,6 +38,7 @@ from .errors import MismatchError, UnsupportedError
 from .failure import LOST, Fate, code as poison
 from .format import DTYPE_CODES
 from .transport import transport_for
+from .transport.torch_dist import underneath
 
 __all__ = ["send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp"]
 
@@ -135,22 +136,15 @@ def _after_collectives() -> None:
         h = before
 
 
-def _backend(group, device):
-    """The backend under a group of zipccl's drop-in (so that a native message never comes back
-    into zipccl); None for any other group (torch.distributed's calls)."""
-    pg = group if group is not None else dist.group.WORLD
-    return pg._get_backend(device) if dist.get_backend(group) == "zipccl" else None
-
-
 def _native_send(op: _Op):
-    inner = _backend(op.group, op.tensor.device)
+    inner = underneath(op.group, op.tensor.device)
     if inner is not None:
         return inner.send([op.tensor], op.peer, op.tag)
     return dist.isend(op.tensor, group=op.group, group_dst=op.peer, tag=op.tag)
 
 
 def _native_recv(op: _Op):
-    inner = _backend(op.group, op.tensor.device)
+    inner = underneath(op.group, op.tensor.device)
     if inner is not None:
         return inner.recv([op.tensor], op.peer, op.tag)
     return dist.irecv(op.tensor, group=op.group, group_src=op.peer, tag=op.tag)

@@ -42,7 +42,7 @@ class Spec:
     expect: Callable                               # expect(inputs of every rank, op, rank, nranks) -> output
     in_place: Callable                             # in_place(numel_in, numel_out, rank, nranks, dtype) -> (out, inp)
     count: Callable | None = None  # count(numel_in, numel_out, nranks): the count column (None: the smaller)
-    line_bytes: int = 0            # each peer's part rounded down to whole lines of this many bytes (nccl-tests' alltoall)
+    line_bytes: int = 0            # each peer's part in whole lines of this many bytes (nccl-tests' alltoall)
     checks_in_place: bool = True   # False: in place is timed, not checked (nccl-tests' alltoall and sendrecv)
     reduces: bool = True           # False: the output is data moved, the same bits for any plan or backend
     policy_name: str = ""          # the collective's name in zipccl.auto's classes (default: name)

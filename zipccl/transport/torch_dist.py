@@ -45,6 +45,15 @@ def _own_timeout(group, device: torch.device) -> float | None:
         return None
 
 
+def underneath(group, device: torch.device):
+    """For a group of zipccl's drop-in backend ("zipccl"), the backend under it for tensors on
+    ``device`` (gloo, NCCL), whose calls never come back into zipccl; None for any other group
+    (whose torch.distributed calls are the backend's own). zipccl.alltoall and zipccl.p2p run
+    their native plans there."""
+    pg = group if group is not None else dist.group.WORLD
+    return pg._get_backend(device) if dist.get_backend(group) == "zipccl" else None
+
+
 class _Staged:
     """A receive into ``wire`` (on the group's device) for ``host``, a tensor elsewhere (a CPU
     size or status on an NCCL group), which ``TorchTransport.wait`` fills once it has come."""
