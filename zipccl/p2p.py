@@ -195,7 +195,7 @@ def _send(op: _Op):
             fate.wait(op.t, w, op.peer)
         if not fate.lost:
             try:
-                status, theirs = verdict.take(config.TIMEOUT)
+                status, theirs = verdict.take(config.wait_bound())
             except TimeoutError as e:
                 fate.lose(op.t, op.peer, e)
             else:

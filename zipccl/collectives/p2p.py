@@ -21,6 +21,7 @@ and sends one-byte stand-ins, as the collectives do.
 from __future__ import annotations
 
 import datetime
+import threading
 import zlib
 
 import torch
@@ -205,6 +206,9 @@ def _decode(codec, packet: torch.Tensor, out: torch.Tensor, fate: Fate, t, peer:
         timed(acc, "codec_seconds", decode_to, codec, packet, out, fate, t, peer)
 
 
+_connections = threading.local()
+
+
 class Verdict:
     """The receiver's word on one message, through the job's store: its signature and status (0,
     1 for a mismatch, else a poison code of zipccl.failure). Key: the group, the pair (job ranks)
@@ -215,7 +219,18 @@ class Verdict:
 
     @staticmethod
     def _store():
-        return dist.distributed_c10d._get_default_store()
+        """The job's store through this thread's own connection: a store client serves one request
+        at a time, so a sender waiting for its verdict on one thread would hold back the verdict
+        that another thread of the same rank gives (in a ring of sends, every rank waits forever)."""
+        store = dist.distributed_c10d._get_default_store()
+        own = getattr(_connections, "own", None)
+        if own is None or own[0] is not store:
+            try:
+                clone = store.clone()
+            except Exception:  # noqa: BLE001 - a store without clone() (in-process)
+                clone = store
+            _connections.own = own = (store, clone)
+        return own[1]
 
     def give(self, sig: Signature, status: int) -> None:
         self._store().set(self.key, ",".join(map(str, [status, *sig.values()])))
@@ -237,11 +252,6 @@ class Verdict:
         status, *values = (int(v) for v in store.get(self.key).decode().split(","))
         store.delete_key(self.key)
         return status, Signature(*values)
-
-
-def wait_limit() -> float | None:
-    """How long a sender waits for its receiver's verdict: ZIPCCL_TIMEOUT (None: the store's)."""
-    return config.TIMEOUT
 
 
 def describe_status(status: int) -> tuple[int, int]:
