@@ -222,3 +222,56 @@ def test_spawn_share_gpu_needs_cuda(monkeypatch):
 
 def _never_called(rank, nranks):
     raise AssertionError("spawn started ranks without CUDA")
+
+
+_ORPHAN_LAUNCHER = """
+import os, signal, sys, time
+from zipccl import launch
+
+def rank(r, n, folder):
+    # torch's spawn sends SIGINT to its ranks when their parent dies: a rank blocked inside a C++
+    # call (a store's wait) does not act on it, nor one whose shell ignores it (a background job)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    launch.spawn(rank, 2, sys.argv[1], timeout=60)
+"""
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """A launcher killed by SIGKILL (as a timeout kills it) leaves no rank running."""
+    import signal
+    import time
+    script = tmp_path / "launcher.py"
+    script.write_text(_ORPHAN_LAUNCHER)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "the ranks never started"
+            time.sleep(0.2)
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    ranks = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+    deadline = time.monotonic() + 20
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in ranks if _alive(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], f"ranks {alive} outlived their launcher"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

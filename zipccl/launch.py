@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -138,7 +139,20 @@ def rank_env(rank: int, nranks: int, port: int, share_gpu: bool = False) -> dict
     return env
 
 
+def _die_with_launcher() -> None:
+    """Linux: this rank is killed when the process that spawned it dies, however it dies (a
+    launcher killed by a timeout must not leave its ranks running, holding ports and cores).
+    torch's spawn asks for SIGINT there, which a rank blocked in a C++ call (a store's wait) or
+    one that ignores SIGINT (a shell's background job) never acts on."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: ranks end with their work or their timeout
+        pass
+
+
 def _child(rank, fn, nranks, port, backend, timeout, results, args, share_gpu=False):
+    _die_with_launcher()
     os.environ.update(rank_env(rank, nranks, port, share_gpu))
     torch.set_num_threads(1)  # N ranks share the machine's cores
     init(backend, timeout, share_gpu)
