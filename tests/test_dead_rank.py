@@ -508,6 +508,24 @@ def test_a_closed_connection_names_its_peer_at_once_unless_a_rank_is_silent(monk
         assert fate.first == (named, failure.LOST) and time.monotonic() - start < 0.5, (beats, fate.first)
 
 
+def test_a_closed_connection_of_a_survivor_names_the_rank_it_lost(monkeypatch):
+    """Rank 3 was killed a moment ago (every beat still fresh); rank 1 lost it, wrote so in the
+    store and ended, closing its connection to rank 0: rank 0 names rank 3, not rank 1. A report
+    written before this call began is an old call's: rank 1 is named."""
+    from zipccl import config
+    from zipccl.transport import heartbeat
+    monkeypatch.setattr(config, "TIMEOUT", TIMEOUT)
+    t = types.SimpleNamespace(size=4, global_rank=lambda r: r)
+    for written, named in [(NOW - 1, 3), (NOW - 20, 1)]:
+        board = _board(monkeypatch, {1: (0.1, 5), 2: (0.1, 5), 3: (0.2, 5)})
+        heartbeat.Board(object(), board.writer, 1, clock=lambda: written).report(3)
+        fate = failure.Fate("all_reduce", 0)
+        fate.began = NOW - 10
+        fate.lose(t, 1, RuntimeError("Connection closed by peer"))
+        assert fate.first == (named, failure.LOST), (written, fate.first)
+    assert json.loads(bytes(board.reader.get(heartbeat.LOST_KEY.format(0)))) == {"rank": 1, "t": NOW}
+
+
 def test_a_store_that_does_not_answer_is_no_evidence(monkeypatch):
     board = _board(monkeypatch, {})
     board.read = lambda ranks: None

@@ -181,12 +181,17 @@ class Fate:
         heartbeats name (``_culprit``)."""
         self.lost.add((id(t), peer))
         if self.first is None:
-            self.fail(LOST, error, rank=self._culprit(t, peer, error))
+            culprit = self._culprit(t, peer, error)
+            self.fail(LOST, error, rank=culprit)
+            b = heartbeat.board()
+            if b is not None and culprit >= 0:
+                b.report(culprit)
         self._hurry()
 
     def _culprit(self, t, peer: int, error: BaseException) -> int:
         """The job rank to blame for a loss on ``t``: the one the group's heartbeats name
-        (silent, or never in the call), else ``peer`` where ``error`` identifies it, else -1.
+        (silent, or never in the call), else ``peer`` where ``error`` identifies it, else -1;
+        but where ``peer`` reported a loss of its own during this call, the rank it lost.
         An error that identifies its peer is taken at once where no rank is silent yet (a
         killed rank's beat is fresh when its sockets close); one that does not waits up to
         ``stale_after()`` and a beat for a rank to fall silent (NCCL learns of a killed peer before
@@ -196,6 +201,11 @@ class Fate:
         if b is None:
             return named
         known = peer >= 0 and identifies(error)  # a collective's error names no peer
+        if known and named >= 0:  # the peer may be a survivor, closing after a loss of its own
+            first = b.reported(named, self.began)
+            if first is not None:
+                self.evidence = f"rank {named}, whose connection closed, had lost it first"
+                return first
         patience = 0.0 if known else heartbeat.stale_after() + heartbeat.period()
         found = b.culprit([t.global_rank(r) for r in range(t.size)], self.began, patience)
         if found is None:

@@ -37,6 +37,8 @@ from .. import config
 __all__ = ["Board", "board", "entered", "period", "stale_after", "start"]
 
 KEY = "zipccl/heartbeat/{}"
+#: Where a rank writes down the rank it lost (``Board.report``).
+LOST_KEY = "zipccl/lost/{}"
 
 #: Seconds a store operation of the heartbeat may take (the store's host may be the dead rank).
 STORE_TIMEOUT = 2.0
@@ -89,6 +91,26 @@ class Board:
             self.stop.set()
         except Exception:  # noqa: BLE001 - a store that times out
             pass
+
+    def report(self, lost: int) -> None:
+        """Write down that this process lost rank ``lost``, before it raises: a survivor whose
+        connection to this rank closes next (this rank ending after its failure) reads it there
+        (``reported``) and names ``lost``, not this rank."""
+        try:
+            self.writer.set(LOST_KEY.format(self.rank), json.dumps({"rank": lost, "t": self.clock()}))
+        except Exception:  # noqa: BLE001 - a store that does not answer: no report, as before
+            pass
+
+    def reported(self, rank: int, since: float) -> int | None:
+        """The rank that ``rank`` reported lost after the wall time ``since``, or None."""
+        key = LOST_KEY.format(rank)
+        try:
+            if not self.reader.check([key]):
+                return None
+            found = json.loads(bytes(self.reader.get(key)))
+        except Exception:  # noqa: BLE001 - the store's host is gone or does not answer
+            return None
+        return found["rank"] if found["t"] > since and found["rank"] != self.rank else None
 
     def start_beating(self) -> None:
         self.beat()  # at once: a peer that fails in this first call finds this rank's beat
