@@ -299,3 +299,29 @@ def _in_place(rank, groups):
 def test_in_place(pool):
     """Output and input one buffer (zipccl-perf's in-place column): the input is kept until sent."""
     assert all(r is True for r in pool.run(_in_place, timeout=120))
+
+
+def _batched(rank, groups):
+    """all_to_all_single with lossless, uneven splits, its packets coded as on CUDA: into one
+    buffer by encode_into, sizes left in a tensor (pipeline.Deferred), against torch's."""
+    from zipccl.codecs import Lossless
+    g, n, width = groups[4], 4, 5
+    count = _counts("uneven", n)
+    ins, outs = [count(rank, j) for j in range(n)], [count(j, rank) for j in range(n)]
+    x = _source(rank, activations(1 << 14), 0)[:sum(ins) * width].reshape(-1, width).to(torch.bfloat16)
+    want = torch.empty(sum(outs), width, dtype=x.dtype)
+    dist.all_to_all_single(want, x, outs, ins, group=g)
+    got = torch.full_like(want, float("nan"))
+    batches, used = P.batches, []
+    P.batches = lambda codec, part: used.append(1) or isinstance(codec, Lossless)
+    try:
+        zipccl.all_to_all_single(got, x, outs, ins, group=g, codec="lossless")
+    finally:
+        P.batches = batches
+    return bool(used), torch.equal(bits(got), bits(want))
+
+
+def test_packets_coded_into_one_buffer_as_on_cuda(pool):
+    """The all-to-all takes encode_all's batched packets (CUDA's Lossless: one buffer, sizes on the
+    device), here forced on CPU."""
+    assert pool.run(_batched) == [(True, True)] * 4

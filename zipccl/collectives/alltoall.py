@@ -21,7 +21,7 @@ from ..errors import MismatchError
 from ..failure import Fate
 from .links import PLAIN
 from .metadata import _TAG_A2A_DATA, _TAG_A2A_SIZES, Call, _meta_bytes, _peers, timed
-from .pipeline import _land, _sizes, decode_to, encode_all, pieces
+from .pipeline import _land, _sizes, decode_to, encode_all, on_host, pieces
 
 __all__ = ["exchange_counts", "check_counts", "run_all_to_all"]
 
@@ -89,7 +89,7 @@ def run_all_to_all(t, sends: list[torch.Tensor], recvs: list[torch.Tensor], code
                 if codec is PLAIN:
                     coded = [PLAIN.encode(x) for x in parts], [x.numel() * itemsize for x in parts]
                 else:
-                    coded = timed(acc, "codec_seconds", encode_all, codec, parts)
+                    coded = on_host(timed(acc, "codec_seconds", encode_all, codec, parts))
                 for j, packet, size in zip(mine, *coded):
                     out[j], sizes[j] = packet, size
             return out, sizes

@@ -185,6 +185,16 @@ def encode_all(codec, parts: list) -> tuple[list | Deferred, list[int] | torch.T
     return Deferred(buf, starts, sizes), sizes
 
 
+def on_host(coded: tuple) -> tuple[list, list[int]]:
+    """``encode_all``'s packets and sizes as a list of packets and their sizes on the host (a
+    Deferred's sizes read, one host wait), for a caller that mixes packets of several codecs."""
+    packets, sizes = coded
+    if not isinstance(packets, Deferred):
+        return packets, sizes
+    sizes = sizes.tolist()
+    return [packets.packet(j, size) for j, size in enumerate(sizes)], sizes
+
+
 def defers(codec, packet: torch.Tensor) -> bool:
     """Whether ``decode_to`` decodes ``packet`` with ``decode_into`` and leaves its verdict for
     later. Every rank's codec has the same implementation and block size (the call's signature:
