@@ -306,15 +306,16 @@ def test_pair_tables_forget_all_when_full(monkeypatch):
 _GENERIC = textwrap.dedent("""
     import torch
     from zipccl.codecs import Lossless
-    from zipccl.kernels import bits
+    from zipccl.kernels import bits, cpu
     assert not bits.FAST_PEXT
     g = torch.Generator().manual_seed(3)
     x = torch.empty(70_000).exponential_(generator=g) * (torch.randint(0, 2, (70_000,), generator=g) * 2 - 1) * 1e-3
     x[::97] = 0.0
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        y = x.to(dtype)
-        p = Lossless("numba", block_size=4096).encode(y)
-        assert torch.equal(p, Lossless("reference", block_size=4096).encode(y)), dtype
+    y = x.half()
+    want = Lossless("reference", block_size=4096).encode(y)
+    for _ in range(2):  # the second call finds pair tables built: their lookups are what pext served
+        assert torch.equal(Lossless("numba", block_size=4096).encode(y), want)
+    assert cpu._pair_tables().used[0] >= 1
     print("generic ok")
 """)
 
@@ -322,7 +323,9 @@ _GENERIC = textwrap.dedent("""
 def test_encoder_compiled_for_a_cpu_without_pext(tmp_path):
     """NUMBA_CPU_NAME=generic (no BMI2): FAST_PEXT is off, nothing asks LLVM for pext, and the
     packets are still the reference's, with every array index bounds-checked (NUMBA_BOUNDSCHECK);
-    its own kernel cache, so that nothing compiled for this host is loaded."""
+    its own kernel cache, so that nothing compiled for this host is loaded. float16 only: its
+    pairs are the one place the encoder takes pext, and each more dtype compiled here cost CI
+    minutes (three took 496-521 s)."""
     env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path), NUMBA_BOUNDSCHECK="1")
     run = subprocess.run([sys.executable, "-c", _GENERIC], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "generic ok" in run.stdout, run.stdout + run.stderr
