@@ -228,3 +228,18 @@ def test_every_section_cited_exists():
     missing = [f"{doc}: {page.relative_to(ROOT)} \"{title}\"" for doc, page, title in cited
                if not any(t.startswith(title) for t in titles(page))]
     assert not missing, "\n".join(missing)
+
+
+# ---- records --------------------------------------------------------------------------------------------------
+
+def test_records_stay_small_and_cited():
+    """docs/bench keeps one current record per area and the history the docs cite: under 1 MB and
+    100 files in all, and every record folder named by README.md or a page of docs/ (git keeps the
+    rest)."""
+    records = [t for t in TRACKED if t.startswith("docs/bench/")]
+    size = sum((ROOT / t).stat().st_size for t in records)
+    assert 10 < len(records) < 100 and size < 1_000_000, (len(records), size)
+    folders = {t.split("/")[2] for t in records if t.count("/") > 2}
+    cited = "".join(doc.read_text() for doc in DOCS)
+    uncited = sorted(f for f in folders if f not in cited)
+    assert not uncited, uncited
