@@ -85,6 +85,58 @@ def test_decode_in_spans_of_bounded_scratch(monkeypatch):
             tri.decode(q)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("entry", ["encode", "encode_into"])
+def test_an_input_changed_after_the_plan_writes_nothing_outside_the_packet(monkeypatch, dtype, entry):
+    """The plan comes from a first pass over x (``_analyse``); another stream may change x before
+    ``_encode`` reads it. Here x is planned as small values, nine in ten of them +0.0 (short
+    codes, few rest bytes), then overwritten with every bit pattern (escapes, no +0.0): its blocks
+    code far longer than planned. The packet is then wrong (its decode differs or raises), but
+    not one byte past it is written: encode's packet lies at the front of a larger buffer, and
+    encode_into's ``out`` is a view of one, the rest of each filled with a guard byte."""
+    from zipccl.kernels import gpu
+    g = torch.Generator().manual_seed(21)
+    n = 5 * 256 + 40
+    x = (torch.randn(n, generator=g) * 1e-3).to(dtype)
+    x[torch.rand(n, generator=g) < 0.9] = 0.0
+    ints = torch.int32 if dtype == torch.float32 else torch.int16
+    hostile = torch.randint(1, 2**15, (n,), generator=g, dtype=torch.int32).to(ints).view(dtype)
+    codec = Lossless("triton", block_size=256)
+    bound = codec.max_encoded_size(n, dtype)
+    arena = torch.full((bound + 4096,), 0xA5, dtype=torch.uint8)
+    planned = gpu._plan
+
+    def plan_then_change(x_, block_size, read):
+        pl = planned(x_, block_size, read)
+        x_.copy_(hostile)
+        return pl
+
+    real_empty = torch.empty
+
+    def packet_in_arena(*size, dtype=None, device=None, **kw):  # encode's packet: the arena's front
+        if dtype == torch.uint8 and len(size) == 1 and isinstance(size[0], int) and size[0] <= bound:
+            return arena[:size[0]]
+        return real_empty(*size, dtype=dtype, device=device, **kw)
+
+    monkeypatch.setattr(gpu, "_plan", plan_then_change)
+    if entry == "encode":
+        monkeypatch.setattr(gpu.torch, "empty", packet_in_arena)
+        packet = codec.encode(x)
+        assert packet.data_ptr() == arena.data_ptr()
+        size = packet.numel()
+        monkeypatch.setattr(gpu.torch, "empty", real_empty)
+    else:
+        size = int(codec.encode_into(x, arena[:bound]))
+    assert size <= bound
+    assert bool((arena[size:] == 0xA5).all()), f"{int((arena[size:] != 0xA5).sum())} bytes written past the packet"
+    monkeypatch.setattr(gpu, "_plan", planned)
+    try:
+        back = Lossless("reference", block_size=256).decode(arena[:size])
+    except zipccl.FormatError:
+        return
+    assert not torch.equal(back.view(ints), hostile.view(ints))  # planned from other data: no packet of it
+
+
 def test_needs_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(zipccl.UnsupportedError, match="CUDA"):

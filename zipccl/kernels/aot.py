@@ -40,7 +40,7 @@ def _specs(dtype: str):
     yield ("_analyse", {"x_ptr": ptr, "n": "i64", "ref_ptr": "*i32", "hist_ptr": "*i32"},
            dict(BS=bs, VMASK=vmask, MBITS=mbits, EMAX=(1 << ebits) - 1, BIAS=bias), gpu.block_warps(bs))
     yield ("_encode", {"x_ptr": ptr, "n": "i64", "block_ptr": "*i64", "codes_ptr": "*i32", "lens_ptr": "*i32",
-                       "words_ptr": "*i32", "rest_ptr": "*u8"},
+                       "words_ptr": "*i32", "rest_ptr": "*u8", "totals_ptr": "*i64"},
            dict(BS=bs, VMASK=vmask, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes, SIDE_BITS=side_bits, BIAS=bias,
                 ITEMSIZE=itemsize), gpu.block_warps(bs))
     yield ("_decode_symbols", {"words_ptr": "*i32", "nwords": "i64", "code_ptr": "*i16", "count_ptr": "*i32",

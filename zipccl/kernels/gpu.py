@@ -112,12 +112,16 @@ def _seg_or(start_a, a, start_b, b):
 
 
 @triton.jit
-def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: tl.constexpr, VMASK: tl.constexpr,
-            MBITS: tl.constexpr, EBITS: tl.constexpr, REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr,
-            BIAS: tl.constexpr, ITEMSIZE: tl.constexpr):
+def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, totals_ptr, BS: tl.constexpr,
+            VMASK: tl.constexpr, MBITS: tl.constexpr, EBITS: tl.constexpr, REST_BYTES: tl.constexpr,
+            SIDE_BITS: tl.constexpr, BIAS: tl.constexpr, ITEMSIZE: tl.constexpr):
     """One block: its exponent stream (or raw bytes), and its rest bytes followed by its side bits.
 
-    block_ptr holds (ref, table, first word, first rest byte) per block, as int64."""
+    block_ptr holds (ref, table, first word, first rest byte) per block, as int64, and totals_ptr
+    the plan's stream words and rest bytes. Every store is clamped to the planned packet: the plan
+    was made from a first pass over x, and an x changed since (by another stream) may code longer
+    than planned; that gives a wrong packet, never a write outside it (a raw block's bytes do not
+    depend on its values)."""
     b = tl.program_id(0)
     i = tl.arange(0, BS)
     offs = b.to(tl.int64) * BS + i
@@ -127,6 +131,8 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: t
     t = tl.load(block_ptr + 4 * b + 1).to(tl.int32)
     w0 = tl.load(block_ptr + 4 * b + 2)
     r0 = tl.load(block_ptr + 4 * b + 3)
+    wlimit = tl.load(totals_ptr)
+    rlimit = 4 * wlimit + tl.load(totals_ptr + 1)  # rest offsets count from the stream's start
     if t == _RAW:
         for k in tl.static_range(ITEMSIZE):
             tl.store(rest_ptr + r0 + i * ITEMSIZE + k, ((v >> (8 * k)) & 255).to(tl.uint8), mask=valid)
@@ -157,12 +163,13 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: t
         nv = tl.minimum(n - b.to(tl.int64) * BS, BS)
         last = i == nv - 1
         closes = valid & (((end >> 5) != word) | last)
-        tl.store(words_ptr + w0 + word, joined, mask=closes)
-        tl.store(words_ptr + w0 + word + 1, hi, mask=last & (end > (word + 1) * 32))
+        tl.store(words_ptr + w0 + word, joined, mask=closes & (w0 + word < wlimit))
+        tl.store(words_ptr + w0 + word + 1, hi, mask=last & (end > (word + 1) * 32) & (w0 + word + 1 < wlimit))
         keep = valid & ~zero
         k = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
         for j in tl.static_range(REST_BYTES):
-            tl.store(rest_ptr + r0 + k * REST_BYTES + j, ((rest >> (8 * j)) & 255).to(tl.uint8), mask=keep)
+            ra = r0 + k * REST_BYTES + j
+            tl.store(rest_ptr + ra, ((rest >> (8 * j)) & 255).to(tl.uint8), mask=keep & (ra < rlimit))
         if SIDE_BITS > 0:  # fp16: the k-th kept element's side bits at bit k * SIDE_BITS after the rest bytes
             # Each byte's side bits joined as a word's codes are: a segment starts at the byte's first
             # kept element (the elements between add nothing), and the byte's last kept element stores it.
@@ -172,7 +179,8 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, BS: t
             side = tl.where(keep, (rest >> (8 * REST_BYTES)) << (at & 7), 0)
             _, byte = tl.associative_scan((first.to(tl.int32), side), 0, _seg_or)
             closes = keep & ((((at + SIDE_BITS) & 7) == 0) | (k == nonzero - 1))
-            tl.store(rest_ptr + r0 + nonzero * REST_BYTES + (at >> 3), byte.to(tl.uint8), mask=closes)
+            byte_at = r0 + nonzero * REST_BYTES + (at >> 3)
+            tl.store(rest_ptr + byte_at, byte.to(tl.uint8), mask=closes & (byte_at < rlimit))
 
 
 @triton.jit
@@ -403,14 +411,14 @@ def _plan(x: torch.Tensor, block_size: int, read: bool) -> device_plan.DevicePla
 def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: torch.Tensor, words: int) -> None:
     """Sections 1 to 3 into ``body`` (the packet after its header): the index, then ``_encode``'s
     stream in the next ``words`` 32-bit words and the rest bytes at the plan's offsets after it
-    (pl.blocks' rest column counts from the stream's end)."""
+    (pl.blocks' rest column counts from the stream's end); nothing past the planned sizes."""
     layout = LAYOUTS[x.dtype]
     nb = num_blocks(x.numel(), block_size)
     s1 = nb * INDEX_ENTRY
     body[:s1] = pl.index
     if nb:
         _encode[(nb,)](_ints(x), x.numel(), pl.blocks, pl.codes, pl.lengths,
-                       body[s1:s1 + 4 * words].view(torch.int32), body[s1:],
+                       body[s1:s1 + 4 * words].view(torch.int32), body[s1:], pl.totals,
                        BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
                        BIAS=layout.offset_bias, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
                        **_shape_args(layout))
