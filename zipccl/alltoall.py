@@ -25,6 +25,7 @@ from .collectives.alltoall import counts_row, exchange_counts, run_all_to_all
 from .collectives.autoplan import planned
 from .collectives.links import PLAIN, Links, per_peer
 from .collectives.metadata import Call, timed
+from .collectives.pipeline import plain
 from .collectives.resolve import AUTO, NATIVE, resolve_codec
 from .collectives.validation import _check_device, _check_tensor, finish, new_acc
 from .errors import UnsupportedError
@@ -79,7 +80,7 @@ def _level(c, dtype):
         raise ValueError("a per-link codec takes 'native', 'raw', 'lossless' or a codec instance; "
                          "codec='auto' chooses the links' codecs itself")
     r = resolve_codec(c, dtype, 0)
-    if r is None:  # "raw" of a type that no codec takes: its bytes
+    if r is None or plain(r):  # "raw": the tensor's own bytes, no packet (so no copy at either end)
         return PLAIN
     if not getattr(r, "exact", True):
         raise UnsupportedError(f"lossy codec {r!r} reduces: all_reduce and reduce_scatter only, not all-to-all")

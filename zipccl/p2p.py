@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from . import auto, config, executor, topology
 from .collectives.links import PLAIN
+from .collectives.pipeline import plain
 from .collectives.p2p import Signature, Verdict, mismatch_text, receive_message, send_message
 from .collectives.resolve import NATIVE, resolve_codec
 from .collectives.validation import finish, new_acc
@@ -98,7 +99,7 @@ def _decide(codec, x: torch.Tensor, group, peer: int):
             return NATIVE
         return resolve_codec("lossless" if config.AUTO_LEARN else "auto", x.dtype, nbytes)
     r = resolve_codec(codec, x.dtype, nbytes)
-    if r is None:  # "raw" of a type that no codec takes: its bytes
+    if r is None or plain(r):  # "raw": the tensor's own bytes, no packet (so no copy at either end)
         return PLAIN
     if not getattr(r, "exact", True):
         raise UnsupportedError(f"lossy codec {r!r} reduces: all_reduce and reduce_scatter only, not send/recv")

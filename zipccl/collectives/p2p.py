@@ -88,9 +88,10 @@ def _codec_used_id(codec) -> int:
     return 0 if codec is PLAIN else 1 + zlib.crc32(repr(codec).encode()) % 1_000_000
 
 
-def _cuts(numel: int, itemsize: int) -> list[tuple[int, int]]:
-    """A message's pieces: pipeline.pieces of one rank's chunk (both ends cut alike)."""
-    return pieces(numel, 1, itemsize) if numel else []
+def _cuts(numel: int, itemsize: int, plain: bool) -> list[tuple[int, int]]:
+    """A message's pieces: pipeline.pieces of one rank's chunk (both ends cut alike; ``plain``:
+    the sender's codec is PLAIN, whose pieces are few and large)."""
+    return pieces(numel, 1, itemsize, plain) if numel else []
 
 
 def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict, fate: Fate) -> list:
@@ -98,7 +99,7 @@ def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict
     ``codec`` (PLAIN: its bytes) as the previous one leaves: the handles of its sends, to be waited
     for later (nothing here waits for the peer)."""
     itemsize = x.element_size()
-    cuts = _cuts(x.numel(), itemsize)
+    cuts = _cuts(x.numel(), itemsize, codec is PLAIN)
     header = torch.tensor([_MAGIC, fate.code, sig.dtype, sig.numel, sig.codec, _codec_used_id(codec), sig.tag,
                            len(cuts)], dtype=torch.int64)
     sends = []
@@ -150,7 +151,7 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
     codec = codec if problem is None else None
     itemsize = out.element_size()
     cuts = _cuts(theirs.numel, next((torch.empty(0, dtype=d).element_size() for d, c in F.DTYPE_CODES.items()
-                                     if c == theirs.dtype), itemsize))
+                                     if c == theirs.dtype), itemsize), used == _codec_used_id(PLAIN))
     if len(cuts) != count:
         fate.fail(OTHER, FormatError(f"rank {t.global_rank(peer)} announced {count} pieces for {theirs.numel} "
                                      f"elements, not {len(cuts)}"), rank=t.global_rank(peer))
