@@ -5,7 +5,8 @@ first. A message is, on the sender's connection to the receiver and in this orde
 (the sender's signature, its status and the number of pieces), then per piece its size and its
 packet. Every receive has its message's exact size (DESIGN.md invariant 12): the receiver posts
 a piece's packet once its size has come, and the next piece's size with it, so that piece k is
-decoded while piece k+1 is on the wire. The sender encodes piece k+1 while piece k travels.
+decoded while piece k+1 is on the wire. A transport with ``loose_receives`` (gloo) gets every
+piece's size and packet posted at once instead, each packet at the codec's bound. The sender encodes piece k+1 while piece k travels.
 
 Messages between two ranks match in issue order (no tags on the wire, as NCCL); the caller's
 tag is part of the signature. The receiver checks the sender's signature (dtype, elements,
@@ -179,6 +180,24 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
             return
         fate.decode(t, peer, _decode, codec, buf[:size], out[a:b], fate, t, peer, acc)
 
+    if t.loose_receives and problem is None:
+        # Every piece's size and packet posted now, each packet at the codec's bound: the sender's
+        # pieces then never wait for this end to post (gloo sends once the receive is posted, a
+        # round trip that a loaded link's queue lengthens, between every two pieces otherwise).
+        with t.grouped():
+            for k, (a, b) in enumerate(cuts):
+                size_works[k] = fate.recv(t, sizes[k], peer, _TAG_P2P)
+                buf = out[a:b].view(torch.uint8) if codec is PLAIN else \
+                    torch.empty(codec.max_encoded_size(b - a, out.dtype), dtype=torch.uint8, device=out.device)
+                flights.append((k, buf, fate.recv(t, buf, peer, _TAG_P2P)))
+        for k, buf, work in flights:
+            if not timed(acc, "comm_seconds", fate.wait, t, size_works.pop(k), peer):
+                return problem
+            size = int(sizes[k])
+            if size < 0:
+                fate.heard(-size)
+            land(k, size, buf, work)
+        return problem
     if cuts:
         with t.grouped():
             size_works[0] = fate.recv(t, sizes[0], peer, _TAG_P2P)
