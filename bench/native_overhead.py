@@ -3,7 +3,8 @@
     python bench/native_overhead.py [--ranks 4] [--device cpu|cuda] [--calls 3000] [--json FILE]
     torchrun --nproc-per-node 4 bench/native_overhead.py ...    # or under mpirun
 
-For each collective (all-reduce, reduce-scatter, all-gather) of 1 element per rank, every rank
+For each collective (all-reduce, reduce-scatter, all-gather, all-to-all, and a ring of
+send/recv in one batch_isend_irecv) of 1 element per rank and peer, every rank
 alternates one call of the plain torch.distributed collective (A) and one call of a zipccl
 variant (B), ``--calls`` pairs each, timing every call on the host (``time.perf_counter_ns``
 around it, or with ``--clock cpu`` the calling thread's CPU time in it, which other processes on
@@ -35,7 +36,7 @@ import zipccl
 from zipccl import launch
 from zipccl.torch_compat import all_gather_single, reduce_scatter_single
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "sendrecv")
 #: wall: the time from call to return; cpu: the calling thread's CPU time in it, which the other
 #: processes sharing the cores do not inflate (a call that waits for its peers sleeps).
 CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
@@ -54,9 +55,25 @@ def _pairs(name: str, group, plain_group, zipccl_group, device: torch.device) ->
     elif name == "reduce_scatter":
         plain = lambda g: reduce_scatter_single(x, many, group=g)  # noqa: E731
         ours = lambda **kw: zipccl.reduce_scatter(x, many, group=group, **kw)  # noqa: E731
-    else:
+    elif name == "all_gather":
         plain = lambda g: all_gather_single(many, x, group=g)  # noqa: E731
         ours = lambda **kw: zipccl.all_gather(many, x, group=group, **kw)  # noqa: E731
+    elif name == "all_to_all":
+        out = torch.empty_like(many)
+        plain = lambda g: dist.all_to_all_single(out, many, group=g)  # noqa: E731
+        ours = lambda **kw: zipccl.all_to_all_single(out, many, group=group, **kw)  # noqa: E731
+    else:  # a ring shift: each rank sends to the next and receives from the previous, in one batch
+        me, out = dist.get_rank(group), torch.empty_like(x)
+
+        def plain(g):
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, group=g, group_peer=(me + 1) % n),
+                                             dist.P2POp(dist.irecv, out, group=g, group_peer=(me - 1) % n)]):
+                w.wait()
+
+        def ours(**kw):
+            for w in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.isend, x, group=group, group_peer=(me + 1) % n, **kw),
+                                               zipccl.P2POp(zipccl.irecv, out, group=group, group_peer=(me - 1) % n, **kw)]):
+                w.wait()
     return {"zipccl auto": (lambda: plain(group), lambda: ours()),
             "zipccl native": (lambda: plain(group), lambda: ours(codec="native")),
             "drop-in": (lambda: plain(plain_group), lambda: plain(zipccl_group))}

@@ -251,7 +251,7 @@ def test_a_failure_reaches_every_rank(pool):
     assert all(h is True for h in pool.run(_healthy, timeout=120))
 
 
-def _async(rank, groups):
+def _async(rank, groups, last_codec):
     """Three async calls (two of them zipccl's pipeline), then a sync one: every result torch's."""
     g = groups[4]
     xs = [activations(4096 * (k + 1), seed=rank + k).to(torch.bfloat16) for k in range(3)]
@@ -264,15 +264,18 @@ def _async(rank, groups):
     handles = [zipccl.all_to_all_single(y, x, group=g, async_op=True, codec=c)
                for y, x, c in zip(gots, xs, ("lossless", "native", "raw"))]
     last = torch.empty_like(xs[0])
-    zipccl.all_to_all_single(last, xs[0], group=g, codec="lossless")
+    zipccl.all_to_all_single(last, xs[0], group=g, codec=last_codec)
     done = [h.is_completed() for h in handles]
     for h in handles:
         h.wait()
     return done, [torch.equal(bits(a), bits(b)) for a, b in zip(gots, wants)], torch.equal(bits(last), bits(wants[0]))
 
 
-def test_async_handles(pool):
-    for rank, res in enumerate(pool.run(_async, timeout=120)):
+@pytest.mark.parametrize("last_codec", ["lossless", "native", "auto"])
+def test_async_handles(pool, last_codec):
+    """The sync call last: zipccl's pipeline, or the backend's call (native; auto's small call),
+    which must still wait for the async calls queued before it."""
+    for rank, res in enumerate(pool.run(_async, last_codec, timeout=120)):
         assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
         done, same, last = res
         assert done == [True] * 3, "a sync call runs after the async calls issued before it"

@@ -220,8 +220,8 @@ def test_native_overhead_smoke(tmp_path):
     record = json.loads(out.read_text())
     assert (record["device"], record["ranks"], record["calls"]) == ("cpu", 2, 20)
     assert [(r["collective"], r["variant"]) for r in record["rows"]] == [
-        (c, v) for c in ("all_reduce", "reduce_scatter", "all_gather") for v in ("zipccl auto", "zipccl native",
-                                                                                "drop-in")]
+        (c, v) for c in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "sendrecv")
+        for v in ("zipccl auto", "zipccl native", "drop-in")]
     assert all(r["plain_us"] > 0 and r["zipccl_us"] > 0 and len(r["extra_us_by_rank"]) == 2 for r in record["rows"])
     assert "worst extra" in res.stdout
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from . import auto, config, topology
+from . import auto, config, executor, topology
 from .api import _outside_autograd
 from .collectives.alltoall import counts_row, exchange_counts, run_all_to_all
 from .collectives.autoplan import planned
@@ -32,7 +32,7 @@ from .errors import UnsupportedError
 from .executor import run as _run
 from .failure import Fate
 from .format import DTYPE_CODES
-from .stats import record
+from .stats import record_native
 from .transport import transport_for
 from .transport.torch_dist import underneath
 
@@ -129,20 +129,22 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _small(group, output, input, splits) -> bool:
-    """The common small call that codec "auto" always hands to the backend (even splits below
-    the policy's probe floor: rank-consistent without an exchange): that call and the
-    statistics, nothing else, when every check is cheap and passes (else False)."""
-    if splits != (None, None) or not (isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)):
+def goes_native(output, input, splits, codec, algorithm: str) -> bool:
+    """Whether an ``all_to_all_single`` goes to the backend's call alone, decided without an
+    exchange and with checks that cost next to nothing: codec "native" on tensors the backend
+    takes as they are, or the common small call that codec "auto" always hands to it (even
+    splits below the policy's probe floor, on CPU: rank-consistent without an exchange). The
+    caller then makes the backend's call directly (False: zipccl's own path, checks included).
+    Never while zipccl's queue holds an async call: the call must run after it."""
+    if not executor.idle() or not (isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)) \
+            or config.CHECK_NATIVE \
+            or output.dtype != input.dtype or not (input.is_contiguous() and output.is_contiguous()):
         return False
-    nbytes = input.numel() * input.element_size()
-    if not (input.dtype in DTYPE_CODES and output.dtype == input.dtype and input.device.type == "cpu"
-            and output.device.type == "cpu" and input.is_contiguous() and output.is_contiguous()
-            and nbytes < auto.PROBE_MIN_BYTES and config.AUTO_LEARN and not config.CHECK_NATIVE):
-        return False
-    _native_single(group, output, input, None, None)
-    record(_NAME, "native", raw_bytes=0, wire_bytes=0, meta_bytes=0, codec_seconds=0.0, comm_seconds=0.0)
-    return True
+    if codec == "native" or codec is NATIVE:
+        return True
+    return (codec == "auto" and algorithm == "auto" and splits == (None, None) and input.dtype in DTYPE_CODES
+            and input.device.type == "cpu" and output.device.type == "cpu" and config.AUTO_LEARN
+            and input.numel() * input.element_size() < auto.PROBE_MIN_BYTES)
 
 
 def _validate(outputs, inputs, device_tensors, t):
@@ -252,7 +254,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     the node, ``codec`` across nodes)."""
     output, input = _outside_autograd(output), _outside_autograd(input)
     splits = (output_split_sizes, input_split_sizes)
-    if codec == "auto" and algorithm == "auto" and not async_op and _small(group, output, input, splits):
+    if not async_op and goes_native(output, input, splits, codec, algorithm):
+        _native_single(group, output, input, output_split_sizes, input_split_sizes)
+        record_native(_NAME)
         return None
 
     def parts(t):

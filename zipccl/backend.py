@@ -480,6 +480,11 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                                                         _options(dist.AllToAllOptions, opts))
         out, src = _data([output, input])
         outs, ins = (list(s) if s else None for s in (output_split_sizes, input_split_sizes))
+        if self._compressor is None and alltoall.goes_native(out, src, (outs, ins), self.codec, self.options.algorithm):
+            record_native("all_to_all")  # the backend's own, directly, as _own hands the collectives
+            return self._inner_for(input).alltoall_base(output, input, list(output_split_sizes or []),
+                                                        list(input_split_sizes or []),
+                                                        _options(dist.AllToAllOptions, opts))
         return self._run(lambda: alltoall.all_to_all_single(out, src, outs, ins, group=self, codec=self.codec,
                                                             algorithm=self.options.algorithm), [output], async_op)
 
