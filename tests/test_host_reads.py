@@ -1,15 +1,21 @@
 """Host reads of the GPU codec, counted on CPU under Triton's interpreter.
 
-On CUDA each read of a tensor's value by the host (``Tensor.cpu``, ``.item``, ``.tolist``,
-``.nonzero``, ``torch.nonzero``, ``int``/``float``/``bool``/``operator.index`` of a tensor)
-waits for the device. Here there is no device, so the test counts the calls instead: every such
-call made from zipccl's own files during one ``Lossless(impl="triton")`` encode, and one decode
-into a given ``out``. Adding a read back makes the count, and this test, fail.
+On CUDA each read of a tensor's value by the host waits for the device. Here there is no
+device, so the test counts the calls instead: every such call made from zipccl's own files
+during one ``Lossless(impl="triton")`` encode, and one decode into a given ``out``. The ways
+counted: ``Tensor.cpu``, ``.numpy``, ``.item``, ``.tolist``, ``.nonzero`` and ``torch.nonzero``,
+``int``/``float``/``bool``/``operator.index`` of a tensor, ``.to("cpu")``, ``torch.equal`` and ``Tensor.equal``,
+``masked_select``, one-argument ``torch.where``, indexing by a boolean tensor (read or
+write), ``torch.cuda.synchronize`` and the waits of CUDA events and streams, CuPy's
+``asnumpy``, and a Triton launch whose grid holds a tensor. Adding a read back makes the
+count, and this test, fail. A copy into host memory (``copy_``) cannot be told from a copy on
+the device where both are CPU tensors; the GPU suite's sync-debug runs see those.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,30 +40,135 @@ ENCODE_READS = 1
 DECODE_READS = 2
 
 
+def _names_host(args, kwargs) -> bool:
+    """Whether a ``.to`` call names the host: "cpu" (a string), given as the device argument
+    (``.to(x.device)`` names wherever x is: on CPU it cannot be told from the host)."""
+    for a in list(args[:1]) + [kwargs.get("device")]:
+        if isinstance(a, str) and a.split(":")[0] == "cpu":
+            return True
+    return False
+
+
+def _bool_index(args, kwargs) -> bool:
+    index = args[1] if len(args) > 1 else None
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+#: The ids of the live tensors that a counted read returned: ``x.cpu().numpy()`` is one read.
+_FROM_READS: set = set()
+
+#: (owner, attribute, when): each way to the host, counted where ``when(args, kwargs)`` holds
+#: (the call's arguments, a method's self first).
+WAYS = [(torch.Tensor, name, None) for name in READS] + [
+    (torch.Tensor, "numpy", lambda a, k: id(a[0]) not in _FROM_READS),
+    (torch.Tensor, "equal", None), (torch.Tensor, "masked_select", None),
+    (torch.Tensor, "to", lambda a, k: _names_host(a[1:], k)),
+    (torch.Tensor, "__getitem__", _bool_index), (torch.Tensor, "__setitem__", _bool_index),
+    (torch, "nonzero", None), (torch, "equal", None), (torch, "masked_select", None),
+    (torch, "where", lambda a, k: len(a) + len(k) == 1),
+    (torch.cuda, "synchronize", None), (torch.cuda.Event, "synchronize", None), (torch.cuda.Event, "query", None),
+    (torch.cuda.Stream, "synchronize", None), (torch.cuda.Stream, "query", None),
+]
+
+
+def _launch_grid(args, kwargs) -> bool:
+    grid = args[1] if len(args) > 1 else None
+    return isinstance(grid, (tuple, list)) and any(isinstance(g, torch.Tensor) for g in grid) or \
+        isinstance(grid, torch.Tensor)
+
+
+def _more_ways() -> list:
+    """The ways that need their package: a Triton launch's grid, CuPy's copies to the host."""
+    ways = []
+    try:
+        from triton.runtime.jit import KernelInterface
+        ways.append((KernelInterface, "__getitem__", _launch_grid))
+    except ImportError:
+        pass
+    try:
+        import cupy
+        ways.append((cupy, "asnumpy", None))
+    except Exception:  # noqa: BLE001 - no CuPy, or one that cannot load without a GPU
+        pass
+    return ways
+
+
 @contextmanager
 def host_reads():
-    """A Counter of (method, zipccl file:line) for each read made from zipccl's own code."""
+    """A Counter of (way, zipccl file:line) for each read made from zipccl's own code."""
     seen: Counter = Counter()
 
-    def counting(name, original):
+    def counting(label, original, when):
         def read(*args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if str(Path(caller).resolve()).startswith(PACKAGE):
-                seen[(name, f"{Path(caller).name}:{sys._getframe(1).f_lineno}")] += 1
-            return original(*args, **kwargs)
+            counted = str(Path(caller).resolve()).startswith(PACKAGE) and (when is None or when(args, kwargs))
+            if counted:
+                seen[(label, f"{Path(caller).name}:{sys._getframe(1).f_lineno}")] += 1
+            out = original(*args, **kwargs)
+            if counted and isinstance(out, torch.Tensor):
+                _FROM_READS.add(id(out))
+                weakref.finalize(out, _FROM_READS.discard, id(out))
+            return out
         return read
 
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
-    saved_nonzero = torch.nonzero
+    ways = WAYS + _more_ways()
+    own = [(owner, name, name in vars(owner), vars(owner).get(name)) for owner, name, _ in ways]
     try:
-        for name, original in saved.items():
-            setattr(torch.Tensor, name, counting(name, original))
-        torch.nonzero = counting("torch.nonzero", saved_nonzero)
+        for owner, name, when in ways:
+            label = f"{getattr(owner, '__name__', owner)}.{name}"
+            setattr(owner, name, counting(label, getattr(owner, name), when))
         yield seen
     finally:
-        for name, original in saved.items():
-            setattr(torch.Tensor, name, original)
-        torch.nonzero = saved_nonzero
+        for owner, name, had, original in own:
+            if had:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # inherited: the base's own shows through again
+
+
+#: One read of each way, as zipccl's code would make it (``x``: a float tensor of 4 elements;
+#: ``kernel``: a Triton kernel). Each line is compiled as if it were in a file of zipccl.
+TOYS = {
+    "cpu": "x.cpu()", "cpu numpy": "x.cpu().numpy()", "numpy": "x.numpy()", "item": "x[0].item()", "tolist": "x.tolist()",
+    "nonzero": "x.nonzero()", "torch.nonzero": "torch.nonzero(x)", "int": "int(x[0])", "float": "float(x[0])",
+    "bool": "bool(x[0])", "index": "operator.index(x[0].long())", "to cpu": "x.to('cpu')",
+    "to device=cpu": "x.to(device='cpu')", "equal": "x.equal(x)", "torch.equal": "torch.equal(x, x)",
+    "masked_select": "x.masked_select(x > 0)", "torch.masked_select": "torch.masked_select(x, x > 0)",
+    "where": "torch.where(x > 0)", "mask read": "x[x > 0]", "mask write": "x.__setitem__(x > 5, 0.0)",
+    "synchronize": "suppress(lambda: torch.cuda.synchronize())",
+    "event": "suppress(lambda: torch.cuda.Event.synchronize(None))",
+    "event query": "suppress(lambda: torch.cuda.Event.query(None))",
+    "stream": "suppress(lambda: torch.cuda.Stream.synchronize(None))",
+    "launch grid": "kernel[(torch.tensor(1),)]",
+}
+
+
+def _suppress(fn):
+    """A CUDA call where there is none: it raises after the counter saw it."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - no CUDA here
+        pass
+
+
+@pytest.mark.parametrize("way", list(TOYS))
+def test_the_counter_sees_every_way_to_the_host(way):
+    """Each way made once from a zipccl file is counted once; the device-side twins (``.to``
+    of a dtype, ``torch.where`` of three arguments, indexing by integers, a grid of ints) and
+    the same reads from outside zipccl are not."""
+    import operator
+    from zipccl.kernels.gpu import _seal as kernel
+    toy = compile(TOYS[way], str(Path(PACKAGE) / "toy.py"), "eval")
+    scope = dict(x=torch.tensor([1.0, 2.0, 0.0, 7.0]), torch=torch, operator=operator, suppress=_suppress,
+                 kernel=kernel)
+    with host_reads() as seen:
+        eval(toy, scope)
+        twins = compile("(x.to(torch.float64), torch.where(x > 0, x, x), x[torch.tensor([0, 1])], kernel[(1,)])",
+                        str(Path(PACKAGE) / "toy.py"), "eval")
+        eval(twins, scope)
+        eval(TOYS[way], scope)  # this file's: not zipccl's
+    assert sum(seen.values()) == 1, dict(seen)
 
 
 def _data() -> torch.Tensor:
