@@ -40,7 +40,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send
 #: wall: the time from call to return; cpu: the calling thread's CPU time in it, which the other
 #: processes sharing the cores do not inflate (a call that waits for its peers sleeps).
 CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
-#: The issue's bound on the extra host time of a native call, in microseconds.
+#: The extra host time a native call should stay within (docs/PERFORMANCE.md shows where it does not), us.
 BOUND_US = 15.0
 
 
