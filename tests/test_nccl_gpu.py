@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -75,6 +78,35 @@ def test_no_synchronising_torch_operation_in_encode_or_decode_into_out(compiled)
         torch.cuda.set_sync_debug_mode("default")
     assert int(size) == packet.numel() and torch.equal(buf[:packet.numel()], packet)
     assert _digest(out) == _digest(x)
+
+
+COLD = textwrap.dedent("""
+    import torch
+    from zipccl.codecs import Lossless
+    x = (torch.randn(1 << 20, generator=torch.Generator().manual_seed(8)) * 0.02).to(torch.bfloat16).cuda()
+    codec = Lossless("triton")
+    buf = torch.empty(codec.max_encoded_size(x.numel(), x.dtype), dtype=torch.uint8, device="cuda")
+    out = torch.empty_like(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        codec.encode_into(x, buf)
+        verdict = codec.decode_into(buf, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert verdict.problem() is None
+    assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+    print("clean")
+""")
+
+
+def test_a_cold_first_call_makes_no_synchronising_call(compiled):
+    """In a fresh process (nothing compiled, no table of the bank on the device yet) the first
+    encode_into and decode_into run under set_sync_debug_mode("error"): the tables go up from
+    pinned memory on the current stream, the host not waiting (reference.packet.to_device)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", COLD], capture_output=True, text=True, timeout=400, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "clean", r.stderr[-3000:]
 
 
 def test_encode_into_replays_bit_exactly_from_a_cuda_graph(compiled):

@@ -29,7 +29,7 @@ import triton.language as tl
 from ..bank import BANK, BANK_SIZE
 from ..format import INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, SYM_ZERO, FloatLayout
 from ..reference import tables as T
-from ..reference.packet import to_host
+from ..reference.packet import to_device, to_host
 from ..reference.plan import _encoder_codes
 
 __all__ = ["DevicePlan", "bank", "plan", "read_index"]
@@ -39,11 +39,12 @@ _BANKS: dict = {}  # (dtype, device) -> the bank's tensors there, uploaded once
 
 def bank(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bank of ``dtype`` on ``device``: code lengths, canonical codes and each symbol's bits
-    (code plus an escape's raw field after it), all (BANK_SIZE, NSYM) int32; uploaded once per device."""
+    (code plus an escape's raw field after it), all (BANK_SIZE, NSYM) int32; uploaded once per device,
+    asynchronously (reference.packet.to_device)."""
     key = (dtype, device)
     if key not in _BANKS:
         lengths = BANK[dtype]
-        _BANKS[key] = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (
+        _BANKS[key] = tuple(to_device(a, device) for a in (
             lengths.astype(np.int32), _encoder_codes(dtype).astype(np.int32),
             (lengths + T.extra_bits(LAYOUTS[dtype])).astype(np.int32)))
     return _BANKS[key]

@@ -382,7 +382,7 @@ def _luts(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(BANK_SIZE, 2**MAXLEN) int32 lookups of the bank's entries on ``device``."""
     key = (dtype, device)
     if key not in _LUTS:
-        _LUTS[key] = torch.from_numpy(T.decode_luts(BANK[dtype])).to(device)
+        _LUTS[key] = to_device(T.decode_luts(BANK[dtype]), device)
     return _LUTS[key]
 
 

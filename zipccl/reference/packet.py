@@ -61,9 +61,12 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     return host.numpy()
 
 
-def to_device(data: bytes, device: torch.device) -> torch.Tensor:
-    """``data`` as uint8 on ``device``; to CUDA from pinned memory, without the host waiting."""
-    host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def to_device(data: bytes | np.ndarray, device: torch.device) -> torch.Tensor:
+    """``data`` (bytes as uint8, or an array as its dtype) on ``device``; to CUDA from pinned
+    memory on the current stream, without the host waiting (a first call is no synchronising
+    call, and later work on the stream follows the copy)."""
+    host = torch.frombuffer(bytearray(data), dtype=torch.uint8) if isinstance(data, (bytes, bytearray)) else \
+        torch.from_numpy(np.ascontiguousarray(data))
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
