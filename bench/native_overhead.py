@@ -71,8 +71,9 @@ def _pairs(name: str, group, plain_group, zipccl_group, device: torch.device) ->
                 w.wait()
 
         def ours(**kw):
-            for w in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.isend, x, group=group, group_peer=(me + 1) % n, **kw),
-                                               zipccl.P2POp(zipccl.irecv, out, group=group, group_peer=(me - 1) % n, **kw)]):
+            ops = [zipccl.P2POp(zipccl.isend, x, group=group, group_peer=(me + 1) % n, **kw),
+                   zipccl.P2POp(zipccl.irecv, out, group=group, group_peer=(me - 1) % n, **kw)]
+            for w in zipccl.batch_isend_irecv(ops):
                 w.wait()
     return {"zipccl auto": (lambda: plain(group), lambda: ours()),
             "zipccl native": (lambda: plain(group), lambda: ours(codec="native")),

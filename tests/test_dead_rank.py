@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,7 +71,15 @@ def _rank(rank: int, port: int, plan: dict, results) -> None:
     results.put((rank, (*outcome, time.time(), threading.active_count() - threads)))
     results.close()
     results.join_thread()  # delivered before the hard exit below
-    time.sleep(2)  # a survivor that exits at once can cut off a peer still settling the call (docs/RELIABILITY.md)
+    # A survivor that exits at once can cut off a peer still settling the call, and rank 0 holds
+    # the job's store, where the evidence is (docs/RELIABILITY.md): each waits for the others'
+    # answers (at most 60 s), as a job's ranks outlive its store's host.
+    answered = Path(plan["stamp"]).parent
+    (answered / f"answered.{rank}").touch()
+    until = time.monotonic() + 60
+    while len(list(answered.glob("answered.*"))) < N - 1 and time.monotonic() < until:
+        time.sleep(0.1)
+    time.sleep(0.5)
     os._exit(0)  # the group is broken: tearing it down would wait on the dead rank's connections
 
 
@@ -222,7 +231,8 @@ def _run_killed(monkeypatch, tmp_path, plan: dict) -> None:
     # silent within heartbeat.stale_after(); a hung one is waited for a whole timeout.
     within = KILLED_WITHIN if sig == "KILL" and not plan.get("shared_events") else HUNG_WITHIN
     for rank, (err, failing, broken, message, seconds, extra_threads) in got.items():
-        assert err == "RankFailure" and broken and failing == victim, (rank, got)
+        # the message a str, which pytest shows whole (a tuple's repr it cuts)
+        assert err == "RankFailure" and broken and failing == victim, f"rank {rank}: {got[rank]!r}"
         assert f"rank {failing}" in message and "rebuilt" in message, message
         assert seconds < within, (rank, got)
         assert extra_threads == 0, (rank, extra_threads)

@@ -130,7 +130,8 @@ def host_reads():
 #: One read of each way, as zipccl's code would make it (``x``: a float tensor of 4 elements;
 #: ``kernel``: a Triton kernel). Each line is compiled as if it were in a file of zipccl.
 TOYS = {
-    "cpu": "x.cpu()", "cpu numpy": "x.cpu().numpy()", "numpy": "x.numpy()", "item": "x[0].item()", "tolist": "x.tolist()",
+    "cpu": "x.cpu()", "cpu numpy": "x.cpu().numpy()", "numpy": "x.numpy()", "item": "x[0].item()",
+    "tolist": "x.tolist()",
     "nonzero": "x.nonzero()", "torch.nonzero": "torch.nonzero(x)", "int": "int(x[0])", "float": "float(x[0])",
     "bool": "bool(x[0])", "index": "operator.index(x[0].long())", "to cpu": "x.to('cpu')",
     "to device=cpu": "x.to(device='cpu')", "equal": "x.equal(x)", "torch.equal": "torch.equal(x, x)",

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from . import auto, config, executor, topology
 from .collectives.links import PLAIN
-from .collectives.pipeline import plain
 from .collectives.p2p import Signature, Verdict, mismatch_text, receive_message, send_message
+from .collectives.pipeline import plain
 from .collectives.resolve import NATIVE, resolve_codec
 from .collectives.validation import finish, new_acc
 from .errors import MismatchError, UnsupportedError

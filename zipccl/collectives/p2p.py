@@ -6,7 +6,8 @@ first. A message is, on the sender's connection to the receiver and in this orde
 packet. Every receive has its message's exact size (DESIGN.md invariant 12): the receiver posts
 a piece's packet once its size has come, and the next piece's size with it, so that piece k is
 decoded while piece k+1 is on the wire. A transport with ``loose_receives`` (gloo) gets every
-piece's size and packet posted at once instead, each packet at the codec's bound. The sender encodes piece k+1 while piece k travels.
+piece's size and packet posted at once instead, each packet at the codec's bound. The sender
+encodes piece k+1 while piece k travels.
 
 Messages between two ranks match in issue order (no tags on the wire, as NCCL); the caller's
 tag is part of the signature. The receiver checks the sender's signature (dtype, elements,
@@ -180,10 +181,11 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
             return
         fate.decode(t, peer, _decode, codec, buf[:size], out[a:b], fate, t, peer, acc)
 
-    if t.loose_receives and problem is None:
+    if t.loose_receives and problem is None and not fate.failed:
         # Every piece's size and packet posted now, each packet at the codec's bound: the sender's
         # pieces then never wait for this end to post (gloo sends once the receive is posted, a
         # round trip that a loaded link's queue lengthens, between every two pieces otherwise).
+        # Not where the sender's codec is another (failed above): its packets may be larger.
         with t.grouped():
             for k, (a, b) in enumerate(cuts):
                 size_works[k] = fate.recv(t, sizes[k], peer, _TAG_P2P)
