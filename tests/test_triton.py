@@ -90,8 +90,8 @@ def test_decode_in_spans_of_bounded_scratch(monkeypatch):
 def test_an_input_changed_after_the_plan_writes_nothing_outside_the_packet(monkeypatch, dtype, entry):
     """The plan comes from a first pass over x (``_analyse``); another stream may change x before
     ``_encode`` reads it. Here x is planned as small values, nine in ten of them +0.0 (short
-    codes, few rest bytes), then overwritten with every bit pattern (escapes, no +0.0): its blocks
-    code far longer than planned. The packet is then wrong (its decode differs or raises), but
+    codes, few rest bytes), then overwritten with random nonzero bit patterns (exponents far from
+    the planned ones, no +0.0): its blocks code far longer than planned. The packet is then wrong (its decode differs or raises), but
     not one byte past it is written: encode's packet lies at the front of a larger buffer, and
     encode_into's ``out`` is a view of one, the rest of each filled with a guard byte."""
     from zipccl.kernels import gpu
