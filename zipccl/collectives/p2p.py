@@ -170,6 +170,15 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
             return out[a:b].view(torch.uint8)
         return torch.empty(max(1, size), dtype=torch.uint8, device=out.device)
 
+    def size_of(k: int) -> int | None:
+        """Piece k's announced size, once it has come (a poison code heard); None: the peer is lost."""
+        if not timed(acc, "comm_seconds", fate.wait, t, size_works.pop(k), peer):
+            return None
+        size = int(sizes[k])
+        if size < 0:
+            fate.heard(-size)
+        return size
+
     def land(k: int, size: int, buf: torch.Tensor, work) -> None:
         landed = timed(acc, "comm_seconds", fate.wait, t, work, peer)
         if not landed or problem is not None or size <= 0 or fate.failed:
@@ -186,29 +195,26 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
         # pieces then never wait for this end to post (gloo sends once the receive is posted, a
         # round trip that a loaded link's queue lengthens, between every two pieces otherwise).
         # Not where the sender's codec is another (failed above): its packets may be larger.
+        posted = []
         with t.grouped():
             for k, (a, b) in enumerate(cuts):
                 size_works[k] = fate.recv(t, sizes[k], peer, _TAG_P2P)
                 buf = out[a:b].view(torch.uint8) if codec is PLAIN else \
                     torch.empty(codec.max_encoded_size(b - a, out.dtype), dtype=torch.uint8, device=out.device)
-                flights.append((k, buf, fate.recv(t, buf, peer, _TAG_P2P)))
-        for k, buf, work in flights:
-            if not timed(acc, "comm_seconds", fate.wait, t, size_works.pop(k), peer):
+                posted.append((k, buf, fate.recv(t, buf, peer, _TAG_P2P)))
+        for k, buf, work in posted:
+            size = size_of(k)
+            if size is None:
                 return problem
-            size = int(sizes[k])
-            if size < 0:
-                fate.heard(-size)
             land(k, size, buf, work)
         return problem
     if cuts:
         with t.grouped():
             size_works[0] = fate.recv(t, sizes[0], peer, _TAG_P2P)
     for k in range(len(cuts)):
-        if not timed(acc, "comm_seconds", fate.wait, t, size_works.pop(k), peer):
+        size = size_of(k)
+        if size is None:
             return problem
-        size = int(sizes[k])
-        if size < 0:
-            fate.heard(-size)
         buf = landing(k, size)
         with t.grouped():  # this piece's packet, and the next piece's size behind it
             flights.append((k, size, buf, fate.recv(t, buf, peer, _TAG_P2P)))
