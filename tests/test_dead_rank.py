@@ -536,6 +536,23 @@ def test_a_closed_connection_of_a_survivor_names_the_rank_it_lost(monkeypatch):
     assert json.loads(bytes(board.reader.get(heartbeat.LOST_KEY.format(0)))) == {"rank": 1, "t": NOW}
 
 
+def test_a_rank_a_moment_behind_is_not_named_over_a_closed_connection(monkeypatch):
+    """The order of events of a CI failure of test_rank_killed_in_status_round: rank 3 was killed
+    in the status round of call 4; rank 0, in call 5 since 0.05 s, sees rank 3's connection close,
+    while rank 2, still ending call 4 (it lost rank 3 there), beat 0.02 s ago with 4 calls. Rank 3
+    is named, not rank 2. A rank still behind in a beat written a whole stale_after() after this
+    call began (5 s: it never came; rank 1 gave up on it and closed) is named over that peer."""
+    from zipccl import config
+    monkeypatch.setattr(config, "TIMEOUT", TIMEOUT)  # stale_after() 2.5 s
+    t = types.SimpleNamespace(size=4, global_rank=lambda r: r)
+    for began_ago, peer, named in [(0.05, 3, 3), (5.0, 1, 2)]:
+        _board(monkeypatch, {1: (0.1, 5), 2: (0.02, 4), 3: (0.2, 4)})
+        fate = failure.Fate("all_reduce", 0)
+        fate.began = NOW - began_ago
+        fate.lose(t, peer, RuntimeError("Connection closed by peer"))
+        assert fate.first == (named, failure.LOST), (began_ago, fate.first, fate.evidence)
+
+
 def test_a_store_that_does_not_answer_is_no_evidence(monkeypatch):
     board = _board(monkeypatch, {})
     board.read = lambda ranks: None

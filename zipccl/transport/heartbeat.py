@@ -11,8 +11,10 @@ give up after ``STORE_TIMEOUT`` s: a store that stops answering never blocks a c
 the group's beats (``Board.culprit``) names, in this order:
 
 1. a rank *silent* for longer than ``stale_after()``: killed, stopped (SIGSTOP), its host gone;
-2. a rank alive but *behind*: its beat, written after this rank entered the call, counts fewer
-   calls on the group than this rank has entered (it never reached the call: stuck elsewhere).
+2. a rank alive but *behind*: its beat, written at least ``stale_after()`` after this rank
+   entered the call, counts fewer calls on the group than this rank has entered (it never
+   reached the call: stuck elsewhere). A rank a moment behind, still ending the call before
+   (losing a rank there too), is not stuck: a closed connection names its peer then.
 
 Where neither holds (every rank beats and has reached the call), or the store cannot be read,
 there is no evidence and the caller names what its transport saw. Wall-clock times are compared
@@ -150,8 +152,8 @@ class Board:
     def culprit(self, ranks, since: float, patience: float = 0.0) -> tuple[int, str] | None:
         """(the rank of ``ranks`` that the beats name, the evidence in words), or None: the one
         silent longest, waiting up to ``patience`` seconds for one to fall silent; else one behind
-        (fewer calls on this group than here, in a beat written after ``since``, the wall time
-        this rank entered the failing call)."""
+        (fewer calls on this group than here, in a beat written ``stale_after()`` or more after
+        ``since``, the wall time this rank entered the failing call)."""
         deadline = time.monotonic() + patience
         while True:
             beats = self.read(ranks)
@@ -166,7 +168,7 @@ class Board:
             time.sleep(min(period() / 2, max(0.0, deadline - time.monotonic())))
         key, mine = _group_key(ranks), self.calls.get(_group_key(ranks), 0)
         behind = [(b["calls"].get(key, 0), r) for r, b in beats.items()
-                  if r != self.rank and b is not None and b["t"] > since and b["calls"].get(key, 0) < mine]
+                  if r != self.rank and b is not None and b["t"] > since + stale_after() and b["calls"].get(key, 0) < mine]
         if behind:
             calls, rank = min(behind)
             return rank, f"it is alive but has not reached this call ({calls} calls on the group there, {mine} here)"
