@@ -159,7 +159,7 @@ def test_the_counter_sees_every_way_to_the_host(way):
     of a dtype, ``torch.where`` of three arguments, indexing by integers, a grid of ints) and
     the same reads from outside zipccl are not."""
     import operator
-    from zipccl.kernels.gpu import _seal as kernel
+    from zipccl.kernels.device_plan import _place as kernel
     toy = compile(TOYS[way], str(Path(PACKAGE) / "toy.py"), "eval")
     scope = dict(x=torch.tensor([1.0, 2.0, 0.0, 7.0]), torch=torch, operator=operator, suppress=_suppress,
                  kernel=kernel)

@@ -54,7 +54,6 @@ def _specs(dtype: str):
     yield ("_decode_raw", {"rest_ptr": "*u8", "out_ptr": ptr, "n": "i64", "order_ptr": "*i64", "ncoded_ptr": "*i64",
                            "rest_start_ptr": "*i64"},
            dict(BS=bs, ITEMSIZE=itemsize), gpu.block_warps(bs))
-    yield ("_seal", {"hdr_ptr": "*u8", "totals_ptr": "*i64", "size_ptr": "*i64", "s1": "i64"}, {}, 1)
     yield ("_check_header", {"pkt_ptr": "*u8", "tmpl_ptr": "*u8", "room": "i64", "n": "i64", "out_ptr": "*i64"},
            {}, 1)
     from . import device_plan
@@ -63,6 +62,8 @@ def _specs(dtype: str):
                        "numel": "i64"},
            dict(BS=bs, NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=rest_bytes,
                 SIDE_BITS=side_bits, ITEMSIZE=itemsize, TILE=device_plan.TILE), 4)
+    yield ("_place", {"lens_ptr": "*i64", "block_ptr": "*i64", "totals_ptr": "*i64", "nb": "i64", "tmpl_ptr": "*u8",
+                      "hdr_ptr": "*u8", "size_ptr": "*i64", "s1": "i64"}, dict(SCAN=device_plan.SCAN, SEAL=True), 4)
     yield ("_index", {"entry_ptr": "*u8", "nb": "i64", "n": "i64", "bs": "i64", "ntables": "i64", "rows_ptr": "*i64",
                       "lens_ptr": "*i64", "bad_ptr": "*i64"},
            dict(EMAX=(1 << ebits) - 1, ITEMSIZE=itemsize, REST_BYTES=rest_bytes, SIDE_BITS=side_bits, RAW=RAW_BLOCK,

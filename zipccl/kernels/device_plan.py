@@ -4,8 +4,10 @@ Encode (``plan``): reference/plan.py's choice of each block's bank entry (the on
 its sample in the fewest bits) and its layout (raw blocks, offsets, the block index), with the
 same integer arithmetic and tie-breaking, so the bytes are the host plan's
 (tests/test_device_plan.py). One Triton kernel (``_choose``) decides every block from its
-histograms; one prefix sum places them. The host reads only the packet's two data section sizes,
-which size the packet: one read (none for encode_into).
+histograms; one more (``_place``, a single program) places them with a prefix sum and, for
+encode_into, seals the packet's header. The host reads only the packet's two data section
+sizes, which size the packet: one read (none for encode_into). Everything a call needs on the
+device besides the caller's tensors comes from one allocation (``Scratch``).
 
 Costs are products of counts (at most 32768) and bit widths (at most 31) summed over 32
 symbols, below 2^25: exact in int32, and still so times BANK_SIZE with the entry's id added,
@@ -20,6 +22,7 @@ crossing to the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,7 +35,7 @@ from ..reference import tables as T
 from ..reference.packet import to_device, to_host
 from ..reference.plan import _encoder_codes
 
-__all__ = ["DevicePlan", "bank", "plan", "read_index"]
+__all__ = ["DevicePlan", "Scratch", "bank", "plan", "read_index", "scratch"]
 
 _BANKS: dict = {}  # (dtype, device) -> the bank's tensors there, uploaded once
 
@@ -60,9 +63,8 @@ def _choose(sampled_ptr, exact_ptr, stride, ref_ptr, bits_ptr, index_ptr, block_
     """TILE blocks: each one's bank entry (the fewest bits for its sample, ties to the lowest),
     its exact coded size from its whole histogram, or raw where coding would not make it
     smaller; writes its index entry (u16 ref | entry << 8, words, zeros, 0), its row's ref and
-    entry, and its stream words and rest bytes one place on in the two rows of lens (nb + 1
-    long, first place zero: a prefix sum gives the starts). Histogram rows are ``stride`` counts
-    apart, read as u16."""
+    entry, and its stream words and rest bytes in the two rows of lens (nb long: ``_place``'s
+    prefix sum gives the starts). Histogram rows are ``stride`` counts apart, read as u16."""
     blk = tl.program_id(0) * TILE + tl.arange(0, TILE)
     live = blk < nb
     syms = tl.arange(0, NSYM)
@@ -94,8 +96,78 @@ def _choose(sampled_ptr, exact_ptr, stride, ref_ptr, bits_ptr, index_ptr, block_
     row = block_ptr + 4 * blk
     tl.store(row, ref, mask=live)
     tl.store(row + 1, table, mask=live)
-    tl.store(lens_ptr + 1 + blk, nwords, mask=live)
-    tl.store(lens_ptr + nb + 2 + blk, rest, mask=live)
+    tl.store(lens_ptr + blk, nwords, mask=live)
+    tl.store(lens_ptr + nb + blk, rest, mask=live)
+
+
+@triton.jit
+def _crc32_byte(crc, b):
+    """zlib's CRC-32 register after one more byte ``b`` (bitwise, reflected polynomial)."""
+    crc = crc ^ b
+    for _ in range(8):
+        crc = (crc >> 1) ^ (0xEDB88320 * (crc & 1))
+    return crc
+
+
+@triton.jit
+def _place(lens_ptr, block_ptr, totals_ptr, nb, tmpl_ptr, hdr_ptr, size_ptr, s1, SCAN: tl.constexpr,
+           SEAL: tl.constexpr):
+    """One program: each block's first stream word and rest byte (columns 2 and 3 of block_ptr's
+    rows of 4), an exclusive prefix sum of lens_ptr's two rows of nb (stream words, rest bytes),
+    SCAN blocks a step, and the two totals. With SEAL (encode_into), the header too: the
+    template's bytes with the data sizes (u64 at 32 and 40) from the totals and the CRC-32 of
+    the first 52 bytes (zlib's) at 52, into hdr_ptr; the packet's size into size_ptr."""
+    words = tl.program_id(0).to(tl.int64) * 0
+    rest = words
+    for first in range(0, nb, SCAN):
+        b = first + tl.arange(0, SCAN)
+        live = b < nb
+        w = tl.load(lens_ptr + b, mask=live, other=0)
+        r = tl.load(lens_ptr + nb + b, mask=live, other=0)
+        tl.store(block_ptr + 4 * b + 2, words + tl.cumsum(w, 0) - w, mask=live)
+        tl.store(block_ptr + 4 * b + 3, rest + tl.cumsum(r, 0) - r, mask=live)
+        words += tl.sum(w, 0)
+        rest += tl.sum(r, 0)
+    tl.store(totals_ptr, words)
+    tl.store(totals_ptr + 1, rest)
+    if SEAL:
+        crc = words * 0 + 0xFFFFFFFF
+        for i in range(52):
+            size = tl.where(i < 40, words * 4, rest)
+            byte = tl.load(tmpl_ptr + i).to(tl.int64) | tl.where((i >= 32) & (i < 48), (size >> (8 * (i % 8))) & 0xFF, 0)
+            tl.store(hdr_ptr + i, byte.to(tl.uint8))
+            crc = _crc32_byte(crc, byte)
+        crc = crc ^ 0xFFFFFFFF
+        for j in range(4):
+            tl.store(hdr_ptr + 52 + j, ((crc >> (8 * j)) & 0xFF).to(tl.uint8))
+        tl.store(size_ptr, 56 + s1 + 4 * words + rest)
+
+
+SCAN = 1024  # blocks per step of _place's prefix sum
+
+
+class Scratch(NamedTuple):
+    """The device memory of one encode besides the caller's tensors: views of one allocation."""
+    ref: torch.Tensor      # (nb,) int32 reference fields (_analyse)
+    hist: torch.Tensor     # (nb, 2, NSYM) int16 sampled and whole histograms (_analyse), read as u16
+    entries: torch.Tensor  # (nb, 4) int16 index entries, where the caller gives no place in the packet
+    blocks: torch.Tensor   # (nb, 4) int64 ref, entry, first stream word, first rest byte
+    lens: torch.Tensor     # (2, nb) int64 stream words and rest bytes per block
+    totals: torch.Tensor   # (2,) int64 stream words and rest bytes in all
+    size: torch.Tensor     # (1,) int64 the packet's bytes (encode_into)
+
+
+def scratch(nb: int, device: torch.device) -> Scratch:
+    """One allocation (the caching allocator's: no device operation) carved into a Scratch."""
+    shapes = [((nb,), torch.int32), ((nb, 2, NSYM), torch.int16), ((nb, 4), torch.int16), ((nb, 4), torch.int64),
+              ((2, nb), torch.int64), ((2,), torch.int64), ((1,), torch.int64)]
+    sizes = [-(-int(np.prod(shape)) * dtype.itemsize // 8) * 8 for shape, dtype in shapes]  # 8-byte aligned views
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    views, at = [], 0
+    for (shape, dtype), size in zip(shapes, sizes):
+        views.append(buf[at:at + int(np.prod(shape)) * dtype.itemsize].view(dtype).view(shape))
+        at += size
+    return Scratch(*views)
 
 
 @dataclass
@@ -106,38 +178,39 @@ class DevicePlan:
     blocks: torch.Tensor       # (nblocks, 4) int64 ref, entry, word start, rest start: the encoder's
     sizes: tuple[int, int, int, int] | None  # the sections' bytes, read by the host; None: not read,
     totals: torch.Tensor                      # their stream words and rest bytes, int64 on the device
+    size: torch.Tensor                        # (1,) int64: the sealed packet's bytes (encode_into)
 
 
 def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: int, block_size: int,
-         dtype: torch.dtype, read: bool = True) -> DevicePlan:
+         dtype: torch.dtype, read: bool = True, work: Scratch | None = None, index: torch.Tensor | None = None,
+         seal: tuple[torch.Tensor, torch.Tensor] | None = None) -> DevicePlan:
     """reference/plan.py's choose and plan from the blocks' sampled and whole symbol histograms
     ((nblocks, NSYM) integer views with one row stride, counts read as u16) and reference
-    exponents, all on one device. ``read``: the host reads the packet's size (the one read);
-    otherwise it stays on the device."""
+    exponents, all on one device: two launches. ``read``: the host reads the packet's size (the
+    one read); otherwise it stays on the device. ``work``: the call's Scratch (else one is made);
+    ``index``: where the index entries go (an (nb, 4) int16 view of the packet; else into
+    ``work``); ``seal``: (the header template, the packet's header) for _place to seal."""
     nb, dev = ref.shape[0], ref.device
     layout = LAYOUTS[dtype]
     lengths, codes, bits = bank(dtype, dev)
     if nb and (exact.stride(0) != sampled.stride(0) or sampled.stride(1) != 1 or exact.stride(1) != 1):
         raise ValueError("the histograms need rows of one stride, their counts contiguous")
-    entries = torch.empty(nb, 4, dtype=torch.int16, device=dev)
-    blocks = torch.empty(nb, 4, dtype=torch.int64, device=dev)
-    lens = torch.zeros(2, nb + 1, dtype=torch.int64, device=dev)
+    work = scratch(nb, dev) if work is None else work
+    entries = work.entries if index is None else index
     if nb:
         _choose[(triton.cdiv(nb, TILE),)](
-            sampled, exact, sampled.stride(0), ref, bits, entries, blocks, lens, nb, numel, BS=block_size, NSYM=NSYM,
-            NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
-            ITEMSIZE=layout.itemsize, TILE=TILE)
-    # The starts: a prefix sum along the rows (a scan down the columns of an (nb, 2) tensor took
-    # 3.1 ms for 32768 blocks on an H100, over five times the kernels).
-    starts = torch.cumsum(lens, 1)
-    totals = starts[:, -1].contiguous()  # stream words, rest bytes (kernels read it as two int64)
-    blocks[:, 2:] = starts[:, :-1].T  # each block's first stream word and rest byte
+            sampled, exact, sampled.stride(0), ref, bits, entries, work.blocks, work.lens, nb, numel, BS=block_size,
+            NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=layout.rest_bytes,
+            SIDE_BITS=layout.side_bits, ITEMSIZE=layout.itemsize, TILE=TILE)
+    tmpl, hdr = seal if seal is not None else (work.size, work.size)
+    _place[(1,)](work.lens, work.blocks, work.totals, nb, tmpl, hdr, work.size, nb * INDEX_ENTRY, SCAN=SCAN,
+                 SEAL=seal is not None)
     sizes = None
     if read:
-        words, rest_bytes = (int(v) for v in to_host(totals))  # the one read
+        words, rest_bytes = (int(v) for v in to_host(work.totals))  # the one read
         sizes = (0, nb * INDEX_ENTRY, words * 4, rest_bytes)
-    index = entries.view(torch.uint8).reshape(-1)  # little-endian u16 fields, as the format's
-    return DevicePlan(lengths, codes, index, blocks, sizes, totals)
+    return DevicePlan(lengths, codes, entries.view(torch.uint8).reshape(-1), work.blocks, sizes, work.totals,
+                      work.size)
 
 
 INDEX_TILE = 128  # block index entries per program of _index

@@ -10,9 +10,9 @@ encode, two passes over the input and one read by the host:
      its sample and of all its elements (132 bytes per block).
   2. kernels/device_plan.py picks each block's entry of the fixed bank of codes
      (zipccl/bank.py) in one kernel (``_choose``) and lays the packet out with a
-     prefix sum on the device, as reference/plan.py does on the host; the host
-     reads the two data section sizes, which size the packet (``encode_into``
-     leaves them on the device, and ``_seal`` writes the header there).
+     prefix sum in another (``_place``, one program), as reference/plan.py does on
+     the host; the host reads the two data section sizes, which size the packet
+     (``encode_into`` leaves them on the device, and ``_place`` seals the header).
   3. ``_encode``: one program per block reads it again and writes its codes and
      rest bytes and side bits at the planned offsets. Bit positions come from an
      in-block prefix sum of code widths; the codes of each 32-bit word are
@@ -52,7 +52,7 @@ from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, IND
 from ..reference import tables as T
 from ..reference.packet import LosslessPacket, Verdict, block_error, index_error, parse_lossless, to_device, to_host
 from . import device_plan
-from .device_plan import read_index
+from .device_plan import _crc32_byte, read_index
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 _TEMPLATES: dict = {}  # (dtype, numel, block size, device) -> encode_into's header template there
@@ -117,8 +117,9 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, total
             SIDE_BITS: tl.constexpr, BIAS: tl.constexpr, ITEMSIZE: tl.constexpr):
     """One block: its exponent stream (or raw bytes), and its rest bytes followed by its side bits.
 
-    block_ptr holds (ref, table, first word, first rest byte) per block, as int64, and totals_ptr
-    the plan's stream words and rest bytes. Every store is clamped to the planned packet: the plan
+    block_ptr holds (ref, table, first word, first rest byte of the rest section) per block, as
+    int64, and totals_ptr the plan's stream words and rest bytes; rest_ptr is the stream's
+    start, and the rest section follows the stream. Every store is clamped to the planned packet: the plan
     was made from a first pass over x, and an x changed since (by another stream) may code longer
     than planned; that gives a wrong packet, never a write outside it (a raw block's bytes do not
     depend on its values)."""
@@ -130,9 +131,9 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, total
     ref = tl.load(block_ptr + 4 * b).to(tl.int32)
     t = tl.load(block_ptr + 4 * b + 1).to(tl.int32)
     w0 = tl.load(block_ptr + 4 * b + 2)
-    r0 = tl.load(block_ptr + 4 * b + 3)
     wlimit = tl.load(totals_ptr)
-    rlimit = 4 * wlimit + tl.load(totals_ptr + 1)  # rest offsets count from the stream's start
+    r0 = 4 * wlimit + tl.load(block_ptr + 4 * b + 3)  # from the stream's start
+    rlimit = 4 * wlimit + tl.load(totals_ptr + 1)
     if t == _RAW:
         for k in tl.static_range(ITEMSIZE):
             tl.store(rest_ptr + r0 + i * ITEMSIZE + k, ((v >> (8 * k)) & 255).to(tl.uint8), mask=valid)
@@ -301,34 +302,6 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded_pt
 
 
 @triton.jit
-def _crc32_byte(crc, b):
-    """zlib's CRC-32 register after one more byte ``b`` (bitwise, reflected polynomial)."""
-    crc = crc ^ b
-    for _ in range(8):
-        crc = (crc >> 1) ^ (0xEDB88320 * (crc & 1))
-    return crc
-
-
-@triton.jit
-def _seal(hdr_ptr, totals_ptr, size_ptr, s1):
-    """A header whose data sizes stay on the device (encode_into): its stream and rest bytes
-    (offsets 32 and 40, u64 little-endian, zero in the template) written from the plan's totals,
-    then the CRC-32 of its first 52 bytes (zlib's) at 52, and the packet's size to size_ptr."""
-    s2 = tl.load(totals_ptr) * 4
-    s3 = tl.load(totals_ptr + 1)
-    crc = s2 * 0 + 0xFFFFFFFF
-    for i in range(52):
-        size = tl.where(i < 40, s2, s3)
-        b = tl.load(hdr_ptr + i).to(tl.int64) | tl.where((i >= 32) & (i < 48), (size >> (8 * (i % 8))) & 0xFF, 0)
-        tl.store(hdr_ptr + i, b.to(tl.uint8))
-        crc = _crc32_byte(crc, b)
-    crc = crc ^ 0xFFFFFFFF
-    for j in range(4):
-        tl.store(hdr_ptr + 52 + j, ((crc >> (8 * j)) & 0xFF).to(tl.uint8))
-    tl.store(size_ptr, 56 + s1 + s2 + s3)
-
-
-@triton.jit
 def _check_header(pkt_ptr, tmpl_ptr, room, n, out_ptr):
     """decode_into's header check on the device: every field the caller's ``out`` and the codec
     fix (bytes 0-31: magic to the index's size; 48-51: no payload CRC) equals the template's,
@@ -394,34 +367,33 @@ def _shape_args(layout) -> dict:
     return dict(VMASK=-1 if layout.itemsize == 4 else 0xFFFF, MBITS=layout.mbits)
 
 
-def _plan(x: torch.Tensor, block_size: int, read: bool) -> device_plan.DevicePlan:
-    """The blocks' histograms (``_analyse``) and the plan from them, on the device; ``read``: the
-    host reads the packet's size (device_plan.plan)."""
+def _plan(x: torch.Tensor, block_size: int, read: bool, index: torch.Tensor | None = None,
+          seal: tuple[torch.Tensor, torch.Tensor] | None = None) -> device_plan.DevicePlan:
+    """The blocks' histograms (``_analyse``) and the plan from them (device_plan.plan: its index
+    entries into ``index`` where given, its header sealed into ``seal``'s where given), on the
+    device, in one allocation and three launches; ``read``: the host reads the packet's size."""
     layout = LAYOUTS[x.dtype]
     n, dev = x.numel(), x.device
     nb = num_blocks(n, block_size)
-    ref = torch.zeros(nb, dtype=torch.int32, device=dev)
-    hist = torch.zeros(nb, 2, NSYM, dtype=torch.int16, device=dev)  # read as uint16
-    if nb:
-        _analyse[(nb,)](_ints(x), n, ref, hist, BS=block_size, EMAX=layout.emax, BIAS=layout.offset_bias,
+    work = device_plan.scratch(nb, dev)
+    if nb:  # every block's reference and histograms written: no zero-filling
+        _analyse[(nb,)](_ints(x), n, work.ref, work.hist, BS=block_size, EMAX=layout.emax, BIAS=layout.offset_bias,
                         num_warps=block_warps(block_size), **_shape_args(layout))
-    return device_plan.plan(hist[:, 0], hist[:, 1], ref, n, block_size, x.dtype, read)
+    return device_plan.plan(work.hist[:, 0], work.hist[:, 1], work.ref, n, block_size, x.dtype, read, work=work,
+                            index=index, seal=seal)
 
 
 def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: torch.Tensor, words: int) -> None:
-    """Sections 1 to 3 into ``body`` (the packet after its header): the index, then ``_encode``'s
-    stream in the next ``words`` 32-bit words and the rest bytes at the plan's offsets after it
-    (pl.blocks' rest column counts from the stream's end); nothing past the planned sizes."""
+    """Sections 2 and 3 into ``body`` (the packet after its header and index): ``_encode``'s
+    stream in the first ``words`` 32-bit words and the rest bytes after the stream, at the plan's
+    offsets (pl.blocks' rest column counts from the stream's end); nothing past the planned sizes."""
     layout = LAYOUTS[x.dtype]
     nb = num_blocks(x.numel(), block_size)
-    s1 = nb * INDEX_ENTRY
-    body[:s1] = pl.index
     if nb:
-        _encode[(nb,)](_ints(x), x.numel(), pl.blocks, pl.codes, pl.lengths,
-                       body[s1:s1 + 4 * words].view(torch.int32), body[s1:], pl.totals,
-                       BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
-                       BIAS=layout.offset_bias, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
-                       **_shape_args(layout))
+        _encode[(nb,)](_ints(x), x.numel(), pl.blocks, pl.codes, pl.lengths, body[:4 * words].view(torch.int32), body,
+                       pl.totals, BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
+                       SIDE_BITS=layout.side_bits, BIAS=layout.offset_bias, ITEMSIZE=layout.itemsize,
+                       num_warps=block_warps(block_size), **_shape_args(layout))
 
 
 def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
@@ -430,8 +402,9 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     # sizes, which size the packet.
     pl = _plan(x, block_size, read=True)
     packet = torch.empty(HEADER_SIZE + sum(pl.sizes), dtype=torch.uint8, device=dev)
-    pl.blocks[:, 3] += pl.sizes[2]
-    _write(x, block_size, pl, packet[HEADER_SIZE:], pl.sizes[2] // 4)
+    s1 = pl.sizes[1]
+    packet[HEADER_SIZE:HEADER_SIZE + s1] = pl.index
+    _write(x, block_size, pl, packet[HEADER_SIZE + s1:], pl.sizes[2] // 4)
     crc = 0
     if checksum:  # a host pass over the payload, as on every device
         crc = zlib.crc32(to_host(packet[HEADER_SIZE:]).tobytes())
@@ -466,17 +439,16 @@ def encode_into(x: torch.Tensor, out: torch.Tensor, block_size: int) -> torch.Te
     """The packet of ``encode`` (without checksum) written to the front of ``out`` (uint8 on x's
     device, at least the codec's bound), its size returned as an int64 tensor there: the host
     reads nothing, so a pipeline can read sizes in batches, and a CUDA graph can capture the call.
-    The header comes last, sealed on the device (``_seal``: its sizes and CRC)."""
+    One allocation and four launches: ``_analyse``, ``_choose`` (the index entries straight into
+    ``out``), ``_place`` (the offsets, and the header sealed from the template with its sizes
+    and CRC) and ``_encode``."""
     n, dev = x.numel(), x.device
     nb = num_blocks(n, block_size)
-    pl = _plan(x, block_size, read=False)
-    pl.blocks[:, 3] += 4 * pl.totals[0]  # the rest bytes follow the stream, whose length stays here
-    room = (out.numel() - HEADER_SIZE - nb * INDEX_ENTRY) // 4
-    _write(x, block_size, pl, out[HEADER_SIZE:], room)
-    out[:HEADER_SIZE] = _template(x.dtype, n, block_size, dev)
-    size = torch.empty(1, dtype=torch.int64, device=dev)
-    _seal[(1,)](out, pl.totals, size, nb * INDEX_ENTRY)
-    return size[0]
+    s1 = nb * INDEX_ENTRY
+    index = out[HEADER_SIZE:HEADER_SIZE + s1].view(torch.int16).view(nb, 4)
+    pl = _plan(x, block_size, read=False, index=index, seal=(_template(x.dtype, n, block_size, dev), out))
+    _write(x, block_size, pl, out[HEADER_SIZE + s1:], (out.numel() - HEADER_SIZE - s1) // 4)
+    return pl.size[0]
 
 
 def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
