@@ -164,7 +164,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     rows = json.loads(r.stdout)
     got = {(row["kernel"], row["dtype"], row["arch"]) for row in rows}
     want = {(k, d, a) for k in ("_analyse", "_encode", "_decode_symbols", "_decode_join", "_decode_raw", "_place",
-                                "_check_header", "_choose", "_index")
+                                "_choose", "_index")
             for d in ("bfloat16", "float16", "float32") for a in ("sm_80", "sm_90")}
     assert got == want
     for row in rows:

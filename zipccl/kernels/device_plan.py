@@ -13,10 +13,11 @@ Costs are products of counts (at most 32768) and bit widths (at most 31) summed 
 symbols, below 2^25: exact in int32, and still so times BANK_SIZE with the entry's id added,
 which makes every compared key unique, so ties go to the lowest id.
 
-Decode (``read_index``): reference/packet.py's checks of the block index and its prefix sums,
-where the packet is; three numbers (the first invalid entry, the stream and rest totals) stay
-there for the decoder to check with its one read at the end, instead of 8 bytes per block
-crossing to the host.
+Decode (``index``, and ``read_index`` on it): reference/packet.py's checks of the block index
+and its prefix sums, where the packet is, in one program (``_index``), with the order of the
+blocks and the counts that the decoders mask by; decode_into's header check too. Three numbers
+(the first invalid entry, the stream and rest totals) stay there for the decoder to check with
+its one read at the end, instead of 8 bytes per block crossing to the host.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import triton
 import triton.language as tl
 
 from ..bank import BANK, BANK_SIZE
-from ..format import INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, SYM_ZERO, FloatLayout
+from ..format import HEADER_SIZE, INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, SYM_ZERO, FloatLayout
 from ..reference import tables as T
 from ..reference.packet import to_device, to_host
 from ..reference.plan import _encoder_codes
 
-__all__ = ["DevicePlan", "Scratch", "bank", "plan", "read_index", "scratch"]
+__all__ = ["DevicePlan", "Index", "Scratch", "VERDICT_ERRORS", "bank", "index", "plan", "read_index", "scratch"]
 
 _BANKS: dict = {}  # (dtype, device) -> the bank's tensors there, uploaded once
 
@@ -213,53 +214,133 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
                       work.size)
 
 
-INDEX_TILE = 128  # block index entries per program of _index
+#: Where the blocks' error codes start in a decode's verdict (int64): the good flag, the header's
+#: bytes, the index's check (first invalid entry or the block count, stream words, rest bytes).
+VERDICT_ERRORS = 1 + HEADER_SIZE + 3
 
 
 @triton.jit
-def _index(entry_ptr, nb, n, bs, ntables, rows_ptr, lens_ptr, bad_ptr, EMAX: tl.constexpr, ITEMSIZE: tl.constexpr,
-           REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr, RAW: tl.constexpr, TILE: tl.constexpr):
-    """TILE entries of a block index: reference/packet.py's checks and rows. rows_ptr: ref, entry,
-    stream words, zeros and elements per block, each row nb long; lens_ptr: the blocks' stream
-    words, then their rest bytes, each row nb + 1 long with the block's value one place on (a
-    prefix sum gives the starts); bad_ptr: the block's number where its entry is invalid, else nb."""
-    b = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    live = b < nb
-    e = entry_ptr + b.to(tl.int64) * 8
-    ref = tl.load(e, mask=live, other=0).to(tl.int64)
-    table = tl.load(e + 1, mask=live, other=0).to(tl.int64)
-    nwords = tl.load(e + 2, mask=live, other=0).to(tl.int64) | (tl.load(e + 3, mask=live, other=0).to(tl.int64) << 8)
-    nzero = tl.load(e + 4, mask=live, other=0).to(tl.int64) | (tl.load(e + 5, mask=live, other=0).to(tl.int64) << 8)
-    pad = tl.load(e + 6, mask=live, other=0).to(tl.int64) | tl.load(e + 7, mask=live, other=0).to(tl.int64)
-    nvalid = tl.minimum(n - b.to(tl.int64) * bs, bs)
-    raw = table == RAW
-    ok = tl.where(raw, (nwords == 0) & (nzero == 0) & (ref == 0),  # coded: a bit per element at least
-                  (table < ntables) & (ref <= EMAX) & (nzero <= nvalid) & (nvalid <= 32 * nwords)) & (pad == 0)
-    rest = tl.where(raw, nvalid * ITEMSIZE, (nvalid - nzero) * REST_BYTES + ((nvalid - nzero) * SIDE_BITS + 7) // 8)
-    tl.store(rows_ptr + b, ref, mask=live)
-    tl.store(rows_ptr + nb + b, table, mask=live)
-    tl.store(rows_ptr + 2 * nb + b, nwords, mask=live)
-    tl.store(rows_ptr + 3 * nb + b, nzero, mask=live)
-    tl.store(rows_ptr + 4 * nb + b, nvalid, mask=live)
-    tl.store(lens_ptr + 1 + b, nwords, mask=live)
-    tl.store(lens_ptr + nb + 2 + b, rest, mask=live)
-    tl.store(bad_ptr + b, tl.where(ok, nb, b), mask=live)
+def _index(pkt_ptr, start, nb, n, bs, ntables, rows_ptr, order_ptr, meta_ptr, verdict_ptr, tmpl_ptr, room, s2, s3,
+           EMAX: tl.constexpr, ITEMSIZE: tl.constexpr, REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr,
+           RAW: tl.constexpr, SCAN: tl.constexpr, HEADER: tl.constexpr, ERRORS: tl.constexpr):
+    """One program, SCAN entries a step: the block index at ``pkt_ptr + start`` (nb entries) read
+    and checked as reference/packet.py does, and everything the decoders need from it, so that
+    no kernel reads through the index before it is known good.
+
+    rows_ptr: 7 rows of nb + 1 (ref, table, stream words, zeros, elements, then the stream's and
+    the rest section's starts, an exclusive prefix sum with the totals last); order_ptr: the
+    blocks, coded ones first (raw ones from the end, backwards: one pass); meta_ptr: the coded
+    blocks to decode, the first raw place to decode, the rest section's offset in the packet
+    (both counts mask everything where the packet is bad: 0 and nb); verdict_ptr: the good flag,
+    the header's 56 bytes (HEADER), the check, and each block's error code, zeroed here. With
+    HEADER (decode_into) the packet's header is checked against the template at tmpl_ptr (every
+    field the caller's ``out`` fixes, its CRC-32, data sizes that fit in the ``room`` bytes after
+    the index and hold n elements; compared one at a time in int64: a sum could wrap) and gives
+    the sizes; else they are ``s2`` and ``s3`` (a header the host validated)."""
+    zero = tl.program_id(0).to(tl.int64) * 0
+    words, rest, raws, bad = zero, zero, zero, zero + nb
+    stride = nb + 1
+    for first in range(0, nb, SCAN):
+        b = first + tl.arange(0, SCAN).to(tl.int64)
+        live = b < nb
+        e = pkt_ptr + start + b * 8
+        ref = tl.load(e, mask=live, other=0).to(tl.int64)
+        table = tl.load(e + 1, mask=live, other=0).to(tl.int64)
+        nwords = tl.load(e + 2, mask=live, other=0).to(tl.int64) | (tl.load(e + 3, mask=live, other=0).to(tl.int64) << 8)
+        nzero = tl.load(e + 4, mask=live, other=0).to(tl.int64) | (tl.load(e + 5, mask=live, other=0).to(tl.int64) << 8)
+        pad = tl.load(e + 6, mask=live, other=0).to(tl.int64) | tl.load(e + 7, mask=live, other=0).to(tl.int64)
+        nvalid = tl.minimum(n - b * bs, bs)
+        raw = (table == RAW) & live
+        ok = tl.where(raw, (nwords == 0) & (nzero == 0) & (ref == 0),  # coded: a bit per element at least
+                      (table < ntables) & (ref <= EMAX) & (nzero <= nvalid) & (nvalid <= 32 * nwords)) & (pad == 0)
+        size = tl.where(raw, nvalid * ITEMSIZE, (nvalid - nzero) * REST_BYTES + ((nvalid - nzero) * SIDE_BITS + 7) // 8)
+        size = tl.where(live, size, 0)
+        tl.store(rows_ptr + b, ref, mask=live)
+        tl.store(rows_ptr + stride + b, table, mask=live)
+        tl.store(rows_ptr + 2 * stride + b, nwords, mask=live)
+        tl.store(rows_ptr + 3 * stride + b, nzero, mask=live)
+        tl.store(rows_ptr + 4 * stride + b, nvalid, mask=live)
+        tl.store(rows_ptr + 5 * stride + b, words + tl.cumsum(nwords, 0) - nwords, mask=live)
+        tl.store(rows_ptr + 6 * stride + b, rest + tl.cumsum(size, 0) - size, mask=live)
+        words += tl.sum(nwords, 0)
+        rest += tl.sum(size, 0)
+        bad = tl.minimum(bad, tl.min(tl.where(ok | ~live, nb, b), 0))
+        counted = raw.to(tl.int64)
+        before = raws + tl.cumsum(counted, 0) - counted
+        tl.store(order_ptr + tl.where(raw, nb - 1 - before, b - before), b, mask=live)
+        raws += tl.sum(counted, 0)
+        tl.store(verdict_ptr + ERRORS + b, tl.zeros_like(b), mask=live)
+    tl.store(rows_ptr + 5 * stride + nb, words)
+    tl.store(rows_ptr + 6 * stride + nb, rest)
+    head = zero + 1
+    if HEADER:
+        crc = zero + 0xFFFFFFFF
+        s2, s3, stored, differ = zero, zero, zero, zero
+        for i in range(56):
+            byte = tl.load(pkt_ptr + i).to(tl.int64)
+            tl.store(verdict_ptr + 1 + i, byte)
+            fixed = (i < 32) | ((i >= 48) & (i < 52))
+            differ += tl.where(fixed & (byte != tl.load(tmpl_ptr + i).to(tl.int64)), 1, 0)
+            s2 += tl.where((i >= 32) & (i < 40), byte << (8 * (i % 8)), 0)
+            s3 += tl.where((i >= 40) & (i < 48), byte << (8 * (i % 8)), 0)
+            stored += tl.where(i >= 52, byte << (8 * ((i + 4) % 8)), 0)
+            crc = tl.where(i < 52, _crc32_byte(crc, byte), crc)
+        fits = (s2 >= 0) & (s3 >= 0) & (s2 <= room) & (s3 <= room - s2)
+        head = ((differ == 0) & ((crc ^ 0xFFFFFFFF) == stored) & (s2 % 4 == 0) & fits & (n <= 8 * s2 + s3)).to(tl.int64)
+    good = (head == 1) & (bad == nb) & (words * 4 == s2) & (rest == s3)
+    ncoded = nb - raws
+    tl.store(verdict_ptr, good.to(tl.int64))
+    tl.store(verdict_ptr + ERRORS - 3, bad)  # the check, after the header's bytes
+    tl.store(verdict_ptr + ERRORS - 2, words)
+    tl.store(verdict_ptr + ERRORS - 1, rest)
+    tl.store(meta_ptr, tl.where(good, ncoded, 0))
+    tl.store(meta_ptr + 1, tl.where(good, ncoded, nb))
+    tl.store(meta_ptr + 2, start + nb * 8 + s2)
+
+
+class Index(NamedTuple):
+    """A block index read on the device (``_index``): rows, order and meta as its docstring says;
+    ``verdict``: the good flag, header bytes, check and the blocks' error codes (int64)."""
+    rows: torch.Tensor
+    order: torch.Tensor
+    meta: torch.Tensor
+    verdict: torch.Tensor
+
+    @property
+    def check(self) -> torch.Tensor:
+        return self.verdict[1 + HEADER_SIZE:VERDICT_ERRORS]
+
+
+def index(packet: torch.Tensor, start: int, nb: int, n: int, bs: int, ntables: int, layout: FloatLayout,
+          sizes: tuple[int, int] | None = None, template: torch.Tensor | None = None,
+          work: torch.Tensor | None = None) -> Index:
+    """``_index`` over the nb entries at ``packet[start:]``: two allocations (the verdict, and
+    ``work``'s rows, order and meta where the caller gives no int64 ``work``) and one launch.
+    ``sizes``: the stream and rest bytes of a header the host validated; else ``template``: the
+    header the packet must have, checked on the device (decode_into)."""
+    dev = packet.device
+    verdict = torch.empty(VERDICT_ERRORS + nb, dtype=torch.int64, device=dev)
+    work = torch.empty(index_words(nb), dtype=torch.int64, device=dev) if work is None else work
+    rows = work[:7 * (nb + 1)].view(7, nb + 1)
+    order, meta = work[7 * (nb + 1):8 * nb + 7], work[8 * nb + 7:8 * nb + 10]
+    s2, s3 = sizes if sizes is not None else (0, 0)
+    _index[(1,)](packet, start, nb, n, bs, ntables, rows, order, meta, verdict,
+                 packet if template is None else template, packet.numel() - start - nb * INDEX_ENTRY, s2, s3,
+                 EMAX=layout.emax, ITEMSIZE=layout.itemsize, REST_BYTES=layout.rest_bytes,
+                 SIDE_BITS=layout.side_bits, RAW=RAW_BLOCK, SCAN=SCAN, HEADER=template is not None,
+                 ERRORS=VERDICT_ERRORS)
+    return Index(rows, order, meta, verdict)
+
+
+def index_words(nb: int) -> int:
+    """The int64 words of ``index``'s ``work``: 7 rows of nb + 1, the order, 3 of meta."""
+    return 8 * nb + 10
 
 
 def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout):
-    """reference/packet.py's read_index on the packet's device (one Triton kernel, one prefix sum):
-    the same rows as int64 tensors there, and its check (the first invalid entry or the block
-    count, stream words, rest bytes) as a tensor there too, for the decoder to check."""
-    nb, dev = (stop - start) // INDEX_ENTRY, packet.device
-    rows = torch.empty(5, nb, dtype=torch.int64, device=dev)
-    lens = torch.zeros(2, nb + 1, dtype=torch.int64, device=dev)
-    bad = torch.empty(max(nb, 1), dtype=torch.int64, device=dev)
-    if nb:
-        _index[(triton.cdiv(nb, INDEX_TILE),)](packet[start:stop], nb, n, bs, ntables, rows, lens, bad,
-                                                EMAX=layout.emax, ITEMSIZE=layout.itemsize,
-                                                REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
-                                                RAW=RAW_BLOCK, TILE=INDEX_TILE)
-    else:
-        bad.zero_()
-    starts = torch.cumsum(lens, 1)
-    return (*rows, starts[0], starts[1]), torch.stack([bad.min(), starts[0, -1], starts[1, -1]])
+    """reference/packet.py's read_index on the packet's device (``index``): the same rows as int64
+    tensors there, and its check (the first invalid entry or the block count, stream words,
+    rest bytes) as a tensor there too, for the decoder to check."""
+    nb = (stop - start) // INDEX_ENTRY
+    ix = index(packet, start, nb, n, bs, ntables, layout, sizes=(-1, -1))
+    return (*(row[:nb] for row in ix.rows[:5]), ix.rows[5], ix.rows[6]), ix.check

@@ -20,13 +20,15 @@ encode, two passes over the input and one read by the host:
      side bits of each byte alike), so there are no atomics and no zero-filling.
 
 decode: the header is validated on the host and the block index on
-the device (device_plan.read_index), whose verdict stays there: until it is
+the device (device_plan.index: one program that checks it, sums its offsets and
+orders the blocks, coded ones first), whose verdict stays there: until it is
 known good, the kernels read nothing through the index, and the host reads it
 with the blocks' errors in the call's one read at the end. ``decode_into``
-checks the header on the device too (``_check_header``, against the one that
-``out`` implies) and leaves the whole verdict there, for a read later: no host
-read in the call, so a CUDA graph can capture it. Two kernels, so
-that every scattered access is one a lane cannot avoid:
+checks the header on the device too, in the same program (against the one that
+``out`` implies), and leaves the whole verdict there, for a read later: no host
+read in the call, so a CUDA graph can capture it. Raw blocks are copied by
+``_decode_raw``; coded ones take two kernels, so that every scattered access is
+one a lane cannot avoid:
   1. ``_decode_symbols`` runs LANES blocks per program in lock step, one symbol
      per block per iteration, and writes each element's 16-bit code where the
      lanes' stores are contiguous; it reports errors per block.
@@ -52,7 +54,7 @@ from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, IND
 from ..reference import tables as T
 from ..reference.packet import LosslessPacket, Verdict, block_error, index_error, parse_lossless, to_device, to_host
 from . import device_plan
-from .device_plan import _crc32_byte, read_index
+from .device_plan import read_index
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 _TEMPLATES: dict = {}  # (dtype, numel, block size, device) -> encode_into's header template there
@@ -185,9 +187,9 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, total
 
 
 @triton.jit
-def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded_ptr, n, block_ptr, lut_ptr, err_ptr,
-                    BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, EBITS: tl.constexpr,
-                    BIAS: tl.constexpr):
+def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr, first, span, n, rows_ptr, stride,
+                    lut_ptr, err_ptr, BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr,
+                    EBITS: tl.constexpr, BIAS: tl.constexpr):
     """LANES coded blocks in lock step, one symbol each per iteration. Each element's code (a
     nonzero flag and its coded field: at most 9 bits) goes to code_ptr laid out as
     [program][element][lane], so that the lanes' stores are contiguous, and each lane's count of
@@ -197,21 +199,22 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded_pt
     element is at most 20 bits): most iterations make one scattered load, the table's, where a
     fused decoder made four loads and a scattered store (docs/GPU.md).
 
-    block_ptr holds (ref, table, first word, end word, first rest byte, end rest byte, nzero) per block;
-    coded_ptr the blocks, coded ones first, and ncoded_ptr how many are coded (on the device: the
-    host does not wait for it). Every load is masked to its section, so a corrupt stream yields an
-    error code, never a stray access."""
+    rows_ptr holds the index's rows (device_plan._index: ref, table, _, nzero, _, stream start,
+    rest start; ``stride`` apart); coded_ptr the blocks from the ``first``-th of the order, coded
+    ones first, of which the ``span`` lanes from ``first`` take those below meta_ptr's count of
+    coded blocks (on the device: the host does not wait for it). Errors go to err_ptr by block
+    (int64). Every load is masked to its section, so a corrupt stream yields an error code,
+    never a stray access."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
     lanes = tl.arange(0, LANES)
     lane = tl.program_id(0) * LANES + lanes
-    live = lane < tl.load(ncoded_ptr)
+    live = lane < tl.minimum(tl.maximum(tl.load(meta_ptr) - first, 0), span)
     b = tl.load(coded_ptr + lane, mask=live, other=0)
-    row = block_ptr + 7 * b
-    ref = tl.load(row, mask=live, other=0).to(tl.int32)
-    t = tl.load(row + 1, mask=live, other=0).to(tl.int32)
-    w0 = tl.load(row + 2, mask=live, other=0)
-    bits_end = (tl.load(row + 3, mask=live, other=0) - w0) * 32
-    nzero = tl.load(row + 6, mask=live, other=0).to(tl.int32)
+    ref = tl.load(rows_ptr + b, mask=live, other=0).to(tl.int32)
+    t = tl.load(rows_ptr + stride + b, mask=live, other=0).to(tl.int32)
+    w0 = tl.load(rows_ptr + 5 * stride + b, mask=live, other=0)
+    bits_end = (tl.load(rows_ptr + 5 * stride + b + 1, mask=live, other=0) - w0) * 32
+    nzero = tl.load(rows_ptr + 3 * stride + b, mask=live, other=0).to(tl.int32)
     nv = tl.where(live, tl.minimum(n - b * BS, BS), 0).to(tl.int32)
     w = w0
     lo = tl.load(words_ptr + w, mask=live & (w < nwords), other=0).to(tl.uint32)
@@ -251,32 +254,33 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, ncoded_pt
                           hi)
     err |= tl.where((w - w0) * 32 + bit > bits_end, _ERR_CODE, 0)
     err |= tl.where(nv - nonzero != nzero, _ERR_ZEROS, 0)
-    tl.store(err_ptr + lane, err, mask=live)
+    tl.store(err_ptr + b, err.to(tl.int64), mask=live)
 
 
 @triton.jit
-def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded_ptr, block_ptr, err_ptr,
-                 BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, MBITS: tl.constexpr,
+def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr, first, span, rows_ptr, stride,
+                 err_ptr, BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, MBITS: tl.constexpr,
                  EBITS: tl.constexpr, REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr):
     """One chunk of CHUNK elements of each of one _decode_symbols program's blocks: the codes read
     as a [CHUNK, LANES] tile; each element's rank among its block's nonzero elements, from the
     chunk's nonzero count and a running count within it, places its rest bytes and its side bits
     (after the rest bytes of as many elements as the index counts nonzero); the elements stored
-    contiguously per block."""
+    contiguously per block. Arguments as _decode_symbols'; meta_ptr's third number is the rest
+    section's offset in rest_ptr (the packet)."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
     g = tl.program_id(0)
     c = tl.program_id(1)
     lanes = tl.arange(0, LANES)
     lane = g * LANES + lanes
-    live = lane < tl.load(ncoded_ptr)
+    live = lane < tl.minimum(tl.maximum(tl.load(meta_ptr) - first, 0), span)
     b = tl.load(coded_ptr + lane, mask=live, other=0)
-    row = block_ptr + 7 * b
     before = tl.load(count_ptr + (g.to(tl.int64) * (BS // CHUNK) + c) * LANES + lanes, mask=live, other=0)
-    r0 = tl.load(row + 4, mask=live, other=0)
-    rest_end = tl.load(row + 5, mask=live, other=0)
+    section = tl.load(meta_ptr + 2)
+    r0 = section + tl.load(rows_ptr + 6 * stride + b, mask=live, other=0)
+    rest_end = section + tl.load(rows_ptr + 6 * stride + b + 1, mask=live, other=0)
     base = b * BS
     nv = tl.where(live, tl.minimum(n - base, BS), 0).to(tl.int32)
-    side0 = r0 + (nv - tl.load(row + 6, mask=live, other=0)) * REST_BYTES
+    side0 = r0 + (nv - tl.load(rows_ptr + 3 * stride + b, mask=live, other=0)) * REST_BYTES
     k = c * CHUNK + tl.arange(0, CHUNK)
     codes = tl.load(code_ptr + (g.to(tl.int64) * BS + k[:, None]) * LANES + lanes[None, :]).to(tl.int32)
     act = k[:, None] < nv[None, :]
@@ -298,44 +302,19 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, ncoded_pt
     val = (r & ((1 << MBITS) - 1)) | (exp << MBITS) | ((r >> MBITS) << (MBITS + EBITS))  # fp32: wraps
     tl.store(out_ptr + base[None, :] + k[:, None], tl.where(nz, val, 0).to(out_ptr.dtype.element_ty), mask=act)
     bad = tl.max((nz & ~take).to(tl.int32), axis=0) != 0
-    tl.atomic_or(err_ptr + lane, tl.where(bad, _ERR_REST, 0), mask=live & bad)
+    tl.atomic_or(err_ptr + b, tl.where(bad, _ERR_REST, 0).to(tl.int64), mask=live & bad)
 
 
 @triton.jit
-def _check_header(pkt_ptr, tmpl_ptr, room, n, out_ptr):
-    """decode_into's header check on the device: every field the caller's ``out`` and the codec
-    fix (bytes 0-31: magic to the index's size; 48-51: no payload CRC) equals the template's,
-    the CRC-32 of bytes 0-51 is the one at 52, and the data sizes (u64 at 32 and 40) fit in the
-    ``room`` bytes the packet has after its index and hold ``n`` elements, as parse_header and
-    check_lossless_header require. Writes [1 if so else 0, stream bytes, rest bytes] to out_ptr.
-    The sizes are compared with ``room`` one at a time, in int64: a sum with the header and
-    index sizes could wrap in a 32-bit argument's arithmetic."""
-    crc = tl.load(pkt_ptr).to(tl.int64) * 0 + 0xFFFFFFFF
-    s2, s3, stored, differ = crc * 0, crc * 0, crc * 0, crc * 0
-    for i in range(56):
-        b = tl.load(pkt_ptr + i).to(tl.int64)
-        fixed = (i < 32) | ((i >= 48) & (i < 52))
-        differ += tl.where(fixed & (b != tl.load(tmpl_ptr + i).to(tl.int64)), 1, 0)
-        s2 += tl.where((i >= 32) & (i < 40), b << (8 * (i % 8)), 0)
-        s3 += tl.where((i >= 40) & (i < 48), b << (8 * (i % 8)), 0)
-        stored += tl.where(i >= 52, b << (8 * ((i + 4) % 8)), 0)
-        crc = tl.where(i < 52, _crc32_byte(crc, b), crc)
-    fits = (s2 >= 0) & (s3 >= 0) & (s2 <= room) & (s3 <= room - s2)
-    ok = (differ == 0) & ((crc ^ 0xFFFFFFFF) == stored) & (s2 % 4 == 0) & fits & (n <= 8 * s2 + s3)
-    tl.store(out_ptr, ok.to(tl.int64))
-    tl.store(out_ptr + 1, s2)
-    tl.store(out_ptr + 2, s3)
-
-
-@triton.jit
-def _decode_raw(rest_ptr, out_ptr, n, order_ptr, ncoded_ptr, rest_start_ptr, BS: tl.constexpr,
+def _decode_raw(rest_ptr, out_ptr, n, order_ptr, meta_ptr, rows_ptr, stride, BS: tl.constexpr,
                 ITEMSIZE: tl.constexpr):
-    """One block of ``order`` (coded blocks first): if it is raw, its elements' bytes, little-endian."""
+    """One block of ``order`` (coded blocks first): if it is raw (at or after meta_ptr's second
+    number), its elements' bytes, little-endian, from the rest section (meta_ptr's third)."""
     j = tl.program_id(0)
     b = tl.load(order_ptr + j)
     i = tl.arange(0, BS)
-    valid = (b * BS + i < n) & (i * 0 + j >= tl.load(ncoded_ptr))  # raw blocks follow the coded ones
-    r0 = tl.load(rest_start_ptr + b)
+    valid = (b * BS + i < n) & (i * 0 + j >= tl.load(meta_ptr + 1))  # raw blocks follow the coded ones
+    r0 = tl.load(meta_ptr + 2) + tl.load(rows_ptr + 6 * stride + b)
     v = tl.zeros([BS], dtype=tl.int64)
     for k in tl.static_range(ITEMSIZE):
         v |= tl.load(rest_ptr + r0 + i * ITEMSIZE + k, mask=valid, other=0).to(tl.int64) << (8 * k)
@@ -452,31 +431,31 @@ def encode_into(x: torch.Tensor, out: torch.Tensor, block_size: int) -> torch.Te
 
 
 def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
-    # The header is validated on the host before any launch; the block index on the device, its
-    # verdict read with the blocks' errors at the end (_raise_first).
+    # The header is validated on the host before any launch; the block index on the device
+    # (device_plan.index), its verdict read with the blocks' errors at the end (_raise_first).
     p = parse_lossless(packet, header, read_index)
     h = p.header
     if h.numel == 0:
         _raise_first(p, None)
         return out
-    good = None
-    if p.index_check is not None:  # unchecked yet: until it is known good, no kernel reads through it
-        c = p.index_check
-        good = (c[0] == p.table.numel()) & (c[1] == h.sections[2] // 4) & (c[2] == h.sections[3])
-    err = _decode_blocks(packet[p.stream_offset:p.rest_offset], packet[p.rest_offset:p.rest_offset + h.sections[3]],
-                         p.ref, p.table, p.nzero, p.word_start, p.rest_start, good, out, h.block_size)
-    _raise_first(p, err)
+    ix = device_plan.index(packet, HEADER_SIZE, p.table.numel(), h.numel, h.block_size, h.ntables, p.layout,
+                           sizes=h.sections[2:])
+    _decode_blocks(packet[p.stream_offset:p.rest_offset], packet, ix, out, h.block_size)
+    _raise_first(p, ix.verdict[1 + HEADER_SIZE:])
     return out
 
 
 def decode_into(packet: torch.Tensor, out: torch.Tensor, block_size: int) -> Verdict:
     """Decode into ``out`` (its numel and dtype are what the packet must hold, in blocks of
     ``block_size``) without the host reading anything: the header is checked on the device
-    against the one such a packet has (``_check_header``), the index there too, and no kernel
+    against the one such a packet has, the index there too (device_plan.index), and no kernel
     reads through either until both are known good; the blocks' errors stay there. The returned
     Verdict says later, in one read, whether the packet was good (FormatError as ``decode``
     raises it). A pipeline can so read many packets' verdicts at once, and a CUDA graph can
-    capture the call. Packets with a payload CRC are refused (checking it reads the host)."""
+    capture the call. Packets with a payload CRC are refused (checking it reads the host).
+    Two allocations (the verdict; the index's rows with the decoders' scratch) and four launches
+    (``_index``, ``_decode_raw``, ``_decode_symbols``, ``_decode_join``), up to DECODE_SCRATCH
+    elements; two more launches per DECODE_SCRATCH elements beyond."""
     n, layout, dev = out.numel(), LAYOUTS[out.dtype], packet.device
     nb = num_blocks(n, block_size)
     stream_offset = HEADER_SIZE + nb * INDEX_ENTRY
@@ -484,78 +463,74 @@ def decode_into(packet: torch.Tensor, out: torch.Tensor, block_size: int) -> Ver
         return Verdict(None, packet.numel(), n, out.dtype, block_size,
                        known=f"packet of {packet.numel()} bytes is shorter than the header and index of {n} elements "
                              f"in blocks of {block_size} ({stream_offset} bytes)")
-    head = torch.empty(3, dtype=torch.int64, device=dev)
-    _check_header[(1,)](packet, _template(out.dtype, n, block_size, dev), packet.numel() - stream_offset, n, head)
-    (ref, table, _, nzero, _, word_start, rest_start), check = read_index(
-        packet, HEADER_SIZE, stream_offset, n, block_size, BANK_SIZE, layout)
-    good = (head[0] == 1) & (check[0] == nb) & (check[1] * 4 == head[1]) & (check[2] == head[2])
-    words = (packet.numel() - stream_offset) // 4  # a bound for the loads; the index keeps each block to its own
-    err = None
+    words, scratch = device_plan.index_words(nb), _scratch_words(nb, block_size)
+    work = torch.empty(words + scratch, dtype=torch.int64, device=dev)
+    ix = device_plan.index(packet, HEADER_SIZE, nb, n, block_size, BANK_SIZE, layout,
+                           template=_template(out.dtype, n, block_size, dev), work=work[:words])
     if n:
-        err = _decode_blocks(packet[stream_offset:stream_offset + 4 * words], packet, ref[:nb], table[:nb],
-                             nzero[:nb], word_start, rest_start + (stream_offset + head[1]), good, out, block_size)
-    parts = [good.reshape(1), packet[:HEADER_SIZE], check] + ([] if err is None else [err])
-    return Verdict(torch.cat([v.to(torch.int64) for v in parts]), packet.numel(), n, out.dtype, block_size)
+        stream_words = (packet.numel() - stream_offset) // 4  # a bound for the loads; the index keeps each block to its own
+        _decode_blocks(packet[stream_offset:stream_offset + 4 * stream_words], packet, ix, out, block_size,
+                       work[words:])
+    return Verdict(ix.verdict, packet.numel(), n, out.dtype, block_size)
 
 
-def _decode_blocks(stream: torch.Tensor, rest: torch.Tensor, ref, table, nzero, word_start, rest_start, good,
-                   out: torch.Tensor, bs: int) -> torch.Tensor:
-    """The kernels of a decode: ``stream`` (the exponent streams, read up to its end), ``rest``
-    (rest bytes and side bits at ``rest_start``'s offsets), the index's rows on the device and
-    ``good`` (None: the index is known good; else a device bool: nothing is read through the
-    index unless it holds). Returns the blocks' errors, on the device."""
-    layout, dev = LAYOUTS[out.dtype], rest.device
+def _span(nb: int, bs: int) -> int:
+    """Coded blocks per pair of decode launches: their codes between the two kernels take 2 bytes
+    per element, at most DECODE_SCRATCH elements' worth at a time, so that a large packet does
+    not need a second output's memory."""
+    return min(LANES * max(1, DECODE_SCRATCH // (bs * LANES)), triton.cdiv(nb, LANES) * LANES)
+
+
+def _scratch_words(nb: int, bs: int) -> int:
+    """int64 words of _decode_blocks' scratch: the 16-bit codes of a span's elements and their
+    counts (one int32 per JOIN_CHUNK elements)."""
+    elements = _span(nb, bs) * bs
+    return elements // 4 + elements // JOIN_CHUNK // 2 + 2
+
+
+def _decode_blocks(stream: torch.Tensor, packet: torch.Tensor, ix: device_plan.Index, out: torch.Tensor, bs: int,
+                   scratch: torch.Tensor | None = None) -> None:
+    """The kernels of a decode: ``stream`` (the exponent streams, read up to its end), the packet
+    (its rest section where ix.meta says), the index read on the device (``ix``: nothing is read
+    through it unless it held) and ``scratch`` (int64, _scratch_words; allocated where not
+    given). The blocks' errors go to ix.verdict."""
+    layout = LAYOUTS[out.dtype]
     n, view = out.numel(), _ints(out)
-    # Coded blocks first, then raw ones, and the count of coded blocks, all on the device: the
-    # kernels launch for every block and mask by that count, so the host never waits for it.
-    is_raw = table == RAW_BLOCK
-    nb = is_raw.numel()
-    raw = is_raw.to(torch.int64)
-    raw_rank = torch.cumsum(raw, 0) - raw
-    ncoded = nb - raw.sum().reshape(1)
-    ids = torch.arange(nb, device=dev)
-    place = torch.where(is_raw, ncoded + raw_rank, ids - raw_rank)
-    order = torch.empty(nb, dtype=torch.int64, device=dev).scatter_(0, place, ids)
-    raw_from = ncoded
-    if good is not None:
-        ncoded, raw_from = torch.where(good, ncoded, 0), torch.where(good, ncoded, nb)
-    _decode_raw[(nb,)](rest, view, n, order, raw_from, rest_start, BS=bs, ITEMSIZE=layout.itemsize,
+    nb, stride = ix.order.numel(), ix.rows.shape[1]
+    _decode_raw[(nb,)](packet, view, n, ix.order, ix.meta, ix.rows, stride, BS=bs, ITEMSIZE=layout.itemsize,
                        num_warps=block_warps(bs))
     nwords = stream.numel() // 4
     words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
-    blocks = torch.stack([ref, table, word_start[:-1], word_start[1:], rest_start[:-1], rest_start[1:], nzero], dim=1)
-    err = torch.zeros(nb, dtype=torch.int32, device=dev)
-    luts = _luts(out.dtype, dev)
-    # The codes between the two kernels take 2 bytes per element: at most DECODE_SCRATCH
-    # elements' worth at a time, so that a large packet does not need a second output's memory.
+    luts = _luts(out.dtype, packet.device)
     assert bs % JOIN_CHUNK == 0, (bs, JOIN_CHUNK)  # a join program's chunk lies in one block
-    span = LANES * max(1, DECODE_SCRATCH // (bs * LANES))  # coded blocks per pair of launches
-    symbols = torch.empty(min(span, triton.cdiv(nb, LANES) * LANES) * bs, dtype=torch.int16, device=dev)
-    counts = torch.empty(symbols.numel() // JOIN_CHUNK, dtype=torch.int32, device=dev)
+    span = _span(nb, bs)
+    if scratch is None:
+        scratch = torch.empty(_scratch_words(nb, bs), dtype=torch.int64, device=packet.device)
+    symbols = scratch[:span * bs // 4].view(torch.int16)
+    counts = scratch[span * bs // 4:].view(torch.int32)[:span * bs // JOIN_CHUNK]
+    err = ix.verdict[device_plan.VERDICT_ERRORS:]
     for first in range(0, nb, span):
-        lanes, errs = order[first:first + span], err[first:first + span]
-        live = (ncoded - first).clamp(0, span)  # coded blocks among these lanes
+        lanes = ix.order[first:first + span]
         programs = triton.cdiv(len(lanes), LANES)
         _decode_symbols[(programs,)](
-            words, nwords, symbols, counts, lanes, live, n, blocks, luts, errs, BS=bs, LANES=LANES,
-            CHUNK=JOIN_CHUNK, EBITS=layout.ebits, BIAS=layout.offset_bias, num_warps=DECODE_WARPS)
+            words, nwords, symbols, counts, lanes, ix.meta, first, span, n, ix.rows, stride, luts, err, BS=bs,
+            LANES=LANES, CHUNK=JOIN_CHUNK, EBITS=layout.ebits, BIAS=layout.offset_bias, num_warps=DECODE_WARPS)
         _decode_join[(programs, bs // JOIN_CHUNK)](
-            symbols, counts, rest, view, n, lanes, live, blocks, errs, BS=bs, LANES=LANES,
+            symbols, counts, packet, view, n, lanes, ix.meta, first, span, ix.rows, stride, err, BS=bs, LANES=LANES,
             CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
             SIDE_BITS=layout.side_bits, num_warps=JOIN_WARPS)
-    return err
 
 
-def _raise_first(p: LosslessPacket, err: torch.Tensor | None) -> None:
-    """The call's one read at the end: the index's check (where it was left on the device) and
-    the blocks' errors together; FormatError for the first problem, the index's before the blocks'."""
-    parts = ([] if p.index_check is None else [p.index_check]) + ([] if err is None else [err.to(torch.int64)])
-    if not parts:
+def _raise_first(p: LosslessPacket, values: torch.Tensor | None) -> None:
+    """The call's one read at the end: the index's check and the blocks' errors (``values``, as
+    a verdict holds them from the check on), else the check parse_lossless left on the device;
+    FormatError for the first problem, the index's before the blocks'."""
+    if values is None:
+        values = p.index_check
+    if values is None:
         return
-    values = to_host(torch.cat(parts))
-    if p.index_check is not None:
-        if problem := index_error(values[:3], p.header):
-            raise FormatError(problem)
-        values = values[3:]
-    if problem := block_error(values):
+    values = to_host(values)
+    if problem := index_error(values[:3], p.header):
+        raise FormatError(problem)
+    if problem := block_error(values[3:]):
         raise FormatError(problem)
