@@ -231,6 +231,8 @@ run_codec() {
         --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json" \
         $( ((dry)) && echo --device cpu --cases 512:bf16 --block 256 --repeat 1)
     local rc2=$?
+    # Device operations per encode_into and decode_into, and each call's wall time (8 MiB of bf16).
+    ((dry)) || timeout 20 $py bench/gpu_stages.py --numel 4194304 --repeat 3 ${data:+--data "$data"} | head -12
     return $((rc || rc2))
 }
 

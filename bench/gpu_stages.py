@@ -49,6 +49,16 @@ def _timed_host_steps() -> dict:
     return spent
 
 
+def _device_operations(fn) -> int:
+    """The kernels, copies and fills the device ran for one call of ``fn`` (the profiler's events
+    on the device: tests/test_device_ops.py's target is 6 per encode_into and decode_into)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=int, default=32 * 1024 * 1024)
@@ -62,26 +72,35 @@ def main() -> None:
     buf = torch.empty(z.max_encoded_size(x.numel(), x.dtype), dtype=torch.uint8, device="cuda")
     z.decode(z.encode(x), out)  # compile
     z.encode_into(x, buf)
+    size = z.encode_into(x, buf)
+    z.decode_into(buf[:int(size)], out).check()
+    packet = buf[:int(size)]
+    print(f"# device operations per call: encode_into {_device_operations(lambda: z.encode_into(x, buf))}, "
+          f"decode_into {_device_operations(lambda: z.decode_into(packet, out))}")
     spent = _timed_host_steps()
-    walls = {"encode": [], "decode": [], "encode_into": []}
+    walls = {"encode": [], "decode": [], "encode_into": [], "decode_into": []}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.repeat):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            packet = z.encode(x)
+            coded = z.encode(x)
             torch.cuda.synchronize()
             walls["encode"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            z.decode(packet, out)
+            z.decode(coded, out)
             torch.cuda.synchronize()
             walls["decode"].append(time.perf_counter() - t)
             t = time.perf_counter()
             z.encode_into(x, buf)  # no host read: the size stays on the device
             torch.cuda.synchronize()
             walls["encode_into"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            z.decode_into(packet, out)  # its size read before the loop: no host read inside
+            torch.cuda.synchronize()
+            walls["decode_into"].append(time.perf_counter() - t)
     nbytes = x.numel() * x.element_size()
     print(f"# {torch.cuda.get_device_name()}, {args.numel} {args.dtype} elements ({nbytes / 2**20:.0f} MiB), "
-          f"ratio {packet.numel() / nbytes:.4f}")
+          f"ratio {coded.numel() / nbytes:.4f}")
     for k, v in walls.items():
         m = float(np.median(v))
         print(f"# {k}: median {m * 1e3:.3f} ms per call, {nbytes / m / 1e9:.1f} GB/s of input")
