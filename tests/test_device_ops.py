@@ -121,3 +121,17 @@ def test_one_more_operation_is_counted():
     launched, _ = _counted(codec, x, extra=lambda size: device_plan._place[(1,)](
         cell, cell, cell, 0, cell, cell, cell, 0, SCAN=device_plan.SCAN, SEAL=False))
     assert launched["triton:_place"] == base["triton:_place"] + 1, (base, launched)
+
+
+def test_encode_many_takes_one_launch_sequence_for_all_its_parts():
+    """Three peers' chunks (rows of one matrix, one row left out, as a reduce-scatter's piece):
+    the launches of one encode_into, not three times them, and at most 6 operations in all."""
+    m = _gradients(torch.bfloat16, 4 * 3000).view(4, 3000)
+    parts = [m[j, 200:2900] for j in (0, 2, 3)]
+    codec = Lossless("triton", block_size=1024)
+    out = torch.empty(3 * codec.slot(parts[0].numel(), torch.bfloat16), dtype=torch.uint8)
+    codec.encode_many(parts, out)
+    with device_ops() as seen:
+        codec.encode_many(parts, out)
+    assert sum(seen.values()) <= LIMIT, seen
+    assert all(seen[f"triton:{k}"] == 1 for k in ("_analyse", "_choose", "_place", "_encode")), seen

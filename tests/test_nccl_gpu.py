@@ -47,6 +47,22 @@ def test_triton_on_cuda_matches_the_reference(compiled, dtype):
     assert _digest(back) == _digest(x)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encode_many_on_cuda_writes_each_parts_reference_packet(compiled, dtype):
+    """Seven peers' chunks of a reduce-scatter piece (rows of an (8, m) matrix, this rank's left
+    out) in one launch sequence: each packet at its slot is the reference's, and decodes back."""
+    m = torch.stack([_data(r, 300_007, dtype) for r in range(8)]).cuda()
+    parts = [m[j, 5:] for j in range(8) if j != 3]
+    codec = Lossless("triton")
+    slot = codec.slot(parts[0].numel(), dtype)
+    out = torch.empty(len(parts) * slot, dtype=torch.uint8, device="cuda")
+    sizes = codec.encode_many(parts, out).tolist()
+    for k, x in enumerate(parts):
+        want = Lossless("reference", block_size=GPU_BLOCK_SIZE).encode(x.cpu())
+        assert torch.equal(out[k * slot:k * slot + sizes[k]].cpu(), want), k
+        assert _digest(codec.decode(out[k * slot:k * slot + sizes[k]])) == _digest(x), k
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [256, 1024, 32768])
 def test_every_16bit_pattern_on_cuda(compiled, dtype, block_size):

@@ -36,6 +36,49 @@ def test_real_gradients_match_reference(real_grads, dtype, block_size):
     assert_same_bits(gpu.decode(p), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_encode_many_writes_each_parts_reference_packet(dtype):
+    """A reduce-scatter piece's parts: columns 300..2900 of three rows of a (4, 3000) matrix, one
+    row left out, the last block short, one part with a run of +0.0 and one of random bits (raw
+    blocks). Each packet at its slot is the reference's encode of its part, byte for byte, its
+    size the reference's, and the bytes between packets are untouched."""
+    g = torch.Generator().manual_seed(8)
+    m = (torch.randn(4, 3000, generator=g) * 1e-2).to(dtype)
+    m[2, 400:1400] = 0.0
+    ints = m.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    ints[3, 1000:2000] = torch.randint(0, 2**31 - 1 if dtype == torch.float32 else 2**15, (1000,),
+                                       generator=g).to(ints.dtype)
+    parts = [m[j, 300:2900] for j in (0, 2, 3)]
+    codec, ref = Lossless("triton", block_size=256), Lossless("reference", block_size=256)
+    slot = codec.slot(parts[0].numel(), dtype)
+    out = torch.full((3 * slot,), 0xA5, dtype=torch.uint8)
+    sizes = codec.encode_many(parts, out).tolist()
+    for k, x in enumerate(parts):
+        want = ref.encode(x)
+        assert sizes[k] == want.numel(), (k, sizes, want.numel())
+        assert torch.equal(out[k * slot:k * slot + sizes[k]], want), k
+        assert bool((out[k * slot + sizes[k]:(k + 1) * slot] == 0xA5).all()), k
+    from zipccl.reference.packet import parse_lossless
+    assert (parse_lossless(ref.encode(parts[2])).table == F.RAW_BLOCK).any()  # the random bits went raw
+
+
+def test_encode_many_of_separate_tensors_and_its_errors():
+    """Parts of separate storages take one encode_into each, with the same packets; parts of
+    two sizes, or too small an ``out``, are refused."""
+    g = torch.Generator().manual_seed(9)
+    parts = [(torch.randn(700, generator=g) * 1e-3).to(torch.bfloat16) for _ in range(2)]
+    codec, ref = Lossless("triton", block_size=256), Lossless("reference", block_size=256)
+    slot = codec.slot(700, torch.bfloat16)
+    out = torch.empty(2 * slot, dtype=torch.uint8)
+    sizes = codec.encode_many(parts, out).tolist()
+    for k, x in enumerate(parts):
+        assert torch.equal(out[k * slot:k * slot + sizes[k]], ref.encode(x)), k
+    with pytest.raises(ValueError, match="one dtype, numel"):
+        codec.encode_many([parts[0], parts[1][:600]], out)
+    with pytest.raises(ValueError, match="at least 2 x"):
+        codec.encode_many(parts, out[:slot])
+
+
 def test_largest_block_of_one_symbol():
     """A 32768-element block of one value: 32768 of one symbol, the largest count the analysis
     sends to the host (as 16 bits). Encode only: the interpreter decodes a block that long slowly."""

@@ -140,6 +140,40 @@ class Lossless:
         out[:packet.numel()] = packet
         return torch.tensor(packet.numel(), dtype=torch.int64, device=x.device)
 
+    def slot(self, numel: int, dtype: torch.dtype) -> int:
+        """Bytes between two packets of ``encode_many``: the bound, rounded up to 16."""
+        return -(-self.max_encoded_size(numel, dtype) // 16) * 16
+
+    def encode_many(self, parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``encode_into`` of each of ``parts`` (tensors of one dtype, numel and device), packet k
+        at ``out[k * slot:]`` (``slot(numel, dtype)``; ``out`` contiguous 1-D uint8 of at least
+        ``len(parts) * slot`` bytes on their device, 16-byte aligned); their sizes as an int64
+        tensor there. With the Triton kernels, contiguous parts of one storage (the rows or
+        chunks a collective sends its peers) take one launch sequence for them all, as one
+        encode_into does for one; otherwise one encode_into each."""
+        if not parts:
+            raise ValueError("encode_many needs at least one tensor")
+        for x in parts:
+            check_input(x)
+        first = parts[0]
+        if any(x.dtype != first.dtype or x.numel() != first.numel() or x.device != first.device for x in parts):
+            raise ValueError("encode_many takes tensors of one dtype, numel and device; got "
+                             + ", ".join(f"{x.dtype} {x.numel()} on {x.device}" for x in parts))
+        slot = self.slot(first.numel(), first.dtype)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1 \
+                or not out.is_contiguous() or out.device != first.device or out.numel() < len(parts) * slot \
+                or out.data_ptr() % 16:
+            raise ValueError(f"encode_many needs a contiguous 1-D uint8 tensor on {first.device} of at least "
+                             f"{len(parts)} x {slot} bytes at a 16-byte aligned address")
+        kernels = resolve(self.impl, first.device)
+        storage = first.untyped_storage().data_ptr()
+        if hasattr(kernels, "encode_many") and not self.checksum and all(
+                x.is_contiguous() and x.untyped_storage().data_ptr() == storage
+                and (x.data_ptr() - first.data_ptr()) % x.element_size() == 0 for x in parts):
+            return kernels.encode_many([x.reshape(-1) for x in parts], out, slot,
+                                       self.block_size or kernels.BLOCK_SIZE)
+        return torch.stack([self.encode_into(x, out[k * slot:(k + 1) * slot]) for k, x in enumerate(parts)])
+
     def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
                max_numel: int | None = None) -> torch.Tensor:
         """The tensor (1-D) a lossless packet holds, into ``out`` if given. The header is

@@ -172,16 +172,20 @@ class Deferred:
 
 def encode_all(codec, parts: list) -> tuple[list | Deferred, list[int] | torch.Tensor]:
     """Each part's packet, and their sizes. Where the codec ``batches``, the packets go into one
-    buffer (each at a 16-byte aligned slot of the codec's bound) as a Deferred, their sizes left
+    buffer (each at a 16-byte aligned slot of the codec's bound; parts of one size in one
+    ``encode_many``) as a Deferred, their sizes left
     on the device: the size mail reads them with the peers' (one host wait for a piece, which
     each read here would double: it waits for the device to finish the encodes before it)."""
     if not parts or not batches(codec, parts[0]):
         packets = [codec.encode(x) for x in parts]
         return packets, [p.numel() for p in packets]
-    slots = [-(-codec.max_encoded_size(x.numel(), x.dtype) // 16) * 16 for x in parts]
+    slots = [codec.slot(x.numel(), x.dtype) for x in parts]
     starts = [0, *itertools.accumulate(slots)]
     buf = torch.empty(starts.pop(), dtype=torch.uint8, device=parts[0].device)
-    sizes = torch.stack([codec.encode_into(x, buf[s:s + slot]) for x, s, slot in zip(parts, starts, slots)])
+    if len(set(slots)) == 1:  # parts of one size: one launch sequence for them all (Lossless.encode_many)
+        sizes = codec.encode_many(parts, buf)
+    else:
+        sizes = torch.stack([codec.encode_into(x, buf[s:s + slot]) for x, s, slot in zip(parts, starts, slots)])
     return Deferred(buf, starts, sizes), sizes
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -87,11 +88,17 @@ def _symbols(v, valid, ref, MBITS: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.co
 
 
 @triton.jit
-def _analyse(x_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.constexpr, MBITS: tl.constexpr,
-             EMAX: tl.constexpr, BIAS: tl.constexpr):
+def _analyse(x_ptr, xoff_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.constexpr, MBITS: tl.constexpr,
+             EMAX: tl.constexpr, BIAS: tl.constexpr, PARTS: tl.constexpr):
     """Per block: reference coded field (most common among the sample's non-zero elements, ties to the
     smallest), then the histograms of its symbols: the sample's (the tables' input) and the whole
-    block's (its exact size)."""
+    block's (its exact size). With PARTS, block ``program_id(0)`` of part ``program_id(1)``, whose
+    elements start xoff_ptr[part] after x_ptr, its rows after the parts' before it."""
+    if PARTS:
+        part = tl.program_id(1)
+        x_ptr += tl.load(xoff_ptr + part)
+        ref_ptr += part * tl.num_programs(0)
+        hist_ptr += part.to(tl.int64) * tl.num_programs(0) * 2 * _NSYM
     b = tl.program_id(0)
     i = tl.arange(0, BS)
     offs = b.to(tl.int64) * BS + i
@@ -114,9 +121,10 @@ def _seg_or(start_a, a, start_b, b):
 
 
 @triton.jit
-def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, totals_ptr, BS: tl.constexpr,
-            VMASK: tl.constexpr, MBITS: tl.constexpr, EBITS: tl.constexpr, REST_BYTES: tl.constexpr,
-            SIDE_BITS: tl.constexpr, BIAS: tl.constexpr, ITEMSIZE: tl.constexpr):
+def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, slot, totals_ptr,
+            BS: tl.constexpr, VMASK: tl.constexpr, MBITS: tl.constexpr, EBITS: tl.constexpr,
+            REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr, BIAS: tl.constexpr, ITEMSIZE: tl.constexpr,
+            PARTS: tl.constexpr):
     """One block: its exponent stream (or raw bytes), and its rest bytes followed by its side bits.
 
     block_ptr holds (ref, table, first word, first rest byte of the rest section) per block, as
@@ -124,7 +132,16 @@ def _encode(x_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, total
     start, and the rest section follows the stream. Every store is clamped to the planned packet: the plan
     was made from a first pass over x, and an x changed since (by another stream) may code longer
     than planned; that gives a wrong packet, never a write outside it (a raw block's bytes do not
-    depend on its values)."""
+    depend on its values). With PARTS, block ``program_id(0)`` of part ``program_id(1)``, whose
+    elements start xoff_ptr[part] after x_ptr, its rows after the parts' before it, its packet's
+    stream and rest ``slot`` bytes after the part's before it."""
+    if PARTS:
+        part = tl.program_id(1)
+        x_ptr += tl.load(xoff_ptr + part)
+        block_ptr += part.to(tl.int64) * 4 * tl.num_programs(0)
+        words_ptr += part.to(tl.int64) * (slot // 4)
+        rest_ptr += part.to(tl.int64) * slot
+        totals_ptr += 2 * part
     b = tl.program_id(0)
     i = tl.arange(0, BS)
     offs = b.to(tl.int64) * BS + i
@@ -347,32 +364,40 @@ def _shape_args(layout) -> dict:
 
 
 def _plan(x: torch.Tensor, block_size: int, read: bool, index: torch.Tensor | None = None,
-          seal: tuple[torch.Tensor, torch.Tensor] | None = None) -> device_plan.DevicePlan:
+          seal: tuple[torch.Tensor, torch.Tensor] | None = None, parts: torch.Tensor | None = None, n: int = 0,
+          slot: int = 0) -> device_plan.DevicePlan:
     """The blocks' histograms (``_analyse``) and the plan from them (device_plan.plan: its index
     entries into ``index`` where given, its header sealed into ``seal``'s where given), on the
-    device, in one allocation and three launches; ``read``: the host reads the packet's size."""
+    device, in one allocation and three launches; ``read``: the host reads the packet's size.
+    ``parts``: the element offsets in ``x`` of that many tensors of ``n`` elements (their packets
+    ``slot`` bytes apart), else x is the one tensor."""
     layout = LAYOUTS[x.dtype]
-    n, dev = x.numel(), x.device
-    nb = num_blocks(n, block_size)
-    work = device_plan.scratch(nb, dev)
+    n, dev = (x.numel(), x.device) if parts is None else (n, x.device)
+    nb, count = num_blocks(n, block_size), 1 if parts is None else parts.numel()
+    work = device_plan.scratch(nb, dev, count)
     if nb:  # every block's reference and histograms written: no zero-filling
-        _analyse[(nb,)](_ints(x), n, work.ref, work.hist, BS=block_size, EMAX=layout.emax, BIAS=layout.offset_bias,
-                        num_warps=block_warps(block_size), **_shape_args(layout))
+        _analyse[(nb, count)](_ints(x), x if parts is None else parts, n, work.ref, work.hist, BS=block_size,
+                              EMAX=layout.emax, BIAS=layout.offset_bias, num_warps=block_warps(block_size),
+                              PARTS=parts is not None, **_shape_args(layout))
     return device_plan.plan(work.hist[:, 0], work.hist[:, 1], work.ref, n, block_size, x.dtype, read, work=work,
-                            index=index, seal=seal)
+                            index=index, seal=seal, parts=count, slot=slot)
 
 
-def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: torch.Tensor, words: int) -> None:
+def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: torch.Tensor, words: int,
+           parts: torch.Tensor | None = None, n: int = 0, slot: int = 0) -> None:
     """Sections 2 and 3 into ``body`` (the packet after its header and index): ``_encode``'s
     stream in the first ``words`` 32-bit words and the rest bytes after the stream, at the plan's
-    offsets (pl.blocks' rest column counts from the stream's end); nothing past the planned sizes."""
+    offsets (pl.blocks' rest column counts from the stream's end); nothing past the planned sizes.
+    ``parts``, ``n``, ``slot``: as ``_plan``'s (``body`` the first packet's)."""
     layout = LAYOUTS[x.dtype]
-    nb = num_blocks(x.numel(), block_size)
+    n = x.numel() if parts is None else n
+    nb, count = num_blocks(n, block_size), 1 if parts is None else parts.numel()
     if nb:
-        _encode[(nb,)](_ints(x), x.numel(), pl.blocks, pl.codes, pl.lengths, body[:4 * words].view(torch.int32), body,
-                       pl.totals, BS=block_size, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
-                       SIDE_BITS=layout.side_bits, BIAS=layout.offset_bias, ITEMSIZE=layout.itemsize,
-                       num_warps=block_warps(block_size), **_shape_args(layout))
+        _encode[(nb, count)](_ints(x), x if parts is None else parts, n, pl.blocks, pl.codes, pl.lengths,
+                             body[:4 * words].view(torch.int32), body, slot, pl.totals, BS=block_size,
+                             EBITS=layout.ebits, REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
+                             BIAS=layout.offset_bias, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
+                             PARTS=parts is not None, **_shape_args(layout))
 
 
 def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
@@ -421,13 +446,34 @@ def encode_into(x: torch.Tensor, out: torch.Tensor, block_size: int) -> torch.Te
     One allocation and four launches: ``_analyse``, ``_choose`` (the index entries straight into
     ``out``), ``_place`` (the offsets, and the header sealed from the template with its sizes
     and CRC) and ``_encode``."""
-    n, dev = x.numel(), x.device
+    return _encode_packets(x, None, x.numel(), out, 0, block_size)[0]
+
+
+def encode_many(parts: list[torch.Tensor], out: torch.Tensor, slot: int, block_size: int) -> torch.Tensor:
+    """``encode_into`` of each of ``parts`` (1-D, one dtype, numel and storage), packet k at
+    ``out[k * slot:]``, in one launch sequence: their sizes as an int64 tensor on the device.
+    Two more device operations than one encode_into (the parts' offsets uploaded, and their
+    sizes), however many parts."""
+    base = min(parts, key=lambda p: p.data_ptr())
+    size = parts[0].element_size()
+    offsets = [(p.data_ptr() - base.data_ptr()) // size for p in parts]
+    x = base.as_strided((max(offsets) + parts[0].numel(),), (1,), base.storage_offset())
+    return _encode_packets(x, to_device(np.array(offsets, np.int64), out.device), parts[0].numel(), out, slot,
+                           block_size)
+
+
+def _encode_packets(x: torch.Tensor, parts: torch.Tensor | None, n: int, out: torch.Tensor, slot: int,
+                    block_size: int) -> torch.Tensor:
+    """encode_into (``parts`` None: x is the tensor) or encode_many (``parts``: element offsets in
+    x): the packets' sizes, a view of the call's Scratch."""
     nb = num_blocks(n, block_size)
     s1 = nb * INDEX_ENTRY
+    room = (slot or out.numel()) - HEADER_SIZE - s1
     index = out[HEADER_SIZE:HEADER_SIZE + s1].view(torch.int16).view(nb, 4)
-    pl = _plan(x, block_size, read=False, index=index, seal=(_template(x.dtype, n, block_size, dev), out))
-    _write(x, block_size, pl, out[HEADER_SIZE + s1:], (out.numel() - HEADER_SIZE - s1) // 4)
-    return pl.size[0]
+    pl = _plan(x, block_size, read=False, index=index, seal=(_template(x.dtype, n, block_size, out.device), out),
+               parts=parts, n=n, slot=slot)
+    _write(x, block_size, pl, out[HEADER_SIZE + s1:], room // 4, parts=parts, n=n, slot=slot)
+    return pl.size
 
 
 def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
