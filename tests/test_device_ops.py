@@ -135,3 +135,21 @@ def test_encode_many_takes_one_launch_sequence_for_all_its_parts():
         codec.encode_many(parts, out)
     assert sum(seen.values()) <= LIMIT, seen
     assert all(seen[f"triton:{k}"] == 1 for k in ("_analyse", "_choose", "_place", "_encode")), seen
+
+
+def test_decode_many_takes_one_launch_sequence_for_all_its_packets():
+    """Three packets in one buffer into three rows: the launches of one decode_into, and at most
+    one operation more (the upload of the packets' places)."""
+    m = _gradients(torch.bfloat16, 3 * 2700).view(3, 2700)
+    codec = Lossless("triton", block_size=1024)
+    slot = codec.slot(2700, torch.bfloat16)
+    buf = torch.empty(3 * slot, dtype=torch.uint8)
+    sizes = codec.encode_many(list(m), buf).tolist()
+    packets = [buf[k * slot:k * slot + sizes[k]] for k in range(3)]
+    outs = torch.empty_like(m)
+    codec.decode_many(packets, list(outs))
+    with device_ops() as seen:
+        verdicts = codec.decode_many(packets, list(outs))
+    assert sum(seen.values()) <= LIMIT + 1, seen
+    assert all(seen[f"triton:{k}"] == 1 for k in ("_index", "_decode_raw", "_decode_symbols", "_decode_join")), seen
+    assert all(v.problem() is None for v in verdicts) and torch.equal(outs.view(torch.uint8), m.view(torch.uint8))

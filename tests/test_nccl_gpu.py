@@ -48,9 +48,10 @@ def test_triton_on_cuda_matches_the_reference(compiled, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_encode_many_on_cuda_writes_each_parts_reference_packet(compiled, dtype):
+def test_encode_many_and_decode_many_on_cuda(compiled, dtype):
     """Seven peers' chunks of a reduce-scatter piece (rows of an (8, m) matrix, this rank's left
-    out) in one launch sequence: each packet at its slot is the reference's, and decodes back."""
+    out) in one launch sequence: each packet at its slot is the reference's, and decodes back,
+    alone and with decode_many into the rows of one tensor."""
     m = torch.stack([_data(r, 300_007, dtype) for r in range(8)]).cuda()
     parts = [m[j, 5:] for j in range(8) if j != 3]
     codec = Lossless("triton")
@@ -61,6 +62,10 @@ def test_encode_many_on_cuda_writes_each_parts_reference_packet(compiled, dtype)
         want = Lossless("reference", block_size=GPU_BLOCK_SIZE).encode(x.cpu())
         assert torch.equal(out[k * slot:k * slot + sizes[k]].cpu(), want), k
         assert _digest(codec.decode(out[k * slot:k * slot + sizes[k]])) == _digest(x), k
+    back = torch.empty(len(parts), parts[0].numel(), dtype=dtype, device="cuda")
+    verdicts = codec.decode_many([out[k * slot:k * slot + s] for k, s in enumerate(sizes)], list(back))
+    assert all(v.problem() is None for v in verdicts)
+    assert all(_digest(back[k]) == _digest(x) for k, x in enumerate(parts))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

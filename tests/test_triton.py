@@ -79,6 +79,55 @@ def test_encode_many_of_separate_tensors_and_its_errors():
         codec.encode_many(parts, out[:slot])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_decode_many_decodes_each_packet_into_its_out(dtype):
+    """Three packets at the slots of one buffer (encode_many's, one of them with raw blocks) into
+    rows 0, 2 and 4 of a matrix: each row holds its part's bits, the rows between are untouched.
+    With packet 1's header corrupted, its verdict names the problem and its row stays as it was,
+    while the other two decode as before."""
+    g = torch.Generator().manual_seed(10)
+    m = (torch.randn(3, 2600, generator=g) * 1e-2).to(dtype)
+    m[1, 100:900] = 0.0
+    ints = m.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    ints[2, 1000:2000] = torch.randint(0, 2**31 - 1 if dtype == torch.float32 else 2**15, (1000,),
+                                       generator=g).to(ints.dtype)
+    parts = list(m)
+    codec = Lossless("triton", block_size=256)
+    slot = codec.slot(2600, dtype)
+    buf = torch.empty(3 * slot, dtype=torch.uint8)
+    sizes = codec.encode_many(parts, buf).tolist()
+    packets = [buf[k * slot:k * slot + sizes[k]] for k in range(3)]
+    for bad in (None, 1):
+        if bad is not None:
+            buf[bad * slot + 20] ^= 0xFF
+        outs = torch.full((5, 2600), 7.0, dtype=dtype)
+        verdicts = codec.decode_many(packets, [outs[0], outs[2], outs[4]])
+        for k, row in enumerate((0, 2, 4)):
+            if k == bad:
+                assert "header" in verdicts[k].problem() and bool((outs[row] == 7.0).all()), verdicts[k].problem()
+            else:
+                assert verdicts[k].problem() is None
+                assert_same_bits(outs[row], parts[k])
+        assert bool((outs[1] == 7.0).all() and (outs[3] == 7.0).all())
+
+
+def test_decode_many_of_separate_tensors_and_its_errors():
+    """Packets and outs of separate storages take one decode_into each, with the same results;
+    outs of two sizes, or fewer outs than packets, are refused."""
+    g = torch.Generator().manual_seed(11)
+    parts = [(torch.randn(700, generator=g) * 1e-3).to(torch.bfloat16) for _ in range(2)]
+    codec = Lossless("triton", block_size=256)
+    packets = [Lossless("reference", block_size=256).encode(x) for x in parts]
+    outs = [torch.empty(700, dtype=torch.bfloat16) for _ in parts]
+    assert all(v.problem() is None for v in codec.decode_many(packets, outs))
+    for out, x in zip(outs, parts):
+        assert_same_bits(out, x)
+    with pytest.raises(ValueError, match="one dtype and numel"):
+        codec.decode_many(packets, [outs[0], outs[1][:600]])
+    with pytest.raises(ValueError, match="as many outs as packets"):
+        codec.decode_many(packets, outs[:1])
+
+
 def test_largest_block_of_one_symbol():
     """A 32768-element block of one value: 32768 of one symbol, the largest count the analysis
     sends to the host (as 16 bits). Encode only: the interpreter decodes a block that long slowly."""

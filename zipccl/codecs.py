@@ -215,6 +215,32 @@ class Lossless:
             known = str(e)
         return Verdict(None, packet.numel(), out.numel(), out.dtype, block_size, known)
 
+    def decode_many(self, packets: list[torch.Tensor], outs: list[torch.Tensor]) -> list[Verdict]:
+        """``decode_into`` of each packet into its out (outs of one dtype, numel and device): their
+        Verdicts. With the Triton kernels, packets in one buffer at 4-byte aligned places (the
+        slots of a piece's receives) and contiguous outs of one storage take one launch
+        sequence for them all, as one decode_into does for one; otherwise one decode_into each."""
+        if len(packets) != len(outs) or not packets:
+            raise ValueError(f"decode_many needs as many outs as packets, at least one; got {len(packets)} packets "
+                             f"and {len(outs)} outs")
+        packets = [_check_packet(p) for p in packets]
+        first, device = outs[0], packets[0].device
+        for out in outs:
+            if not isinstance(out, torch.Tensor) or not out.is_contiguous() or out.device != device \
+                    or out.dtype != first.dtype or out.numel() != first.numel():
+                raise ValueError(f"decode_many needs contiguous outs of one dtype and numel on the packets' device "
+                                 f"({device})")
+        F.dtype_code(first.dtype)
+        kernels = resolve(self.impl, device)
+        same = [p.untyped_storage().data_ptr() == packets[0].untyped_storage().data_ptr() and p.data_ptr() % 4 == 0
+                and p.device == device for p in packets]
+        same += [o.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                 and (o.data_ptr() - first.data_ptr()) % o.element_size() == 0 for o in outs]
+        if hasattr(kernels, "decode_many") and all(same):
+            return kernels.decode_many(packets, [o.view(-1) for o in outs],
+                                       self.block_size or getattr(kernels, "BLOCK_SIZE", F.DEFAULT_BLOCK_SIZE))
+        return [self.decode_into(p, o) for p, o in zip(packets, outs)]
+
     def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
         nb = F.num_blocks(numel, self.block_size or F.MIN_DEFAULT_BLOCK_SIZE)
         return (F.HEADER_SIZE + nb * F.INDEX_ENTRY

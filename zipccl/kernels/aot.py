@@ -44,18 +44,21 @@ def _specs(dtype: str):
                        "lens_ptr": "*i32", "words_ptr": "*i32", "rest_ptr": "*u8", "slot": "i64", "totals_ptr": "*i64"},
            dict(BS=bs, VMASK=vmask, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes, SIDE_BITS=side_bits, BIAS=bias,
                 ITEMSIZE=itemsize, PARTS=True), gpu.block_warps(bs))
+    # decode_many's builds (PARTS): decode_into's are the same code without the packets' places
+    many = {"parts_ptr": "*i64", "part_words": "i64"}
     yield ("_decode_symbols", {"words_ptr": "*i32", "nwords": "i64", "code_ptr": "*i16", "count_ptr": "*i32",
                                "coded_ptr": "*i64", "meta_ptr": "*i64", "first": "i64", "span": "i64", "n": "i64",
-                               "rows_ptr": "*i64", "stride": "i64", "lut_ptr": "*i32", "err_ptr": "*i64"},
-           dict(BS=bs, LANES=gpu.LANES, CHUNK=gpu.JOIN_CHUNK, EBITS=ebits, BIAS=bias), gpu.DECODE_WARPS)
+                               "rows_ptr": "*i64", "stride": "i64", "lut_ptr": "*i32", "err_ptr": "*i64", **many,
+                               "err_stride": "i64"},
+           dict(BS=bs, LANES=gpu.LANES, CHUNK=gpu.JOIN_CHUNK, EBITS=ebits, BIAS=bias, PARTS=True), gpu.DECODE_WARPS)
     yield ("_decode_join", {"code_ptr": "*i16", "count_ptr": "*i32", "rest_ptr": "*u8", "out_ptr": ptr, "n": "i64",
                             "coded_ptr": "*i64", "meta_ptr": "*i64", "first": "i64", "span": "i64",
-                            "rows_ptr": "*i64", "stride": "i64", "err_ptr": "*i64"},
+                            "rows_ptr": "*i64", "stride": "i64", "err_ptr": "*i64", **many, "err_stride": "i64"},
            dict(BS=bs, LANES=gpu.LANES, CHUNK=gpu.JOIN_CHUNK, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes,
-                SIDE_BITS=side_bits), gpu.JOIN_WARPS)
+                SIDE_BITS=side_bits, PARTS=True), gpu.JOIN_WARPS)
     yield ("_decode_raw", {"rest_ptr": "*u8", "out_ptr": ptr, "n": "i64", "order_ptr": "*i64", "meta_ptr": "*i64",
-                           "rows_ptr": "*i64", "stride": "i64"},
-           dict(BS=bs, ITEMSIZE=itemsize), gpu.block_warps(bs))
+                           "rows_ptr": "*i64", "stride": "i64", **many},
+           dict(BS=bs, ITEMSIZE=itemsize, PARTS=True), gpu.block_warps(bs))
     from . import device_plan
     yield ("_choose", {"sampled_ptr": "*i16", "exact_ptr": "*i16", "stride": "i64", "ref_ptr": "*i32",
                        "bits_ptr": "*i32", "index_ptr": "*i16", "index_stride": "i64", "block_ptr": "*i64",
@@ -67,9 +70,11 @@ def _specs(dtype: str):
            dict(SCAN=device_plan.SCAN, SEAL=True), 4)
     yield ("_index", {"pkt_ptr": "*u8", "start": "i64", "nb": "i64", "n": "i64", "bs": "i64", "ntables": "i64",
                       "rows_ptr": "*i64", "order_ptr": "*i64", "meta_ptr": "*i64", "verdict_ptr": "*i64",
-                      "tmpl_ptr": "*u8", "room": "i64", "s2": "i64", "s3": "i64"},
+                      "tmpl_ptr": "*u8", "room": "i64", "s2": "i64", "s3": "i64", "parts_ptr": "*i64",
+                      "part_words": "i64"},
            dict(EMAX=(1 << ebits) - 1, ITEMSIZE=itemsize, REST_BYTES=rest_bytes, SIDE_BITS=side_bits, RAW=RAW_BLOCK,
-                SCAN=device_plan.SCAN, HEADER=True, ERRORS=device_plan.VERDICT_ERRORS), 4)
+                SCAN=device_plan.SCAN, HEADER=True, ERRORS=device_plan.VERDICT_ERRORS, PARTS=True),
+           device_plan.INDEX_WARPS)
 
 
 def _cubin_usage(cubin: bytes) -> dict:

@@ -161,7 +161,8 @@ def _place(lens_ptr, block_ptr, totals_ptr, nb, tmpl_ptr, hdr_ptr, hdr_stride, s
         tl.store(size_ptr, 56 + s1 + 4 * words + rest)
 
 
-SCAN = 1024  # blocks per step of _place's prefix sum
+SCAN = 1024  # blocks per step of _place's and _index's prefix sums
+INDEX_WARPS = 8  # _index's: 4 entries a thread (in 4 warps it needed 255 registers on sm_80)
 
 
 class Scratch(NamedTuple):
@@ -244,8 +245,9 @@ VERDICT_ERRORS = 1 + HEADER_SIZE + 3
 
 @triton.jit
 def _index(pkt_ptr, start, nb, n, bs, ntables, rows_ptr, order_ptr, meta_ptr, verdict_ptr, tmpl_ptr, room, s2, s3,
-           EMAX: tl.constexpr, ITEMSIZE: tl.constexpr, REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr,
-           RAW: tl.constexpr, SCAN: tl.constexpr, HEADER: tl.constexpr, ERRORS: tl.constexpr):
+           parts_ptr, part_words, EMAX: tl.constexpr, ITEMSIZE: tl.constexpr, REST_BYTES: tl.constexpr,
+           SIDE_BITS: tl.constexpr, RAW: tl.constexpr, SCAN: tl.constexpr, HEADER: tl.constexpr,
+           ERRORS: tl.constexpr, PARTS: tl.constexpr):
     """One program, SCAN entries a step: the block index at ``pkt_ptr + start`` (nb entries) read
     and checked as reference/packet.py does, and everything the decoders need from it, so that
     no kernel reads through the index before it is known good.
@@ -259,7 +261,18 @@ def _index(pkt_ptr, start, nb, n, bs, ntables, rows_ptr, order_ptr, meta_ptr, ve
     HEADER (decode_into) the packet's header is checked against the template at tmpl_ptr (every
     field the caller's ``out`` fixes, its CRC-32, data sizes that fit in the ``room`` bytes after
     the index and hold n elements; compared one at a time in int64: a sum could wrap) and gives
-    the sizes; else they are ``s2`` and ``s3`` (a header the host validated)."""
+    the sizes; else they are ``s2`` and ``s3`` (a header the host validated). With PARTS
+    (decode_many), packet ``program_id(0)``: parts_ptr's row of 3 (its byte offset from pkt_ptr,
+    its output's element offset, its room) places it, its rows, order and meta ``part_words``
+    after the packet's before it, its verdict ERRORS + nb after that one's."""
+    if PARTS:
+        part = tl.program_id(0).to(tl.int64)
+        pkt_ptr += tl.load(parts_ptr + 3 * part)
+        room = tl.load(parts_ptr + 3 * part + 2)
+        rows_ptr += part * part_words
+        order_ptr += part * part_words
+        meta_ptr += part * part_words
+        verdict_ptr += part * (ERRORS + nb)
     zero = tl.program_id(0).to(tl.int64) * 0
     words, rest, raws, bad = zero, zero, zero, zero + nb
     stride = nb + 1
@@ -336,27 +349,31 @@ class Index(NamedTuple):
 
 def index(packet: torch.Tensor, start: int, nb: int, n: int, bs: int, ntables: int, layout: FloatLayout,
           sizes: tuple[int, int] | None = None, template: torch.Tensor | None = None,
-          work: torch.Tensor | None = None) -> Index:
+          work: torch.Tensor | None = None, parts: torch.Tensor | None = None, count: int = 1) -> Index:
     """``_index`` over the nb entries at ``packet[start:]``: two allocations (the verdict, and
     ``work``'s rows, order and meta where the caller gives no int64 ``work``) and one launch.
     ``sizes``: the stream and rest bytes of a header the host validated; else ``template``: the
-    header the packet must have, checked on the device (decode_into)."""
+    header the packet must have, checked on the device (decode_into). ``parts``: ``count`` packets
+    in ``packet``, placed by its rows (device_plan._index); the Index is then the first's, the
+    others' ``index_words(nb)`` words (and verdicts VERDICT_ERRORS + nb) after it."""
     dev = packet.device
-    verdict = torch.empty(VERDICT_ERRORS + nb, dtype=torch.int64, device=dev)
-    work = torch.empty(index_words(nb), dtype=torch.int64, device=dev) if work is None else work
+    words = index_words(nb)
+    verdict = torch.empty(count * (VERDICT_ERRORS + nb), dtype=torch.int64, device=dev)
+    work = torch.empty(count * words, dtype=torch.int64, device=dev) if work is None else work
     rows = work[:7 * (nb + 1)].view(7, nb + 1)
     order, meta = work[7 * (nb + 1):8 * nb + 7], work[8 * nb + 7:8 * nb + 10]
     s2, s3 = sizes if sizes is not None else (0, 0)
-    _index[(1,)](packet, start, nb, n, bs, ntables, rows, order, meta, verdict,
-                 packet if template is None else template, packet.numel() - start - nb * INDEX_ENTRY, s2, s3,
-                 EMAX=layout.emax, ITEMSIZE=layout.itemsize, REST_BYTES=layout.rest_bytes,
-                 SIDE_BITS=layout.side_bits, RAW=RAW_BLOCK, SCAN=SCAN, HEADER=template is not None,
-                 ERRORS=VERDICT_ERRORS)
+    _index[(count,)](packet, start, nb, n, bs, ntables, rows, order, meta, verdict,
+                     packet if template is None else template, packet.numel() - start - nb * INDEX_ENTRY, s2, s3,
+                     packet if parts is None else parts, words, EMAX=layout.emax, ITEMSIZE=layout.itemsize,
+                     REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits, RAW=RAW_BLOCK, SCAN=SCAN,
+                     HEADER=template is not None, ERRORS=VERDICT_ERRORS, PARTS=parts is not None,
+                     num_warps=INDEX_WARPS)
     return Index(rows, order, meta, verdict)
 
 
 def index_words(nb: int) -> int:
-    """The int64 words of ``index``'s ``work``: 7 rows of nb + 1, the order, 3 of meta."""
+    """The int64 words of ``index``'s ``work`` per packet: 7 rows of nb + 1, the order, 3 of meta."""
     return 8 * nb + 10
 
 

@@ -205,8 +205,8 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_
 
 @triton.jit
 def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr, first, span, n, rows_ptr, stride,
-                    lut_ptr, err_ptr, BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr,
-                    EBITS: tl.constexpr, BIAS: tl.constexpr):
+                    lut_ptr, err_ptr, parts_ptr, part_words, err_stride, BS: tl.constexpr, LANES: tl.constexpr,
+                    CHUNK: tl.constexpr, EBITS: tl.constexpr, BIAS: tl.constexpr, PARTS: tl.constexpr):
     """LANES coded blocks in lock step, one symbol each per iteration. Each element's code (a
     nonzero flag and its coded field: at most 9 bits) goes to code_ptr laid out as
     [program][element][lane], so that the lanes' stores are contiguous, and each lane's count of
@@ -221,8 +221,18 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr,
     ones first, of which the ``span`` lanes from ``first`` take those below meta_ptr's count of
     coded blocks (on the device: the host does not wait for it). Errors go to err_ptr by block
     (int64). Every load is masked to its section, so a corrupt stream yields an error code,
-    never a stray access."""
+    never a stray access. With PARTS, packet ``program_id(1)`` of a decode_many (``_parts``)."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
+    if PARTS:
+        part = tl.program_id(1).to(tl.int64)
+        words_ptr += tl.load(parts_ptr + 3 * part) // 4
+        nwords = tl.load(parts_ptr + 3 * part + 2) // 4
+        code_ptr += part * span * BS
+        count_ptr += part * (span * BS // CHUNK)
+        coded_ptr += part * part_words
+        meta_ptr += part * part_words
+        rows_ptr += part * part_words
+        err_ptr += part * err_stride
     lanes = tl.arange(0, LANES)
     lane = tl.program_id(0) * LANES + lanes
     live = lane < tl.minimum(tl.maximum(tl.load(meta_ptr) - first, 0), span)
@@ -276,15 +286,27 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr,
 
 @triton.jit
 def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr, first, span, rows_ptr, stride,
-                 err_ptr, BS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, MBITS: tl.constexpr,
-                 EBITS: tl.constexpr, REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr):
+                 err_ptr, parts_ptr, part_words, err_stride, BS: tl.constexpr, LANES: tl.constexpr,
+                 CHUNK: tl.constexpr, MBITS: tl.constexpr, EBITS: tl.constexpr, REST_BYTES: tl.constexpr,
+                 SIDE_BITS: tl.constexpr, PARTS: tl.constexpr):
     """One chunk of CHUNK elements of each of one _decode_symbols program's blocks: the codes read
     as a [CHUNK, LANES] tile; each element's rank among its block's nonzero elements, from the
     chunk's nonzero count and a running count within it, places its rest bytes and its side bits
     (after the rest bytes of as many elements as the index counts nonzero); the elements stored
     contiguously per block. Arguments as _decode_symbols'; meta_ptr's third number is the rest
-    section's offset in rest_ptr (the packet)."""
+    section's offset in rest_ptr (the packet). With PARTS, packet ``program_id(2)`` of a
+    decode_many (``_parts``)."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
+    if PARTS:
+        part = tl.program_id(2).to(tl.int64)
+        rest_ptr += tl.load(parts_ptr + 3 * part)
+        out_ptr += tl.load(parts_ptr + 3 * part + 1)
+        code_ptr += part * span * BS
+        count_ptr += part * (span * BS // CHUNK)
+        coded_ptr += part * part_words
+        meta_ptr += part * part_words
+        rows_ptr += part * part_words
+        err_ptr += part * err_stride
     g = tl.program_id(0)
     c = tl.program_id(1)
     lanes = tl.arange(0, LANES)
@@ -323,10 +345,18 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr,
 
 
 @triton.jit
-def _decode_raw(rest_ptr, out_ptr, n, order_ptr, meta_ptr, rows_ptr, stride, BS: tl.constexpr,
-                ITEMSIZE: tl.constexpr):
+def _decode_raw(rest_ptr, out_ptr, n, order_ptr, meta_ptr, rows_ptr, stride, parts_ptr, part_words,
+                BS: tl.constexpr, ITEMSIZE: tl.constexpr, PARTS: tl.constexpr):
     """One block of ``order`` (coded blocks first): if it is raw (at or after meta_ptr's second
-    number), its elements' bytes, little-endian, from the rest section (meta_ptr's third)."""
+    number), its elements' bytes, little-endian, from the rest section (meta_ptr's third). With
+    PARTS, packet ``program_id(1)`` of a decode_many (``_parts``)."""
+    if PARTS:
+        part = tl.program_id(1).to(tl.int64)
+        rest_ptr += tl.load(parts_ptr + 3 * part)
+        out_ptr += tl.load(parts_ptr + 3 * part + 1)
+        order_ptr += part * part_words
+        meta_ptr += part * part_words
+        rows_ptr += part * part_words
     j = tl.program_id(0)
     b = tl.load(order_ptr + j)
     i = tl.arange(0, BS)
@@ -486,7 +516,7 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         return out
     ix = device_plan.index(packet, HEADER_SIZE, p.table.numel(), h.numel, h.block_size, h.ntables, p.layout,
                            sizes=h.sections[2:])
-    _decode_blocks(packet[p.stream_offset:p.rest_offset], packet, ix, out, h.block_size)
+    _decode_blocks(packet[p.stream_offset:p.rest_offset], packet, ix, out, h.numel, h.block_size)
     _raise_first(p, ix.verdict[1 + HEADER_SIZE:])
     return out
 
@@ -502,22 +532,59 @@ def decode_into(packet: torch.Tensor, out: torch.Tensor, block_size: int) -> Ver
     Two allocations (the verdict; the index's rows with the decoders' scratch) and four launches
     (``_index``, ``_decode_raw``, ``_decode_symbols``, ``_decode_join``), up to DECODE_SCRATCH
     elements; two more launches per DECODE_SCRATCH elements beyond."""
-    n, layout, dev = out.numel(), LAYOUTS[out.dtype], packet.device
+    short = _short(packet.numel(), out, block_size)
+    return short or _decode_packets(packet, None, [packet.numel()], out, out.numel(), block_size)[0]
+
+
+def decode_many(packets: list[torch.Tensor], outs: list[torch.Tensor], block_size: int) -> list[Verdict]:
+    """``decode_into`` of each packet into its out (packets: 1-D uint8 of one storage, at 4-byte
+    aligned offsets; outs: of one dtype, numel and storage), in one launch sequence: their
+    Verdicts. The operations of one decode_into and the upload of the packets' places; the
+    decoders' scratch is as many times one's as there are packets."""
+    n, dtype = outs[0].numel(), outs[0].dtype
+    if any(_short(p.numel(), outs[0], block_size) for p in packets):  # each known short on the host
+        return [decode_into(p, o, block_size) for p, o in zip(packets, outs)]
+    stream_offset = HEADER_SIZE + num_blocks(n, block_size) * INDEX_ENTRY
+    pbase, obase = min(packets, key=lambda p: p.data_ptr()), min(outs, key=lambda o: o.data_ptr())
+    poffs = [p.data_ptr() - pbase.data_ptr() for p in packets]
+    ooffs = [(o.data_ptr() - obase.data_ptr()) // o.element_size() for o in outs]
+    table = np.array([[p, o, q.numel() - stream_offset] for p, o, q in zip(poffs, ooffs, packets)], np.int64)
+    pbuf = pbase.as_strided((max(p + q.numel() for p, q in zip(poffs, packets)),), (1,), pbase.storage_offset())
+    obuf = obase.as_strided((max(ooffs) + n,), (1,), obase.storage_offset()).view(dtype)
+    return _decode_packets(pbuf, to_device(table, pbuf.device), [p.numel() for p in packets], obuf, n, block_size)
+
+
+def _short(size: int, out: torch.Tensor, block_size: int) -> Verdict | None:
+    """The Verdict of a packet of ``size`` bytes too short for the header and index that ``out``
+    implies, known to the host: no read, nothing to decode; else None."""
+    n = out.numel()
+    stream_offset = HEADER_SIZE + num_blocks(n, block_size) * INDEX_ENTRY
+    if size >= stream_offset:
+        return None
+    return Verdict(None, size, n, out.dtype, block_size,
+                   known=f"packet of {size} bytes is shorter than the header and index of {n} elements in blocks of "
+                         f"{block_size} ({stream_offset} bytes)")
+
+
+def _decode_packets(packet: torch.Tensor, parts: torch.Tensor | None, sizes: list[int], out: torch.Tensor, n: int,
+                    block_size: int) -> list[Verdict]:
+    """decode_into (``parts`` None: the packet and out are the tensors) or decode_many (``parts``:
+    each packet's row of 3 in ``packet`` and ``out``, as device_plan._index reads it): the
+    Verdicts, views of one tensor."""
+    layout, dev, count = LAYOUTS[out.dtype], packet.device, len(sizes)
     nb = num_blocks(n, block_size)
     stream_offset = HEADER_SIZE + nb * INDEX_ENTRY
-    if packet.numel() < stream_offset:  # sizes known to the host: no read, nothing to decode
-        return Verdict(None, packet.numel(), n, out.dtype, block_size,
-                       known=f"packet of {packet.numel()} bytes is shorter than the header and index of {n} elements "
-                             f"in blocks of {block_size} ({stream_offset} bytes)")
-    words, scratch = device_plan.index_words(nb), _scratch_words(nb, block_size)
+    words, scratch = count * device_plan.index_words(nb), count * _scratch_words(nb, block_size)
     work = torch.empty(words + scratch, dtype=torch.int64, device=dev)
     ix = device_plan.index(packet, HEADER_SIZE, nb, n, block_size, BANK_SIZE, layout,
-                           template=_template(out.dtype, n, block_size, dev), work=work[:words])
+                           template=_template(out.dtype, n, block_size, dev), work=work[:words], parts=parts,
+                           count=count)
     if n:
         stream_words = (packet.numel() - stream_offset) // 4  # a bound for the loads; the index keeps each block to its own
-        _decode_blocks(packet[stream_offset:stream_offset + 4 * stream_words], packet, ix, out, block_size,
-                       work[words:])
-    return Verdict(ix.verdict, packet.numel(), n, out.dtype, block_size)
+        _decode_blocks(packet[stream_offset:stream_offset + 4 * stream_words], packet, ix, out, n, block_size,
+                       work[words:], parts, count)
+    v = device_plan.VERDICT_ERRORS + nb
+    return [Verdict(ix.verdict[k * v:(k + 1) * v], sizes[k], n, out.dtype, block_size) for k in range(count)]
 
 
 def _span(nb: int, bs: int) -> int:
@@ -528,43 +595,50 @@ def _span(nb: int, bs: int) -> int:
 
 
 def _scratch_words(nb: int, bs: int) -> int:
-    """int64 words of _decode_blocks' scratch: the 16-bit codes of a span's elements and their
-    counts (one int32 per JOIN_CHUNK elements)."""
+    """int64 words of _decode_blocks' scratch for one packet: the 16-bit codes of a span's
+    elements and their counts (one int32 per JOIN_CHUNK elements)."""
     elements = _span(nb, bs) * bs
     return elements // 4 + elements // JOIN_CHUNK // 2 + 2
 
 
-def _decode_blocks(stream: torch.Tensor, packet: torch.Tensor, ix: device_plan.Index, out: torch.Tensor, bs: int,
-                   scratch: torch.Tensor | None = None) -> None:
+def _decode_blocks(stream: torch.Tensor, packet: torch.Tensor, ix: device_plan.Index, out: torch.Tensor, n: int,
+                   bs: int, scratch: torch.Tensor | None = None, parts: torch.Tensor | None = None,
+                   count: int = 1) -> None:
     """The kernels of a decode: ``stream`` (the exponent streams, read up to its end), the packet
     (its rest section where ix.meta says), the index read on the device (``ix``: nothing is read
-    through it unless it held) and ``scratch`` (int64, _scratch_words; allocated where not
-    given). The blocks' errors go to ix.verdict."""
+    through it unless it held), ``n`` elements into ``out`` and ``scratch`` (int64, count x
+    _scratch_words; allocated where not given). The blocks' errors go to ix.verdict. ``parts``,
+    ``count``: decode_many's packets (device_plan.index's), the first's being those given."""
     layout = LAYOUTS[out.dtype]
-    n, view = out.numel(), _ints(out)
+    view = _ints(out)
     nb, stride = ix.order.numel(), ix.rows.shape[1]
-    _decode_raw[(nb,)](packet, view, n, ix.order, ix.meta, ix.rows, stride, BS=bs, ITEMSIZE=layout.itemsize,
-                       num_warps=block_warps(bs))
+    table = packet if parts is None else parts
+    part_words, err_stride = device_plan.index_words(nb), device_plan.VERDICT_ERRORS + nb
+    many = dict(PARTS=parts is not None)
+    _decode_raw[(nb, count)](packet, view, n, ix.order, ix.meta, ix.rows, stride, table, part_words, BS=bs,
+                             ITEMSIZE=layout.itemsize, num_warps=block_warps(bs), **many)
     nwords = stream.numel() // 4
     words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
     luts = _luts(out.dtype, packet.device)
     assert bs % JOIN_CHUNK == 0, (bs, JOIN_CHUNK)  # a join program's chunk lies in one block
     span = _span(nb, bs)
     if scratch is None:
-        scratch = torch.empty(_scratch_words(nb, bs), dtype=torch.int64, device=packet.device)
-    symbols = scratch[:span * bs // 4].view(torch.int16)
-    counts = scratch[span * bs // 4:].view(torch.int32)[:span * bs // JOIN_CHUNK]
+        scratch = torch.empty(count * _scratch_words(nb, bs), dtype=torch.int64, device=packet.device)
+    codes = count * span * bs
+    symbols = scratch[:codes // 4].view(torch.int16)
+    counts = scratch[codes // 4:].view(torch.int32)[:codes // JOIN_CHUNK]
     err = ix.verdict[device_plan.VERDICT_ERRORS:]
     for first in range(0, nb, span):
         lanes = ix.order[first:first + span]
         programs = triton.cdiv(len(lanes), LANES)
-        _decode_symbols[(programs,)](
-            words, nwords, symbols, counts, lanes, ix.meta, first, span, n, ix.rows, stride, luts, err, BS=bs,
-            LANES=LANES, CHUNK=JOIN_CHUNK, EBITS=layout.ebits, BIAS=layout.offset_bias, num_warps=DECODE_WARPS)
-        _decode_join[(programs, bs // JOIN_CHUNK)](
-            symbols, counts, packet, view, n, lanes, ix.meta, first, span, ix.rows, stride, err, BS=bs, LANES=LANES,
-            CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits, REST_BYTES=layout.rest_bytes,
-            SIDE_BITS=layout.side_bits, num_warps=JOIN_WARPS)
+        _decode_symbols[(programs, count)](
+            words, nwords, symbols, counts, lanes, ix.meta, first, span, n, ix.rows, stride, luts, err, table,
+            part_words, err_stride, BS=bs, LANES=LANES, CHUNK=JOIN_CHUNK, EBITS=layout.ebits,
+            BIAS=layout.offset_bias, num_warps=DECODE_WARPS, **many)
+        _decode_join[(programs, bs // JOIN_CHUNK, count)](
+            symbols, counts, packet, view, n, lanes, ix.meta, first, span, ix.rows, stride, err, table, part_words,
+            err_stride, BS=bs, LANES=LANES, CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits,
+            REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits, num_warps=JOIN_WARPS, **many)
 
 
 def _raise_first(p: LosslessPacket, values: torch.Tensor | None) -> None:
