@@ -163,33 +163,51 @@ def test_exact_sum_inputs_have_zero_wrong(pool, size, n, algorithm):
 
 
 def _batched(rank, groups, size, n):
-    """_verifiable_in with each piece's reduce-scatter packets encoded into one buffer and their
-    sizes read at once (pipeline.batches, true on CUDA, made true here: numba's encode_into
-    encodes and copies); also how many parts went that way."""
+    """_verifiable_in as on CUDA: each piece's reduce-scatter packets encoded into one buffer,
+    their sizes read at once (pipeline.batches), and the packets that landed decoded with
+    decode_into, at once where the piece's peers are several (pipeline.defers: decode_many,
+    whose verdicts are read when the call settles); made true here, where numba's encode_into
+    encodes and copies and its decode_into decodes. Also how many parts were encoded that way,
+    how many pieces were decoded at once, and how many peers' rows did not hold their own
+    packet's elements."""
+    from zipccl.collectives import algorithms as A
     if rank >= size:
         return None
-    batched, real = [0], P.batches
+    batched, at_once, misplaced = [0], [0], [0]
+    real = (P.batches, P.defers, A.defers, Lossless.decode_many, A.decode_all)
 
     def always(codec, x):
         batched[0] += isinstance(codec, Lossless)
         return isinstance(codec, Lossless)
 
-    P.batches = always
+    def many(codec, packets, outs):
+        at_once[0] += 1
+        return real[3](codec, packets, outs)
+
+    def decode_all(codec, landed, outs, fate, t):  # each peer's row must then hold its packet's elements
+        real[4](codec, landed, outs, fate, t)
+        for j, packet in landed:
+            want = Lossless("numba").decode(packet)  # the CPU decoder, not the path under test: where it goes
+            misplaced[0] += not torch.equal(outs[j].view(torch.uint8), want.view(torch.uint8))
+
+    P.batches, P.defers, A.defers, Lossless.decode_many, A.decode_all = always, always, always, many, decode_all
     try:
         with piece_bytes(SMALL_PIECE_BYTES):
-            return _verifiable_in(groups[size], rank, size, n), batched[0]
+            return _verifiable_in(groups[size], rank, size, n), batched[0], at_once[0], misplaced[0]
     finally:
-        P.batches = real
+        P.batches, P.defers, A.defers, Lossless.decode_many, A.decode_all = real
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_batched_encodes_have_zero_wrong(pool, size):
-    """The reduce-scatter's packets of a piece encoded into one buffer, their sizes read at once
-    (as on CUDA): the exact-sum inputs still come back exact, in several pieces."""
+def test_batched_encodes_and_decodes_have_zero_wrong(pool, size):
+    """The reduce-scatter's packets of a piece encoded into one buffer, their sizes read at once,
+    and decoded at once (as on CUDA): the exact-sum inputs still come back exact, in several
+    pieces."""
     for r in pool.run(_batched, size, 600_007, timeout=240)[:size]:
         assert not isinstance(r, BaseException), r
-        wrong, batched = r
-        assert batched > 0 and all(v == 0 for v in wrong.values()), r
+        wrong, batched, at_once, misplaced = r
+        assert batched > 0 and (at_once > 0) == (size > 2) and all(v == 0 for v in wrong.values()), r
+        assert misplaced == 0, r  # exact sums come back exact in any order: each out is checked too
 
 
 REAL_NUMEL = 1_000_003  # of the real bucket: 2 MB of bf16, several pipeline pieces of SMALL_PIECE_BYTES, padded

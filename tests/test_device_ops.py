@@ -119,7 +119,7 @@ def test_one_more_operation_is_counted():
     assert sum(more.values()) == sum(base.values()) + 1, (base, more)
     cell = torch.zeros(1, dtype=torch.int64)
     launched, _ = _counted(codec, x, extra=lambda size: device_plan._place[(1,)](
-        cell, cell, cell, 0, cell, cell, cell, 0, SCAN=device_plan.SCAN, SEAL=False))
+        cell, cell, cell, 0, cell, cell, 0, cell, 0, SCAN=device_plan.SCAN, SEAL=False))
     assert launched["triton:_place"] == base["triton:_place"] + 1, (base, launched)
 
 

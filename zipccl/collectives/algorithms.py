@@ -12,7 +12,8 @@ from ..failure import ENCODE, REDUCE, SIZE, Fate
 from ..kernels import reduce
 from .metadata import (_TAG_AG_DATA, _TAG_AG_SIZES, _TAG_DATA, _TAG_RS_DATA, _TAG_RS_SIZES, _TAG_SIZE, Call,
                        _meta_bytes, timed)
-from .pipeline import Deferred, _land, _sizes, decode_to, encode_all, land_plain, pieces, plain, post, post_plain
+from .pipeline import (Deferred, _land, _sizes, decode_all, decode_to, defers, encode_all, land_plain, pieces, plain,
+                       post, post_plain)
 from .resolve import _OPS
 
 
@@ -107,8 +108,12 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fa
     def finish(k, bound, sends, recvs, sizes):
         a, b = cuts[k]
         parts = torch.empty((n, b - a), dtype=chunks.dtype, device=chunks.device)
+        # On the GPU every landed packet in one decode_many; elsewhere each as it lands (its decode
+        # overlaps the next peer's wait)
+        batch = (lambda landed: timed(acc, "codec_seconds", decode_all, codec, landed, parts, fate, t)) \
+            if defers(codec, chunks) else None
         _land(t, acc, sends, recvs, sizes, bound,
-              lambda j, buf: timed(acc, "codec_seconds", decode_to, codec, buf, parts[j], fate, t, j))
+              lambda j, buf: timed(acc, "codec_seconds", decode_to, codec, buf, parts[j], fate, t, j), batch)
         timed(acc, "codec_seconds", fate.guard, REDUCE, _reduce_piece, chunks, r, op_code, parts, result, a, b)
         if on_piece is not None:
             on_piece(a, b, result[a:b])

@@ -8,7 +8,7 @@ import torch
 
 from ..codecs import Lossless, Raw
 from ..errors import FormatError
-from ..failure import ENCODE, SIZE, Fate
+from ..failure import DECODE, ENCODE, SIZE, Fate
 from ..reference.packet import to_host
 from .metadata import Call, _SizeMail, _meta_bytes, _peers, timed
 
@@ -88,6 +88,8 @@ def post(t, packets, mail: _SizeMail, tag: int, acc: dict, device, bound: int) -
     stand_in = torch.zeros(1, dtype=torch.uint8, device=device) if mail.poisoned else None
     own = mail.own() if isinstance(packets, Deferred) and stand_in is None else None  # with the peers' sizes
     sends, recvs = [], {}
+    slot = -(-max(lengths.values(), default=0) // 16) * 16  # the receives: places of one buffer (decode_all)
+    pool = torch.empty(len(lengths) * slot, dtype=torch.uint8, device=device)
     with t.grouped():
         for j in peers:
             if fate.alive(t, j):
@@ -95,9 +97,9 @@ def post(t, packets, mail: _SizeMail, tag: int, acc: dict, device, bound: int) -
                     else packets.packet(j, own[j]) if own is not None else packets[j]
                 sends.append((j, fate.send(t, packet, j, tag)))
                 acc["wire_bytes"] += packet.numel()
-        for j, n in lengths.items():
+        for i, (j, n) in enumerate(lengths.items()):
             if fate.alive(t, j):
-                buf = torch.empty(n, dtype=torch.uint8, device=device)
+                buf = pool[i * slot:i * slot + n]
                 recvs[j] = buf, fate.recv(t, buf, j, tag)
     return sends, recvs
 
@@ -179,10 +181,10 @@ def encode_all(codec, parts: list) -> tuple[list | Deferred, list[int] | torch.T
     if not parts or not batches(codec, parts[0]):
         packets = [codec.encode(x) for x in parts]
         return packets, [p.numel() for p in packets]
-    slots = [codec.slot(x.numel(), x.dtype) for x in parts]
+    slots = [-(-codec.max_encoded_size(x.numel(), x.dtype) // 16) * 16 for x in parts]  # Lossless.slot's
     starts = [0, *itertools.accumulate(slots)]
     buf = torch.empty(starts.pop(), dtype=torch.uint8, device=parts[0].device)
-    if len(set(slots)) == 1:  # parts of one size: one launch sequence for them all (Lossless.encode_many)
+    if len(set(slots)) == 1 and hasattr(codec, "encode_many"):  # one launch sequence for them all (Lossless)
         sizes = codec.encode_many(parts, buf)
     else:
         sizes = torch.stack([codec.encode_into(x, buf[s:s + slot]) for x, s, slot in zip(parts, starts, slots)])
@@ -217,11 +219,26 @@ def decode_to(codec, packet: torch.Tensor, out: torch.Tensor, fate: Fate, t, pee
     return codec.decode(packet, out=out)
 
 
-def _land(t, acc: dict, sends: list, recvs: dict, sizes: _SizeMail, bound: int, decode) -> None:
+def decode_all(codec, landed: list, outs, fate: Fate, t) -> None:
+    """``decode_to`` of each (peer, packet) of ``landed`` into ``outs[peer]``; where the codec
+    ``defers`` and the outs are of one size, in one ``decode_many`` (on the GPU one launch
+    sequence for them all), each verdict left with the call's ``fate``."""
+    if len(landed) > 1 and hasattr(codec, "decode_many") and defers(codec, landed[0][1]) \
+            and len({outs[j].numel() for j, _ in landed}) == 1:
+        for (j, _), verdict in zip(landed, codec.decode_many([p for _, p in landed], [outs[j] for j, _ in landed])):
+            fate.expect(t, j, verdict)
+        return
+    for j, packet in landed:
+        fate.decode(t, j, decode_to, codec, packet, outs[j], fate, t, j)
+
+
+def _land(t, acc: dict, sends: list, recvs: dict, sizes: _SizeMail, bound: int, decode, batch=None) -> None:
     """Finish a piece: for each peer, its size (a poison code makes the call failed here),
-    its packet, and ``decode(peer, packet)`` while the call has not failed; then this rank's
-    sends and size mails. Every message of the piece is waited for, failed or not."""
+    its packet, and ``decode(peer, packet)`` while the call has not failed, or, given ``batch``,
+    ``batch(arrived)`` once with every (peer, packet) that arrived; then this rank's sends and
+    size mails. Every message of the piece is waited for, failed or not."""
     fate = sizes.fate
+    arrived = []
     for j, (buf, work) in recvs.items():
         size = sizes.get(j)
         landed = timed(acc, "comm_seconds", fate.wait, t, work, j)
@@ -231,7 +248,12 @@ def _land(t, acc: dict, sends: list, recvs: dict, sizes: _SizeMail, bound: int, 
             fate.fail(SIZE, FormatError(f"rank {t.global_rank(j)} announced a packet of {size} bytes, above the "
                                         f"codec's bound of {bound}"), rank=t.global_rank(j))
             continue
-        fate.decode(t, j, decode, j, buf[:size])
+        if batch is not None:
+            arrived.append((j, buf[:size]))
+        else:
+            fate.decode(t, j, decode, j, buf[:size])
+    if arrived and not fate.failed:
+        fate.guard(DECODE, batch, arrived)
     for j, w in sends:
         timed(acc, "comm_seconds", fate.wait, t, w, j)
     sizes.close()
