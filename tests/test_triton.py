@@ -36,18 +36,25 @@ def test_real_gradients_match_reference(real_grads, dtype, block_size):
     assert_same_bits(gpu.decode(p), x)
 
 
+def _rows(dtype: torch.dtype, cols: int, seed: int) -> torch.Tensor:
+    """A (4, cols) matrix of gradient-like rows, row 2 with a run of +0.0 and row 3 with random
+    bits in its middle (raw blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    m = (torch.randn(4, cols, generator=g) * 1e-2).to(dtype)
+    m[2, 400:1400] = 0.0
+    ints = m.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    ints[3, 1000:2000] = torch.randint(0, 2**31 - 1 if dtype == torch.float32 else 2**15, (1000,),
+                                       generator=g).to(ints.dtype)
+    return m
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_encode_many_writes_each_parts_reference_packet(dtype):
     """A reduce-scatter piece's parts: columns 300..2900 of three rows of a (4, 3000) matrix, one
     row left out, the last block short, one part with a run of +0.0 and one of random bits (raw
     blocks). Each packet at its slot is the reference's encode of its part, byte for byte, its
     size the reference's, and the bytes between packets are untouched."""
-    g = torch.Generator().manual_seed(8)
-    m = (torch.randn(4, 3000, generator=g) * 1e-2).to(dtype)
-    m[2, 400:1400] = 0.0
-    ints = m.view(torch.int32 if dtype == torch.float32 else torch.int16)
-    ints[3, 1000:2000] = torch.randint(0, 2**31 - 1 if dtype == torch.float32 else 2**15, (1000,),
-                                       generator=g).to(ints.dtype)
+    m = _rows(dtype, 3000, seed=8)
     parts = [m[j, 300:2900] for j in (0, 2, 3)]
     codec, ref = Lossless("triton", block_size=256), Lossless("reference", block_size=256)
     slot = codec.slot(parts[0].numel(), dtype)
@@ -85,13 +92,7 @@ def test_decode_many_decodes_each_packet_into_its_out(dtype):
     rows 0, 2 and 4 of a matrix: each row holds its part's bits, the rows between are untouched.
     With packet 1's header corrupted, its verdict names the problem and its row stays as it was,
     while the other two decode as before."""
-    g = torch.Generator().manual_seed(10)
-    m = (torch.randn(3, 2600, generator=g) * 1e-2).to(dtype)
-    m[1, 100:900] = 0.0
-    ints = m.view(torch.int32 if dtype == torch.float32 else torch.int16)
-    ints[2, 1000:2000] = torch.randint(0, 2**31 - 1 if dtype == torch.float32 else 2**15, (1000,),
-                                       generator=g).to(ints.dtype)
-    parts = list(m)
+    parts = list(_rows(dtype, 2600, seed=10)[[0, 2, 3]])
     codec = Lossless("triton", block_size=256)
     slot = codec.slot(2600, dtype)
     buf = torch.empty(3 * slot, dtype=torch.uint8)

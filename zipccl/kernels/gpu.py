@@ -204,6 +204,16 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_
 
 
 @triton.jit
+def _packet(part, span, part_words, err_stride, code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr,
+            BS: tl.constexpr, CHUNK: tl.constexpr):
+    """The coded-block kernels' pointers for packet ``part`` of a decode_many: its codes and
+    counts scratch, its order, meta and rows (device_plan.index's, ``part_words`` apart) and its
+    verdict's errors (``err_stride`` apart)."""
+    return (code_ptr + part * span * BS, count_ptr + part * (span * BS // CHUNK), coded_ptr + part * part_words,
+            meta_ptr + part * part_words, rows_ptr + part * part_words, err_ptr + part * err_stride)
+
+
+@triton.jit
 def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr, first, span, n, rows_ptr, stride,
                     lut_ptr, err_ptr, parts_ptr, part_words, err_stride, BS: tl.constexpr, LANES: tl.constexpr,
                     CHUNK: tl.constexpr, EBITS: tl.constexpr, BIAS: tl.constexpr, PARTS: tl.constexpr):
@@ -221,18 +231,14 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr,
     ones first, of which the ``span`` lanes from ``first`` take those below meta_ptr's count of
     coded blocks (on the device: the host does not wait for it). Errors go to err_ptr by block
     (int64). Every load is masked to its section, so a corrupt stream yields an error code,
-    never a stray access. With PARTS, packet ``program_id(1)`` of a decode_many (``_parts``)."""
+    never a stray access. With PARTS, packet ``program_id(1)`` of a decode_many (``_packet``)."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
     if PARTS:
         part = tl.program_id(1).to(tl.int64)
         words_ptr += tl.load(parts_ptr + 3 * part) // 4
         nwords = tl.load(parts_ptr + 3 * part + 2) // 4
-        code_ptr += part * span * BS
-        count_ptr += part * (span * BS // CHUNK)
-        coded_ptr += part * part_words
-        meta_ptr += part * part_words
-        rows_ptr += part * part_words
-        err_ptr += part * err_stride
+        code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr = _packet(
+            part, span, part_words, err_stride, code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr, BS, CHUNK)
     lanes = tl.arange(0, LANES)
     lane = tl.program_id(0) * LANES + lanes
     live = lane < tl.minimum(tl.maximum(tl.load(meta_ptr) - first, 0), span)
@@ -295,18 +301,14 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr,
     (after the rest bytes of as many elements as the index counts nonzero); the elements stored
     contiguously per block. Arguments as _decode_symbols'; meta_ptr's third number is the rest
     section's offset in rest_ptr (the packet). With PARTS, packet ``program_id(2)`` of a
-    decode_many (``_parts``)."""
+    decode_many (``_packet``)."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
     if PARTS:
         part = tl.program_id(2).to(tl.int64)
         rest_ptr += tl.load(parts_ptr + 3 * part)
         out_ptr += tl.load(parts_ptr + 3 * part + 1)
-        code_ptr += part * span * BS
-        count_ptr += part * (span * BS // CHUNK)
-        coded_ptr += part * part_words
-        meta_ptr += part * part_words
-        rows_ptr += part * part_words
-        err_ptr += part * err_stride
+        code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr = _packet(
+            part, span, part_words, err_stride, code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr, BS, CHUNK)
     g = tl.program_id(0)
     c = tl.program_id(1)
     lanes = tl.arange(0, LANES)
@@ -349,7 +351,7 @@ def _decode_raw(rest_ptr, out_ptr, n, order_ptr, meta_ptr, rows_ptr, stride, par
                 BS: tl.constexpr, ITEMSIZE: tl.constexpr, PARTS: tl.constexpr):
     """One block of ``order`` (coded blocks first): if it is raw (at or after meta_ptr's second
     number), its elements' bytes, little-endian, from the rest section (meta_ptr's third). With
-    PARTS, packet ``program_id(1)`` of a decode_many (``_parts``)."""
+    PARTS, packet ``program_id(1)`` of a decode_many (parts_ptr's row: device_plan._index)."""
     if PARTS:
         part = tl.program_id(1).to(tl.int64)
         rest_ptr += tl.load(parts_ptr + 3 * part)
