@@ -486,12 +486,18 @@ def encode_many(parts: list[torch.Tensor], out: torch.Tensor, slot: int, block_s
     ``out[k * slot:]``, in one launch sequence: their sizes as an int64 tensor on the device.
     Two more device operations than one encode_into (the parts' offsets uploaded, and their
     sizes), however many parts."""
-    base = min(parts, key=lambda p: p.data_ptr())
-    size = parts[0].element_size()
-    offsets = [(p.data_ptr() - base.data_ptr()) // size for p in parts]
-    x = base.as_strided((max(offsets) + parts[0].numel(),), (1,), base.storage_offset())
+    x, offsets = _covering(parts)
     return _encode_packets(x, to_device(np.array(offsets, np.int64), out.device), parts[0].numel(), out, slot,
                            block_size)
+
+
+def _covering(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """A 1-D view of ``tensors``' storage (one dtype) from the lowest of them to the end of the
+    highest, and each one's offset in it, in elements: what the batched kernels address."""
+    base = min(tensors, key=lambda t: t.data_ptr())
+    offsets = [(t.data_ptr() - base.data_ptr()) // t.element_size() for t in tensors]
+    end = max(o + t.numel() for o, t in zip(offsets, tensors))
+    return base.as_strided((end,), (1,), base.storage_offset()), offsets
 
 
 def _encode_packets(x: torch.Tensor, parts: torch.Tensor | None, n: int, out: torch.Tensor, slot: int,
@@ -543,16 +549,12 @@ def decode_many(packets: list[torch.Tensor], outs: list[torch.Tensor], block_siz
     aligned offsets; outs: of one dtype, numel and storage), in one launch sequence: their
     Verdicts. The operations of one decode_into and the upload of the packets' places; the
     decoders' scratch is as many times one's as there are packets."""
-    n, dtype = outs[0].numel(), outs[0].dtype
+    n = outs[0].numel()
     if any(_short(p.numel(), outs[0], block_size) for p in packets):  # each known short on the host
         return [decode_into(p, o, block_size) for p, o in zip(packets, outs)]
     stream_offset = HEADER_SIZE + num_blocks(n, block_size) * INDEX_ENTRY
-    pbase, obase = min(packets, key=lambda p: p.data_ptr()), min(outs, key=lambda o: o.data_ptr())
-    poffs = [p.data_ptr() - pbase.data_ptr() for p in packets]
-    ooffs = [(o.data_ptr() - obase.data_ptr()) // o.element_size() for o in outs]
+    (pbuf, poffs), (obuf, ooffs) = _covering(packets), _covering(outs)
     table = np.array([[p, o, q.numel() - stream_offset] for p, o, q in zip(poffs, ooffs, packets)], np.int64)
-    pbuf = pbase.as_strided((max(p + q.numel() for p, q in zip(poffs, packets)),), (1,), pbase.storage_offset())
-    obuf = obase.as_strided((max(ooffs) + n,), (1,), obase.storage_offset()).view(dtype)
     return _decode_packets(pbuf, to_device(table, pbuf.device), [p.numel() for p in packets], obuf, n, block_size)
 
 
