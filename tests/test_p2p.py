@@ -136,6 +136,34 @@ def test_loose_receives_match_torch_bit_for_bit(pool, real_grads, codec):
         assert all(moved["send"][2] == 3 for moved, _ in plans.values()), plans  # framed: zipccl's pieces
 
 
+def _in_place(rank, groups, codec):
+    """A ring shift in one batch that sends from and receives into one buffer (nccl-tests'
+    in-place sendrecv), rank 0 half a second late to send: its receive lands first, yet every
+    rank ends with its predecessor's data as it was at the call."""
+    import zipccl.p2p as P
+    g, n = groups[4], 4
+    x = activations(200_000, seed=rank).to(torch.bfloat16)
+    want, buf, real = _ring(g, x), x.clone(), P.send_message
+
+    def late(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    P.send_message = late if rank == 0 else real
+    try:
+        for h in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.isend, buf, (rank + 1) % n, codec=codec),
+                                           zipccl.P2POp(zipccl.irecv, buf, (rank - 1) % n, codec=codec)]):
+            h.wait()
+    finally:
+        P.send_message = real
+    return torch.equal(bits(buf), bits(want))
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless"])
+def test_a_batch_sends_a_buffer_as_it_was_before_receiving_into_it(pool, codec):
+    assert pool.run(_in_place, codec, timeout=120) == [True] * 4
+
+
 def _mismatch(rank, groups, case):
     """Rank 0 sends to rank 1, which disagrees in ``case``; both raise (others idle)."""
     g = groups[4]

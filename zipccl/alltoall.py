@@ -27,7 +27,7 @@ from .collectives.links import PLAIN, Links, per_peer
 from .collectives.metadata import Call, timed
 from .collectives.pipeline import plain
 from .collectives.resolve import AUTO, NATIVE, resolve_codec
-from .collectives.validation import _check_device, _check_tensor, finish, new_acc
+from .collectives.validation import _check_device, _check_tensor, finish, new_acc, overlaps
 from .errors import UnsupportedError
 from .executor import run as _run
 from .failure import Fate
@@ -120,13 +120,6 @@ def _rows(x: torch.Tensor, splits, n: int, label: str) -> list[torch.Tensor]:
         out.append(flat[at * per_row:(at + s) * per_row])
         at += s
     return out
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def goes_native(output, input, splits, codec, algorithm: str) -> bool:
@@ -232,7 +225,7 @@ def _native(native, acc: dict, fate: Fate, t, record_it: bool = True):
 def _pipeline(t, sends, recvs, codecs, matrix, plan, acc: dict, fate: Fate, record_it: bool = True):
     """zipccl's all-to-all after the counts' exchange, then the status round (every rank raises
     if any failed: zipccl.failure)."""
-    if any(_overlaps(s, r) for s in sends for r in recvs):
+    if any(overlaps(s, r) for s in sends for r in recvs):
         sends = [s.clone() for s in sends]  # in place: the output overwrites input not yet sent
     run_all_to_all(t, sends, recvs, codecs, matrix, acc, fate)
     timed(acc, "comm_seconds", fate.settle, t)

@@ -34,7 +34,7 @@ from .collectives.links import PLAIN
 from .collectives.p2p import Signature, Verdict, mismatch_text, receive_message, send_message
 from .collectives.pipeline import plain
 from .collectives.resolve import NATIVE, resolve_codec
-from .collectives.validation import finish, new_acc
+from .collectives.validation import finish, new_acc, overlaps
 from .errors import MismatchError, UnsupportedError
 from .failure import LOST, Fate, code as poison
 from .format import DTYPE_CODES
@@ -308,9 +308,14 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
         group_peer = getattr(p, "group_peer", None)  # torch's P2POp sets both ranks
         ops.append(_Op(kind, p.tensor, p.peer if group_peer is None else None, p.group, getattr(p, "tag", 0),
                        group_peer, getattr(p, "codec", "auto")))
+    receives = [op for op in ops if op.kind == "recv"]
+    for s in ops:  # a send from memory that a receive of the batch lands in sends its contents at the call
+        if s.kind == "send" and any(overlaps(s.tensor, r.tensor) for r in receives
+                                    if s.plan is not NATIVE or r.plan is not NATIVE):
+            s.tensor = s.tensor.clone()
     # the receives first: queued, they wait on the async thread while this thread encodes and posts
     # the sends (which never wait for them), so that this rank's decoding overlaps its encoding
-    handles = {id(op): _post_receive(op, True) for op in ops if op.kind == "recv"}
+    handles = {id(op): _post_receive(op, True) for op in receives}
     if len(handles) < len(ops):
         _after_collectives()
     handles.update({id(op): _send(op) for op in ops if op.kind == "send"})

@@ -53,6 +53,14 @@ def carrier(group, device, codec):
     return transport_for(group, device)
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share memory (an in-place call's input and output)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def input_size(x) -> tuple[int, int]:
     """(numel, bytes) of a call's input; -1 elements for a non-tensor (the call fails validation)."""
     if not isinstance(x, torch.Tensor):
