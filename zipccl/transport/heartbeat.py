@@ -192,9 +192,14 @@ _lock = threading.Lock()
 
 @atexit.register
 def _end() -> None:
-    """No beat while the interpreter shuts down (the store's host may be gone already)."""
+    """No beat while the interpreter shuts down (the store's host may be gone already), and none
+    under way: a daemon thread that comes back from the store's C++ call to a finalizing
+    interpreter is ended by an exception that aborts the process ("terminate called without an
+    active exception"), so the beat in flight is waited for, a bounded time."""
     if _board is not None:
         _board.stop.set()
+        if _board.thread is not None and _board.thread is not threading.current_thread():
+            _board.thread.join(timeout=STORE_TIMEOUT + 1.0)
 
 
 _keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transport -> the job ranks of its group
