@@ -191,15 +191,29 @@ def _join(e0, e1):
     return (e0 | ((e1 >> _U8) << ((e0 & _U255) + _U8))) + (e1 & _U255)
 
 
-@njit(**_NOGIL)
 def _pack(bits, bs, mbits, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
-    """_pack_layout for the dtype that ``mbits`` tells (see _constants)."""
-    if mbits == _BF16[0]:
-        _pack_layout(bits, bs, _BF16, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
-    elif mbits == _FP16[0]:
-        _pack_layout(bits, bs, _FP16, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
-    else:
-        _pack_layout(bits, bs, _FP32, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
+    """_pack_layout for the dtype that ``mbits`` tells (see _constants), compiled for that dtype
+    alone: one function holding all three bodies compiled all three for each element type
+    (49 s of _pack, 17 s of _rest on a 2-core EPYC), where a dtype needs its own."""
+    _PACKS[mbits](bits, bs, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
+
+
+@njit(**_NOGIL)
+def _pack_bf16(bits, bs, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
+    _pack_layout(bits, bs, _BF16, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
+
+
+@njit(**_NOGIL)
+def _pack_fp16(bits, bs, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
+    _pack_layout(bits, bs, _FP16, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
+
+
+@njit(**_NOGIL)
+def _pack_fp32(bits, bs, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
+    _pack_layout(bits, bs, _FP32, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
+
+
+_PACKS = {_BF16[0]: _pack_bf16, _FP16[0]: _pack_fp16, _FP32[0]: _pack_fp32}  # by mbits
 
 
 PREFETCH = 1024  # elements ahead that the encoder's passes ask the cache for
@@ -594,15 +608,28 @@ def _side_of(v, element, mmask, mbits, ebits):
     return _rest_value_of(np.int64(v), mmask, mbits, ebits) >> 8 if element else np.int64(v)
 
 
-@njit(**_NOGIL)
 def _rest(bits, bs, mbits, table, nzero, rest_start, rest):
-    """_rest_layout for the dtype that ``mbits`` tells (see _constants)."""
-    if mbits == _BF16[0]:
-        _rest_layout(bits, bs, _BF16, table, nzero, rest_start, rest)
-    elif mbits == _FP16[0]:
-        _rest_layout(bits, bs, _FP16, table, nzero, rest_start, rest)
-    else:
-        _rest_layout(bits, bs, _FP32, table, nzero, rest_start, rest)
+    """_rest_layout for the dtype that ``mbits`` tells (see _constants), compiled for that dtype
+    alone (as _pack)."""
+    _RESTS[mbits](bits, bs, table, nzero, rest_start, rest)
+
+
+@njit(**_NOGIL)
+def _rest_bf16(bits, bs, table, nzero, rest_start, rest):
+    _rest_layout(bits, bs, _BF16, table, nzero, rest_start, rest)
+
+
+@njit(**_NOGIL)
+def _rest_fp16(bits, bs, table, nzero, rest_start, rest):
+    _rest_layout(bits, bs, _FP16, table, nzero, rest_start, rest)
+
+
+@njit(**_NOGIL)
+def _rest_fp32(bits, bs, table, nzero, rest_start, rest):
+    _rest_layout(bits, bs, _FP32, table, nzero, rest_start, rest)
+
+
+_RESTS = {_BF16[0]: _rest_bf16, _FP16[0]: _rest_fp16, _FP32[0]: _rest_fp32}  # by mbits
 
 
 @njit(inline="always")
