@@ -550,6 +550,66 @@ def test_native_calls_run_the_backends_collective_alone(pool):
         assert native == [] and raw == ["all_reduce"] and same, (rank, native, raw, same)
 
 
+def _direct(rank, groups):
+    """codec "native" on plain float32 (the group's own calls, torch.distributed's checks skipped)
+    and on complex64 (torch.distributed's call, which views it as real): each against
+    torch.distributed's own call on the same inputs, bit for bit, and which calls went direct."""
+    from zipccl.torch_compat import all_gather_single, reduce_scatter_single
+    from zipccl.transport import torch_dist
+    g, seen, real = groups[4], [], dict(torch_dist._DIRECT)
+    for k, f in real.items():
+        torch_dist._DIRECT[k] = lambda *a, _k=k, _f=f: seen.append(_k) or _f(*a)
+    same = {}
+    try:
+        for dtype in (torch.float32, torch.complex64):
+            x = data(rank, 1000, torch.float32)
+            x = x if dtype == torch.float32 else torch.complex(x, x.flip(0))
+            got, want = x.clone(), x.clone()
+            zipccl.all_reduce(got, group=g, codec="native")
+            dist.all_reduce(want, group=g)
+            same[(str(dtype), "all_reduce")] = torch.equal(torch.view_as_real(got) if got.is_complex() else got,
+                                                           torch.view_as_real(want) if want.is_complex() else want)
+            got, want = x.new_empty(250), x.new_empty(250)
+            zipccl.reduce_scatter(got, x, group=g, codec="native")
+            reduce_scatter_single(want, x, group=g)
+            same[(str(dtype), "reduce_scatter")] = torch.equal(got, want)
+            got, want = x.new_empty(4000), x.new_empty(4000)
+            zipccl.all_gather(got, x, group=g, codec="native")
+            all_gather_single(want, x, group=g)
+            same[(str(dtype), "all_gather")] = torch.equal(got, want)
+            same[(str(dtype), "direct")] = list(seen)
+            seen.clear()
+    finally:
+        torch_dist._DIRECT.update(real)
+    return same
+
+
+def test_native_calls_go_to_the_group_directly_where_torch_would_pass_them_as_they_are(pool):
+    for rank, same in enumerate(pool.run(_direct, timeout=120)):
+        assert same.pop(("torch.float32", "direct")) == ["all_reduce", "reduce_scatter", "all_gather"], (rank, same)
+        assert same.pop(("torch.complex64", "direct")) == [], (rank, same)
+        assert all(same.values()), (rank, same)
+
+
+def test_only_plain_tensors_outside_a_coalescing_manager_go_direct():
+    from zipccl.transport import torch_dist
+
+    class Sub(torch.Tensor):
+        pass
+
+    x = torch.ones(3)
+    assert torch_dist._as_they_are((x, x))
+    assert not torch_dist._as_they_are((x, torch.ones(3, dtype=torch.complex64)))
+    assert not torch_dist._as_they_are((x.as_subclass(Sub),))
+    state, group = dist.distributed_c10d._world.pg_coalesce_state, object()
+    state[group] = []  # as torch's _coalescing_manager holds a group's calls
+    try:
+        assert not torch_dist._as_they_are((x,))
+    finally:
+        del state[group]
+    assert torch_dist._as_they_are((x,))
+
+
 def _requires_grad(rank, groups):
     """Parameters (requires_grad) reduced in place and scattered from, as dist.all_reduce allows."""
     g = groups[4]
