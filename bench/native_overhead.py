@@ -1,6 +1,6 @@
 """What zipccl adds to a call that runs the group's own collective: host time per call, alternating.
 
-    python bench/native_overhead.py [--ranks 4] [--device cpu|cuda] [--calls 3000] [--json FILE]
+    python bench/native_overhead.py [--ranks 4] [--device cpu|cuda] [--calls 3000] [--collectives C,...] [--json FILE]
     torchrun --nproc-per-node 4 bench/native_overhead.py ...    # or under mpirun
 
 For each collective (all-reduce, reduce-scatter, all-gather, all-to-all, and a ring of
@@ -106,7 +106,7 @@ def _rank(rank: int, nranks: int, args) -> list[dict]:
     plain_group = dist.new_group(ranks, backend=backend)
     zipccl_group = dist.new_group(ranks, backend="zipccl")
     rows = []
-    for name in COLLECTIVES:
+    for name in args.collectives:
         for variant, (a, b) in _pairs(name, None, plain_group, zipccl_group, device).items():
             _time(a, b, args.warmup, device.type == "cuda", CLOCKS[args.clock])  # connections, caches
             dist.barrier()
@@ -135,11 +135,17 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=200, help="untimed pairs per row first (default 200)")
     ap.add_argument("--clock", default="wall", choices=list(CLOCKS),
                     help="wall: call to return (default); cpu: the calling thread's CPU time in the call")
+    ap.add_argument("--collectives", default=",".join(COLLECTIVES), type=lambda v: v.split(","),
+                    help=f"comma-separated, of {','.join(COLLECTIVES)} (default all)")
     ap.add_argument("--json", type=Path, help="write the rows and the run's facts here")
     args = ap.parse_args()
+    if set(args.collectives) - set(COLLECTIVES):
+        ap.error(f"--collectives: unknown {sorted(set(args.collectives) - set(COLLECTIVES))}; use {COLLECTIVES}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch finds no CUDA device here")
     world = launch.detect()
+    if (world.size if world else args.ranks) < 2 and {"all_to_all", "sendrecv"} & set(args.collectives):
+        ap.error("all_to_all and sendrecv need 2 ranks or more: pick --collectives all_reduce,reduce_scatter,all_gather")
     print(f"# native_overhead: {args.device}, {world.size if world else args.ranks} ranks, {args.calls} pairs a row; "
           f"host microseconds per call ({args.clock} clock), medians; extra = median of (zipccl - plain), the "
           f"slowest rank's", flush=True)

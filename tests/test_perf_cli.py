@@ -224,6 +224,9 @@ def test_native_overhead_smoke(tmp_path):
         for v in ("zipccl auto", "zipccl native", "drop-in")]
     assert all(r["plain_us"] > 0 and r["zipccl_us"] > 0 and len(r["extra_us_by_rank"]) == 2 for r in record["rows"])
     assert "worst extra" in res.stdout
+    one = subprocess.run([sys.executable, str(ROOT / "bench" / "native_overhead.py"), "--ranks", "1"],
+                         capture_output=True, text=True, env=env, timeout=120)  # the exchanges need a peer
+    assert one.returncode == 2 and "need 2 ranks or more" in one.stderr, one.stderr[-2000:]
 
 
 def _row(size, oop, ip, dtype="bfloat16", redop="sum"):
