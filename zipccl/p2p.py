@@ -80,7 +80,7 @@ class _Op:
         self.plan = _decide(codec, self.tensor, group, self.peer)
         if self.plan is not NATIVE and not self.tensor.is_contiguous():
             raise UnsupportedError(f"{kind}'s tensor must be contiguous")
-        self.sig = Signature.of(self.tensor, codec, self.tag)
+        self.sig = None if self.plan is NATIVE else Signature.of(self.tensor, codec, self.tag)  # framed only
         self.seq = None
 
 
