@@ -553,12 +553,14 @@ def test_native_calls_run_the_backends_collective_alone(pool):
 def _direct(rank, groups):
     """codec "native" on plain float32 (the group's own calls, torch.distributed's checks skipped)
     and on complex64 (torch.distributed's call, which views it as real): each against
-    torch.distributed's own call on the same inputs, bit for bit, and which calls went direct."""
+    torch.distributed's own call on the same inputs, bit for bit, and which calls went direct
+    (all-to-all: which went through dist)."""
     from zipccl.torch_compat import all_gather_single, reduce_scatter_single
     from zipccl.transport import torch_dist
-    g, seen, real = groups[4], [], dict(torch_dist._DIRECT)
+    g, seen, real, a2a = groups[4], [], dict(torch_dist._DIRECT), dist.all_to_all_single
     for k, f in real.items():
         torch_dist._DIRECT[k] = lambda *a, _k=k, _f=f: seen.append(_k) or _f(*a)
+    dist.all_to_all_single = lambda *a, **k: seen.append("dist.all_to_all_single") or a2a(*a, **k)
     same = {}
     try:
         for dtype in (torch.float32, torch.complex64):
@@ -577,17 +579,22 @@ def _direct(rank, groups):
             zipccl.all_gather(got, x, group=g, codec="native")
             all_gather_single(want, x, group=g)
             same[(str(dtype), "all_gather")] = torch.equal(got, want)
+            got, want = torch.empty_like(x), torch.empty_like(x)
+            zipccl.all_to_all_single(got, x, group=g, codec="native")
+            a2a(want, x, group=g)
+            same[(str(dtype), "all_to_all_single")] = torch.equal(got, want)
             same[(str(dtype), "direct")] = list(seen)
             seen.clear()
     finally:
         torch_dist._DIRECT.update(real)
+        dist.all_to_all_single = a2a
     return same
 
 
-def test_native_calls_go_to_the_group_directly_where_torch_would_pass_them_as_they_are(pool):
+def test_native_calls_go_to_the_group_directly_where_torch_would_pass_themas_they_are(pool):
     for rank, same in enumerate(pool.run(_direct, timeout=120)):
         assert same.pop(("torch.float32", "direct")) == ["all_reduce", "reduce_scatter", "all_gather"], (rank, same)
-        assert same.pop(("torch.complex64", "direct")) == [], (rank, same)
+        assert same.pop(("torch.complex64", "direct")) == ["dist.all_to_all_single"], (rank, same)
         assert all(same.values()), (rank, same)
 
 
@@ -598,16 +605,16 @@ def test_only_plain_tensors_outside_a_coalescing_manager_go_direct():
         pass
 
     x = torch.ones(3)
-    assert torch_dist._as_they_are((x, x))
-    assert not torch_dist._as_they_are((x, torch.ones(3, dtype=torch.complex64)))
-    assert not torch_dist._as_they_are((x.as_subclass(Sub),))
+    assert torch_dist.as_they_are((x, x))
+    assert not torch_dist.as_they_are((x, torch.ones(3, dtype=torch.complex64)))
+    assert not torch_dist.as_they_are((x.as_subclass(Sub),))
     state, group = dist.distributed_c10d._world.pg_coalesce_state, object()
     state[group] = []  # as torch's _coalescing_manager holds a group's calls
     try:
-        assert not torch_dist._as_they_are((x,))
+        assert not torch_dist.as_they_are((x,))
     finally:
         del state[group]
-    assert torch_dist._as_they_are((x,))
+    assert torch_dist.as_they_are((x,))
 
 
 def _requires_grad(rank, groups):

@@ -34,7 +34,7 @@ from .failure import Fate
 from .format import DTYPE_CODES
 from .stats import record_native
 from .transport import transport_for
-from .transport.torch_dist import underneath
+from .transport.torch_dist import as_they_are, underneath
 
 __all__ = ["all_to_all_single", "all_to_all", "ALGORITHMS", "AUTO_PLANS"]
 
@@ -47,7 +47,13 @@ _NAME = "all_to_all"
 
 
 def _native_single(group, output, input, out_splits, in_splits) -> None:
+    """The backend's all_to_all_single: on the drop-in's backend underneath, else on the group
+    itself where dist's checks would pass the tensors as they are (as TorchTransport.native),
+    else through dist."""
     inner = underneath(group, input.device)
+    if inner is None:
+        pg = group if group is not None else dist.GroupMember.WORLD
+        inner = pg if isinstance(pg, dist.ProcessGroup) and as_they_are((output, input)) else None
     if inner is None:
         work = dist.all_to_all_single(output, input, out_splits, in_splits, group=group, async_op=True)
     else:

@@ -37,7 +37,7 @@ def _all_gather(pg, tensors, op):
 _DIRECT = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather}
 
 
-def _as_they_are(tensors) -> bool:
+def as_they_are(tensors) -> bool:
     """Whether torch.distributed's call would hand ``tensors`` to the group unchanged: plain
     tensors (not a subclass with its own dispatch, not complex, which it views as real), outside
     a coalescing manager (which collects calls instead of issuing them)."""
@@ -237,7 +237,7 @@ class TorchTransport(Transport):
         if avg:  # gloo has no AVG: its SUM, then one division (rounded once more)
             op = dist.ReduceOp.SUM
         direct = _DIRECT.get(name) if self._pg is not None else None
-        if direct is not None and _as_they_are(tensors):
+        if direct is not None and as_they_are(tensors):
             work = direct(self._pg, tensors, op)
             if config.TIMEOUT is None:  # as torch.distributed's own blocking call
                 work.wait()
