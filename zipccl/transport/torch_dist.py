@@ -15,6 +15,7 @@ from ..torch_compat import all_gather_single, reduce_scatter_single
 from .base import DeviceMail, Transport, wait_limit
 from .strict import Strict
 
+
 def _all_reduce(pg, tensors, op):
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM if op is None else op
@@ -33,7 +34,7 @@ def _all_gather(pg, tensors, op):
 
 #: ``TorchTransport.native``'s calls on the group itself, as torch.distributed's Python functions
 #: make them after their checks: 4-8 us less host time a call than through those functions (one
-#: gloo rank, thread CPU time), which is most of what zipccl's native path adds to a small call.
+#: gloo rank, thread CPU time; docs/PERFORMANCE.md).
 _DIRECT = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather}
 
 
