@@ -591,7 +591,7 @@ def _direct(rank, groups):
     return same
 
 
-def test_native_calls_go_to_the_group_directly_where_torch_would_pass_themas_they_are(pool):
+def test_native_calls_go_to_the_group_directly_where_torch_would_pass_them_as_they_are(pool):
     for rank, same in enumerate(pool.run(_direct, timeout=120)):
         assert same.pop(("torch.float32", "direct")) == ["all_reduce", "reduce_scatter", "all_gather"], (rank, same)
         assert same.pop(("torch.complex64", "direct")) == ["dist.all_to_all_single"], (rank, same)

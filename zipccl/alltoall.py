@@ -34,7 +34,7 @@ from .failure import Fate
 from .format import DTYPE_CODES
 from .stats import record_native
 from .transport import transport_for
-from .transport.torch_dist import as_they_are, underneath
+from .transport.torch_dist import ALL_TO_ALL, as_they_are, direct_group, options, underneath
 
 __all__ = ["all_to_all_single", "all_to_all", "ALGORITHMS", "AUTO_PLANS"]
 
@@ -51,14 +51,15 @@ def _native_single(group, output, input, out_splits, in_splits) -> None:
     itself where dist's checks would pass the tensors as they are (as TorchTransport.native),
     else through dist."""
     inner = underneath(group, input.device)
-    if inner is None:
-        pg = group if group is not None else dist.GroupMember.WORLD
-        inner = pg if isinstance(pg, dist.ProcessGroup) and as_they_are((output, input)) else None
-    if inner is None:
-        work = dist.all_to_all_single(output, input, out_splits, in_splits, group=group, async_op=True)
-    else:
+    pg = direct_group(group) if inner is None and as_they_are((output, input)) else None
+    if inner is not None:
         work = inner.alltoall_base(output, input, list(out_splits or []), list(in_splits or []),
                                    dist.AllToAllOptions())
+    elif pg is not None:
+        work = getattr(pg, ALL_TO_ALL)(output, input, list(out_splits or []), list(in_splits or []),
+                                       options(dist.AllToAllOptions, True))
+    else:
+        work = dist.all_to_all_single(output, input, out_splits, in_splits, group=group, async_op=True)
     work.wait()
 
 

@@ -309,9 +309,8 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
         ops.append(_Op(kind, p.tensor, p.peer if group_peer is None else None, p.group, getattr(p, "tag", 0),
                        group_peer, getattr(p, "codec", "auto")))
     receives = [op for op in ops if op.kind == "recv"]
-    for s in ops:  # a send from memory that a receive of the batch lands in sends its contents at the call
-        if s.kind == "send" and any(overlaps(s.tensor, r.tensor) for r in receives
-                                    if s.plan is not NATIVE or r.plan is not NATIVE):
+    for s in ops:  # a send from memory that a receive of the batch lands in sends what it held at the call
+        if s.kind == "send" and any(overlaps(s.tensor, r.tensor) for r in receives):
             s.tensor = s.tensor.clone()
     # the receives first: queued, they wait on the async thread while this thread encodes and posts
     # the sends (which never wait for them), so that this rank's decoding overlaps its encoding

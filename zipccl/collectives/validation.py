@@ -54,9 +54,12 @@ def carrier(group, device, codec):
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share memory (an in-place call's input and output)."""
+    """Whether two tensors may share memory (an in-place call's input and output): their byte
+    ranges where both are contiguous, else their storage alone."""
     if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return True
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 

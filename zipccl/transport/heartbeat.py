@@ -118,6 +118,7 @@ class Board:
         self.beat()  # at once: a peer that fails in this first call finds this rank's beat
         self.thread = threading.Thread(target=self._run, name="zipccl-heartbeat", daemon=True)
         self.thread.start()
+        _threads.add(self.thread)
 
     def _run(self) -> None:
         while not self.stop.wait(period()):
@@ -188,6 +189,7 @@ def _own_connection(store):
 
 _board: Board | None = None
 _lock = threading.Lock()
+_threads: weakref.WeakSet = weakref.WeakSet()  # every board's thread (joined at exit)
 
 
 @atexit.register
@@ -198,8 +200,9 @@ def _end() -> None:
     active exception"), so the beat in flight is waited for, a bounded time."""
     if _board is not None:
         _board.stop.set()
-        if _board.thread is not None and _board.thread is not threading.current_thread():
-            _board.thread.join(timeout=STORE_TIMEOUT + 1.0)
+    deadline = time.monotonic() + STORE_TIMEOUT + 1.0
+    for thread in _threads:  # a board replaced by a later group's may still be writing its last beat
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 _keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transport -> the job ranks of its group

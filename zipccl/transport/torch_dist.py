@@ -10,26 +10,45 @@ import time
 import torch
 import torch.distributed as dist
 
+from torch._C._distributed_c10d import AllgatherOptions
+from torch.overrides import has_torch_function
+
 from .. import config
 from ..torch_compat import all_gather_single, reduce_scatter_single
 from .base import DeviceMail, Transport, wait_limit
 from .strict import Strict
 
 
-def _all_reduce(pg, tensors, op):
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM if op is None else op
-    return pg.allreduce([tensors[0]], opts)
+#: The group's own methods that torch.distributed's functions call: torch 2.13's names, else
+#: the older ones (torch 2.11, the CUDA image's).
+_NEW_NAMES = hasattr(dist.ProcessGroup, "all_gather_single")
+ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = ("all_gather_single", "reduce_scatter_single", "all_to_all_single") \
+    if _NEW_NAMES else ("_allgather_base", "_reduce_scatter_base", "alltoall_base")
+_ASYNC_FIELD = hasattr(dist.AllreduceOptions(), "asyncOp")  # torch >= 2.8: a blocking call says so (NCCL
+# then runs it on the current stream, as torch's own blocking call)
 
 
-def _reduce_scatter(pg, tensors, op):
-    opts = dist.ReduceScatterOptions()
-    opts.reduceOp = dist.ReduceOp.SUM if op is None else op
-    return pg._reduce_scatter_base(tensors[0], tensors[1], opts)
+def options(kind, async_op: bool, op=None):
+    """``kind`` (torch's options class) as torch.distributed's functions fill it."""
+    opts = kind()
+    if op is not None:
+        opts.reduceOp = op
+    if _ASYNC_FIELD:
+        opts.asyncOp = async_op
+    return opts
 
 
-def _all_gather(pg, tensors, op):
-    return pg._allgather_base(tensors[0], tensors[1])
+def _all_reduce(pg, tensors, op, async_op):
+    return pg.allreduce([tensors[0]], options(dist.AllreduceOptions, async_op, dist.ReduceOp.SUM if op is None else op))
+
+
+def _reduce_scatter(pg, tensors, op, async_op):
+    return getattr(pg, REDUCE_SCATTER)(tensors[0], tensors[1], options(
+        dist.ReduceScatterOptions, async_op, dist.ReduceOp.SUM if op is None else op))
+
+
+def _all_gather(pg, tensors, op, async_op):
+    return getattr(pg, ALL_GATHER)(tensors[0], tensors[1], options(AllgatherOptions, async_op))
 
 
 #: ``TorchTransport.native``'s calls on the group itself, as torch.distributed's Python functions
@@ -38,14 +57,21 @@ def _all_gather(pg, tensors, op):
 _DIRECT = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather}
 
 
+def direct_group(group):
+    """The ProcessGroup that a call on ``group`` (None: the default) can be made on directly:
+    torch's own class (a Python subclass may override what torch.distributed calls), else None."""
+    pg = group if group is not None else dist.GroupMember.WORLD
+    return pg if type(pg) is dist.ProcessGroup else None
+
+
 def as_they_are(tensors) -> bool:
     """Whether torch.distributed's call would hand ``tensors`` to the group unchanged: plain
-    tensors (not a subclass with its own dispatch, not complex, which it views as real), outside
-    a coalescing manager (which collects calls instead of issuing them)."""
+    tensors (not a subclass nor under a mode with its own dispatch, not complex, which it views
+    as real), outside a coalescing manager (which collects calls instead of issuing them)."""
     for t in tensors:
         if type(t) is not torch.Tensor or t.is_complex():
             return False
-    return not getattr(dist.distributed_c10d._world, "pg_coalesce_state", None)
+    return not has_torch_function(tensors) and not getattr(dist.distributed_c10d._world, "pg_coalesce_state", None)
 
 
 _twins: dict = {}
@@ -156,8 +182,7 @@ class TorchTransport(Transport):
         self.strict = Strict(self.rank, self.meta_device) if config.STRICT_TRANSPORT else None
         self.own_timeout = _own_timeout(group, self.meta_device)
         self.loose_receives = self.tags = gloo and self.strict is None
-        pg = group if group is not None else dist.GroupMember.WORLD
-        self._pg = pg if isinstance(pg, dist.ProcessGroup) else None  # native's direct calls
+        self._pg = direct_group(group)  # native's direct calls
 
     def grouped(self):
         return self.strict.grouped() if self.strict is not None else super().grouped()
@@ -239,9 +264,10 @@ class TorchTransport(Transport):
             op = dist.ReduceOp.SUM
         direct = _DIRECT.get(name) if self._pg is not None else None
         if direct is not None and as_they_are(tensors):
-            work = direct(self._pg, tensors, op)
+            work = direct(self._pg, tensors, op, config.TIMEOUT is not None)
             if config.TIMEOUT is None:  # as torch.distributed's own blocking call
-                work.wait()
+                if work is not None:
+                    work.wait()
                 work = None
         elif name == "all_reduce":
             work = dist.all_reduce(tensors[0], op=op, group=self.group, async_op=config.TIMEOUT is not None)
