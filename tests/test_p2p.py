@@ -164,6 +164,14 @@ def test_a_batch_sends_a_buffer_as_it_was_before_receiving_into_it(pool, codec):
     assert pool.run(_in_place, codec, timeout=120) == [True] * 4
 
 
+def test_overlap_is_judged_by_bytes_where_contiguous_and_by_storage_where_not():
+    from zipccl.collectives.validation import overlaps
+    x = torch.zeros(4, 4)
+    assert overlaps(x[1], x[1]) and overlaps(x[1:3].reshape(-1), x[2]) and not overlaps(x[0], x[1])
+    assert overlaps(x[:, 1], x[3])  # a column and a row: strided, so the storage decides
+    assert not overlaps(x[0], torch.zeros(4)) and not overlaps(x[:0], x)
+
+
 def _mismatch(rank, groups, case):
     """Rank 0 sends to rank 1, which disagrees in ``case``; both raise (others idle)."""
     g = groups[4]
@@ -314,10 +322,3 @@ def test_a_killed_peer_is_named(victim):
     assert (name, named) == ("RankFailure", victim), got
     assert when - got[victim][2] < TIMEOUT + 5.0, got
 
-
-def test_overlap_is_judged_by_bytes_where_contiguous_and_by_storage_where_not():
-    from zipccl.collectives.validation import overlaps
-    x = torch.zeros(4, 4)
-    assert overlaps(x[1], x[1]) and overlaps(x[1:3].reshape(-1), x[2]) and not overlaps(x[0], x[1])
-    assert overlaps(x[:, 1], x[3])  # a column and a row: strided, so the storage decides
-    assert not overlaps(x[0], torch.zeros(4)) and not overlaps(x[:0], x)
