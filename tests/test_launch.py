@@ -91,6 +91,25 @@ def test_local_spawn():
     _check(out.stdout, 2)
 
 
+def _what_a_rank_sees(rank, nranks):
+    import zipccl.config
+    return os.environ.get("ZIPCCL_TOPOLOGY"), zipccl.config.TOPOLOGY, os.getpid()
+
+
+@pytest.mark.timeout(180)
+def test_spawned_ranks_see_the_environment_of_their_call(monkeypatch):
+    """Two spawns in one process, the environment changed between them: the second's ranks see
+    the new value, in os.environ and in what zipccl read from it at import (its ranks fork from
+    a fork server that imported zipccl), and are new processes."""
+    monkeypatch.setenv("ZIPCCL_TOPOLOGY", "1x2")
+    first = launch.spawn(_what_a_rank_sees, 2)
+    monkeypatch.setenv("ZIPCCL_TOPOLOGY", "2x1")
+    second = launch.spawn(_what_a_rank_sees, 2)
+    assert [r[:2] for r in first] == [("1x2", "1x2")] * 2
+    assert [r[:2] for r in second] == [("2x1", "2x1")] * 2
+    assert not {r[2] for r in first} & {r[2] for r in second}
+
+
 @pytest.mark.timeout(180)
 def test_torchrun():
     out = subprocess.run(_torchrun(EXAMPLE), env=_without_torchrun(_clean_env()), capture_output=True, text=True,

@@ -17,7 +17,7 @@ import time
 
 import torch.multiprocessing as mp
 
-from zipccl.launch import free_port
+from zipccl.launch import fork_server, free_port
 
 
 def _serve(rank: int, nranks: int, port: int, tasks, results, backend: str, more_groups) -> None:
@@ -106,8 +106,13 @@ def spawn(target, n: int, args: tuple, answers: int | None = None, seconds: floa
     until ``answers`` ranks (default: all) have answered or ``seconds`` have passed
     (``stop_on_crash``: or a process has exited with an error); then join each for up to 30 s and
     kill what still lives (a rank that never answered, a stopped one, gets 1 s). Returns
-    ({rank: value}, the processes): a rank that hung is missing."""
-    ctx = mp.get_context("spawn")
+    ({rank: value}, the processes): a rank that hung is missing. The processes fork from a
+    fork server that has torch imported (zipccl.launch.fork_server)."""
+    with fork_server(target) as method:
+        return _run(mp.get_context(method), target, n, args, answers, seconds, stop_on_crash)
+
+
+def _run(ctx, target, n, args, answers, seconds, stop_on_crash) -> tuple[dict, list]:
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, *args, results)) for r in range(n)]
     for p in procs:
