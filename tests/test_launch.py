@@ -110,6 +110,16 @@ def test_spawned_ranks_see_the_environment_of_their_call(monkeypatch):
     assert not {r[2] for r in first} & {r[2] for r in second}
 
 
+def test_ranks_are_spawned_where_a_cuda_device_is_visible(monkeypatch):
+    """A process forked after CUDA's initialisation cannot use it: with a device visible, no
+    fork server."""
+    with launch.fork_server(_what_a_rank_sees) as method:
+        assert method == "forkserver"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with launch.fork_server(_what_a_rank_sees) as method:
+        assert method == "spawn"
+
+
 @pytest.mark.timeout(180)
 def test_torchrun():
     out = subprocess.run(_torchrun(EXAMPLE), env=_without_torchrun(_clean_env()), capture_output=True, text=True,
