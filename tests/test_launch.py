@@ -120,6 +120,19 @@ def test_ranks_are_spawned_where_a_cuda_device_is_visible(monkeypatch):
         assert method == "spawn"
 
 
+def test_a_fork_server_this_process_already_runs_is_left_alone():
+    """Its processes may still need it: spawned ranks instead, and the server still running."""
+    import multiprocessing.forkserver as forkserver
+    forkserver.ensure_running()
+    try:
+        pid = forkserver._forkserver._forkserver_pid
+        with launch.fork_server(_what_a_rank_sees) as method:
+            assert method == "spawn"
+        assert forkserver._forkserver._forkserver_pid == pid and _alive(pid)
+    finally:
+        forkserver._forkserver._stop()
+
+
 @pytest.mark.timeout(180)
 def test_torchrun():
     out = subprocess.run(_torchrun(EXAMPLE), env=_without_torchrun(_clean_env()), capture_output=True, text=True,

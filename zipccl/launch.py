@@ -174,14 +174,15 @@ def fork_server(fn):
     run's start). Started afresh, so that its ranks see this process's environment as it is now,
     as spawned ranks would; it starts no CUDA context and no thread, and it is killed on the way
     out (any rank still alive dies with it). "spawn" where this Python has no fork server to
-    restart, and where a CUDA device is visible: an import in the server that initialised CUDA
+    restart, where this process already runs one (its own processes may still need it), and
+    where a CUDA device is visible: an import in the server that initialised CUDA
     (torch.cuda.is_available() does) would leave its forked ranks unable to use it."""
     import multiprocessing.forkserver as forkserver
     server = getattr(forkserver, "_forkserver", None)
-    if os.name != "posix" or not hasattr(server, "_stop") or torch.cuda.is_available():
+    if (os.name != "posix" or not hasattr(server, "_stop") or getattr(server, "_forkserver_pid", 0) is not None
+            or torch.cuda.is_available()):
         yield "spawn"
         return
-    server._stop()
     forkserver.set_forkserver_preload(["torch", "torch.distributed", __name__, "zipccl._dies_with_launcher",
                                        getattr(fn, "__module__", __name__)])
     try:
