@@ -38,7 +38,7 @@ out=${out:-${OUT:-gpu_out}}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-((dry)) || export TRITON_INTERPRET=0
+export TRITON_INTERPRET=$dry  # compiled on the GPU; the dry run's Triton codec on CPU tensors, interpreted
 py=${PYTHON:-python3}
 phase_s=${PHASE_S:-232}
 default_skip=${DEFAULT_SKIP-lab_reduce_scatter lab_all_gather shaped_reduce_scatter shaped_all_gather transport}

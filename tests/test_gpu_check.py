@@ -22,7 +22,7 @@ DEFAULT_SKIP = {"lab_reduce_scatter", "lab_all_gather", "shaped_reduce_scatter",
 
 
 def _run(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ("SKIP", "DEFAULT_SKIP", "PHASE_S", "OUT")}
+    environ = {k: v for k, v in os.environ.items() if k not in ("SKIP", "DEFAULT_SKIP", "PHASE_S", "OUT", "TRITON_INTERPRET")}
     environ.update(PYTHONPATH=str(ROOT), **env)
     return subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", *args, str(out)], cwd=ROOT, env=environ,
                           capture_output=True, text=True, timeout=800)
