@@ -113,6 +113,7 @@ def test_spawned_ranks_see_the_environment_of_their_call(monkeypatch):
 def test_ranks_are_spawned_where_a_cuda_device_is_visible(monkeypatch):
     """A process forked after CUDA's initialisation cannot use it: with a device visible, no
     fork server."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with launch.fork_server(_what_a_rank_sees) as method:
         assert method == "forkserver"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
