@@ -321,4 +321,3 @@ def test_a_killed_peer_is_named(victim):
     name, named, when = got[survivor]
     assert (name, named) == ("RankFailure", victim), got
     assert when - got[victim][2] < TIMEOUT + 5.0, got
-
