@@ -15,9 +15,9 @@ encode, two passes over the input and one read by the host:
      (``encode_into`` leaves them on the device, and ``_place`` seals the header).
   3. ``_encode``: one program per block reads it again and writes its codes and
      rest bytes and side bits at the planned offsets. Bit positions come from an
-     in-block prefix sum of code widths; the codes of each 32-bit word are
-     joined by a segmented OR scan, and one element per word stores it (the
-     side bits of each byte alike), so there are no atomics and no zero-filling.
+     in-block prefix sum of code widths; each 32-bit word is the sum of its
+     codes at their shifts (``_segment_sums``), stored once (the side bits of
+     each byte alike), so there are no atomics and no zero-filling.
 
 decode: the header is validated on the host and the block index on
 the device (device_plan.index: one program that checks it, sums its offsets and
@@ -115,9 +115,17 @@ def _analyse(x_ptr, xoff_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.
 
 
 @triton.jit
-def _seg_or(start_a, a, start_b, b):
-    """Combine of a segmented OR scan: a segment start discards what came before it."""
-    return start_a | start_b, tl.where(start_b != 0, b, a | b)
+def _segment_sums(val, seg, NSEG: tl.constexpr):
+    """Per segment q in 0..NSEG-1, the sum of ``val`` (int64) over the elements whose ``seg`` is q
+    (``seg`` nondecreasing, below NSEG): differences of one running sum taken at each segment's
+    last element, which a histogram of ``seg`` locates. Sums, a histogram and gathers only: a
+    scan with a combine of its own the interpreter runs element by element in Python. The
+    running sum may wrap; each difference is exact while a segment's sum fits 63 bits."""
+    total = tl.cumsum(val, 0)
+    last = tl.cumsum(tl.histogram(seg, NSEG), 0) - 1  # each segment's last element (-1: none yet)
+    at = tl.where(last >= 0, tl.gather(total, tl.maximum(last, 0), 0), 0)
+    q = tl.arange(0, NSEG)
+    return at - tl.where(q > 0, tl.gather(at, tl.maximum(q - 1, 0), 0), 0)
 
 
 @triton.jit
@@ -165,43 +173,35 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_
         esc = sym == _ESC
         value = value | tl.where(esc, exp << width, 0)
         width = width + tl.where(esc, EBITS, 0)
-        # 32-bit arithmetic throughout: an element is at most 20 bits, a block at most 2**20 bits.
+        # Widths and positions in 32 bits: an element is at most 20 bits, a block at most 2**20 bits.
         width = tl.where(valid, width, 0)
         value = tl.where(valid, value, 0)
-        end = tl.cumsum(width, 0)
-        pos = end - width
-        word = pos >> 5
-        sh = pos & 31
-        lo = value << sh                 # wraps: the bits that spill go to ``hi``
-        hi = (value >> 1) >> (31 - sh)   # two shifts, so that sh == 0 never shifts by 32
-        # An element starts a word's segment if its predecessor started in an earlier word; bits that
-        # predecessor spilled into this word ride along (codes are at most 20 bits: one spill at most).
-        prev = tl.maximum(i - 1, 0)
-        start = (i == 0) | ((tl.gather(pos, prev, 0) >> 5) != word)
-        spill = tl.where(start & (i > 0), tl.gather(hi, prev, 0), 0)
-        _, joined = tl.associative_scan((start.to(tl.int32), lo | spill), 0, _seg_or)
-        nv = tl.minimum(n - b.to(tl.int64) * BS, BS)
-        last = i == nv - 1
-        closes = valid & (((end >> 5) != word) | last)
-        tl.store(words_ptr + w0 + word, joined, mask=closes & (w0 + word < wlimit))
-        tl.store(words_ptr + w0 + word + 1, hi, mask=last & (end > (word + 1) * 32) & (w0 + word + 1 < wlimit))
+        pos = tl.cumsum(width, 0) - width
+        # A word is the sum of its elements' codes shifted into place (their bits do not overlap) and
+        # of what the word before spilled: as 64-bit values at their shift (a code is at most 20 bits,
+        # a shift below 32), a word's elements sum to its own 32 bits with its spill above them.
+        sums = _segment_sums(value.to(tl.int64) << (pos & 31).to(tl.int64), pos >> 5, BS)  # at most 20 * BS / 32 words
+        q = tl.arange(0, BS)
+        spill = tl.where(q > 0, tl.gather(sums, tl.maximum(q - 1, 0), 0) >> 32, 0)
+        nwords = (tl.sum(width, 0) + 31) >> 5
+        tl.store(words_ptr + w0 + q, ((sums & 0xFFFFFFFF) | spill).to(tl.int32),
+                 mask=(q < nwords) & (w0 + q < wlimit))
         keep = valid & ~zero
         k = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
         for j in tl.static_range(REST_BYTES):
             ra = r0 + k * REST_BYTES + j
             tl.store(rest_ptr + ra, ((rest >> (8 * j)) & 255).to(tl.uint8), mask=keep & (ra < rlimit))
         if SIDE_BITS > 0:  # fp16: the k-th kept element's side bits at bit k * SIDE_BITS after the rest bytes
-            # Each byte's side bits joined as a word's codes are: a segment starts at the byte's first
-            # kept element (the elements between add nothing), and the byte's last kept element stores it.
+            # Each byte the sum of its kept elements' side bits at their place, as a word of codes is.
+            NBYTES: tl.constexpr = BS * SIDE_BITS // 8
             nonzero = tl.sum(keep.to(tl.int32), 0)
             at = k * SIDE_BITS
-            first = (i == 0) | (keep & ((at & 7) == 0))
             side = tl.where(keep, (rest >> (8 * REST_BYTES)) << (at & 7), 0)
-            _, byte = tl.associative_scan((first.to(tl.int32), side), 0, _seg_or)
-            closes = keep & ((((at + SIDE_BITS) & 7) == 0) | (k == nonzero - 1))
-            byte_at = r0 + nonzero * REST_BYTES + (at >> 3)
-            tl.store(rest_ptr + byte_at, byte.to(tl.uint8), mask=closes & (byte_at < rlimit))
-
+            byte = _segment_sums(side.to(tl.int64), at >> 3, NBYTES)
+            qb = tl.arange(0, NBYTES)
+            byte_at = r0 + nonzero * REST_BYTES + qb
+            tl.store(rest_ptr + byte_at, byte.to(tl.uint8),
+                     mask=(qb < (nonzero * SIDE_BITS + 7) >> 3) & (byte_at < rlimit))
 
 @triton.jit
 def _packet(part, span, part_words, err_stride, code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr,
