@@ -112,6 +112,7 @@ def test_fast_impls_match_reference(impl, dtype, kind, n):
         assert_same_bits(impl.decode(p_ref), x)
 
 
+@pytest.mark.overflow_checked
 @pytest.mark.parametrize("impl", FAST)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_longest_codes_match_reference(impl, dtype):

@@ -265,6 +265,7 @@ def test_bench_fuzz_smoke(tmp_path):
     assert "over-bound" in run.stdout
 
 
+@pytest.mark.overflow_checked
 def test_decode_into_agrees_with_the_reference_on_hostile_packets(grads):
     """The Triton decode_into (header and index checked on the device) on four valid packets and
     seeded mutations of packets without a payload checksum, against the reference decoder: where the reference

@@ -129,6 +129,7 @@ def test_decode_many_of_separate_tensors_and_its_errors():
         codec.decode_many(packets, outs[:1])
 
 
+@pytest.mark.overflow_checked
 def test_largest_block_of_one_symbol():
     """A 32768-element block of one value: 32768 of one symbol, the largest count the analysis
     sends to the host (as 16 bits). Encode only: the interpreter decodes a block that long slowly."""
@@ -136,6 +137,7 @@ def test_largest_block_of_one_symbol():
     assert torch.equal(Lossless("triton", block_size=32768).encode(x), Lossless("reference", block_size=32768).encode(x))
 
 
+@pytest.mark.overflow_checked
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_every_16bit_pattern(dtype):
     x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
@@ -178,6 +180,7 @@ def test_decode_in_spans_of_bounded_scratch(monkeypatch):
             tri.decode(q)
 
 
+@pytest.mark.overflow_checked
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("entry", ["encode", "encode_into"])
 def test_an_input_changed_after_the_plan_writes_nothing_outside_the_packet(monkeypatch, dtype, entry):
@@ -289,3 +292,30 @@ def test_default_block_size_per_impl():
         assert p.numel() <= Lossless(impl).max_encoded_size(x.numel(), x.dtype)
         for other in ("numba", "triton"):
             assert_same_bits(Lossless(other).decode(p), x)
+
+
+def _add_one():
+    """A kernel that adds 1 to an int32 in place (defined here, after the skip without Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr):
+        tl.store(x_ptr, tl.load(x_ptr) + 1)
+    return add_one
+
+
+@pytest.mark.overflow_checked
+def test_marked_tests_catch_an_int32_overflow():
+    """A test marked ``overflow_checked`` runs the interpreter with its overflow checks
+    (tests/triton_mode.py): 2**31 - 1 + 1 in int32 fails the kernel."""
+    x = torch.tensor([2**31 - 1], dtype=torch.int32)
+    with pytest.raises(Exception, match="overflow"):
+        _add_one()[(1,)](x)
+
+
+def test_other_tests_wrap_as_the_gpu_does():
+    """Unmarked, the interpreter wraps 32-bit arithmetic as compiled code does."""
+    x = torch.tensor([2**31 - 1], dtype=torch.int32)
+    _add_one()[(1,)](x)
+    assert x.item() == -2**31

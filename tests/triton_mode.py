@@ -6,10 +6,19 @@ processes interpret (TRITON_INTERPRET=1, set here before zipccl.kernels.gpu is i
 each ``compiled`` test runs in a pytest of its own without the interpreter, whose outcome
 (passed, failed with its report, skipped with its reason) becomes the test's. A pytest plugin
 (tests/conftest.py loads it); tests/test_ci_rules.py runs it on small examples.
+
+Triton's interpreter, by default, computes an overflow check for every 32-bit integer add,
+subtract and multiply (its ``sanitize_overflow`` option) and asserts none of them (its asserts
+need ``debug``): a third of an interpreted decode's time for nothing. The kernels' 32-bit
+arithmetic is bounded by design (docs/GPU.md): the tests marked ``overflow_checked``, which
+drive it to its bounds (the largest block, the longest codes, every bit pattern, hostile
+packets, an input changed under the encoder), run with both options, so that an overflow fails
+them; the others, whose inputs stay inside those bounds, with neither.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,6 +29,23 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_overflow_checks(request):
+    """The interpreter's overflow checks, asserted, for a test marked ``overflow_checked``; none
+    for the others."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # the tests that need Triton skip (pytest.importorskip)
+        yield
+        return
+    builder = interpreter.interpreter_builder
+    before = builder.options
+    checked = request.node.get_closest_marker("overflow_checked") is not None
+    builder.options = dataclasses.replace(before, sanitize_overflow=checked, debug=checked)
+    yield
+    builder.options = before
 
 
 @pytest.fixture
