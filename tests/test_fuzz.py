@@ -163,6 +163,26 @@ def test_a_stream_flip_that_changes_a_zero_count_is_named(impl):
             Lossless(impl, block_size=256).decode(q)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_reference_that_puts_fields_out_of_range_is_named(impl):
+    """A block's reference moved to either end of the field's range (0, 255) with its stream
+    unchanged: the stream still parses and its zeros still count right, but the offsets name
+    fields below 0 or above 255. Every decoder names it (decode, and decode_into's verdict), and
+    nothing is written outside ``out``."""
+    p = Lossless("reference", block_size=256).encode(_data(600))
+    _, first = _index_entry(p, 0)
+    assert int(first[0]) & 255 not in (0, 255)
+    guard = torch.full((600 + 128,), 0x5A5A, dtype=torch.int16)
+    for ref in (0, 255):
+        q = _with_entry(p, 0, [ref | (int(first[0]) & 0xFF00), first[1], first[2], 0])
+        out = guard.clone()
+        with pytest.raises(zipccl.FormatError, match="decoded exponent out of range"):
+            Lossless(impl, block_size=256).decode(q, out=out[64:664].view(torch.bfloat16))
+        assert torch.equal(out[:64], guard[:64]) and torch.equal(out[664:], guard[664:])
+        verdict = Lossless(impl, block_size=256).decode_into(q, torch.empty(600, dtype=torch.bfloat16))
+        assert verdict.problem() == "decoded exponent out of range", (impl, ref, verdict.problem())
+
+
 def test_alloc_guard_and_guard_bytes_catch_what_they_guard(monkeypatch):
     """The harness's own checks are not vacuous: an allocation above the bound and a write past
     ``out`` are reported."""

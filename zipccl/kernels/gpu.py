@@ -218,7 +218,8 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr,
                     lut_ptr, err_ptr, parts_ptr, part_words, err_stride, BS: tl.constexpr, LANES: tl.constexpr,
                     CHUNK: tl.constexpr, EBITS: tl.constexpr, BIAS: tl.constexpr, PARTS: tl.constexpr):
     """LANES coded blocks in lock step, one symbol each per iteration. Each element's code (a
-    nonzero flag and its coded field: at most 9 bits) goes to code_ptr laid out as
+    nonzero flag and its coded field as decoded, in 16 bits: _decode_join checks the field's
+    range, off the serial chain) goes to code_ptr laid out as
     [program][element][lane], so that the lanes' stores are contiguous, and each lane's count of
     nonzero elements before every CHUNK-th element to count_ptr ([program][chunk][lane]), so that
     _decode_join can make the elements of every chunk in parallel. A lane keeps its two current
@@ -249,6 +250,8 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr,
     bits_end = (tl.load(rows_ptr + 5 * stride + b + 1, mask=live, other=0) - w0) * 32
     nzero = tl.load(rows_ptr + 3 * stride + b, mask=live, other=0).to(tl.int32)
     nv = tl.where(live, tl.minimum(n - b * BS, BS), 0).to(tl.int32)
+    lut = lut_ptr + t * _LUT  # each lane's table
+    base = ref - BIAS  # an offset symbol's field, less the symbol
     w = w0
     lo = tl.load(words_ptr + w, mask=live & (w < nwords), other=0).to(tl.uint32)
     hi = tl.load(words_ptr + w + 1, mask=live & (w + 1 < nwords), other=0).to(tl.uint32)
@@ -266,18 +269,16 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr,
             act = k < nv
             sh = bit.to(tl.uint32)
             window = ((lo >> sh) | ((hi << 1) << (31 - sh))).to(tl.int32)  # 32 bits; an element is at most 20
-            e = tl.load(lut_ptr + t * _LUT + (window & (_LUT - 1)), mask=act, other=0)
+            e = tl.load(lut + (window & (_LUT - 1)), mask=act, other=0)
             length = e >> 8
             s = e & 255
             esc = s == _ESC
             nz = s != _ZERO
-            exp = tl.where(esc, (window >> length) & EMAX, ref + s - BIAS)
+            exp = tl.where(esc, (window >> length) & EMAX, base + s)  # -BIAS..EMAX+31-BIAS: _decode_join checks it
             used = length + tl.where(esc, EBITS, 0)
-            code = 1 | ((exp & EMAX) << 1)
             err |= tl.where(act & (length == 0), _ERR_CODE, 0)
-            err |= tl.where(act & nz & ((exp < 0) | (exp > EMAX)), _ERR_RANGE, 0)
             nonzero += (act & nz).to(tl.int32)
-            tl.store(dst + k * LANES, tl.where(nz, code, 0).to(tl.int16), mask=act)
+            tl.store(dst + k * LANES, tl.where(nz, 1 | (exp << 1), 0).to(tl.int16), mask=act)
             bit += tl.where(act, used, 0)
             cross = bit >= 32
             bit = tl.where(cross, bit - 32, bit)
@@ -299,7 +300,8 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr,
     as a [CHUNK, LANES] tile; each element's rank among its block's nonzero elements, from the
     chunk's nonzero count and a running count within it, places its rest bytes and its side bits
     (after the rest bytes of as many elements as the index counts nonzero); the elements stored
-    contiguously per block. Arguments as _decode_symbols'; meta_ptr's third number is the rest
+    contiguously per block; a coded field out of range, or rest bytes or side bits outside the
+    block's, add their error bits to the block's. Arguments as _decode_symbols'; meta_ptr's third number is the rest
     section's offset in rest_ptr (the packet). With PARTS, packet ``program_id(2)`` of a
     decode_many (``_packet``)."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
@@ -339,11 +341,13 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr,
         r = ((side >> (at & 7)) & ((1 << SIDE_BITS) - 1)) << (8 * REST_BYTES)
     for j in tl.static_range(REST_BYTES):
         r |= tl.load(rest_ptr + rp + j, mask=take, other=0).to(tl.int32) << (8 * j)
-    exp = (codes >> 1) & EMAX
-    val = (r & ((1 << MBITS) - 1)) | (exp << MBITS) | ((r >> MBITS) << (MBITS + EBITS))  # fp32: wraps
+    exp = codes >> 1  # as _decode_symbols found it: out of range in a corrupt stream
+    val = (r & ((1 << MBITS) - 1)) | ((exp & EMAX) << MBITS) | ((r >> MBITS) << (MBITS + EBITS))  # fp32: wraps
     tl.store(out_ptr + base[None, :] + k[:, None], tl.where(nz, val, 0).to(out_ptr.dtype.element_ty), mask=act)
-    bad = tl.max((nz & ~take).to(tl.int32), axis=0) != 0
-    tl.atomic_or(err_ptr + b, tl.where(bad, _ERR_REST, 0).to(tl.int64), mask=live & bad)
+    rest_bad = tl.max((nz & ~take).to(tl.int32), axis=0) != 0
+    range_bad = tl.max((nz & ((exp < 0) | (exp > EMAX))).to(tl.int32), axis=0) != 0
+    bad = tl.where(rest_bad, _ERR_REST, 0) | tl.where(range_bad, _ERR_RANGE, 0)
+    tl.atomic_or(err_ptr + b, bad.to(tl.int64), mask=live & (bad != 0))
 
 
 @triton.jit
