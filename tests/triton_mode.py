@@ -18,6 +18,7 @@ them; the others, whose inputs stay inside those bounds, with neither.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -31,10 +32,9 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_overflow_checks(request):
-    """The interpreter's overflow checks, asserted, for a test marked ``overflow_checked``; none
-    for the others."""
+@contextlib.contextmanager
+def overflow_checks(on: bool):
+    """Within: the interpreter's overflow checks computed and asserted (``on``), or neither."""
     try:
         from triton.runtime import interpreter
     except ImportError:  # the tests that need Triton skip (pytest.importorskip)
@@ -42,10 +42,19 @@ def _interpreter_overflow_checks(request):
         return
     builder = interpreter.interpreter_builder
     before = builder.options
-    checked = request.node.get_closest_marker("overflow_checked") is not None
-    builder.options = dataclasses.replace(before, sanitize_overflow=checked, debug=checked)
-    yield
-    builder.options = before
+    builder.options = dataclasses.replace(before, sanitize_overflow=on, debug=on)
+    try:
+        yield
+    finally:
+        builder.options = before
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_overflow_checks(request):
+    """The interpreter's overflow checks, asserted, for a test marked ``overflow_checked``; none
+    for the others (a rank of a multi-process test: ``overflow_checks(False)`` in its function)."""
+    with overflow_checks(request.node.get_closest_marker("overflow_checked") is not None):
+        yield
 
 
 @pytest.fixture
