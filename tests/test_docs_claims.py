@@ -1,7 +1,7 @@
 """What README.md and docs/*.md name exists: every path (a file or folder of the repository), test
 (``file::function``, and ``::function`` after it for the same file), flag (``--flag`` in the
 ``--help`` of the command it follows, or of one of the project's commands) and ZIPCCL_ variable
-(read in zipccl/config.py)."""
+(read in zipccl/config.py); and the format version they say the code implements."""
 
 from __future__ import annotations
 
@@ -243,3 +243,13 @@ def test_records_stay_small_and_cited():
     cited = "".join(doc.read_text() for doc in DOCS)
     uncited = sorted(f for f in folders if f not in cited)
     assert not uncited, uncited
+
+
+def test_the_format_version_the_docs_give_the_code_is_the_codes():
+    """docs/FORMAT.md's title and every "implements format version N" name zipccl.format.VERSION."""
+    from zipccl import format as F
+    claims = [(doc.name, int(m.group(1) or m.group(2))) for doc in DOCS
+              for m in re.finditer(r"implements\s+format\s+version\s+(\d+)|^# zipccl packet format, version (\d+)",
+                                   doc.read_text(), re.M)]
+    assert ("FORMAT.md", F.VERSION) in claims and ("GPU.md", F.VERSION) in claims, claims
+    assert all(v == F.VERSION for _, v in claims), claims
