@@ -34,19 +34,31 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 @contextlib.contextmanager
 def overflow_checks(on: bool):
-    """Within: the interpreter's overflow checks computed and asserted (``on``), or neither."""
+    """Within: the interpreter's overflow checks computed and asserted (``on``), or neither. On,
+    ``torch.empty`` fills what it returns with 0x7F bytes, so that arithmetic on memory no kernel
+    wrote overflows every time, not only when the allocator hands out such bytes."""
     try:
         from triton.runtime import interpreter
     except ImportError:  # the tests that need Triton skip (pytest.importorskip)
         yield
         return
+    import torch
     builder = interpreter.interpreter_builder
-    before = builder.options
+    before, empty = builder.options, torch.empty
     builder.options = dataclasses.replace(before, sanitize_overflow=on, debug=on)
+    if on:
+        torch.empty = lambda *args, **kwargs: _filled(empty(*args, **kwargs))
     try:
         yield
     finally:
-        builder.options = before
+        builder.options, torch.empty = before, empty
+
+
+def _filled(t):
+    import torch
+    if t.is_contiguous() and t.numel():
+        t.view(-1).view(torch.uint8).fill_(0x7F)
+    return t
 
 
 @pytest.fixture(autouse=True)

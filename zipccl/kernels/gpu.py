@@ -317,12 +317,13 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr,
     lane = g * LANES + lanes
     live = lane < tl.minimum(tl.maximum(tl.load(meta_ptr) - first, 0), span)
     b = tl.load(coded_ptr + lane, mask=live, other=0)
-    before = tl.load(count_ptr + (g.to(tl.int64) * (BS // CHUNK) + c) * LANES + lanes, mask=live, other=0)
+    base = b * BS
+    nv = tl.where(live, tl.minimum(n - base, BS), 0).to(tl.int32)
+    # A chunk past a lane's block has no count (_decode_symbols writes none there): read none.
+    before = tl.load(count_ptr + (g.to(tl.int64) * (BS // CHUNK) + c) * LANES + lanes, mask=c * CHUNK < nv, other=0)
     section = tl.load(meta_ptr + 2)
     r0 = section + tl.load(rows_ptr + 6 * stride + b, mask=live, other=0)
     rest_end = section + tl.load(rows_ptr + 6 * stride + b + 1, mask=live, other=0)
-    base = b * BS
-    nv = tl.where(live, tl.minimum(n - base, BS), 0).to(tl.int32)
     side0 = r0 + (nv - tl.load(rows_ptr + 3 * stride + b, mask=live, other=0)) * REST_BYTES
     k = c * CHUNK + tl.arange(0, CHUNK)
     codes = tl.load(code_ptr + (g.to(tl.int64) * BS + k[:, None]) * LANES + lanes[None, :]).to(tl.int32)
