@@ -1,6 +1,6 @@
 """The GPU codec's kernels timed, and its bytes checked, for whichever checkout is on the path.
 
-    PYTHONPATH=CHECKOUT python bench/gpu_ab.py [--data FILE] --label v1 [--cases 33554432:bf16,...]
+    PYTHONPATH=CHECKOUT python bench/gpu_ab.py [--data FILE] --label v1 [--cases 33554432:bf16[:BLOCK],...]
 
 Written for format A/Bs (v1 against an unmerged v2 prototype): it uses only
 `zipccl.codecs.Lossless`, which both formats share, so one script times both in one run on one
@@ -114,7 +114,9 @@ def main() -> None:
                     help="the real fp32 gradient bucket (default: ZIPCCL_DATA, the checkout's data/, ../shared/data); "
                          "where it is missing, gradient-like synthetic values (said on stderr)")
     ap.add_argument("--label", default="")
-    ap.add_argument("--cases", default="4194304:bf16,33554432:bf16,134217728:bf16,33554432:fp16,16777216:fp32")
+    ap.add_argument("--cases", default="4194304:bf16,33554432:bf16,134217728:bf16,33554432:fp16,16777216:fp32",
+                    help="NUMEL:DTYPE[:BLOCK],...: the real bucket tiled to NUMEL elements, in blocks of BLOCK "
+                         "(default --block)")
     ap.add_argument("--block", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--json", type=Path)
@@ -128,8 +130,9 @@ def main() -> None:
               file=sys.stderr)
         base = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.02
     for spec in args.cases.split(","):
-        n, dt = spec.split(":")
-        row = {"label": args.label, **case(base, int(n), dt, args.block, args.repeat, args.device, args.join)}
+        n, dt, *block = spec.split(":")
+        row = {"label": args.label, **case(base, int(n), dt, int(block[0]) if block else args.block, args.repeat,
+                                             args.device, args.join)}
         line = json.dumps(row)
         print(line, flush=True)
         if args.json:

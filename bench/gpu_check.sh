@@ -5,9 +5,9 @@
 # pays a cold compile inside a step's limit; numba's CPU kernels, minutes cold, compile in the
 # background meanwhile, for phase 2); every entry point on CUDA tensors on 4 ranks of the one-GPU
 # lab; a rank killed mid-call; the lab's all-reduce table under MPS against torch's NCCL, 64 KiB
-# to 256 MiB. Phase 2, at most 4 more: the codec's checks (bench/gpu_codec_check.py where it
-# exists), the host waits per pipeline piece, the 2- and 4-rank collectives against plain torch,
-# and (as root) the lab shaped to 10 Gbit/s per rank (zipccl-netlab: one network namespace per
+# to 256 MiB. Phase 2, at most 4 more: the codec's checks (its gpu tests; bytes, bits and GB/s
+# at 1, 8 and 64 MiB of each dtype), the host waits per pipeline piece, the 2- and 4-rank
+# collectives against plain torch, and (as root) the lab shaped to 10 Gbit/s per rank (zipccl-netlab: one network namespace per
 # rank, NCCL's sockets on its veth) against torch's NCCL on the same ranks, under MPS.
 #
 # Every step is bounded by `timeout` (its limit: NAME_S, e.g. ENTRY_S=90) and by what is left of
@@ -215,21 +215,22 @@ run_entry() { $gpu_suite -s tests/test_gpu_lab.py -k entry_point; }
 run_killed() { $gpu_suite -s tests/test_gpu_lab.py -k killed; }
 run_lab() { perf --collective "$1" -J "$out/lab_$1${2:-}.json"; }
 
-# The codec's checks: bench/gpu_codec_check.py where this checkout has it; else the suite's kernel
-# tests and the A/B of bench/gpu_ab.py on this checkout (the real gradients, else synthetic ones).
+# The codec's checks: the gpu suite's codec tests (a cold first call under sync-debug "error", a
+# CUDA graph's round trip, no synchronising call), then bench/gpu_ab.py: bytes against the numba
+# encoder, bits back, wall and kernel time of encode and decode at 1, 8 and 64 MiB of bf16, fp16
+# and fp32 real gradients in Triton's 1024-element blocks, and at 8 MiB of bf16 in blocks of 256
+# and 4096 too (a lane walks a block's chain of symbols: how its length sets decode's pace);
+# then the device operations and wall time of one 8 MiB call (bench/gpu_stages.py). The cases
+# that matter most go first: each prints its line as it ends, so a step out of time keeps them.
+AB_GRID=33554432:bf16,4194304:bf16,4194304:bf16:256,4194304:bf16:4096,33554432:fp16,4194304:fp16
+AB_GRID+=,16777216:fp32,2097152:fp32,524288:bf16,524288:fp16,262144:fp32
 run_codec() {
     wait_numba
-    if [[ -f bench/gpu_codec_check.py ]]; then
-        $py bench/gpu_codec_check.py --out "$out/codec" ${data:+--data "$data"} $( ((dry)) && echo --dry-run)
-        return
-    fi
-    echo "# bench/gpu_codec_check.py is not in this checkout: the codec's checks did not run;" \
-        "the suite's kernel tests and bench/gpu_ab.py instead"
     $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
     local rc=$?
     $py bench/gpu_ab.py ${data:+--data "$data"} --label "$(git rev-parse --short HEAD 2>/dev/null || echo checkout)" \
-        --cases "${AB_CASES:-33554432:bf16}" --json "$out/codec_ab.json" \
-        $( ((dry)) && echo --device cpu --cases 512:bf16 --block 256 --repeat 1)
+        --json "$out/codec_ab.json" \
+        $( ((dry)) && echo --device cpu --cases 512:bf16,512:bf16:256 --repeat 1 || echo --cases "${AB_CASES:-$AB_GRID}")
     local rc2=$?
     # Device operations per encode_into and decode_into, and each call's wall time (8 MiB of bf16).
     ((dry)) || timeout 20 $py bench/gpu_stages.py --numel 4194304 --repeat 3 ${data:+--data "$data"} | head -12
