@@ -220,7 +220,8 @@ run_lab() { perf --collective "$1" -J "$out/lab_$1${2:-}.json"; }
 # encoder, bits back, wall and kernel time of encode and decode at 1, 8 and 64 MiB of bf16, fp16
 # and fp32 real gradients in Triton's 1024-element blocks, and at 8 MiB of bf16 in blocks of 256
 # and 4096 too (a lane walks a block's chain of symbols: how its length sets decode's pace);
-# then the device operations and wall time of one 8 MiB call (bench/gpu_stages.py). The cases
+# then the device operations and wall time of one 8 MiB call (bench/gpu_stages.py), and memcheck
+# (below). The cases
 # that matter most go first: each prints its line as it ends, so a step out of time keeps them.
 AB_GRID=33554432:bf16,4194304:bf16,4194304:bf16:256,4194304:bf16:4096,33554432:fp16,4194304:fp16
 AB_GRID+=,16777216:fp32,2097152:fp32,524288:bf16,524288:fp16,262144:fp32
@@ -228,13 +229,49 @@ run_codec() {
     wait_numba
     $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
     local rc=$?
+    ((dry)) && echo "# dry run: two small cases on CPU; on a GPU: --cases ${AB_CASES:-$AB_GRID}"
     $py bench/gpu_ab.py ${data:+--data "$data"} --label "$(git rev-parse --short HEAD 2>/dev/null || echo checkout)" \
         --json "$out/codec_ab.json" \
         $( ((dry)) && echo --device cpu --cases 512:bf16,512:bf16:256 --repeat 1 || echo --cases "${AB_CASES:-$AB_GRID}")
     local rc2=$?
     # Device operations per encode_into and decode_into, and each call's wall time (8 MiB of bf16).
     ((dry)) || timeout 20 $py bench/gpu_stages.py --numel 4194304 --repeat 3 ${data:+--data "$data"} | head -12
-    return $((rc || rc2))
+    run_memcheck
+    return $((rc || rc2 || $?))
+}
+
+# compute-sanitizer's memcheck over the Triton decoder's decode_into of hostile packets (seeded
+# mutations of valid ones, zipccl.bench.fuzz), where the tool is installed; the dry run decodes
+# three on CPU, without it.
+hostile_py='
+import sys
+
+import torch
+
+from zipccl.bench import fuzz
+from zipccl.codecs import Lossless
+
+count, device = int(sys.argv[1]), sys.argv[2]
+bases = tuple(b for b in fuzz.base_packets("reference", None) if not b.checksum and b.numel)  # blocks of 256
+codec, refused = Lossless("triton", block_size=256), 0
+for i in range(count):
+    r = fuzz.case_rng(11, "memcheck", i)
+    base = r.choice(bases)
+    packet = torch.from_numpy(fuzz.mutate("triton", r, base, bases)[0]).to(device)
+    out = torch.empty(base.numel, dtype=base.dtype, device=device)
+    refused += codec.decode_into(packet, out).problem() is not None
+print(f"{count} hostile packets into decode_into on {device}: {refused} refused, {count - refused} decoded")
+'
+run_memcheck() {
+    local tool
+    tool=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    if ((dry)); then
+        $py -c "$hostile_py" 3 cpu
+    elif [[ -z $tool ]]; then
+        echo "# compute-sanitizer not found (PATH, /usr/local/cuda*/bin): no memcheck"
+    else
+        timeout "${MEMCHECK_S:-25}" "$tool" --tool memcheck --error-exitcode 9 $py -c "$hostile_py" 40 cuda
+    fi
 }
 
 run_syncs() { $gpu_suite -s tests/test_gpu_lab.py tests/test_nccl_gpu.py -k "host_wait or mail"; }
@@ -303,7 +340,7 @@ step() {
     ((limit > left)) && limit=$left
     echo "### $name (phase $p, at most $limit s): $*" | tee "$out/$name.txt"
     ((mps)) && mps_start > >(tee -a "$out/$name.txt") 2>&1  # in this shell: its variables reach the step
-    local defs="$(declare -f "$1" perf wait_numba); $(declare -p py dry out data gpu_suite lab_sizes)"
+    local defs="$(declare -f "$1" perf wait_numba run_memcheck); $(declare -p py dry out data gpu_suite lab_sizes AB_GRID hostile_py)"
     timeout -k 2 "$limit" bash -c "$defs; $*" \
         2>&1 | tee -a "$out/$name.txt"
     local rc=${PIPESTATUS[0]}

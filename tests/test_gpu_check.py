@@ -74,6 +74,8 @@ def test_dry_run_of_both_phases(tmp_path):
     for name in ("entry", "killed", "syncs", "collectives"):  # the selection matched tests, which skipped on CPU
         assert re.search(r"\d+ skipped", (out / f"{name}.txt").read_text()), name
     assert "no CUDA device" in (out / "entry.txt").read_text()
+    codec = (out / "codec.txt").read_text()  # what the step would run on a GPU reached its shell
+    assert "on a GPU: --cases 33554432:bf16,4194304:bf16," in codec and "hostile packets into decode_into" in codec
     table = json.loads((out / "lab_all_reduce_mps.json").read_text())
     assert table["results"] and all(row["out_of_place"]["nwrong"] == 0 for row in table["results"])
     assert "dry run: the MPS daemon is not started" in (out / "lab_all_reduce_mps.txt").read_text()
