@@ -64,8 +64,13 @@ def _filled(t):
 @pytest.fixture(autouse=True)
 def _interpreter_overflow_checks(request):
     """The interpreter's overflow checks, asserted, for a test marked ``overflow_checked``; none
-    for the others (a rank of a multi-process test: ``overflow_checks(False)`` in its function)."""
-    with overflow_checks(request.node.get_closest_marker("overflow_checked") is not None):
+    for the others (a rank of a multi-process test: ``overflow_checks(False)`` in its function).
+    A process that has not imported Triton is left so: importing it (and torch) costs seconds."""
+    marked = request.node.get_closest_marker("overflow_checked") is not None
+    if not marked and "triton.runtime.interpreter" not in sys.modules:
+        yield
+        return
+    with overflow_checks(marked):
         yield
 
 
