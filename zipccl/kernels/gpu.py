@@ -118,9 +118,9 @@ def _analyse(x_ptr, xoff_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.
 def _segment_sums(val, seg, NSEG: tl.constexpr):
     """Per segment q in 0..NSEG-1, the sum of ``val`` (int64) over the elements whose ``seg`` is q
     (``seg`` nondecreasing, below NSEG): differences of one running sum taken at each segment's
-    last element, which a histogram of ``seg`` locates. Sums, a histogram and gathers only: a
-    scan with a combine of its own the interpreter runs element by element in Python. The
-    running sum may wrap; each difference is exact while a segment's sum fits 63 bits."""
+    last element, which a histogram of ``seg`` locates: no scan with a combine of its own, which
+    Triton's interpreter runs element by element in Python. The running sum may wrap; each
+    difference is exact while a segment's sum fits 63 bits."""
     total = tl.cumsum(val, 0)
     last = tl.cumsum(tl.histogram(seg, NSEG), 0) - 1  # each segment's last element (-1: none yet)
     at = tl.where(last >= 0, tl.gather(total, tl.maximum(last, 0), 0), 0)
@@ -202,6 +202,7 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_
             byte_at = r0 + nonzero * REST_BYTES + qb
             tl.store(rest_ptr + byte_at, byte.to(tl.uint8),
                      mask=(qb < (nonzero * SIDE_BITS + 7) >> 3) & (byte_at < rlimit))
+
 
 @triton.jit
 def _packet(part, span, part_words, err_stride, code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr,
@@ -301,9 +302,9 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr,
     chunk's nonzero count and a running count within it, places its rest bytes and its side bits
     (after the rest bytes of as many elements as the index counts nonzero); the elements stored
     contiguously per block; a coded field out of range, or rest bytes or side bits outside the
-    block's, add their error bits to the block's. Arguments as _decode_symbols'; meta_ptr's third number is the rest
-    section's offset in rest_ptr (the packet). With PARTS, packet ``program_id(2)`` of a
-    decode_many (``_packet``)."""
+    block's, add their error bits to the block's. Arguments as _decode_symbols'; meta_ptr's
+    third number is the rest section's offset in rest_ptr (the packet). With PARTS, packet
+    ``program_id(2)`` of a decode_many (``_packet``)."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
     if PARTS:
         part = tl.program_id(2).to(tl.int64)
