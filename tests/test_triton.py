@@ -131,10 +131,18 @@ def test_decode_many_of_separate_tensors_and_its_errors():
 
 @pytest.mark.overflow_checked
 def test_largest_block_of_one_symbol():
-    """A 32768-element block of one value: 32768 of one symbol, the largest count the analysis
-    sends to the host (as 16 bits). Encode only: the interpreter decodes a block that long slowly."""
-    x = torch.full((32768,), 0.375, dtype=torch.bfloat16)
-    assert torch.equal(Lossless("triton", block_size=32768).encode(x), Lossless("reference", block_size=32768).encode(x))
+    """The largest block the Triton encoder takes (gpu.MAX_ENCODE_BLOCK, 16384) of one value: that
+    many of one symbol in the analysis's 16-bit counts, the longest word packing. Encode only: the
+    interpreter decodes a block that long slowly. Larger blocks, which the format allows, are
+    refused by name; the Triton decoder reads them."""
+    from zipccl.kernels import gpu
+    x = torch.full((gpu.MAX_ENCODE_BLOCK,), 0.375, dtype=torch.bfloat16)
+    ref, tri = Lossless("reference", block_size=gpu.MAX_ENCODE_BLOCK), Lossless("triton", block_size=gpu.MAX_ENCODE_BLOCK)
+    assert torch.equal(tri.encode(x), ref.encode(x))
+    y = torch.full((300,), 0.375, dtype=torch.bfloat16)
+    with pytest.raises(zipccl.UnsupportedError, match="at most 16384"):
+        Lossless("triton", block_size=32768).encode(y)
+    assert_same_bits(Lossless("triton", block_size=32768).decode(Lossless("reference", block_size=32768).encode(y)), y)
 
 
 @pytest.mark.overflow_checked

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from ..bank import BANK, BANK_SIZE
-from ..errors import FormatError
+from ..errors import FormatError, UnsupportedError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAXLEN, NSYM,
                       RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
 from ..reference import tables as T
@@ -64,6 +64,9 @@ LANES = 32  # blocks decoded in lock step by one program
 DECODE_WARPS = 1  # LANES lanes fill one warp
 JOIN_CHUNK, JOIN_WARPS = 32, 4  # _decode_join's program: elements of each of LANES blocks (divides every block size)
 DECODE_SCRATCH = 1 << 27  # elements decoded per pair of launches (their 16-bit codes: 256 MiB)
+# The largest block _encode takes: its shared memory is 8 bytes per element of a block (128 KiB at
+# 16384, compiled for sm_90; an A100 gives a program 163 KiB, an H100 227). Decoders take any block.
+MAX_ENCODE_BLOCK = 16384
 
 # Format constants as Triton compile-time constants (kernels may read only constexpr globals; a
 # layout's numbers, the offset bias among them, come in as constexpr arguments).
@@ -115,17 +118,21 @@ def _analyse(x_ptr, xoff_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.
 
 
 @triton.jit
-def _segment_sums(val, seg, NSEG: tl.constexpr):
-    """Per segment q in 0..NSEG-1, the sum of ``val`` (int64) over the elements whose ``seg`` is q
-    (``seg`` nondecreasing, below NSEG): differences of one running sum taken at each segment's
-    last element, which a histogram of ``seg`` locates: no scan with a combine of its own, which
-    Triton's interpreter runs element by element in Python. The running sum may wrap; each
-    difference is exact while a segment's sum fits 63 bits."""
-    total = tl.cumsum(val, 0)
-    last = tl.cumsum(tl.histogram(seg, NSEG), 0) - 1  # each segment's last element (-1: none yet)
-    at = tl.where(last >= 0, tl.gather(total, tl.maximum(last, 0), 0), 0)
-    q = tl.arange(0, NSEG)
-    return at - tl.where(q > 0, tl.gather(at, tl.maximum(q - 1, 0), 0), 0)
+def _segment_ends(seg, NSEG: tl.constexpr):
+    """Per segment q in 0..NSEG-1, its last element (``seg`` nondecreasing, below NSEG; -1 before
+    the first), from a histogram of ``seg``."""
+    return tl.cumsum(tl.histogram(seg, NSEG), 0) - 1
+
+
+@triton.jit
+def _segment_sums(val, ends):
+    """Per segment, the sum of ``val`` (int32) over its elements, as int64 (``ends``: _segment_ends):
+    differences of one running sum taken at each segment's last element. No scan with a combine of
+    its own, which Triton's interpreter runs element by element in Python. The running sum wraps in
+    32 bits; each difference, taken mod 2**32, is exact where a segment's sum is below 2**32."""
+    at = tl.where(ends >= 0, tl.gather(tl.cumsum(val, 0), tl.maximum(ends, 0), 0), 0).to(tl.int64)
+    q = tl.arange(0, ends.shape[0])
+    return (at - tl.where(q > 0, tl.gather(at, tl.maximum(q - 1, 0), 0), 0)) & 0xFFFFFFFF
 
 
 @triton.jit
@@ -178,14 +185,16 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_
         value = tl.where(valid, value, 0)
         pos = tl.cumsum(width, 0) - width
         # A word is the sum of its elements' codes shifted into place (their bits do not overlap) and
-        # of what the word before spilled: as 64-bit values at their shift (a code is at most 20 bits,
-        # a shift below 32), a word's elements sum to its own 32 bits with its spill above them.
-        sums = _segment_sums(value.to(tl.int64) << (pos & 31).to(tl.int64), pos >> 5, BS)  # at most 20 * BS / 32 words
+        # of what the word before spilled into it (a code is at most 20 bits: one element spills).
+        sh = pos & 31
+        lo = value << sh                 # wraps: the bits that spill go to ``hi``
+        hi = (value >> 1) >> (31 - sh)   # two shifts, so that sh == 0 never shifts by 32
+        ends = _segment_ends(pos >> 5, BS)  # at most 20 * BS / 32 words
+        spills = _segment_sums(hi, ends)
         q = tl.arange(0, BS)
-        spill = tl.where(q > 0, tl.gather(sums, tl.maximum(q - 1, 0), 0) >> 32, 0)
+        word = _segment_sums(lo, ends) | tl.where(q > 0, tl.gather(spills, tl.maximum(q - 1, 0), 0), 0)
         nwords = (tl.sum(width, 0) + 31) >> 5
-        tl.store(words_ptr + w0 + q, ((sums & 0xFFFFFFFF) | spill).to(tl.int32),
-                 mask=(q < nwords) & (w0 + q < wlimit))
+        tl.store(words_ptr + w0 + q, word.to(tl.int32), mask=(q < nwords) & (w0 + q < wlimit))
         keep = valid & ~zero
         k = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
         for j in tl.static_range(REST_BYTES):
@@ -197,7 +206,7 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_
             nonzero = tl.sum(keep.to(tl.int32), 0)
             at = k * SIDE_BITS
             side = tl.where(keep, (rest >> (8 * REST_BYTES)) << (at & 7), 0)
-            byte = _segment_sums(side.to(tl.int64), at >> 3, NBYTES)
+            byte = _segment_sums(side, _segment_ends(at >> 3, NBYTES))
             qb = tl.arange(0, NBYTES)
             byte_at = r0 + nonzero * REST_BYTES + qb
             tl.store(rest_ptr + byte_at, byte.to(tl.uint8),
@@ -409,6 +418,9 @@ def _plan(x: torch.Tensor, block_size: int, read: bool, index: torch.Tensor | No
     device, in one allocation and three launches; ``read``: the host reads the packet's size.
     ``parts``: the element offsets in ``x`` of that many tensors of ``n`` elements (their packets
     ``slot`` bytes apart), else x is the one tensor."""
+    if block_size > MAX_ENCODE_BLOCK:
+        raise UnsupportedError(f"the Triton encoder takes blocks of at most {MAX_ENCODE_BLOCK} elements (its shared "
+                               f"memory: 8 bytes per element), not {block_size}; every decoder reads such packets")
     layout = LAYOUTS[x.dtype]
     n, dev = (x.numel(), x.device) if parts is None else (n, x.device)
     nb, count = num_blocks(n, block_size), 1 if parts is None else parts.numel()
