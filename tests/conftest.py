@@ -52,17 +52,21 @@ def pytest_configure(config):
         run.wait(timeout=600)
 
 
-#: The test files that run longest on 2 cores, longest first (`pytest --durations=0`, summed per
-#: file). `make test` hands whole files to its two processes in collection order
-#: (--dist loadfile --no-loadscope-reorder): longest first, they finish together.
-LONGEST_FIRST = ("test_codec.py", "test_backend.py", "test_triton.py", "test_soak.py", "test_dead_rank.py",
-                 "test_perf_format.py", "test_fsdp.py", "test_perf_cli.py", "test_ddp.py", "test_cpu_kernels.py",
-                 "test_fuzz.py", "test_launch.py", "test_collectives.py", "test_hierarchical.py", "test_sparse.py",
-                 "test_device_plan.py", "test_bench_codec.py", "test_faults.py",
-                 "test_netlab.py")
+#: The test files that run longest on 2 cores, longest first (`pytest --durations=0` at e54987a,
+#: summed per file; the others, 10 s or less each, follow). `make test` hands whole files to its
+#: two processes in collection order (--dist loadfile --no-loadscope-reorder): longest first, they
+#: finish together.
+LONGEST_FIRST = ("test_backend.py", "test_triton.py", "test_gpu_check.py", "test_fsdp.py", "test_codec.py",
+                 "test_dead_rank.py", "test_perf_cli.py", "test_launch.py", "test_netlab.py", "test_soak.py",
+                 "test_perf_format.py", "test_ci_rules.py", "test_ddp.py", "test_faults.py", "test_fuzz.py",
+                 "test_hierarchical.py", "test_device_plan.py", "test_cpu_kernels.py", "test_alltoall.py",
+                 "test_p2p.py", "test_collectives.py", "test_perf_cuda.py", "test_bench_codec.py", "test_sparse.py",
+                 "test_device_ops.py", "test_backend_ddp.py", "test_host_reads.py")
 
 
 def pytest_collection_modifyitems(items):
+    if stale := [name for name in LONGEST_FIRST if not Path(__file__).with_name(name).exists()]:
+        raise pytest.UsageError(f"tests/conftest.py's LONGEST_FIRST names files that do not exist: {stale}")
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each file's order kept
 
