@@ -243,9 +243,8 @@ class Lossless:
         return [self.decode_into(p, o) for p, o in zip(packets, outs)]
 
     def max_encoded_size(self, numel: int, dtype: torch.dtype) -> int:
-        nb = F.num_blocks(numel, self.block_size or F.MIN_DEFAULT_BLOCK_SIZE)
-        return (F.HEADER_SIZE + nb * F.INDEX_ENTRY
-                + numel * F.LAYOUTS[_dtype(dtype)].itemsize)
+        prefix = F.prefix_sizes(numel, self.block_size or F.MIN_DEFAULT_BLOCK_SIZE)
+        return F.HEADER_SIZE + sum(prefix) + numel * F.LAYOUTS[_dtype(dtype)].itemsize
 
     def __repr__(self) -> str:
         return f"Lossless(impl={self.impl!r}, block_size={self.block_size}, checksum={self.checksum})"

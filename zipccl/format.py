@@ -5,7 +5,7 @@ header so that a receiver can validate it before touching the payload:
 
     offset size field
       0     4   magic b"ZCCL"
-      4     1   version (3)
+      4     1   version (4)
       5     1   codec   (0 raw, 1 lossless, 2 top-k)
       6     1   dtype   (1 float32, 2 float16, 3 bfloat16)
       7     1   flags   (bit 0: payload CRC32 present)
@@ -15,7 +15,7 @@ header so that a receiver can validate it before touching the payload:
      21     1   nsym   (symbols per table)
      22     1   maxlen (longest code, bits)
      23     1   reserved, 0
-     24     4   section 0 bytes (lossless: 0; version 1 carried code tables here)
+     24     4   section 0 bytes (lossless: sub-stream lengths)
      28     4   section 1 bytes (lossless: block index)
      32     8   section 2 bytes (lossless: exponent streams)
      40     8   section 3 bytes (lossless: sign+mantissa; raw: the data)
@@ -34,8 +34,9 @@ import torch
 from .errors import FormatError, UnsupportedError
 
 MAGIC = b"ZCCL"
-VERSION = 3  # 2: lossless blocks name entries of the fixed bank of codes (zipccl/bank.py);
-             # 3: float16 codes its exponent with the top mantissa bit, no raw bits in the streams
+VERSION = 4  # 2: lossless blocks name entries of the fixed bank of codes (zipccl/bank.py);
+             # 3: float16 codes its exponent with the top mantissa bit, no raw bits in the streams;
+             # 4: section 0 gives the bits of each 256-element sub-stream of a block
 HEADER_SIZE = 56
 _HEADER = struct.Struct("<4sBBBBQIBBBBIIQQII")
 assert _HEADER.size == HEADER_SIZE
@@ -136,9 +137,12 @@ RAW_BLOCK = 0xFF     # block index table id of a block stored raw
 INDEX_ENTRY = 8      # bytes per block index entry: u8 ref, u8 bank entry, u16 nwords, u16 nzero, u16 0
 TABLE_BYTES = NSYM // 2  # a code table as nibbles (version 1's section 0; bench/ scripts)
 DEFAULT_BLOCK_SIZE = 4096      # CPU encoders
-GPU_BLOCK_SIZE = 1024          # Triton encoder: more blocks, more decode lanes (docs/GPU.md)
+GPU_BLOCK_SIZE = 4096          # Triton encoder (its decoder's lanes are sub-streams: docs/GPU.md)
 MIN_DEFAULT_BLOCK_SIZE = min(DEFAULT_BLOCK_SIZE, GPU_BLOCK_SIZE)  # bounds max_encoded_size for either
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 256, 32768
+SUBSTREAM = 256  # elements per sub-stream: a block's stream in pieces whose starts section 0 gives,
+                 # so that a decoder can decode them apart (a GPU lane walks 256 codes, not a block's)
+LENGTH_ENTRY = 2  # bytes per sub-stream length in section 0 (u16 bits)
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,18 @@ LAYOUTS = {
 
 def num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size) if numel else 0
+
+
+def substreams(block_size: int) -> int:
+    """Sub-stream lengths per block in section 0: one per SUBSTREAM elements, none where a block
+    is one sub-stream (its index entry bounds it)."""
+    return block_size // SUBSTREAM if block_size > SUBSTREAM else 0
+
+
+def prefix_sizes(numel: int, block_size: int) -> tuple[int, int]:
+    """Sections 0 and 1 of a lossless packet, in bytes: the sub-stream lengths and the block index."""
+    nb = num_blocks(numel, block_size)
+    return nb * substreams(block_size) * LENGTH_ENTRY, nb * INDEX_ENTRY
 
 
 def check_input(x: torch.Tensor) -> None:

@@ -47,10 +47,10 @@ from numba import njit
 
 from ..bank import BANK_SIZE
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK, SAMPLE_STRIDE,
-                      SYM_ESC, Header, num_blocks)
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, LENGTH_ENTRY, MAXLEN, NSYM, RAW_BLOCK,
+                      SAMPLE_STRIDE, SUBSTREAM, SYM_ESC, Header, num_blocks, substreams)
 from ..reference import tables as T
-from ..reference.packet import LosslessPacket, parse_lossless
+from ..reference.packet import SUBSTREAM_ERROR, LosslessPacket, parse_lossless, substream_lengths
 from ..reference.plan import choose, plan
 from .bits import FAST_PEXT, pext, prefetch, prefetch_write
 from .bits import load_u32 as _load_u32, load_u64 as _load_u64, store_u32 as _store_u32, store_u64 as _store_u64
@@ -62,6 +62,9 @@ WINDOW = 10        # bits a multi-symbol lookup resolves: 8 KB of table per code
                    # on an all-reduce's packets replayed, the same on one tensor decoded repeatedly)
 ROUND = 4          # lookups per refill of a lane's bit container (4 x WINDOW <= 57 bits)
 _SPECIAL = 1 << 6  # multi-symbol entry for an element that takes the single-symbol path
+_SUB_SHIFT = SUBSTREAM.bit_length() - 1  # element -> its sub-stream
+_PAIRS_SHIFT = _SUB_SHIFT - 1  # pair -> its sub-stream
+_SUB_PAIRS = SUBSTREAM // 2
 _HISTS = 4  # interleaved histograms of the sample, so that repeated exponents don't wait on each
             # other's counts (bf16 bucket: 2, 4 and 8 histograms 0.51, 0.49 and 0.52 ms)
 
@@ -191,26 +194,26 @@ def _join(e0, e1):
     return (e0 | ((e1 >> _U8) << ((e0 & _U255) + _U8))) + (e1 & _U255)
 
 
-def _pack(bits, bs, mbits, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
+def _pack(bits, bs, mbits, ref, table, nzero, hist, codes, lens, out, cost, subs, ptabs):
     """_pack_layout for the dtype that ``mbits`` tells (see _constants), compiled for that dtype
     alone: one function holding all three bodies compiled all three for each element type
     (49 s of _pack, 17 s of _rest on a 2-core EPYC), where a dtype needs its own."""
-    _PACKS[mbits](bits, bs, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
+    _PACKS[mbits](bits, bs, ref, table, nzero, hist, codes, lens, out, cost, subs, ptabs)
 
 
 @njit(**_NOGIL)
-def _pack_bf16(bits, bs, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
-    _pack_layout(bits, bs, _BF16, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
+def _pack_bf16(bits, bs, ref, table, nzero, hist, codes, lens, out, cost, subs, ptabs):
+    _pack_layout(bits, bs, _BF16, ref, table, nzero, hist, codes, lens, out, cost, subs, ptabs)
 
 
 @njit(**_NOGIL)
-def _pack_fp16(bits, bs, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
-    _pack_layout(bits, bs, _FP16, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
+def _pack_fp16(bits, bs, ref, table, nzero, hist, codes, lens, out, cost, subs, ptabs):
+    _pack_layout(bits, bs, _FP16, ref, table, nzero, hist, codes, lens, out, cost, subs, ptabs)
 
 
 @njit(**_NOGIL)
-def _pack_fp32(bits, bs, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
-    _pack_layout(bits, bs, _FP32, ref, table, nzero, hist, codes, lens, out, cost, ptabs)
+def _pack_fp32(bits, bs, ref, table, nzero, hist, codes, lens, out, cost, subs, ptabs):
+    _pack_layout(bits, bs, _FP32, ref, table, nzero, hist, codes, lens, out, cost, subs, ptabs)
 
 
 _PACKS = {_BF16[0]: _pack_bf16, _FP16[0]: _pack_fp16, _FP32[0]: _pack_fp32}  # by mbits
@@ -322,18 +325,19 @@ def _put(out, pos, acc, pending, code, length):
 
 
 @njit(inline="always")
-def _pack_direct(vb, tab, shift, pt, by_pair, mbits, ebits, out, pos):
+def _pack_direct(vb, tab, shift, pt, by_pair, mbits, ebits, out, pos, ends):
     """_pack_groups four pairs a step, else two: (the block's bits, whether either fitted)."""
-    total, fits = _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, 4, out, pos)
+    total, fits = _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, 4, out, pos, ends)
     if not fits:
-        total, fits = _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, 2, out, pos)
+        total, fits = _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, 2, out, pos, ends)
     return total, fits
 
 
 @njit(inline="always")
-def _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos):
+def _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos, ends):
     """Code a block without +0.0 straight into the stream at byte ``pos`` of ``out``, looking up
-    ``group`` (2 or 4) pairs per append: (its bits, whether it fits), where it does not fit if
+    ``group`` (2 or 4) pairs per append, and the bits up to the end of each sub-stream into
+    ``ends`` (a group lies in one): (its bits, whether it fits), where it does not fit if
     some group's codes are over 56 bits (7 pending + 56 < 64), and the stream written is then
     garbage that the caller writes again another way. With the lookups inside the serial append
     the core overlaps them with its chain, which takes 8 elements a step where 4 pairs fit (93%
@@ -365,24 +369,38 @@ def _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos):
         over |= ln + _U7
         # & 63: a defined shift where the group is over
         pos, acc, pending = _put(out, pos, acc, pending, (c0 >> _U8) | ((c1 >> _U8) << ((c0 & _U255) & _U63)), ln)
+        ends[i >> _PAIRS_SHIFT] = total
         i += group
     while i < h:  # the last pairs, at most 40 bits each
         c0 = _pair_code(vb, raw, i, tab, shift, pt, by_pair, mbits, ebits)
         total += c0 & _U255
         pos, acc, pending = _put(out, pos, acc, pending, c0 >> _U8, c0 & _U255)
+        ends[i >> _PAIRS_SHIFT] = total
         i += 1
     if vb.shape[0] & 1:
         c0 = np.uint64(tab[vb[vb.shape[0] - 1] >> shift])
         total += c0 & _U255
         pos, acc, pending = _put(out, pos, acc, pending, c0 >> _U8, c0 & _U255)
+        ends[(vb.shape[0] - 1) >> _SUB_SHIFT] = total
     _store_u64(out, pos, acc)
     return total, over < 64
 
 
 @njit(inline="always")
-def _pack_layout(bits, bs, layout, ref, table, nzero, hist, codes, lens, out, cost, ptabs):
+def _lengths(ends, nv, total):
+    """A block's sub-stream ends (bits from its start, written for its sub-streams that hold
+    elements) into each sub-stream's bits, the empty ones' 0."""
+    for j in range(-(-nv // SUBSTREAM), ends.shape[0]):
+        ends[j] = total
+    for j in range(ends.shape[0] - 1, 0, -1):
+        ends[j] -= ends[j - 1]
+
+
+@njit(inline="always")
+def _pack_layout(bits, bs, layout, ref, table, nzero, hist, codes, lens, out, cost, subs, ptabs):
     """Huffman-code the exponents of every block into the byte array ``out``, one block's
-    stream after the other, each starting at a 32-bit word; cost[b] = block b's bits.
+    stream after the other, each starting at a 32-bit word; cost[b] = block b's bits, subs[b, j]
+    = the bits of its sub-stream j (SUBSTREAM elements; ``subs`` has a column where it has none).
     ``out`` needs 8 bytes of slack after the streams.
 
     A block without +0.0 or escapes in its sample (``hist``, the histogram pass's) goes through
@@ -424,12 +442,13 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, hist, codes, lens, out, co
         h = nv // 2
         if nzero[b] == 0 and hist[b, SYM_ESC] == 0:  # whole groups of pairs, else the passes below
             if s >= 0:
-                total, fits = _pack_direct(vb, tab, shift, ptabs.table[s], True, mbits, ebits, out, word * 4)
+                total, fits = _pack_direct(vb, tab, shift, ptabs.table[s], True, mbits, ebits, out, word * 4, subs[b])
             else:
-                total, fits = _pack_direct(vb, tab, shift, ptabs.table[0], False, mbits, ebits, out, word * 4)
+                total, fits = _pack_direct(vb, tab, shift, ptabs.table[0], False, mbits, ebits, out, word * 4, subs[b])
             if fits:
                 cost[b] = total
                 word += (np.int64(total) + 31) // 32
+                _lengths(subs[b], nv, total)
                 continue
         few = nzero[b] * 16 <= nv
         runs = -1 if few or h == 0 else _nonzero_runs(vb, nv // 16, bounds)
@@ -460,9 +479,11 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, hist, codes, lens, out, co
             h += 1
         longest = np.uint64(0)
         total = np.uint64(0)
-        for i in range(h):
-            longest = max(longest, pairs[i] & _U255)
-            total += pairs[i] & _U255
+        for j in range(-(-h // _SUB_PAIRS)):  # each sub-stream's pairs, a loop that vectorizes
+            for i in range(j * _SUB_PAIRS, min(h, (j + 1) * _SUB_PAIRS)):
+                longest = max(longest, pairs[i] & _U255)
+                total += pairs[i] & _U255
+            subs[b, j] = total
         acc = np.uint64(0)
         pending = np.uint64(0)  # bits in acc, < 8 after each flush
         pos = word * 4
@@ -479,6 +500,7 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, hist, codes, lens, out, co
         _store_u64(out, pos, acc)
         cost[b] = total
         word += (np.int64(total) + 31) // 32
+        _lengths(subs[b], nv, total)
 
 
 @njit(**_NOGIL)
@@ -737,14 +759,19 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     # where section 3 starts, is known only once the blocks' exact sizes are.
     longest = MAXLEN + layout.ebits
     streams = _scratch("streams", 4 * nb * -(-block_size * longest // 32) + 8, np.uint8)
+    subs = np.zeros((nb, max(1, substreams(block_size))), np.int64)
     if nb:
         _pack(bits, block_size, layout.mbits, ref, tables.assign, nzero, hist, tables.codes, tables.lengths, streams,
-              cost, _pair_tables())
+              cost, subs, _pair_tables())
     pl = plan(tables, ref, cost, nzero, n, block_size, layout)
     buf = np.empty(pl.total_size + 8, dtype=np.uint8)  # the rest section's stores spill up to 8 bytes
+    s0 = pl.sizes[0]
+    if s0:  # section 0: the sub-stream lengths, a raw block's 0
+        subs[pl.table == RAW_BLOCK] = 0
+        buf[HEADER_SIZE:HEADER_SIZE + s0] = subs.astype(np.uint16).view(np.uint8).reshape(-1)
     front = pl.front()
-    p = HEADER_SIZE + len(front)
-    buf[HEADER_SIZE:p] = front
+    p = HEADER_SIZE + s0 + len(front)
+    buf[HEADER_SIZE + s0:p] = front
     if nb:
         if (pl.table == RAW_BLOCK).any():
             _place_streams(streams, cost, pl.table, pl.word_start, buf[p:])
@@ -757,6 +784,15 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
                pl.sizes, crc)
     buf[:HEADER_SIZE] = np.frombuffer(h.pack(), dtype=np.uint8)
     return torch.from_numpy(buf)
+
+
+@lru_cache(maxsize=64)
+def _symbol_bits(key: bytes, ebits: int) -> np.ndarray:
+    """Each table's bits per symbol, an escape's raw field included (int64, read-only)."""
+    lengths = np.frombuffer(key, dtype=np.int64).reshape(-1, NSYM).copy()
+    lengths[:, SYM_ESC] += ebits
+    lengths.flags.writeable = False
+    return lengths
 
 
 @lru_cache(maxsize=64)
@@ -836,7 +872,7 @@ def _single(stream, lut, p, k, x, xbits, sym, xexp):
 
 
 @njit(inline="always")
-def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mluts, sym, xexp, lanes,
+def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mluts, sym, xexp, lanes, marks,
                   rest, out, ps, pr, po, rest_lines, out_lines):
     """Decode the symbols of the ``m`` coded blocks ``blocks[:m]`` into ``sym``, block q's at
     q * bs, and each escape's raw field into ``xexp`` alike.
@@ -849,10 +885,15 @@ def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mlut
     and makes ROUND lookups on it, loading nothing but the table, so the loop
     carries no branch: a lane that meets an element for the single-symbol path (a
     _SPECIAL entry uses no bits) repeats it until the round ends, then decodes it alone.
-    A lookup stores four symbols, so a round stays 4 * ROUND short of a block's end."""
+    A lookup stores four symbols, so a round stays 4 * ROUND short of a block's end.
+    marks[q, 0, i] and marks[q, 1, i]: a bit position and symbol position of lane q after a
+    round whose symbol position (from the block's start) is in sub-stream i, the last such; -1
+    for none (_substreams_ok starts from them)."""
     bad = False
+    marks[:, 1, :] = -1
     for q in range(m):
         lanes[q, 0], lanes[q, 1], lanes[q, 2], lanes[q, 3] = word_start[blocks[q]] * 32, q * bs, 0, 0
+        marks[q, 0, 0], marks[q, 1, 0] = lanes[q, 0], q * bs
     if m == LANES:
         b0, b1, b2, b3 = blocks[0], blocks[1], blocks[2], blocks[3]
         t0, t1, t2, t3 = mluts[table[b0]], mluts[table[b1]], mluts[table[b2]], mluts[table[b3]]
@@ -893,6 +934,10 @@ def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mlut
                 if e3 & _SPECIAL:
                     p3, k3, x3, f3 = _single(stream, l3, p3, k3, x3, xbits, sym, xexp)
                     bad |= f3
+            i0, i1, i2, i3 = k0 >> _SUB_SHIFT, (k1 - bs) >> _SUB_SHIFT, (k2 - 2 * bs) >> _SUB_SHIFT, \
+                (k3 - 3 * bs) >> _SUB_SHIFT
+            marks[0, 0, i0], marks[1, 0, i1], marks[2, 0, i2], marks[3, 0, i3] = p0, p1, p2, p3
+            marks[0, 1, i0], marks[1, 1, i1], marks[2, 1, i2], marks[3, 1, i3] = k0, k1, k2, k3
         lanes[0, 0], lanes[1, 0], lanes[2, 0], lanes[3, 0] = p0, p1, p2, p3
         lanes[0, 1], lanes[1, 1], lanes[2, 1], lanes[3, 1] = k0, k1, k2, k3
         lanes[0, 2], lanes[1, 2], lanes[2, 2], lanes[3, 2] = x0, x1, x2, x3
@@ -995,20 +1040,26 @@ def _scan_symbols(sb, base, emax):
 
 
 @njit(**_NOGIL)
-def _decode(stream, rest, bs, n, mbits, ref, table, nzero, word_start, rest_start, luts, mluts, out):
+def _decode(stream, rest, bs, n, mbits, ref, table, nzero, word_start, rest_start, lengths, bits, luts, mluts, out):
     """_decode_layout for the dtype that ``mbits`` tells (see _constants)."""
     if mbits == _BF16[0]:
-        return _decode_layout(stream, rest, bs, n, _BF16, ref, table, nzero, word_start, rest_start, luts, mluts, out)
+        return _decode_layout(stream, rest, bs, n, _BF16, ref, table, nzero, word_start, rest_start, lengths, bits,
+                              luts, mluts, out)
     if mbits == _FP16[0]:
-        return _decode_layout(stream, rest, bs, n, _FP16, ref, table, nzero, word_start, rest_start, luts, mluts, out)
-    return _decode_layout(stream, rest, bs, n, _FP32, ref, table, nzero, word_start, rest_start, luts, mluts, out)
+        return _decode_layout(stream, rest, bs, n, _FP16, ref, table, nzero, word_start, rest_start, lengths, bits,
+                              luts, mluts, out)
+    return _decode_layout(stream, rest, bs, n, _FP32, ref, table, nzero, word_start, rest_start, lengths, bits, luts,
+                          mluts, out)
 
 
 @njit(inline="always")
-def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, rest_start, luts, mluts, out):
+def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, rest_start, lengths, bits, luts, mluts,
+                   out):
     """Decode every block into ``out``; returns 0 or an error code: the first failing block's, where
     an invalid code would fail the whole group of LANES blocks it is decoded with (none is: the
-    bank's codes are complete prefix codes; a corrupt stream fails by where it ends).
+    bank's codes are complete prefix codes; a corrupt stream fails by where it ends). lengths:
+    section 0's (nblocks, sub-streams) bits, checked against the streams (bits: each bank
+    entry's bits per symbol, escaped field included).
 
     Coded blocks go LANES at a time: their symbols into a buffer of LANES blocks, then joined
     with their rest bytes while that buffer is still in the core's cache (a buffer for the
@@ -1027,6 +1078,8 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
     sym = np.empty(LANES * bs + 4, np.uint8)
     xexp = np.empty(LANES * bs + 4, np.uint8)  # used only where a symbol is an escape
     lanes = np.zeros((LANES, 4), np.int64)  # see _lane_symbols
+    marks = np.zeros((LANES, 2, bs // SUBSTREAM + 1), np.int64)  # see _lane_symbols
+    subs = lengths.shape[1]
     zpos = np.empty(bs // 16 + 2, np.int64)
     bounds = np.empty(bs // 8 + 2, np.int64)  # see _nonzero_runs
     ub = np.empty(bs if layout[4] else 0, np.uint8)  # a block's side bits, a byte per element
@@ -1034,18 +1087,48 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
         m = min(LANES, coded.shape[0] - g)
         nxt = coded[min(g + LANES, coded.shape[0] - 1)]  # the next group's first block (the last: itself)
         _lane_symbols(stream, bs, n, layout[1], coded[g:g + m], m, table, word_start, luts, mluts, sym, xexp, lanes,
-                      rest, out, 4 * word_start[nxt], rest_start[nxt], nxt * bs, layout[3] + (layout[4] > 0), itemsize)
+                      marks, rest, out, 4 * word_start[nxt], rest_start[nxt], nxt * bs, layout[3] + (layout[4] > 0),
+                      itemsize)
         for q in range(m):
             b = coded[g + q]
             lo = b * bs
             nv = min(n, lo + bs) - lo
             if lanes[q, 3] or lanes[q, 0] > word_start[b + 1] * 32:
                 return -1
+            if subs and not _substreams_ok(sym, q * bs, nv, word_start[b] * 32, lanes[q, 0], marks[q], bits[table[b]],
+                                           lengths[b]):
+                return -4
             err = _join_block(sym[q * bs:q * bs + nv], xexp[q * bs:q * bs + nv], lanes[q, 2], rest, rest_start[b],
                               layout, np.int64(ref[b]), nzero[b], zpos, bounds, ub, out[lo:lo + nv])
             if err:
                 return err
     return 0
+
+
+@njit(inline="always")
+def _substreams_ok(sym, q0, nv, start, end, marks, bits, lengths):
+    """Whether each sub-stream of a block decoded by _lane_symbols (symbols at sym[q0:q0 + nv],
+    its stream from bit ``start`` to ``end``) has the bits ``lengths`` gives it: each
+    sub-stream's end from the lane's last mark before it (marks: _lane_symbols'), plus the bits
+    of the symbols between; a round is at most 4 * ROUND symbols, so few are summed."""
+    prev, k_prev = start, 0
+    for j in range(1, lengths.shape[0] + 1):
+        at = min(j * SUBSTREAM, nv)
+        if at == nv:
+            pos = end
+        else:
+            i = at >> _SUB_SHIFT
+            while marks[1, i] < 0 or marks[1, i] - q0 > at:
+                i -= 1
+            pos, k = marks[0, i], marks[1, i] - q0
+            if k < k_prev:  # no mark since the last sub-stream's end: from there
+                pos, k = prev, k_prev
+            for t in range(k, at):
+                pos += bits[sym[q0 + t]]
+        if pos - prev != lengths[j - 1]:
+            return False
+        prev, k_prev = pos, at
+    return True
 
 
 @njit(inline="always")
@@ -1114,7 +1197,7 @@ def _join_block(sb, xb, escapes, rest, j, layout, r, nzero, zpos, bounds, ub, ob
 
 
 _ERRORS = {-1: "invalid or truncated code in an exponent stream", -2: "decoded exponent out of range",
-           -3: "zero count of a block does not match its index entry"}
+           -3: "zero count of a block does not match its index entry", -4: SUBSTREAM_ERROR}
 
 
 def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
@@ -1136,8 +1219,11 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         stream = _scratch("words", reach, np.uint8)
         stream[4 * nw:] = 0
         stream[:4 * nw] = buf[p.stream_offset:p.rest_offset]
-    err = _decode(stream, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero, p.word_start, p.rest_start,
-                  luts, mluts, view)
+    lengths = substream_lengths(buf, h)
+    if (lengths[p.table == RAW_BLOCK] != 0).any():
+        raise FormatError(SUBSTREAM_ERROR)
+    err = _decode(stream, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero, p.word_start, p.rest_start, lengths,
+                  _symbol_bits(p.lengths.tobytes(), layout.ebits), luts, mluts, view)
     if err:
         raise FormatError(_ERRORS[err])
     return out

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..bank import BANK, BANK_SIZE
-from ..format import HEADER_SIZE, INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, SYM_ZERO, FloatLayout
+from ..format import HEADER_SIZE, INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, SYM_ZERO, FloatLayout, prefix_sizes
 from ..reference import tables as T
 from ..reference.packet import to_device, to_host
 from ..reference.plan import _encoder_codes
@@ -120,7 +120,7 @@ def _crc32_byte(crc, b):
 
 
 @triton.jit
-def _place(lens_ptr, block_ptr, totals_ptr, nb, tmpl_ptr, hdr_ptr, hdr_stride, size_ptr, s1, SCAN: tl.constexpr,
+def _place(lens_ptr, block_ptr, totals_ptr, nb, tmpl_ptr, hdr_ptr, hdr_stride, size_ptr, prefix, SCAN: tl.constexpr,
            SEAL: tl.constexpr):
     """One program per part (its rows after the parts' before it): each block's first stream
     word and rest byte (columns 2 and 3 of block_ptr's rows of 4), an exclusive prefix sum of
@@ -128,7 +128,7 @@ def _place(lens_ptr, block_ptr, totals_ptr, nb, tmpl_ptr, hdr_ptr, hdr_stride, s
     totals. With SEAL (encode_into), the header too: the template's bytes with the data sizes
     (u64 at 32 and 40) from the totals and the CRC-32 of the first 52 bytes (zlib's) at 52, into
     hdr_ptr (the part's packet ``hdr_stride`` bytes after the one before); the packet's size
-    into size_ptr."""
+    into size_ptr (``prefix``: the bytes of sections 0 and 1)."""
     part = tl.program_id(0).to(tl.int64)
     lens_ptr += part * 2 * nb
     block_ptr += part * 4 * nb
@@ -158,7 +158,7 @@ def _place(lens_ptr, block_ptr, totals_ptr, nb, tmpl_ptr, hdr_ptr, hdr_stride, s
         crc = crc ^ 0xFFFFFFFF
         for j in range(4):
             tl.store(hdr_ptr + 52 + j, ((crc >> (8 * j)) & 0xFF).to(tl.uint8))
-        tl.store(size_ptr, 56 + s1 + 4 * words + rest)
+        tl.store(size_ptr, 56 + prefix + 4 * words + rest)
 
 
 SCAN = 1024  # blocks per step of _place's and _index's prefix sums
@@ -228,12 +228,13 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
             BS=block_size, NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=layout.rest_bytes,
             SIDE_BITS=layout.side_bits, ITEMSIZE=layout.itemsize, TILE=TILE)
     tmpl, hdr = seal if seal is not None else (work.size, work.size)
-    _place[(parts,)](work.lens, work.blocks, work.totals, nb, tmpl, hdr, slot, work.size, nb * INDEX_ENTRY,
+    prefix = prefix_sizes(numel, block_size)
+    _place[(parts,)](work.lens, work.blocks, work.totals, nb, tmpl, hdr, slot, work.size, sum(prefix),
                      SCAN=SCAN, SEAL=seal is not None)
     sizes = None
     if read:
         words, rest_bytes = (int(v) for v in to_host(work.totals[0]))  # the one read
-        sizes = (0, nb * INDEX_ENTRY, words * 4, rest_bytes)
+        sizes = (*prefix, words * 4, rest_bytes)
     return DevicePlan(lengths, codes, entries.view(torch.uint8).reshape(-1), work.blocks, sizes, work.totals,
                       work.size)
 

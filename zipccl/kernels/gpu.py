@@ -50,8 +50,8 @@ import triton.language as tl
 
 from ..bank import BANK, BANK_SIZE
 from ..errors import FormatError, UnsupportedError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAXLEN, NSYM,
-                      RAW_BLOCK, SAMPLE_STRIDE, SYM_ESC, SYM_ZERO, Header, num_blocks)
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK,
+                      SAMPLE_STRIDE, SUBSTREAM, SYM_ESC, SYM_ZERO, Header, num_blocks, prefix_sizes, substreams)
 from ..reference import tables as T
 from ..reference.packet import LosslessPacket, Verdict, block_error, index_error, parse_lossless, to_device, to_host
 from . import device_plan
@@ -60,9 +60,8 @@ from .device_plan import read_index
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 _TEMPLATES: dict = {}  # (dtype, numel, block size, device) -> encode_into's header template there
 _CAPTURED: dict = {}   # the templates a CUDA graph capture used: never freed
-LANES = 32  # blocks decoded in lock step by one program
-DECODE_WARPS = 1  # LANES lanes fill one warp
-JOIN_CHUNK, JOIN_WARPS = 32, 4  # _decode_join's program: elements of each of LANES blocks (divides every block size)
+JOIN_CHUNK, JOIN_WARPS = 32, 4  # _decode_join's program: elements of each of a program's sub-streams
+COUNT_ROWS = SUBSTREAM // JOIN_CHUNK + 1  # int32 counts per sub-stream between the two decode kernels
 DECODE_SCRATCH = 1 << 27  # elements decoded per pair of launches (their 16-bit codes: 256 MiB)
 # The largest block _encode takes: its shared memory is 8 bytes per element of a block (128 KiB at
 # 16384, compiled for sm_90; an A100 gives a program 163 KiB, an H100 227). Decoders take any block.
@@ -73,7 +72,8 @@ MAX_ENCODE_BLOCK = 16384
 _NSYM, _ESC, _ZERO, _RAW, _LUT, _STRIDE = (tl.constexpr(v) for v in (
     NSYM, SYM_ESC, SYM_ZERO, RAW_BLOCK, 1 << MAXLEN, SAMPLE_STRIDE))
 
-_ERR_CODE, _ERR_RANGE, _ERR_ZEROS, _ERR_REST = (tl.constexpr(1 << k) for k in range(4))
+_ERR_CODE, _ERR_RANGE, _ERR_ZEROS, _ERR_REST, _ERR_LENGTH = (tl.constexpr(1 << k) for k in range(5))
+_SUB, _HEADER = tl.constexpr(SUBSTREAM), tl.constexpr(HEADER_SIZE)
 
 
 @triton.jit
@@ -136,11 +136,13 @@ def _segment_sums(val, ends):
 
 
 @triton.jit
-def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_ptr, slot, totals_ptr,
+def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, sub_ptr, words_ptr, rest_ptr, slot, totals_ptr,
             BS: tl.constexpr, VMASK: tl.constexpr, MBITS: tl.constexpr, EBITS: tl.constexpr,
             REST_BYTES: tl.constexpr, SIDE_BITS: tl.constexpr, BIAS: tl.constexpr, ITEMSIZE: tl.constexpr,
             PARTS: tl.constexpr):
-    """One block: its exponent stream (or raw bytes), and its rest bytes followed by its side bits.
+    """One block: its sub-stream lengths (section 0, at sub_ptr: u16 bits of each SUBSTREAM
+    elements' codes; a raw block's 0), its exponent stream (or raw bytes), and its rest bytes
+    followed by its side bits.
 
     block_ptr holds (ref, table, first word, first rest byte of the rest section) per block, as
     int64, and totals_ptr the plan's stream words and rest bytes; rest_ptr is the stream's
@@ -156,6 +158,7 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_
         block_ptr += part.to(tl.int64) * 4 * tl.num_programs(0)
         words_ptr += part.to(tl.int64) * (slot // 4)
         rest_ptr += part.to(tl.int64) * slot
+        sub_ptr += part.to(tl.int64) * slot
         totals_ptr += 2 * part
     b = tl.program_id(0)
     i = tl.arange(0, BS)
@@ -168,9 +171,14 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_
     wlimit = tl.load(totals_ptr)
     r0 = 4 * wlimit + tl.load(block_ptr + 4 * b + 3)  # from the stream's start
     rlimit = 4 * wlimit + tl.load(totals_ptr + 1)
+    SUBS: tl.constexpr = BS // _SUB
+    q = tl.arange(0, SUBS)
     if t == _RAW:
         for k in tl.static_range(ITEMSIZE):
             tl.store(rest_ptr + r0 + i * ITEMSIZE + k, ((v >> (8 * k)) & 255).to(tl.uint8), mask=valid)
+        if SUBS > 1:
+            for k in tl.static_range(2):
+                tl.store(sub_ptr + 2 * (b * SUBS + q) + k, (q * 0).to(tl.uint8))
     else:
         exp, sym = _symbols(v, valid, ref, MBITS, (1 << EBITS) - 1, BIAS)
         zero = v == 0
@@ -183,6 +191,10 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_
         # Widths and positions in 32 bits: an element is at most 20 bits, a block at most 2**20 bits.
         width = tl.where(valid, width, 0)
         value = tl.where(valid, value, 0)
+        if SUBS > 1:  # at most 20 * SUBSTREAM bits each: a u16
+            bits = tl.sum(tl.reshape(width, (SUBS, _SUB)), 1)
+            for k in tl.static_range(2):
+                tl.store(sub_ptr + 2 * (b * SUBS + q) + k, ((bits >> (8 * k)) & 255).to(tl.uint8))
         pos = tl.cumsum(width, 0) - width
         # A word is the sum of its elements' codes shifted into place (their bits do not overlap) and
         # of what the word before spilled into it (a code is at most 20 bits: one element spills).
@@ -215,63 +227,102 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, words_ptr, rest_
 
 @triton.jit
 def _packet(part, span, part_words, err_stride, code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr,
-            BS: tl.constexpr, CHUNK: tl.constexpr):
+            BS: tl.constexpr, COUNTS: tl.constexpr):
     """The coded-block kernels' pointers for packet ``part`` of a decode_many: its codes and
-    counts scratch, its order, meta and rows (device_plan.index's, ``part_words`` apart) and its
-    verdict's errors (``err_stride`` apart)."""
-    return (code_ptr + part * span * BS, count_ptr + part * (span * BS // CHUNK), coded_ptr + part * part_words,
+    counts scratch (COUNTS int32 per block), its order, meta and rows (device_plan.index's,
+    ``part_words`` apart) and its verdict's errors (``err_stride`` apart)."""
+    return (code_ptr + part * span * BS, count_ptr + part * span * COUNTS, coded_ptr + part * part_words,
             meta_ptr + part * part_words, rows_ptr + part * part_words, err_ptr + part * err_stride)
 
 
 @triton.jit
-def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr, first, span, n, rows_ptr, stride,
-                    lut_ptr, err_ptr, parts_ptr, part_words, err_stride, BS: tl.constexpr, LANES: tl.constexpr,
-                    CHUNK: tl.constexpr, EBITS: tl.constexpr, BIAS: tl.constexpr, PARTS: tl.constexpr):
-    """LANES coded blocks in lock step, one symbol each per iteration. Each element's code (a
-    nonzero flag and its coded field as decoded, in 16 bits: _decode_join checks the field's
-    range, off the serial chain) goes to code_ptr laid out as
-    [program][element][lane], so that the lanes' stores are contiguous, and each lane's count of
-    nonzero elements before every CHUNK-th element to count_ptr ([program][chunk][lane]), so that
-    _decode_join can make the elements of every chunk in parallel. A lane keeps its two current
-    stream words in registers and loads the next only when its position crosses a word (one
-    element is at most 20 bits): most iterations make one scattered load, the table's, where a
-    fused decoder made four loads and a scattered store (docs/GPU.md).
+def _lanes(meta_ptr, coded_ptr, first, span, n, BS: tl.constexpr, LANES: tl.constexpr):
+    """This program's lanes, one per sub-stream (of _SUB elements; a block of _SUB or fewer: one):
+    (lane number in the program, sub-stream number in its block, is it live, its block, the
+    block's elements, the sub-stream's elements). Live lanes take the coded blocks from the
+    ``first``-th of the order (coded ones first) below meta_ptr's count of coded blocks, at most
+    ``span`` of them."""
+    SUBS: tl.constexpr = BS // _SUB
+    lanes = tl.arange(0, LANES)
+    sub = lanes % SUBS
+    slot = tl.program_id(0) * (LANES // SUBS) + lanes // SUBS
+    live = slot < tl.minimum(tl.maximum(tl.load(meta_ptr) - first, 0), span)
+    b = tl.load(coded_ptr + slot, mask=live, other=0)
+    nvb = tl.where(live, tl.minimum(n - b * BS, BS), 0).to(tl.int32)
+    nv = tl.minimum(tl.maximum(nvb - sub * _SUB, 0), _SUB)
+    return lanes, sub, live, b, nvb, nv
+
+
+@triton.jit
+def _in_block(x, lanes, sub, INCLUSIVE: tl.constexpr):
+    """Per lane, the sum of ``x`` over the lanes of its block before it (and its own, INCLUSIVE):
+    a block's lanes are neighbours in a program."""
+    run = tl.cumsum(x, 0)
+    before = run - x
+    first = tl.gather(before, lanes - sub, 0)
+    return (run if INCLUSIVE else before) - first
+
+
+@triton.jit
+def _decode_symbols(words_ptr, nwords, pkt_ptr, code_ptr, count_ptr, coded_ptr, meta_ptr, first, span, n, rows_ptr,
+                    stride, lut_ptr, err_ptr, parts_ptr, part_words, err_stride, BS: tl.constexpr,
+                    LANES: tl.constexpr, CHUNK: tl.constexpr, EBITS: tl.constexpr, BIAS: tl.constexpr,
+                    PARTS: tl.constexpr):
+    """LANES sub-streams in lock step, one symbol each per iteration: the chain a lane walks is
+    at most _SUB symbols (a format-4 block's stream is sub-streams of _SUB elements, whose
+    bits section 0 gives, so that each one's start is known). Each element's code (a nonzero
+    flag and its coded field as decoded, in 16 bits: _decode_join checks the field's range,
+    off the serial chain) goes to code_ptr laid out as [program][element of the sub-stream]
+    [lane], so that the lanes' stores are contiguous; each lane's count of nonzero elements
+    before every CHUNK-th element, then the block's nonzero elements before its sub-stream, to
+    count_ptr ([program][chunk, then one more][lane]), so that _decode_join can make the
+    elements of every chunk in parallel. A lane keeps its two current stream words in
+    registers and loads the next only when its position crosses a word (one element is at
+    most 20 bits): most iterations make one scattered load, the table's.
 
     rows_ptr holds the index's rows (device_plan._index: ref, table, _, nzero, _, stream start,
-    rest start; ``stride`` apart); coded_ptr the blocks from the ``first``-th of the order, coded
-    ones first, of which the ``span`` lanes from ``first`` take those below meta_ptr's count of
-    coded blocks (on the device: the host does not wait for it). Errors go to err_ptr by block
-    (int64). Every load is masked to its section, so a corrupt stream yields an error code,
-    never a stray access. With PARTS, packet ``program_id(1)`` of a decode_many (``_packet``)."""
+    rest start; ``stride`` apart); coded_ptr the blocks in the order, coded ones first (_lanes);
+    pkt_ptr the packet (section 0 after its header). Each lane checks that its sub-stream ends
+    where section 0 says, a block's last within its words; errors are OR-ed into err_ptr by
+    block (int64, zeroed by device_plan._index). Every load is masked to its section, so a
+    corrupt stream yields an error code, never a stray access. With PARTS, packet
+    ``program_id(1)`` of a decode_many (``_packet``)."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
+    SUBS: tl.constexpr = BS // _SUB
+    ROWS: tl.constexpr = _SUB // CHUNK + 1
     if PARTS:
         part = tl.program_id(1).to(tl.int64)
         words_ptr += tl.load(parts_ptr + 3 * part) // 4
+        pkt_ptr += tl.load(parts_ptr + 3 * part)
         nwords = tl.load(parts_ptr + 3 * part + 2) // 4
         code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr = _packet(
-            part, span, part_words, err_stride, code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr, BS, CHUNK)
-    lanes = tl.arange(0, LANES)
-    lane = tl.program_id(0) * LANES + lanes
-    live = lane < tl.minimum(tl.maximum(tl.load(meta_ptr) - first, 0), span)
-    b = tl.load(coded_ptr + lane, mask=live, other=0)
+            part, span, part_words, err_stride, code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr, BS,
+            SUBS * ROWS)
+    lanes, sub, live, b, nvb, nv = _lanes(meta_ptr, coded_ptr, first, span, n, BS, LANES)
     ref = tl.load(rows_ptr + b, mask=live, other=0).to(tl.int32)
     t = tl.load(rows_ptr + stride + b, mask=live, other=0).to(tl.int32)
     w0 = tl.load(rows_ptr + 5 * stride + b, mask=live, other=0)
-    bits_end = (tl.load(rows_ptr + 5 * stride + b + 1, mask=live, other=0) - w0) * 32
+    block_end = tl.load(rows_ptr + 5 * stride + b + 1, mask=live, other=0) * 32
     nzero = tl.load(rows_ptr + 3 * stride + b, mask=live, other=0).to(tl.int32)
-    nv = tl.where(live, tl.minimum(n - b * BS, BS), 0).to(tl.int32)
+    if SUBS > 1:  # the sub-stream's bits, a u16 of section 0, and where it starts
+        at = pkt_ptr + _HEADER + 2 * (b * SUBS + sub)
+        length = tl.load(at, mask=live, other=0).to(tl.int32) | (tl.load(at + 1, mask=live, other=0).to(tl.int32) << 8)
+        bit0 = w0 * 32 + _in_block(length, lanes, sub, False)
+    else:
+        length = nv * 0
+        bit0 = w0 * 32
     lut = lut_ptr + t * _LUT  # each lane's table
     base = ref - BIAS  # an offset symbol's field, less the symbol
-    w = w0
+    w = bit0 >> 5
     lo = tl.load(words_ptr + w, mask=live & (w < nwords), other=0).to(tl.uint32)
     hi = tl.load(words_ptr + w + 1, mask=live & (w + 1 < nwords), other=0).to(tl.uint32)
-    bit = tl.zeros([LANES], dtype=tl.int32)  # position in lo
+    bit = (bit0 & 31).to(tl.int32)  # position in lo
     err = tl.zeros([LANES], dtype=tl.int32)
     nonzero = tl.zeros([LANES], dtype=tl.int32)
-    dst = code_ptr + tl.program_id(0).to(tl.int64) * (BS * LANES) + lanes
-    counts = count_ptr + tl.program_id(0).to(tl.int64) * (BS // CHUNK * LANES) + lanes
-    # Up to the longest lane's block only (a short last block, a tiny tensor): _decode_join masks
-    # the chunks after it by nv, so their counts are never read into anything.
+    dst = code_ptr + tl.program_id(0).to(tl.int64) * (_SUB * LANES) + lanes
+    counts = count_ptr + tl.program_id(0).to(tl.int64) * (ROWS * LANES) + lanes
+    # Up to the longest lane's sub-stream only (a short last block, a tiny tensor): _decode_join
+    # masks the chunks after a lane's by nv, so their counts are never read into anything.
     for c in range(0, tl.max(nv, 0), CHUNK):
         tl.store(counts + c // CHUNK * LANES, nonzero)
         for kk in range(CHUNK):
@@ -280,13 +331,13 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr,
             sh = bit.to(tl.uint32)
             window = ((lo >> sh) | ((hi << 1) << (31 - sh))).to(tl.int32)  # 32 bits; an element is at most 20
             e = tl.load(lut + (window & (_LUT - 1)), mask=act, other=0)
-            length = e >> 8
+            length_k = e >> 8
             s = e & 255
             esc = s == _ESC
             nz = s != _ZERO
-            exp = tl.where(esc, (window >> length) & EMAX, base + s)  # -BIAS..EMAX+31-BIAS: _decode_join checks it
-            used = length + tl.where(esc, EBITS, 0)
-            err |= tl.where(act & (length == 0), _ERR_CODE, 0)
+            exp = tl.where(esc, (window >> length_k) & EMAX, base + s)  # -BIAS..EMAX+31-BIAS: _decode_join checks it
+            used = length_k + tl.where(esc, EBITS, 0)
+            err |= tl.where(act & (length_k == 0), _ERR_CODE, 0)
             nonzero += (act & nz).to(tl.int32)
             tl.store(dst + k * LANES, tl.where(nz, 1 | (exp << 1), 0).to(tl.int16), mask=act)
             bit += tl.where(act, used, 0)
@@ -296,9 +347,14 @@ def _decode_symbols(words_ptr, nwords, code_ptr, count_ptr, coded_ptr, meta_ptr,
             lo = tl.where(cross, hi, lo)
             hi = tl.where(cross, tl.load(words_ptr + w + 1, mask=cross & (w + 1 < nwords), other=0).to(tl.uint32),
                           hi)
-    err |= tl.where((w - w0) * 32 + bit > bits_end, _ERR_CODE, 0)
-    err |= tl.where(nv - nonzero != nzero, _ERR_ZEROS, 0)
-    tl.store(err_ptr + b, err.to(tl.int64), mask=live)
+    tl.store(counts + (ROWS - 1) * LANES, _in_block(nonzero, lanes, sub, False))
+    end = w * 32 + bit
+    err |= tl.where(end > block_end, _ERR_CODE, 0)
+    if SUBS > 1:
+        err |= tl.where(end - bit0 != length, _ERR_LENGTH, 0)
+    err |= tl.where(nvb - tl.gather(_in_block(nonzero, lanes, sub, True), lanes - sub + SUBS - 1, 0) != nzero,
+                    _ERR_ZEROS, 0)
+    tl.atomic_or(err_ptr + b, err.to(tl.int64), mask=live & (err != 0))
 
 
 @triton.jit
@@ -306,37 +362,37 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr,
                  err_ptr, parts_ptr, part_words, err_stride, BS: tl.constexpr, LANES: tl.constexpr,
                  CHUNK: tl.constexpr, MBITS: tl.constexpr, EBITS: tl.constexpr, REST_BYTES: tl.constexpr,
                  SIDE_BITS: tl.constexpr, PARTS: tl.constexpr):
-    """One chunk of CHUNK elements of each of one _decode_symbols program's blocks: the codes read
-    as a [CHUNK, LANES] tile; each element's rank among its block's nonzero elements, from the
-    chunk's nonzero count and a running count within it, places its rest bytes and its side bits
-    (after the rest bytes of as many elements as the index counts nonzero); the elements stored
-    contiguously per block; a coded field out of range, or rest bytes or side bits outside the
-    block's, add their error bits to the block's. Arguments as _decode_symbols'; meta_ptr's
-    third number is the rest section's offset in rest_ptr (the packet). With PARTS, packet
-    ``program_id(2)`` of a decode_many (``_packet``)."""
+    """One chunk of CHUNK elements of each of one _decode_symbols program's sub-streams: the codes
+    read as a [CHUNK, LANES] tile; each element's rank among its block's nonzero elements, from
+    the counts before its sub-stream and its chunk and a running count within the chunk, places
+    its rest bytes and its side bits (after the rest bytes of as many elements as the index
+    counts nonzero); the elements stored contiguously per sub-stream; a coded field out of
+    range, or rest bytes or side bits outside the block's, add their error bits to the block's.
+    Arguments as _decode_symbols'; meta_ptr's third number is the rest section's offset in
+    rest_ptr (the packet). With PARTS, packet ``program_id(2)`` of a decode_many (``_packet``)."""
     EMAX: tl.constexpr = (1 << EBITS) - 1
+    SUBS: tl.constexpr = BS // _SUB
+    ROWS: tl.constexpr = _SUB // CHUNK + 1
     if PARTS:
         part = tl.program_id(2).to(tl.int64)
         rest_ptr += tl.load(parts_ptr + 3 * part)
         out_ptr += tl.load(parts_ptr + 3 * part + 1)
         code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr = _packet(
-            part, span, part_words, err_stride, code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr, BS, CHUNK)
+            part, span, part_words, err_stride, code_ptr, count_ptr, coded_ptr, meta_ptr, rows_ptr, err_ptr, BS,
+            SUBS * ROWS)
     g = tl.program_id(0)
     c = tl.program_id(1)
-    lanes = tl.arange(0, LANES)
-    lane = g * LANES + lanes
-    live = lane < tl.minimum(tl.maximum(tl.load(meta_ptr) - first, 0), span)
-    b = tl.load(coded_ptr + lane, mask=live, other=0)
-    base = b * BS
-    nv = tl.where(live, tl.minimum(n - base, BS), 0).to(tl.int32)
-    # A chunk past a lane's block has no count (_decode_symbols writes none there): read none.
-    before = tl.load(count_ptr + (g.to(tl.int64) * (BS // CHUNK) + c) * LANES + lanes, mask=c * CHUNK < nv, other=0)
+    lanes, sub, live, b, nvb, nv = _lanes(meta_ptr, coded_ptr, first, span, n, BS, LANES)
+    counts = count_ptr + g.to(tl.int64) * (ROWS * LANES) + lanes
+    # A chunk past a lane's sub-stream has no count (_decode_symbols writes none there): read none.
+    before = tl.load(counts + c * LANES, mask=c * CHUNK < nv, other=0) + \
+        tl.load(counts + (ROWS - 1) * LANES, mask=live, other=0)
     section = tl.load(meta_ptr + 2)
     r0 = section + tl.load(rows_ptr + 6 * stride + b, mask=live, other=0)
     rest_end = section + tl.load(rows_ptr + 6 * stride + b + 1, mask=live, other=0)
-    side0 = r0 + (nv - tl.load(rows_ptr + 3 * stride + b, mask=live, other=0)) * REST_BYTES
+    side0 = r0 + (nvb - tl.load(rows_ptr + 3 * stride + b, mask=live, other=0)) * REST_BYTES
     k = c * CHUNK + tl.arange(0, CHUNK)
-    codes = tl.load(code_ptr + (g.to(tl.int64) * BS + k[:, None]) * LANES + lanes[None, :]).to(tl.int32)
+    codes = tl.load(code_ptr + (g.to(tl.int64) * _SUB + k[:, None]) * LANES + lanes[None, :]).to(tl.int32)
     act = k[:, None] < nv[None, :]
     nz = act & ((codes & 1) != 0)
     count = nz.to(tl.int32)
@@ -354,7 +410,8 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr,
         r |= tl.load(rest_ptr + rp + j, mask=take, other=0).to(tl.int32) << (8 * j)
     exp = codes >> 1  # as _decode_symbols found it: out of range in a corrupt stream
     val = (r & ((1 << MBITS) - 1)) | ((exp & EMAX) << MBITS) | ((r >> MBITS) << (MBITS + EBITS))  # fp32: wraps
-    tl.store(out_ptr + base[None, :] + k[:, None], tl.where(nz, val, 0).to(out_ptr.dtype.element_ty), mask=act)
+    at_out = (b * BS + sub * _SUB)[None, :] + k[:, None]
+    tl.store(out_ptr + at_out, tl.where(nz, val, 0).to(out_ptr.dtype.element_ty), mask=act)
     rest_bad = tl.max((nz & ~take).to(tl.int32), axis=0) != 0
     range_bad = tl.max((nz & ((exp < 0) | (exp > EMAX))).to(tl.int32), axis=0) != 0
     bad = tl.where(rest_bad, _ERR_REST, 0) | tl.where(range_bad, _ERR_RANGE, 0)
@@ -362,11 +419,13 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr,
 
 
 @triton.jit
-def _decode_raw(rest_ptr, out_ptr, n, order_ptr, meta_ptr, rows_ptr, stride, parts_ptr, part_words,
+def _decode_raw(rest_ptr, out_ptr, n, order_ptr, meta_ptr, rows_ptr, stride, err_ptr, parts_ptr, part_words, err_stride,
                 BS: tl.constexpr, ITEMSIZE: tl.constexpr, PARTS: tl.constexpr):
     """One block of ``order`` (coded blocks first): if it is raw (at or after meta_ptr's second
-    number), its elements' bytes, little-endian, from the rest section (meta_ptr's third). With
-    PARTS, packet ``program_id(1)`` of a decode_many (parts_ptr's row: device_plan._index)."""
+    number), its elements' bytes, little-endian, from the rest section (meta_ptr's third), and
+    its sub-stream lengths in section 0 checked to be 0. With PARTS, packet ``program_id(1)`` of
+    a decode_many (parts_ptr's row: device_plan._index)."""
+    SUBS: tl.constexpr = BS // _SUB
     if PARTS:
         part = tl.program_id(1).to(tl.int64)
         rest_ptr += tl.load(parts_ptr + 3 * part)
@@ -374,15 +433,22 @@ def _decode_raw(rest_ptr, out_ptr, n, order_ptr, meta_ptr, rows_ptr, stride, par
         order_ptr += part * part_words
         meta_ptr += part * part_words
         rows_ptr += part * part_words
+        err_ptr += part * err_stride
     j = tl.program_id(0)
     b = tl.load(order_ptr + j)
+    raw = j >= tl.load(meta_ptr + 1)  # raw blocks follow the coded ones
     i = tl.arange(0, BS)
-    valid = (b * BS + i < n) & (i * 0 + j >= tl.load(meta_ptr + 1))  # raw blocks follow the coded ones
+    valid = (b * BS + i < n) & (i * 0 + j >= tl.load(meta_ptr + 1))
     r0 = tl.load(meta_ptr + 2) + tl.load(rows_ptr + 6 * stride + b)
     v = tl.zeros([BS], dtype=tl.int64)
     for k in tl.static_range(ITEMSIZE):
         v |= tl.load(rest_ptr + r0 + i * ITEMSIZE + k, mask=valid, other=0).to(tl.int64) << (8 * k)
     tl.store(out_ptr + b * BS + i, v.to(out_ptr.dtype.element_ty), mask=valid)
+    if SUBS > 1:
+        q = tl.arange(0, 2 * SUBS)
+        lengths = tl.load(rest_ptr + _HEADER + 2 * SUBS * b + q, mask=(q * 0 + j) >= tl.load(meta_ptr + 1), other=0)
+        bad = raw & (tl.max(lengths.to(tl.int32), 0) != 0)
+        tl.atomic_or(err_ptr + b, tl.where(bad, _ERR_LENGTH, 0).to(tl.int64), mask=bad)
 
 
 def block_warps(block_size: int) -> int:
@@ -433,18 +499,20 @@ def _plan(x: torch.Tensor, block_size: int, read: bool, index: torch.Tensor | No
                             index=index, seal=seal, parts=count, slot=slot)
 
 
-def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: torch.Tensor, words: int,
+def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: torch.Tensor, prefix: int, words: int,
            parts: torch.Tensor | None = None, n: int = 0, slot: int = 0) -> None:
-    """Sections 2 and 3 into ``body`` (the packet after its header and index): ``_encode``'s
-    stream in the first ``words`` 32-bit words and the rest bytes after the stream, at the plan's
-    offsets (pl.blocks' rest column counts from the stream's end); nothing past the planned sizes.
-    ``parts``, ``n``, ``slot``: as ``_plan``'s (``body`` the first packet's)."""
+    """Sections 0, 2 and 3 into ``body`` (the packet after its header; sections 0 and 1 take its
+    first ``prefix`` bytes): the sub-stream lengths, ``_encode``'s stream in the ``words`` 32-bit
+    words after the index and the rest bytes after the stream, at the plan's offsets (pl.blocks'
+    rest column counts from the stream's end); nothing past the planned sizes. ``parts``, ``n``,
+    ``slot``: as ``_plan``'s (``body`` the first packet's)."""
     layout = LAYOUTS[x.dtype]
     n = x.numel() if parts is None else n
     nb, count = num_blocks(n, block_size), 1 if parts is None else parts.numel()
+    stream = body[prefix:]
     if nb:
-        _encode[(nb, count)](_ints(x), x if parts is None else parts, n, pl.blocks, pl.codes, pl.lengths,
-                             body[:4 * words].view(torch.int32), body, slot, pl.totals, BS=block_size,
+        _encode[(nb, count)](_ints(x), x if parts is None else parts, n, pl.blocks, pl.codes, pl.lengths, body,
+                             stream[:4 * words].view(torch.int32), stream, slot, pl.totals, BS=block_size,
                              EBITS=layout.ebits, REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
                              BIAS=layout.offset_bias, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
                              PARTS=parts is not None, **_shape_args(layout))
@@ -456,9 +524,9 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     # sizes, which size the packet.
     pl = _plan(x, block_size, read=True)
     packet = torch.empty(HEADER_SIZE + sum(pl.sizes), dtype=torch.uint8, device=dev)
-    s1 = pl.sizes[1]
-    packet[HEADER_SIZE:HEADER_SIZE + s1] = pl.index
-    _write(x, block_size, pl, packet[HEADER_SIZE + s1:], pl.sizes[2] // 4)
+    s0, s1 = pl.sizes[:2]
+    packet[HEADER_SIZE + s0:HEADER_SIZE + s0 + s1] = pl.index
+    _write(x, block_size, pl, packet[HEADER_SIZE:], s0 + s1, pl.sizes[2] // 4)
     crc = 0
     if checksum:  # a host pass over the payload, as on every device
         crc = zlib.crc32(to_host(packet[HEADER_SIZE:]).tobytes())
@@ -481,7 +549,7 @@ def _template(dtype: torch.dtype, n: int, block_size: int, device: torch.device)
         if len(_TEMPLATES) >= 256:
             _TEMPLATES.pop(next(iter(_TEMPLATES)))
         h = Header(CODEC_LOSSLESS, dtype, n, 0, block_size, BANK_SIZE, NSYM, MAXLEN,
-                   (0, num_blocks(n, block_size) * INDEX_ENTRY, 0, 0), 0)
+                   (*prefix_sizes(n, block_size), 0, 0), 0)
         _TEMPLATES[key] = to_device(h.pack(), device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         _CAPTURED[key] = _TEMPLATES.pop(key)
@@ -523,12 +591,12 @@ def _encode_packets(x: torch.Tensor, parts: torch.Tensor | None, n: int, out: to
     """encode_into (``parts`` None: x is the tensor) or encode_many (``parts``: element offsets in
     x): the packets' sizes, a view of the call's Scratch."""
     nb = num_blocks(n, block_size)
-    s1 = nb * INDEX_ENTRY
-    room = (slot or out.numel()) - HEADER_SIZE - s1
-    index = out[HEADER_SIZE:HEADER_SIZE + s1].view(torch.int16).view(nb, 4)
+    s0, s1 = prefix_sizes(n, block_size)
+    room = (slot or out.numel()) - HEADER_SIZE - s0 - s1
+    index = out[HEADER_SIZE + s0:HEADER_SIZE + s0 + s1].view(torch.int16).view(nb, 4)
     pl = _plan(x, block_size, read=False, index=index, seal=(_template(x.dtype, n, block_size, out.device), out),
                parts=parts, n=n, slot=slot)
-    _write(x, block_size, pl, out[HEADER_SIZE + s1:], room // 4, parts=parts, n=n, slot=slot)
+    _write(x, block_size, pl, out[HEADER_SIZE:], s0 + s1, room // 4, parts=parts, n=n, slot=slot)
     return pl.size
 
 
@@ -540,8 +608,8 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
     if h.numel == 0:
         _raise_first(p, None)
         return out
-    ix = device_plan.index(packet, HEADER_SIZE, p.table.numel(), h.numel, h.block_size, h.ntables, p.layout,
-                           sizes=h.sections[2:])
+    ix = device_plan.index(packet, HEADER_SIZE + h.sections[0], p.table.numel(), h.numel, h.block_size, h.ntables,
+                           p.layout, sizes=h.sections[2:])
     _decode_blocks(packet[p.stream_offset:p.rest_offset], packet, ix, out, h.numel, h.block_size)
     _raise_first(p, ix.verdict[1 + HEADER_SIZE:])
     return out
@@ -570,7 +638,7 @@ def decode_many(packets: list[torch.Tensor], outs: list[torch.Tensor], block_siz
     n = outs[0].numel()
     if any(_short(p.numel(), outs[0], block_size) for p in packets):  # each known short on the host
         return [decode_into(p, o, block_size) for p, o in zip(packets, outs)]
-    stream_offset = HEADER_SIZE + num_blocks(n, block_size) * INDEX_ENTRY
+    stream_offset = HEADER_SIZE + sum(prefix_sizes(n, block_size))
     (pbuf, poffs), (obuf, ooffs) = _covering(packets), _covering(outs)
     table = np.array([[p, o, q.numel() - stream_offset] for p, o, q in zip(poffs, ooffs, packets)], np.int64)
     return _decode_packets(pbuf, to_device(table, pbuf.device), [p.numel() for p in packets], obuf, n, block_size)
@@ -580,11 +648,12 @@ def _short(size: int, out: torch.Tensor, block_size: int) -> Verdict | None:
     """The Verdict of a packet of ``size`` bytes too short for the header and index that ``out``
     implies, known to the host: no read, nothing to decode; else None."""
     n = out.numel()
-    stream_offset = HEADER_SIZE + num_blocks(n, block_size) * INDEX_ENTRY
+    stream_offset = HEADER_SIZE + sum(prefix_sizes(n, block_size))
     if size >= stream_offset:
         return None
     return Verdict(None, size, n, out.dtype, block_size,
-                   known=f"packet of {size} bytes is shorter than the header and index of {n} elements in blocks of "
+                   known=f"packet of {size} bytes is shorter than the header, sub-stream lengths and index of {n} "
+                         f"elements in blocks of "
                          f"{block_size} ({stream_offset} bytes)")
 
 
@@ -595,10 +664,11 @@ def _decode_packets(packet: torch.Tensor, parts: torch.Tensor | None, sizes: lis
     Verdicts, views of one tensor."""
     layout, dev, count = LAYOUTS[out.dtype], packet.device, len(sizes)
     nb = num_blocks(n, block_size)
-    stream_offset = HEADER_SIZE + nb * INDEX_ENTRY
+    s0, s1 = prefix_sizes(n, block_size)
+    stream_offset = HEADER_SIZE + s0 + s1
     words, scratch = count * device_plan.index_words(nb), count * _scratch_words(nb, block_size)
     work = torch.empty(words + scratch, dtype=torch.int64, device=dev)
-    ix = device_plan.index(packet, HEADER_SIZE, nb, n, block_size, BANK_SIZE, layout,
+    ix = device_plan.index(packet, HEADER_SIZE + s0, nb, n, block_size, BANK_SIZE, layout,
                            template=_template(out.dtype, n, block_size, dev), work=work[:words], parts=parts,
                            count=count)
     if n:
@@ -609,57 +679,67 @@ def _decode_packets(packet: torch.Tensor, parts: torch.Tensor | None, sizes: lis
     return [Verdict(ix.verdict[k * v:(k + 1) * v], sizes[k], n, out.dtype, block_size) for k in range(count)]
 
 
+def lanes(bs: int) -> tuple[int, int]:
+    """(sub-streams, blocks) that one _decode_symbols program decodes: 32 sub-streams (a warp),
+    or a whole block's where it has more; so a program holds whole blocks. Each lane walks a
+    sub-stream, at most SUBSTREAM symbols."""
+    subs = max(1, substreams(bs))
+    width = max(32, subs)
+    return width, width // subs
+
+
 def _span(nb: int, bs: int) -> int:
     """Coded blocks per pair of decode launches: their codes between the two kernels take 2 bytes
     per element, at most DECODE_SCRATCH elements' worth at a time, so that a large packet does
-    not need a second output's memory."""
-    return min(LANES * max(1, DECODE_SCRATCH // (bs * LANES)), triton.cdiv(nb, LANES) * LANES)
+    not need a second output's memory. A multiple of a program's blocks."""
+    per = lanes(bs)[1]
+    return min(per * max(1, DECODE_SCRATCH // (bs * per)), triton.cdiv(nb, per) * per)
 
 
 def _scratch_words(nb: int, bs: int) -> int:
     """int64 words of _decode_blocks' scratch for one packet: the 16-bit codes of a span's
-    elements and their counts (one int32 per JOIN_CHUNK elements)."""
-    elements = _span(nb, bs) * bs
-    return elements // 4 + elements // JOIN_CHUNK // 2 + 2
+    elements and their counts (COUNT_ROWS int32 per sub-stream)."""
+    span = _span(nb, bs)
+    return span * bs // 4 + (span * max(1, substreams(bs)) * COUNT_ROWS + 1) // 2 + 2
 
 
 def _decode_blocks(stream: torch.Tensor, packet: torch.Tensor, ix: device_plan.Index, out: torch.Tensor, n: int,
                    bs: int, scratch: torch.Tensor | None = None, parts: torch.Tensor | None = None,
                    count: int = 1) -> None:
     """The kernels of a decode: ``stream`` (the exponent streams, read up to its end), the packet
-    (its rest section where ix.meta says), the index read on the device (``ix``: nothing is read
-    through it unless it held), ``n`` elements into ``out`` and ``scratch`` (int64, count x
-    _scratch_words; allocated where not given). The blocks' errors go to ix.verdict. ``parts``,
-    ``count``: decode_many's packets (device_plan.index's), the first's being those given."""
+    (its sub-stream lengths, and its rest section where ix.meta says), the index read on the
+    device (``ix``: nothing is read through it unless it held), ``n`` elements into ``out`` and
+    ``scratch`` (int64, count x _scratch_words; allocated where not given). The blocks' errors go
+    to ix.verdict. ``parts``, ``count``: decode_many's packets (device_plan.index's), the first's
+    being those given."""
     layout = LAYOUTS[out.dtype]
     view = _ints(out)
     nb, stride = ix.order.numel(), ix.rows.shape[1]
     table = packet if parts is None else parts
     part_words, err_stride = device_plan.index_words(nb), device_plan.VERDICT_ERRORS + nb
     many = dict(PARTS=parts is not None)
-    _decode_raw[(nb, count)](packet, view, n, ix.order, ix.meta, ix.rows, stride, table, part_words, BS=bs,
-                             ITEMSIZE=layout.itemsize, num_warps=block_warps(bs), **many)
+    err = ix.verdict[device_plan.VERDICT_ERRORS:]
+    _decode_raw[(nb, count)](packet, view, n, ix.order, ix.meta, ix.rows, stride, err, table, part_words, err_stride,
+                             BS=bs, ITEMSIZE=layout.itemsize, num_warps=block_warps(bs), **many)
     nwords = stream.numel() // 4
     words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
     luts = _luts(out.dtype, packet.device)
-    assert bs % JOIN_CHUNK == 0, (bs, JOIN_CHUNK)  # a join program's chunk lies in one block
-    span = _span(nb, bs)
+    span, (width, per) = _span(nb, bs), lanes(bs)
     if scratch is None:
         scratch = torch.empty(count * _scratch_words(nb, bs), dtype=torch.int64, device=packet.device)
     codes = count * span * bs
     symbols = scratch[:codes // 4].view(torch.int16)
-    counts = scratch[codes // 4:].view(torch.int32)[:codes // JOIN_CHUNK]
-    err = ix.verdict[device_plan.VERDICT_ERRORS:]
+    counts = scratch[codes // 4:].view(torch.int32)[:count * span * max(1, substreams(bs)) * COUNT_ROWS]
     for first in range(0, nb, span):
-        lanes = ix.order[first:first + span]
-        programs = triton.cdiv(len(lanes), LANES)
+        coded = ix.order[first:first + span]
+        programs = triton.cdiv(len(coded), per)
         _decode_symbols[(programs, count)](
-            words, nwords, symbols, counts, lanes, ix.meta, first, span, n, ix.rows, stride, luts, err, table,
-            part_words, err_stride, BS=bs, LANES=LANES, CHUNK=JOIN_CHUNK, EBITS=layout.ebits,
-            BIAS=layout.offset_bias, num_warps=DECODE_WARPS, **many)
-        _decode_join[(programs, bs // JOIN_CHUNK, count)](
-            symbols, counts, packet, view, n, lanes, ix.meta, first, span, ix.rows, stride, err, table, part_words,
-            err_stride, BS=bs, LANES=LANES, CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits,
+            words, nwords, packet, symbols, counts, coded, ix.meta, first, span, n, ix.rows, stride, luts, err, table,
+            part_words, err_stride, BS=bs, LANES=width, CHUNK=JOIN_CHUNK, EBITS=layout.ebits,
+            BIAS=layout.offset_bias, num_warps=width // 32, **many)
+        _decode_join[(programs, SUBSTREAM // JOIN_CHUNK, count)](
+            symbols, counts, packet, view, n, coded, ix.meta, first, span, ix.rows, stride, err, table, part_words,
+            err_stride, BS=bs, LANES=width, CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits,
             REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits, num_warps=JOIN_WARPS, **many)
 
 

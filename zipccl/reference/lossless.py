@@ -12,11 +12,11 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, LAYOUTS, MAXLEN, SAMPLE_STRIDE, RAW_BLOCK, SYM_ESC, SYM_ZERO, Header,
-                      num_blocks)
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, LENGTH_ENTRY, MAXLEN, SAMPLE_STRIDE, RAW_BLOCK,
+                      SUBSTREAM, SYM_ESC, SYM_ZERO, Header, num_blocks, substreams)
 from ..bank import BANK, BANK_SIZE
 from . import tables as T
-from .packet import LosslessPacket, assemble, parse_lossless
+from .packet import SUBSTREAM_ERROR, LosslessPacket, assemble, parse_lossless
 
 
 def float_bits(x: torch.Tensor) -> torch.Tensor:
@@ -130,6 +130,9 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     words.index_add_(0, w, shifted & 0xFFFFFFFF)
     words.index_add_(0, w + 1, shifted >> 32)
     stream = to_bytes(words[:total_words], 4)
+    subs = substreams(block_size)  # section 0: each sub-stream's bits (raw blocks': 0)
+    lengths_section = to_bytes(width.reshape(nb, subs, SUBSTREAM).sum(dim=2).reshape(-1), LENGTH_ENTRY) if subs \
+        else torch.zeros(0, dtype=torch.uint8, device=dev)
 
     # Section 3, block by block: a coded block's rest bytes of its non-zero elements, then their
     # side bits (float16: the sign and the mantissa bit below the field), LSB first; a raw block whole.
@@ -146,8 +149,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     index[:, 0] = refs | (np.where(raw, RAW_BLOCK, assign) << 8)
     index[:, 1] = nwords
     index[:, 2] = np.where(raw, 0, nzero)
-    sections = [torch.zeros(0, dtype=torch.uint8, device=dev),
-                torch.from_numpy(index.view(np.uint8).reshape(-1).copy()).to(dev), stream, section3]
+    sections = [lengths_section, torch.from_numpy(index.view(np.uint8).reshape(-1).copy()).to(dev), stream, section3]
     header = Header(CODEC_LOSSLESS, x.dtype, n, FLAG_CRC if checksum else 0, block_size, BANK_SIZE, T.NSYM, MAXLEN)
     return assemble(header, sections)
 
@@ -163,6 +165,10 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
     valid = t_idx[None, :] < torch.from_numpy(p.nvalid).to(dev)[:, None]
     raw = torch.from_numpy(p.table == RAW_BLOCK).to(dev)
     coded_blocks = torch.nonzero(~raw).reshape(-1)
+    subs = substreams(bs)
+    lengths = from_bytes(packet[HEADER_SIZE:HEADER_SIZE + h.sections[0]], LENGTH_ENTRY).reshape(nb, subs)
+    if bool((lengths[raw] != 0).any()):
+        raise FormatError(SUBSTREAM_ERROR)
 
     if coded_blocks.numel():
         nc = coded_blocks.numel()
@@ -181,7 +187,11 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
             w = torch.clamp(pos >> 5, max=words.numel() - 2)
             return ((words[w] | (words[w + 1] << 32)) >> (pos & 31)) & ((1 << nbits) - 1)
 
+        ends = torch.zeros(nc, subs + 1, dtype=torch.int64, device=dev)  # bits at each sub-stream's end
+        start = pos
         for t in range(int(p.nvalid.max())):
+            if subs and t % SUBSTREAM == 0:
+                ends[:, t // SUBSTREAM] = pos - start
             active = t < nvalid
             entry = luts[table, take(MAXLEN)]
             length = entry >> 8
@@ -195,6 +205,10 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
             if bool((pos > end).any()):
                 raise FormatError("exponent stream overruns its block")
             sym[:, t] = torch.where(active, s, 0)
+        if subs:
+            ends[:, -(-int(p.nvalid.max()) // SUBSTREAM):] = (pos - start)[:, None]
+            if not torch.equal(ends[:, 1:] - ends[:, :-1], lengths[coded_blocks]):
+                raise FormatError(SUBSTREAM_ERROR)
         zero = (sym == SYM_ZERO) & valid[coded_blocks]
         if not torch.equal(zero.sum(dim=1).cpu(), torch.from_numpy(p.nzero)[coded_blocks.cpu()]):
             raise FormatError("zero count of a block does not match its index entry")

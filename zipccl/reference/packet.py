@@ -18,7 +18,7 @@ from numba import njit
 
 from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_BLOCK_SIZE, MAXLEN,
-                      MIN_BLOCK_SIZE, NSYM, RAW_BLOCK, FloatLayout, Header,
+                      MIN_BLOCK_SIZE, NSYM, RAW_BLOCK, FloatLayout, Header, prefix_sizes, substreams,
                       check_payload_crc, num_blocks, out_mismatch, parse_header)
 from ..bank import BANK, BANK_SIZE
 
@@ -90,7 +90,8 @@ class LosslessPacket:
     nvalid: np.ndarray      # (nblocks,) elements in the block
     word_start: np.ndarray  # (nblocks + 1,) prefix sum of nwords
     rest_start: np.ndarray  # (nblocks + 1,) prefix sum of section-3 bytes
-    stream_offset: int      # byte offset of section 2 in the packet
+    stream_offset: int      # byte offset of section 2 in the packet (section 0, the sub-stream
+                            # lengths, at HEADER_SIZE: decoders read and check them as they decode)
     rest_offset: int        # byte offset of section 3 in the packet
     # Where the index was read on the device: (first invalid entry or nblocks, stream words,
     # rest bytes) there, not yet checked. The decoder checks it (index_error) with its one read at
@@ -128,7 +129,7 @@ def check_lossless_header(h: Header) -> None:
     if h.ntables != BANK_SIZE:
         raise FormatError(f"a bank of {h.ntables} codes; this version's bank has {BANK_SIZE}")
     s0, s1, s2, s3 = h.sections
-    if s0 or s1 != num_blocks(n, bs) * INDEX_ENTRY or s2 % 4:
+    if (s0, s1) != prefix_sizes(n, bs) or s2 % 4:
         raise FormatError("section sizes do not match the header's counts")
     if n > 8 * s2 + s3:  # every element takes a bit of a stream (a code) or a byte of section 3 (raw)
         raise FormatError(f"{n} elements cannot fit in {s2} stream bytes and {s3} rest bytes")
@@ -145,8 +146,8 @@ def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None 
     check_lossless_header(h)
     layout = LAYOUTS[h.dtype]
     n, bs = h.numel, h.block_size
-    nb, s1, s2 = num_blocks(n, bs), h.sections[1], h.sections[2]
-    pos = HEADER_SIZE
+    nb, (s0, s1, s2) = num_blocks(n, bs), h.sections[:3]
+    pos = HEADER_SIZE + s0
     fields, check = index_reader(packet, pos, pos + s1, n, bs, h.ntables, layout)
     pos += s1
     deferred = isinstance(check, torch.Tensor) and not h.flags & FLAG_CRC  # the CRC reads the host anyway
@@ -188,9 +189,18 @@ def _read_index(entries, n, bs, ntables, emax, itemsize, rest_bytes, side_bits):
 
 
 #: The error bits of the GPU decoder's blocks (zipccl/kernels/gpu.py), lowest first.
+SUBSTREAM_ERROR = "a block's sub-stream lengths in section 0 do not match its stream"
 BLOCK_ERRORS = {1: "invalid or truncated code in an exponent stream", 2: "decoded exponent out of range",
                 4: "zero count of a block does not match its index entry",
-                8: "sign+mantissa bytes of a block overrun its section"}
+                8: "sign+mantissa bytes of a block overrun its section", 16: SUBSTREAM_ERROR}
+
+
+def substream_lengths(packet: np.ndarray, h: Header) -> np.ndarray:
+    """Section 0 of a validated lossless packet (its bytes on the host): (nblocks, sub-streams)
+    int64 bits of each sub-stream, a raw block's all 0 (decoders check them as they decode)."""
+    nb = num_blocks(h.numel, h.block_size)
+    return packet[HEADER_SIZE:HEADER_SIZE + h.sections[0]].view(np.uint16).reshape(
+        nb, substreams(h.block_size)).astype(np.int64)
 
 
 def block_error(codes: np.ndarray) -> str | None:

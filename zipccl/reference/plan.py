@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from ..bank import BANK
-from ..format import HEADER_SIZE, INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, FloatLayout
+from ..format import HEADER_SIZE, INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, FloatLayout, prefix_sizes
 from . import tables as T
 
 
@@ -94,7 +94,7 @@ class Plan:
         return HEADER_SIZE + sum(self.sizes)
 
     def front(self) -> np.ndarray:
-        """Sections 0 (empty) and 1 (the block index) as bytes."""
+        """Section 1, the block index, as bytes (section 0 comes from the encoder's streams)."""
         return _index_bytes(self.ref, self.table, self.nwords, self.nzero)
 
 
@@ -105,7 +105,7 @@ def plan(tables: Tables, ref: np.ndarray, cost: np.ndarray, nzero: np.ndarray, n
     f = _layout(np.asarray(ref, np.int64), np.asarray(nzero, np.int64), np.asarray(cost, np.int64), tables.assign,
                 numel, block_size, layout.itemsize, layout.rest_bytes, layout.side_bits)
     word_start, rest_start = f[4], f[5]
-    sizes = (0, nb * INDEX_ENTRY, int(word_start[-1]) * 4, int(rest_start[-1]))
+    sizes = (*prefix_sizes(numel, block_size), int(word_start[-1]) * 4, int(rest_start[-1]))
     return Plan(tables.lengths, tables.codes, f[0, :nb], f[1, :nb], f[2, :nb], f[3, :nb], word_start,
                 rest_start, sizes)
 
