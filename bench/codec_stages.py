@@ -18,9 +18,9 @@ import torch
 
 from zipccl.bench.common import DEFAULT_DATA
 from zipccl.codecs import Lossless
-from zipccl.format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, num_blocks
+from zipccl.format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, num_blocks, substreams
 from zipccl.kernels import cpu as C
-from zipccl.reference.packet import parse_lossless
+from zipccl.reference.packet import parse_lossless, substream_lengths
 from zipccl.reference.plan import choose, plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -45,11 +45,12 @@ def stages(x: torch.Tensor) -> dict:
     tables = choose(hist, x.dtype)
     cost = np.zeros(nb, np.int64)
     streams = np.empty(4 * nb * bs + 8, np.uint8)
+    subs = np.zeros((nb, substreams(bs) or 1), np.int64)
     pack = lambda: C._pack(bits, bs, layout.mbits, ref, tables.assign, nzero, hist, tables.codes,  # noqa: E731
-                           tables.lengths, streams, cost, C._pair_tables())
+                           tables.lengths, streams, cost, subs, C._pair_tables())
     pack()
     pl = plan(tables, ref, cost, nzero, n, bs, layout)
-    start = HEADER_SIZE + len(pl.front())
+    start = HEADER_SIZE + pl.sizes[0] + len(pl.front())
     buf = np.empty(pl.total_size + 8, np.uint8)
     codec = Lossless()
     packet, out = codec.encode(x), torch.empty_like(x)
@@ -69,8 +70,10 @@ def stages(x: torch.Tensor) -> dict:
     stream[:4 * nw] = raw[p.stream_offset:p.rest_offset]
     luts, mluts = C._decoder_tables(p.lengths.tobytes())
     rest = raw[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
+    lengths, symbol_bits = substream_lengths(raw, p.header), C._symbol_bits(p.lengths.tobytes(), layout.ebits)
     out_stages["decode kernel"] = lambda: C._decode(stream, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero,  # noqa: E731
-                                                    p.word_start, p.rest_start, luts, mluts, C._int_view(out))
+                                                    p.word_start, p.rest_start, lengths, symbol_bits, luts, mluts,
+                                                    C._int_view(out))
     out_stages["decode (all)"] = lambda: codec.decode(packet, out=out)
     return out_stages
 

@@ -26,10 +26,11 @@ pytest.importorskip("triton", reason="triton not installed (pip install zipccl[g
                          ids=str)
 def test_real_gradients_match_reference(real_grads, dtype, block_size):
     """33K elements of the real bucket (the interpreter's pace sets the size), cut mid-block: at
-    1024-element blocks two programs of the decoder's LANES, at 4096 several blocks and a tail."""
+    1024-element blocks more than one program of the decoder's lanes (8 blocks each), at 4096
+    several programs (2 blocks each) and a tail."""
     x = real_grads[2_000_000:2_000_000 + 33 * 1024 + 123].to(dtype)
     from zipccl.kernels import gpu
-    assert block_size > 1024 or x.numel() // block_size > gpu.LANES
+    assert x.numel() // block_size > gpu.lanes(block_size)[1]
     ref, gpu = Lossless("reference", block_size=block_size), Lossless("triton", block_size=block_size)
     p = ref.encode(x)
     assert torch.equal(gpu.encode(x), p)
@@ -161,7 +162,7 @@ def test_decode_in_spans_of_bounded_scratch(monkeypatch):
     block: same bits, and a corrupt block in a later span is still reported."""
     from zipccl.kernels import gpu
     from zipccl.reference.packet import parse_lossless
-    monkeypatch.setattr(gpu, "DECODE_SCRATCH", 256 * gpu.LANES)  # one program's blocks per launch
+    monkeypatch.setattr(gpu, "DECODE_SCRATCH", 256 * gpu.lanes(256)[1])  # one program's blocks per launch
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(256 * 70 + 77, generator=g) * 0.01).to(torch.bfloat16)
     x[::13] = 0.0
@@ -289,17 +290,51 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
 
 
 def test_default_block_size_per_impl():
-    """Triton defaults to 1024-element blocks (more decode lanes), numba to 4096; both decode both."""
+    """Triton and numba both default to 4096-element blocks (format 4's GPU lanes are sub-streams,
+    not blocks); each decodes the other's packets and those of other block sizes."""
     from zipccl import format as F
     x = (torch.randn(300, generator=torch.Generator().manual_seed(3)) * 0.01).to(torch.bfloat16)
-    for impl, block_size in (("triton", 1024), ("numba", 4096)):
-        p = Lossless(impl).encode(x)
+    for impl, block_size in (("triton", 4096), ("numba", 4096), ("reference", 1024)):
+        p = Lossless(impl, block_size=None if impl != "reference" else block_size).encode(x)
         h = F.parse_header(p[:F.HEADER_SIZE].numpy().tobytes(), None, p.numel())
         assert h.block_size == block_size
         assert torch.equal(p, Lossless("reference", block_size=block_size).encode(x))
-        assert p.numel() <= Lossless(impl).max_encoded_size(x.numel(), x.dtype)
+        assert p.numel() <= Lossless(impl, block_size=h.block_size).max_encoded_size(x.numel(), x.dtype)
         for other in ("numba", "triton"):
             assert_same_bits(Lossless(other).decode(p), x)
+
+
+@pytest.mark.parametrize("block_size", [256, 1024, 4096, 16384])
+def test_no_decode_lane_walks_more_than_256_symbols(block_size):
+    """From the launch configuration of every _decode_symbols launch: its programs' lanes, at most
+    256 symbols each, cover every element of the blocks it decodes (version 3 ran one lane per
+    block: 1024 or 4096 symbols); and the packet decodes to its input."""
+    from triton.runtime.jit import KernelInterface
+    from zipccl.kernels import gpu
+    launches = []
+    real = KernelInterface.__getitem__
+
+    def launch(kernel, grid):
+        run = real(kernel, grid)
+        if getattr(kernel, "fn", kernel).__name__ != "_decode_symbols":
+            return run
+
+        def recorded(*args, **kwargs):
+            launches.append((grid[0], kwargs["LANES"], kwargs["BS"], args[5].numel()))  # programs, lanes, block, blocks
+            return run(*args, **kwargs)
+        return recorded
+
+    x = (torch.randn(2 * block_size + 300, generator=torch.Generator().manual_seed(5)) * 0.01).to(torch.bfloat16)
+    packet = Lossless("reference", block_size=block_size).encode(x)
+    KernelInterface.__getitem__ = launch
+    try:
+        out = Lossless("triton", block_size=block_size).decode(packet)
+    finally:
+        KernelInterface.__getitem__ = real
+    assert_same_bits(out, x)
+    assert launches
+    for programs, lanes, bs, blocks in launches:
+        assert bs == block_size and programs * lanes * 256 >= blocks * bs, (programs, lanes, bs, blocks)
 
 
 def _add_one():

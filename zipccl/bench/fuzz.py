@@ -99,8 +99,8 @@ SOURCES = ("grad", "grad_x1e4", "gauss", "mixed", "sparse", "zero_rows", "random
 SHAPES = {"raw": ((0, 1, 5, 300, 1000, 4097), (0,)),
           "topk": ((1, 5, 300, 1000, 4097), (0,)),
           "numba": ((0, 1, 7, 256, 300, 1000, 1500, 4097, 9000), (256, 1024, 4096, 512)),
-          "reference": ((0, 1, 7, 256, 300, 600), (256,)),
-          "triton": ((0, 7, 300, 600, 300, 600), (256,))}
+          "reference": ((0, 1, 7, 256, 300, 600), (256, 1024)),
+          "triton": ((0, 7, 300, 600, 300, 600), (256, 1024))}
 DENSITIES = (0.01, 0.1, 0.5, 1.0)
 
 
@@ -439,11 +439,11 @@ MUTATIONS = {
     "raw": _COMMON,
     "topk": _COMMON + (_topk_index, _topk_index, _topk_index, _payload_bytes(2, "topk:bytes")),
     "lossless": _COMMON + (_entry, _entry, _index, _index, _index, _index, _index_resized, _index_resized,
-                           _payload_bytes(2, "stream"), _payload_bytes(2, "stream")),
+                           _payload_bytes(2, "stream"), _payload_bytes(2, "stream"), _payload_bytes(0, "lengths")),
     # The Triton interpreter takes seconds per packet that reaches its kernel: its cases favour
     # mutations of the body that pass the (shared, host-side) validation.
     "deep": (_flip, _field, _truncate, _extend, _entry, _index, _index, _index_resized, _payload_bytes(3, "rest"),
-             *(_payload_bytes(2, "stream"),) * 4),
+             _payload_bytes(0, "lengths"), *(_payload_bytes(2, "stream"),) * 4),
 }
 DEEP = ("triton",)
 

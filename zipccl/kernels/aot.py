@@ -41,23 +41,26 @@ def _specs(dtype: str):
     yield ("_analyse", {"x_ptr": ptr, "xoff_ptr": "*i64", "n": "i64", "ref_ptr": "*i32", "hist_ptr": "*i16"},
            dict(BS=bs, VMASK=vmask, MBITS=mbits, EMAX=(1 << ebits) - 1, BIAS=bias, PARTS=True), gpu.block_warps(bs))
     yield ("_encode", {"x_ptr": ptr, "xoff_ptr": "*i64", "n": "i64", "block_ptr": "*i64", "codes_ptr": "*i32",
-                       "lens_ptr": "*i32", "words_ptr": "*i32", "rest_ptr": "*u8", "slot": "i64", "totals_ptr": "*i64"},
+                       "lens_ptr": "*i32", "sub_ptr": "*u8", "words_ptr": "*i32", "rest_ptr": "*u8", "slot": "i64",
+                       "totals_ptr": "*i64"},
            dict(BS=bs, VMASK=vmask, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes, SIDE_BITS=side_bits, BIAS=bias,
                 ITEMSIZE=itemsize, PARTS=True), gpu.block_warps(bs))
     # decode_many's builds (PARTS): decode_into's are the same code without the packets' places
     many = {"parts_ptr": "*i64", "part_words": "i64"}
-    yield ("_decode_symbols", {"words_ptr": "*i32", "nwords": "i64", "code_ptr": "*i16", "count_ptr": "*i32",
+    width = gpu.lanes(bs)[0]
+    yield ("_decode_symbols", {"words_ptr": "*i32", "nwords": "i64", "pkt_ptr": "*u8", "code_ptr": "*i16",
+                               "count_ptr": "*i32",
                                "coded_ptr": "*i64", "meta_ptr": "*i64", "first": "i64", "span": "i64", "n": "i64",
                                "rows_ptr": "*i64", "stride": "i64", "lut_ptr": "*i32", "err_ptr": "*i64", **many,
                                "err_stride": "i64"},
-           dict(BS=bs, LANES=gpu.LANES, CHUNK=gpu.JOIN_CHUNK, EBITS=ebits, BIAS=bias, PARTS=True), gpu.DECODE_WARPS)
+           dict(BS=bs, LANES=width, CHUNK=gpu.JOIN_CHUNK, EBITS=ebits, BIAS=bias, PARTS=True), width // 32)
     yield ("_decode_join", {"code_ptr": "*i16", "count_ptr": "*i32", "rest_ptr": "*u8", "out_ptr": ptr, "n": "i64",
                             "coded_ptr": "*i64", "meta_ptr": "*i64", "first": "i64", "span": "i64",
                             "rows_ptr": "*i64", "stride": "i64", "err_ptr": "*i64", **many, "err_stride": "i64"},
-           dict(BS=bs, LANES=gpu.LANES, CHUNK=gpu.JOIN_CHUNK, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes,
+           dict(BS=bs, LANES=width, CHUNK=gpu.JOIN_CHUNK, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes,
                 SIDE_BITS=side_bits, PARTS=True), gpu.JOIN_WARPS)
     yield ("_decode_raw", {"rest_ptr": "*u8", "out_ptr": ptr, "n": "i64", "order_ptr": "*i64", "meta_ptr": "*i64",
-                           "rows_ptr": "*i64", "stride": "i64", **many},
+                           "rows_ptr": "*i64", "stride": "i64", "err_ptr": "*i64", **many, "err_stride": "i64"},
            dict(BS=bs, ITEMSIZE=itemsize, PARTS=True), gpu.block_warps(bs))
     from . import device_plan
     yield ("_choose", {"sampled_ptr": "*i16", "exact_ptr": "*i16", "stride": "i64", "ref_ptr": "*i32",
@@ -66,7 +69,7 @@ def _specs(dtype: str):
            dict(BS=bs, NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=rest_bytes,
                 SIDE_BITS=side_bits, ITEMSIZE=itemsize, TILE=device_plan.TILE), 4)
     yield ("_place", {"lens_ptr": "*i64", "block_ptr": "*i64", "totals_ptr": "*i64", "nb": "i64", "tmpl_ptr": "*u8",
-                      "hdr_ptr": "*u8", "hdr_stride": "i64", "size_ptr": "*i64", "s1": "i64"},
+                      "hdr_ptr": "*u8", "hdr_stride": "i64", "size_ptr": "*i64", "prefix": "i64"},
            dict(SCAN=device_plan.SCAN, SEAL=True), 4)
     yield ("_index", {"pkt_ptr": "*u8", "start": "i64", "nb": "i64", "n": "i64", "bs": "i64", "ntables": "i64",
                       "rows_ptr": "*i64", "order_ptr": "*i64", "meta_ptr": "*i64", "verdict_ptr": "*i64",

@@ -172,13 +172,13 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, sub_ptr, words_p
     r0 = 4 * wlimit + tl.load(block_ptr + 4 * b + 3)  # from the stream's start
     rlimit = 4 * wlimit + tl.load(totals_ptr + 1)
     SUBS: tl.constexpr = BS // _SUB
-    q = tl.arange(0, SUBS)
+    js = tl.arange(0, SUBS)  # the block's sub-streams
     if t == _RAW:
         for k in tl.static_range(ITEMSIZE):
             tl.store(rest_ptr + r0 + i * ITEMSIZE + k, ((v >> (8 * k)) & 255).to(tl.uint8), mask=valid)
         if SUBS > 1:
             for k in tl.static_range(2):
-                tl.store(sub_ptr + 2 * (b * SUBS + q) + k, (q * 0).to(tl.uint8))
+                tl.store(sub_ptr + 2 * (b * SUBS + js) + k, (js * 0).to(tl.uint8))
     else:
         exp, sym = _symbols(v, valid, ref, MBITS, (1 << EBITS) - 1, BIAS)
         zero = v == 0
@@ -194,7 +194,7 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, sub_ptr, words_p
         if SUBS > 1:  # at most 20 * SUBSTREAM bits each: a u16
             bits = tl.sum(tl.reshape(width, (SUBS, _SUB)), 1)
             for k in tl.static_range(2):
-                tl.store(sub_ptr + 2 * (b * SUBS + q) + k, ((bits >> (8 * k)) & 255).to(tl.uint8))
+                tl.store(sub_ptr + 2 * (b * SUBS + js) + k, ((bits >> (8 * k)) & 255).to(tl.uint8))
         pos = tl.cumsum(width, 0) - width
         # A word is the sum of its elements' codes shifted into place (their bits do not overlap) and
         # of what the word before spilled into it (a code is at most 20 bits: one element spills).
