@@ -886,14 +886,14 @@ def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mlut
     carries no branch: a lane that meets an element for the single-symbol path (a
     _SPECIAL entry uses no bits) repeats it until the round ends, then decodes it alone.
     A lookup stores four symbols, so a round stays 4 * ROUND short of a block's end.
-    marks[q, 0, i] and marks[q, 1, i]: a bit position and symbol position of lane q after a
-    round whose symbol position (from the block's start) is in sub-stream i, the last such; -1
-    for none (_substreams_ok starts from them)."""
+    marks[q, i]: lane q's bit position << 16 | symbol position (from its block's start) after the
+    last round (or tail step) that left it in sub-stream i; -1 for none (_substreams_ok starts
+    from them). One store per lane and round."""
     bad = False
-    marks[:, 1, :] = -1
+    marks[:, :] = -1
     for q in range(m):
         lanes[q, 0], lanes[q, 1], lanes[q, 2], lanes[q, 3] = word_start[blocks[q]] * 32, q * bs, 0, 0
-        marks[q, 0, 0], marks[q, 1, 0] = lanes[q, 0], q * bs
+        marks[q, 0] = lanes[q, 0] << 16
     if m == LANES:
         b0, b1, b2, b3 = blocks[0], blocks[1], blocks[2], blocks[3]
         t0, t1, t2, t3 = mluts[table[b0]], mluts[table[b1]], mluts[table[b2]], mluts[table[b3]]
@@ -934,10 +934,9 @@ def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mlut
                 if e3 & _SPECIAL:
                     p3, k3, x3, f3 = _single(stream, l3, p3, k3, x3, xbits, sym, xexp)
                     bad |= f3
-            i0, i1, i2, i3 = k0 >> _SUB_SHIFT, (k1 - bs) >> _SUB_SHIFT, (k2 - 2 * bs) >> _SUB_SHIFT, \
-                (k3 - 3 * bs) >> _SUB_SHIFT
-            marks[0, 0, i0], marks[1, 0, i1], marks[2, 0, i2], marks[3, 0, i3] = p0, p1, p2, p3
-            marks[0, 1, i0], marks[1, 1, i1], marks[2, 1, i2], marks[3, 1, i3] = k0, k1, k2, k3
+            j0, j1, j2, j3 = k0, k1 - bs, k2 - 2 * bs, k3 - 3 * bs
+            marks[0, j0 >> _SUB_SHIFT], marks[1, j1 >> _SUB_SHIFT] = (p0 << 16) | j0, (p1 << 16) | j1
+            marks[2, j2 >> _SUB_SHIFT], marks[3, j3 >> _SUB_SHIFT] = (p2 << 16) | j2, (p3 << 16) | j3
         lanes[0, 0], lanes[1, 0], lanes[2, 0], lanes[3, 0] = p0, p1, p2, p3
         lanes[0, 1], lanes[1, 1], lanes[2, 1], lanes[3, 1] = k0, k1, k2, k3
         lanes[0, 2], lanes[1, 2], lanes[2, 2], lanes[3, 2] = x0, x1, x2, x3
@@ -951,6 +950,7 @@ def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mlut
             p += u & 63
             if e & _SPECIAL:
                 p, k, x, bad = _single(stream, sl, p, k, x, xbits, sym, xexp)
+            marks[q, (k - q * bs) >> _SUB_SHIFT] = (p << 16) | (k - q * bs)
         while k < end and not bad:
             p, k, x, bad = _single(stream, sl, p, k, x, xbits, sym, xexp)
         lanes[q, 0], lanes[q, 2], lanes[q, 3] = p, x, bad
@@ -1078,7 +1078,7 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
     sym = np.empty(LANES * bs + 4, np.uint8)
     xexp = np.empty(LANES * bs + 4, np.uint8)  # used only where a symbol is an escape
     lanes = np.zeros((LANES, 4), np.int64)  # see _lane_symbols
-    marks = np.zeros((LANES, 2, bs // SUBSTREAM + 1), np.int64)  # see _lane_symbols
+    marks = np.zeros((LANES, bs // SUBSTREAM + 1), np.int64)  # see _lane_symbols
     subs = lengths.shape[1]
     zpos = np.empty(bs // 16 + 2, np.int64)
     bounds = np.empty(bs // 8 + 2, np.int64)  # see _nonzero_runs
@@ -1109,8 +1109,8 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
 def _substreams_ok(sym, q0, nv, start, end, marks, bits, lengths):
     """Whether each sub-stream of a block decoded by _lane_symbols (symbols at sym[q0:q0 + nv],
     its stream from bit ``start`` to ``end``) has the bits ``lengths`` gives it: each
-    sub-stream's end from the lane's last mark before it (marks: _lane_symbols'), plus the bits
-    of the symbols between; a round is at most 4 * ROUND symbols, so few are summed."""
+    sub-stream's end from the lane's last mark before it (marks: _lane_symbols' row), plus the
+    bits of the symbols between; a round is at most 4 * ROUND symbols, so few are summed."""
     prev, k_prev = start, 0
     for j in range(1, lengths.shape[0] + 1):
         at = min(j * SUBSTREAM, nv)
@@ -1118,9 +1118,9 @@ def _substreams_ok(sym, q0, nv, start, end, marks, bits, lengths):
             pos = end
         else:
             i = at >> _SUB_SHIFT
-            while marks[1, i] < 0 or marks[1, i] - q0 > at:
+            while marks[i] < 0 or (marks[i] & 0xFFFF) > at:
                 i -= 1
-            pos, k = marks[0, i], marks[1, i] - q0
+            pos, k = marks[i] >> 16, marks[i] & 0xFFFF
             if k < k_prev:  # no mark since the last sub-stream's end: from there
                 pos, k = prev, k_prev
             for t in range(k, at):
