@@ -19,7 +19,7 @@ host round trip to build tables. This script measures, offline, what the bank co
 3. The check: real tensors coded with the bank (each block its cheapest entry by exact cost from
    its whole histogram, raw where coding does not pay) against the numba encoder's actual
    packets (when the record was made, format version 1's: up to 8 tables per packet; since
-   version 2, the bank with each entry chosen from the block's sample). The bank's packets carry no section 0; the
+   version 2, the bank with each entry chosen from the block's sample). The bank's packets (versions 2 and 3) carry no section 0; the
    index keeps 8 bytes per block (ref, entry id, words, zeros).
 
 Tensors: the gradient bucket of ../shared/data (bf16, fp16, fp32) on which nothing here is
@@ -87,7 +87,7 @@ def check_accounting(hist: np.ndarray, packet: torch.Tensor) -> None:
 
 def packet_bytes(bits: np.ndarray, hist: np.ndarray, nvalid: np.ndarray, lay) -> tuple[int, np.ndarray]:
     """Bytes of a packet whose blocks code in ``bits`` bits each (raw where that does not pay),
-    without section 0, and which blocks are raw."""
+    without section 0 (versions 2 and 3), and which blocks are raw."""
     coded = 4 * -(-bits // 32) + lay.rest_len(nvalid - hist[:, SYM_ZERO])
     raw = coded >= nvalid * lay.itemsize
     return HEADER_SIZE + INDEX_ENTRY * len(hist) + int(np.where(raw, nvalid * lay.itemsize, coded).sum()), raw
