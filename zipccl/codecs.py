@@ -97,9 +97,9 @@ class Lossless:
 
     impl: "auto" (numba on CPU, Triton on CUDA), "reference", "numba" or "triton".
     block_size: elements per independently coded block, a power of two in [256, 32768]; by default
-        4096 on CPU and 1024 for Triton, whose decoder runs one lane per block (4x the lanes for
-        0.0004 of ratio on bf16 gradients). Any implementation decodes any block size; the Triton
-        encoder takes up to 16384 (kernels/gpu.py's MAX_ENCODE_BLOCK: its shared memory).
+        4096 (the Triton decoder runs one lane per 256-element sub-stream, whatever the block size).
+        Any implementation decodes any block size; the Triton encoder takes up to 16384
+        (kernels/gpu.py's MAX_ENCODE_BLOCK: its shared memory).
     checksum: store a CRC32 of the payload and verify it on decode (costs a host pass).
     """
     name = "lossless"

@@ -47,18 +47,21 @@ def _specs(dtype: str):
                 ITEMSIZE=itemsize, PARTS=True), gpu.block_warps(bs))
     # decode_many's builds (PARTS): decode_into's are the same code without the packets' places
     many = {"parts_ptr": "*i64", "part_words": "i64"}
-    width = gpu.lanes(bs)[0]
-    yield ("_decode_symbols", {"words_ptr": "*i32", "nwords": "i64", "pkt_ptr": "*u8", "code_ptr": "*i16",
-                               "count_ptr": "*i32",
-                               "coded_ptr": "*i64", "meta_ptr": "*i64", "first": "i64", "span": "i64", "n": "i64",
-                               "rows_ptr": "*i64", "stride": "i64", "lut_ptr": "*i32", "err_ptr": "*i64", **many,
-                               "err_stride": "i64"},
-           dict(BS=bs, LANES=width, CHUNK=gpu.JOIN_CHUNK, EBITS=ebits, BIAS=bias, PARTS=True), width // 32)
-    yield ("_decode_join", {"code_ptr": "*i16", "count_ptr": "*i32", "rest_ptr": "*u8", "out_ptr": ptr, "n": "i64",
-                            "coded_ptr": "*i64", "meta_ptr": "*i64", "first": "i64", "span": "i64",
-                            "rows_ptr": "*i64", "stride": "i64", "err_ptr": "*i64", **many, "err_stride": "i64"},
-           dict(BS=bs, LANES=width, CHUNK=gpu.JOIN_CHUNK, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes,
-                SIDE_BITS=side_bits, PARTS=True), gpu.JOIN_WARPS)
+    # the decoder's lanes at a block of one sub-stream, of 16 (the default) and of 128 (4 warps)
+    for sub_bs in (256, bs, 32768):
+        width = gpu.lanes(sub_bs)[0]
+        yield ("_decode_symbols", {"words_ptr": "*i32", "nwords": "i64", "pkt_ptr": "*u8", "code_ptr": "*i16",
+                                   "count_ptr": "*i32",
+                                   "coded_ptr": "*i64", "meta_ptr": "*i64", "first": "i64", "span": "i64", "n": "i64",
+                                   "rows_ptr": "*i64", "stride": "i64", "lut_ptr": "*i32", "err_ptr": "*i64", **many,
+                                   "err_stride": "i64"},
+               dict(BS=sub_bs, LANES=width, CHUNK=gpu.JOIN_CHUNK, EBITS=ebits, BIAS=bias, PARTS=True),
+               width // 32)
+        yield ("_decode_join", {"code_ptr": "*i16", "count_ptr": "*i32", "rest_ptr": "*u8", "out_ptr": ptr, "n": "i64",
+                                "coded_ptr": "*i64", "meta_ptr": "*i64", "first": "i64", "span": "i64",
+                                "rows_ptr": "*i64", "stride": "i64", "err_ptr": "*i64", **many, "err_stride": "i64"},
+               dict(BS=sub_bs, LANES=width, CHUNK=gpu.JOIN_CHUNK, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes,
+                    SIDE_BITS=side_bits, PARTS=True), gpu.JOIN_WARPS)
     yield ("_decode_raw", {"rest_ptr": "*u8", "out_ptr": ptr, "n": "i64", "order_ptr": "*i64", "meta_ptr": "*i64",
                            "rows_ptr": "*i64", "stride": "i64", "err_ptr": "*i64", **many, "err_stride": "i64"},
            dict(BS=bs, ITEMSIZE=itemsize, PARTS=True), gpu.block_warps(bs))
@@ -110,7 +113,7 @@ def compile_kernels(archs=ARCHS, dtypes=tuple(_DTYPES)) -> list[dict]:
                 src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
                 k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
                 usage = _cubin_usage(k.asm["cubin"])
-                rows.append(dict(kernel=name, dtype=dtype, arch=f"sm_{arch}", num_warps=warps,
+                rows.append(dict(kernel=name, dtype=dtype, arch=f"sm_{arch}", block=constexprs.get("BS"), num_warps=warps,
                                  shared=k.metadata.shared, ptx_bytes=len(k.asm["ptx"]),
                                  cubin_bytes=len(k.asm["cubin"]), **usage))
     return rows
@@ -125,10 +128,11 @@ def main(argv=None) -> int:
         print(json.dumps(rows))
         return 0
     # Spilled registers go to the stack frame (cuobjdump's STACK), not LOCAL: both are shown.
-    print(f"{'kernel':<12} {'dtype':<9} {'arch':<6} {'warps':>5} {'regs':>5} {'stack':>6} {'local':>6} {'shared':>7} "
-          f"{'cubin':>7}")
+    print(f"{'kernel':<15} {'dtype':<9} {'arch':<6} {'block':>6} {'warps':>5} {'regs':>5} {'stack':>6} {'local':>6} "
+          f"{'shared':>7} {'cubin':>7}")
     for r in rows:
-        print(f"{r['kernel']:<12} {r['dtype']:<9} {r['arch']:<6} {r['num_warps']:>5} {r.get('cubin_reg', '-'):>5} "
+        print(f"{r['kernel']:<15} {r['dtype']:<9} {r['arch']:<6} {r['block'] or '-':>6} {r['num_warps']:>5} "
+              f"{r.get('cubin_reg', '-'):>5} "
               f"{r.get('cubin_stack', '-'):>6} {r.get('cubin_local', '-'):>6} {r['shared']:>7} {r['cubin_bytes']:>7}")
     return 0
 

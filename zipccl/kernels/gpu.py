@@ -354,7 +354,7 @@ def _decode_symbols(words_ptr, nwords, pkt_ptr, code_ptr, count_ptr, coded_ptr, 
         err |= tl.where(end - bit0 != length, _ERR_LENGTH, 0)
     err |= tl.where(nvb - tl.gather(_in_block(nonzero, lanes, sub, True), lanes - sub + SUBS - 1, 0) != nzero,
                     _ERR_ZEROS, 0)
-    tl.atomic_or(err_ptr + b, err.to(tl.int64), mask=live & (err != 0))
+    tl.atomic_or(err_ptr + b, err.to(tl.int64), mask=live & (err != 0), sem="relaxed")  # ordered by the launches
 
 
 @triton.jit
@@ -415,7 +415,7 @@ def _decode_join(code_ptr, count_ptr, rest_ptr, out_ptr, n, coded_ptr, meta_ptr,
     rest_bad = tl.max((nz & ~take).to(tl.int32), axis=0) != 0
     range_bad = tl.max((nz & ((exp < 0) | (exp > EMAX))).to(tl.int32), axis=0) != 0
     bad = tl.where(rest_bad, _ERR_REST, 0) | tl.where(range_bad, _ERR_RANGE, 0)
-    tl.atomic_or(err_ptr + b, bad.to(tl.int64), mask=live & (bad != 0))
+    tl.atomic_or(err_ptr + b, bad.to(tl.int64), mask=live & (bad != 0), sem="relaxed")
 
 
 @triton.jit
@@ -435,20 +435,19 @@ def _decode_raw(rest_ptr, out_ptr, n, order_ptr, meta_ptr, rows_ptr, stride, err
         rows_ptr += part * part_words
         err_ptr += part * err_stride
     j = tl.program_id(0)
-    b = tl.load(order_ptr + j)
-    raw = j >= tl.load(meta_ptr + 1)  # raw blocks follow the coded ones
-    i = tl.arange(0, BS)
-    valid = (b * BS + i < n) & (i * 0 + j >= tl.load(meta_ptr + 1))
-    r0 = tl.load(meta_ptr + 2) + tl.load(rows_ptr + 6 * stride + b)
-    v = tl.zeros([BS], dtype=tl.int64)
-    for k in tl.static_range(ITEMSIZE):
-        v |= tl.load(rest_ptr + r0 + i * ITEMSIZE + k, mask=valid, other=0).to(tl.int64) << (8 * k)
-    tl.store(out_ptr + b * BS + i, v.to(out_ptr.dtype.element_ty), mask=valid)
-    if SUBS > 1:
-        q = tl.arange(0, 2 * SUBS)
-        lengths = tl.load(rest_ptr + _HEADER + 2 * SUBS * b + q, mask=(q * 0 + j) >= tl.load(meta_ptr + 1), other=0)
-        bad = raw & (tl.max(lengths.to(tl.int32), 0) != 0)
-        tl.atomic_or(err_ptr + b, tl.where(bad, _ERR_LENGTH, 0).to(tl.int64), mask=bad)
+    if j >= tl.load(meta_ptr + 1):  # raw blocks follow the coded ones (a coded block's program does nothing)
+        b = tl.load(order_ptr + j)
+        i = tl.arange(0, BS)
+        valid = b * BS + i < n
+        r0 = tl.load(meta_ptr + 2) + tl.load(rows_ptr + 6 * stride + b)
+        v = tl.zeros([BS], dtype=tl.int64)
+        for k in tl.static_range(ITEMSIZE):
+            v |= tl.load(rest_ptr + r0 + i * ITEMSIZE + k, mask=valid, other=0).to(tl.int64) << (8 * k)
+        tl.store(out_ptr + b * BS + i, v.to(out_ptr.dtype.element_ty), mask=valid)
+        if SUBS > 1:
+            lengths = tl.load(rest_ptr + _HEADER + 2 * SUBS * b + tl.arange(0, 2 * SUBS))
+            bad = tl.max(lengths.to(tl.int32), 0) != 0
+            tl.atomic_or(err_ptr + b, tl.where(bad, _ERR_LENGTH, 0).to(tl.int64), mask=bad, sem="relaxed")
 
 
 def block_warps(block_size: int) -> int:
