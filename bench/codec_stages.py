@@ -20,7 +20,7 @@ from zipccl.bench.common import DEFAULT_DATA
 from zipccl.codecs import Lossless
 from zipccl.format import DEFAULT_BLOCK_SIZE, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, num_blocks, substreams
 from zipccl.kernels import cpu as C
-from zipccl.reference.packet import parse_lossless, substream_lengths
+from zipccl.reference.packet import parse_lossless
 from zipccl.reference.plan import choose, plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -70,9 +70,9 @@ def stages(x: torch.Tensor) -> dict:
     stream[:4 * nw] = raw[p.stream_offset:p.rest_offset]
     luts, mluts = C._decoder_tables(p.lengths.tobytes())
     rest = raw[p.rest_offset:p.rest_offset + int(p.rest_start[-1])]
-    lengths, symbol_bits = substream_lengths(raw, p.header), C._symbol_bits(p.lengths.tobytes(), layout.ebits)
+    s0 = raw[HEADER_SIZE:HEADER_SIZE + p.header.sections[0]]
     out_stages["decode kernel"] = lambda: C._decode(stream, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero,  # noqa: E731
-                                                    p.word_start, p.rest_start, lengths, symbol_bits, luts, mluts,
+                                                    p.word_start, p.rest_start, s0, luts, mluts,
                                                     C._int_view(out))
     out_stages["decode (all)"] = lambda: codec.decode(packet, out=out)
     return out_stages

@@ -443,8 +443,9 @@ def test_section_0_gives_each_substreams_bits(impl, dtype):
     """Section 0 holds, per block and per 256 elements of it, the bits of their codes and escaped
     fields, worked out here from the format's rules alone (each element's symbol from the block's
     reference, its code length in the bank entry the index names, an escape's raw field), 0 for a
-    raw block; and every decoder refuses the packet with one sub-stream's bits moved to the next
-    (their sum, the block's size, unchanged)."""
+    raw block; every decoder refuses the packet with a sub-stream's bits changed, and those that
+    start sub-streams apart (the reference, Triton) also one with a bit moved to the next (their
+    sum, the block's size, unchanged), which the numba decoder, one chain per block, decodes."""
     from zipccl.bank import BANK
     g = torch.Generator().manual_seed(11)
     n, bs = 3 * 1024 + 300, 1024
@@ -476,14 +477,18 @@ def test_section_0_gives_each_substreams_bits(impl, dtype):
         want = [int(width[j:j + 256].sum()) for j in range(0, bs, 256)]
         assert got[b].tolist() == want, (b, got[b].tolist(), want)
     assert raw_blocks == 1 and int(got[nb - 1, 2]) == 0  # block 1 raw; the last block's third sub-stream empty
-    moved = packet.clone()
-    at = F.HEADER_SIZE  # block 0: one bit from its sub-stream 0 to its sub-stream 1
-    lengths = moved[at:at + 4].numpy().view(np.uint16).copy()
-    lengths[0] -= 1
-    lengths[1] += 1
-    moved[at:at + 4] = torch.from_numpy(lengths.view(np.uint8).copy())
-    for other in ["reference", "numba", "triton"]:
-        with pytest.raises(zipccl.FormatError) as refused:
-            Lossless(other, block_size=bs).decode(moved)
-        if other != "triton":  # the GPU decoder names the lowest error bit: the next lane may start mid-code
-            assert "sub-stream lengths" in str(refused.value), (other, refused.value)
+    at = F.HEADER_SIZE  # block 0's sub-streams 0 and 1
+    for moved_bit in [True, False]:  # one bit moved from sub-stream 0 to 1 (the block's bits kept), one bit added
+        lengths = packet[at:at + 4].numpy().view(np.uint16).copy()
+        lengths[0] -= moved_bit
+        lengths[1] += 1
+        bad = packet.clone()
+        bad[at:at + 4] = torch.from_numpy(lengths.view(np.uint8).copy())
+        for other in ["reference", "numba", "triton"]:
+            if moved_bit and other == "numba":  # walks a block in one chain: needs only the sum
+                assert torch.equal(Lossless(other, block_size=bs).decode(bad).view(INT[dtype]), x.view(INT[dtype]))
+                continue
+            with pytest.raises(zipccl.FormatError) as refused:
+                Lossless(other, block_size=bs).decode(bad)
+            if other != "triton":  # the GPU decoder names the lowest error bit: the next lane may start mid-code
+                assert "sub-stream lengths" in str(refused.value), (other, moved_bit, refused.value)

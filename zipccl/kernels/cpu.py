@@ -47,10 +47,10 @@ from numba import njit
 
 from ..bank import BANK_SIZE
 from ..errors import FormatError
-from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, LENGTH_ENTRY, MAXLEN, NSYM, RAW_BLOCK,
+from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, LAYOUTS, MAXLEN, NSYM, RAW_BLOCK,
                       SAMPLE_STRIDE, SUBSTREAM, SYM_ESC, Header, num_blocks, substreams)
 from ..reference import tables as T
-from ..reference.packet import SUBSTREAM_ERROR, LosslessPacket, parse_lossless, substream_lengths
+from ..reference.packet import SUBSTREAM_ERROR, LosslessPacket, parse_lossless
 from ..reference.plan import choose, plan
 from .bits import FAST_PEXT, pext, prefetch, prefetch_write
 from .bits import load_u32 as _load_u32, load_u64 as _load_u64, store_u32 as _store_u32, store_u64 as _store_u64
@@ -369,19 +369,19 @@ def _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos, end
         over |= ln + _U7
         # & 63: a defined shift where the group is over
         pos, acc, pending = _put(out, pos, acc, pending, (c0 >> _U8) | ((c1 >> _U8) << ((c0 & _U255) & _U63)), ln)
-        ends[i >> _PAIRS_SHIFT] = total
         i += group
+        if (i & (_SUB_PAIRS - 1)) == 0:  # a sub-stream's end (groups do not straddle one)
+            ends[(i - 1) >> _PAIRS_SHIFT] = total
     while i < h:  # the last pairs, at most 40 bits each
         c0 = _pair_code(vb, raw, i, tab, shift, pt, by_pair, mbits, ebits)
         total += c0 & _U255
         pos, acc, pending = _put(out, pos, acc, pending, c0 >> _U8, c0 & _U255)
-        ends[i >> _PAIRS_SHIFT] = total
         i += 1
     if vb.shape[0] & 1:
         c0 = np.uint64(tab[vb[vb.shape[0] - 1] >> shift])
         total += c0 & _U255
         pos, acc, pending = _put(out, pos, acc, pending, c0 >> _U8, c0 & _U255)
-        ends[(vb.shape[0] - 1) >> _SUB_SHIFT] = total
+    ends[(vb.shape[0] - 1) >> _SUB_SHIFT] = total
     _store_u64(out, pos, acc)
     return total, over < 64
 
@@ -389,7 +389,8 @@ def _pack_groups(vb, tab, shift, pt, by_pair, mbits, ebits, group, out, pos, end
 @njit(inline="always")
 def _lengths(ends, nv, total):
     """A block's sub-stream ends (bits from its start, written for its sub-streams that hold
-    elements) into each sub-stream's bits, the empty ones' 0."""
+    elements) into each sub-stream's bits, the empty ones' 0. ``ends`` is u16: the ends wrap
+    at 2^16 (a block's bits reach 20 x 4096), their differences, under 2^16, do not."""
     for j in range(-(-nv // SUBSTREAM), ends.shape[0]):
         ends[j] = total
     for j in range(ends.shape[0] - 1, 0, -1):
@@ -400,7 +401,8 @@ def _lengths(ends, nv, total):
 def _pack_layout(bits, bs, layout, ref, table, nzero, hist, codes, lens, out, cost, subs, ptabs):
     """Huffman-code the exponents of every block into the byte array ``out``, one block's
     stream after the other, each starting at a 32-bit word; cost[b] = block b's bits, subs[b, j]
-    = the bits of its sub-stream j (SUBSTREAM elements; ``subs`` has a column where it has none).
+    = the bits of its sub-stream j (SUBSTREAM elements; u16, see _lengths; ``subs`` has a column
+    where it has none).
     ``out`` needs 8 bytes of slack after the streams.
 
     A block without +0.0 or escapes in its sample (``hist``, the histogram pass's) goes through
@@ -479,14 +481,12 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, hist, codes, lens, out, co
             h += 1
         longest = np.uint64(0)
         total = np.uint64(0)
-        for j in range(-(-h // _SUB_PAIRS)):  # each sub-stream's pairs, a loop that vectorizes
-            for i in range(j * _SUB_PAIRS, min(h, (j + 1) * _SUB_PAIRS)):
-                longest = max(longest, pairs[i] & _U255)
-                total += pairs[i] & _U255
-            subs[b, j] = total
+        for i in range(h):
+            longest = max(longest, pairs[i] & _U255)
+            total += pairs[i] & _U255
         acc = np.uint64(0)
         pending = np.uint64(0)  # bits in acc, < 8 after each flush
-        pos = word * 4
+        pos = start = word * 4
         i = 0
         if longest <= 28:  # two pairs fit: 7 + 2 * 28 < 64
             while i + 2 <= h:
@@ -494,9 +494,14 @@ def _pack_layout(bits, bs, layout, ref, table, nzero, hist, codes, lens, out, co
                 pos, acc, pending = _put(out, pos, acc, pending, (p0 >> _U8) | ((p1 >> _U8) << (p0 & _U255)),
                                          (p0 & _U255) + (p1 & _U255))
                 i += 2
+                if (i & (_SUB_PAIRS - 1)) == 0:  # a sub-stream's end
+                    subs[b, (i - 1) >> _PAIRS_SHIFT] = 8 * (pos - start) + np.int64(pending)
         while i < h:  # a pair is at most 40 bits (two escapes)
             pos, acc, pending = _put(out, pos, acc, pending, pairs[i] >> _U8, pairs[i] & _U255)
             i += 1
+            if (i & (_SUB_PAIRS - 1)) == 0:
+                subs[b, (i - 1) >> _PAIRS_SHIFT] = 8 * (pos - start) + np.int64(pending)
+        subs[b, (h - 1) >> _PAIRS_SHIFT] = total
         _store_u64(out, pos, acc)
         cost[b] = total
         word += (np.int64(total) + 31) // 32
@@ -759,7 +764,8 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     # where section 3 starts, is known only once the blocks' exact sizes are.
     longest = MAXLEN + layout.ebits
     streams = _scratch("streams", 4 * nb * -(-block_size * longest // 32) + 8, np.uint8)
-    subs = np.zeros((nb, max(1, substreams(block_size))), np.int64)
+    cols = max(1, substreams(block_size))
+    subs = _scratch("subs", nb * cols, np.uint16).reshape(nb, cols)
     if nb:
         _pack(bits, block_size, layout.mbits, ref, tables.assign, nzero, hist, tables.codes, tables.lengths, streams,
               cost, subs, _pair_tables())
@@ -768,7 +774,7 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     s0 = pl.sizes[0]
     if s0:  # section 0: the sub-stream lengths, a raw block's 0
         subs[pl.table == RAW_BLOCK] = 0
-        buf[HEADER_SIZE:HEADER_SIZE + s0] = subs.astype(np.uint16).view(np.uint8).reshape(-1)
+        buf[HEADER_SIZE:HEADER_SIZE + s0] = subs.view(np.uint8).reshape(-1)
     front = pl.front()
     p = HEADER_SIZE + s0 + len(front)
     buf[HEADER_SIZE + s0:p] = front
@@ -784,15 +790,6 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
                pl.sizes, crc)
     buf[:HEADER_SIZE] = np.frombuffer(h.pack(), dtype=np.uint8)
     return torch.from_numpy(buf)
-
-
-@lru_cache(maxsize=64)
-def _symbol_bits(key: bytes, ebits: int) -> np.ndarray:
-    """Each table's bits per symbol, an escape's raw field included (int64, read-only)."""
-    lengths = np.frombuffer(key, dtype=np.int64).reshape(-1, NSYM).copy()
-    lengths[:, SYM_ESC] += ebits
-    lengths.flags.writeable = False
-    return lengths
 
 
 @lru_cache(maxsize=64)
@@ -872,7 +869,7 @@ def _single(stream, lut, p, k, x, xbits, sym, xexp):
 
 
 @njit(inline="always")
-def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mluts, sym, xexp, lanes, marks,
+def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mluts, sym, xexp, lanes,
                   rest, out, ps, pr, po, rest_lines, out_lines):
     """Decode the symbols of the ``m`` coded blocks ``blocks[:m]`` into ``sym``, block q's at
     q * bs, and each escape's raw field into ``xexp`` alike.
@@ -885,15 +882,10 @@ def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mlut
     and makes ROUND lookups on it, loading nothing but the table, so the loop
     carries no branch: a lane that meets an element for the single-symbol path (a
     _SPECIAL entry uses no bits) repeats it until the round ends, then decodes it alone.
-    A lookup stores four symbols, so a round stays 4 * ROUND short of a block's end.
-    marks[q, i]: lane q's bit position << 16 | symbol position (from its block's start) after the
-    last round (or tail step) that left it in sub-stream i; -1 for none (_substreams_ok starts
-    from them). One store per lane and round."""
+    A lookup stores four symbols, so a round stays 4 * ROUND short of a block's end."""
     bad = False
-    marks[:, :] = -1
     for q in range(m):
         lanes[q, 0], lanes[q, 1], lanes[q, 2], lanes[q, 3] = word_start[blocks[q]] * 32, q * bs, 0, 0
-        marks[q, 0] = lanes[q, 0] << 16
     if m == LANES:
         b0, b1, b2, b3 = blocks[0], blocks[1], blocks[2], blocks[3]
         t0, t1, t2, t3 = mluts[table[b0]], mluts[table[b1]], mluts[table[b2]], mluts[table[b3]]
@@ -934,9 +926,6 @@ def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mlut
                 if e3 & _SPECIAL:
                     p3, k3, x3, f3 = _single(stream, l3, p3, k3, x3, xbits, sym, xexp)
                     bad |= f3
-            j0, j1, j2, j3 = k0, k1 - bs, k2 - 2 * bs, k3 - 3 * bs
-            marks[0, j0 >> _SUB_SHIFT], marks[1, j1 >> _SUB_SHIFT] = (p0 << 16) | j0, (p1 << 16) | j1
-            marks[2, j2 >> _SUB_SHIFT], marks[3, j3 >> _SUB_SHIFT] = (p2 << 16) | j2, (p3 << 16) | j3
         lanes[0, 0], lanes[1, 0], lanes[2, 0], lanes[3, 0] = p0, p1, p2, p3
         lanes[0, 1], lanes[1, 1], lanes[2, 1], lanes[3, 1] = k0, k1, k2, k3
         lanes[0, 2], lanes[1, 2], lanes[2, 2], lanes[3, 2] = x0, x1, x2, x3
@@ -950,7 +939,6 @@ def _lane_symbols(stream, bs, n, xbits, blocks, m, table, word_start, luts, mlut
             p += u & 63
             if e & _SPECIAL:
                 p, k, x, bad = _single(stream, sl, p, k, x, xbits, sym, xexp)
-            marks[q, (k - q * bs) >> _SUB_SHIFT] = (p << 16) | (k - q * bs)
         while k < end and not bad:
             p, k, x, bad = _single(stream, sl, p, k, x, xbits, sym, xexp)
         lanes[q, 0], lanes[q, 2], lanes[q, 3] = p, x, bad
@@ -1040,34 +1028,38 @@ def _scan_symbols(sb, base, emax):
 
 
 @njit(**_NOGIL)
-def _decode(stream, rest, bs, n, mbits, ref, table, nzero, word_start, rest_start, lengths, bits, luts, mluts, out):
+def _decode(stream, rest, bs, n, mbits, ref, table, nzero, word_start, rest_start, s0, luts, mluts, out):
     """_decode_layout for the dtype that ``mbits`` tells (see _constants)."""
     if mbits == _BF16[0]:
-        return _decode_layout(stream, rest, bs, n, _BF16, ref, table, nzero, word_start, rest_start, lengths, bits,
+        return _decode_layout(stream, rest, bs, n, _BF16, ref, table, nzero, word_start, rest_start, s0,
                               luts, mluts, out)
     if mbits == _FP16[0]:
-        return _decode_layout(stream, rest, bs, n, _FP16, ref, table, nzero, word_start, rest_start, lengths, bits,
+        return _decode_layout(stream, rest, bs, n, _FP16, ref, table, nzero, word_start, rest_start, s0,
                               luts, mluts, out)
-    return _decode_layout(stream, rest, bs, n, _FP32, ref, table, nzero, word_start, rest_start, lengths, bits, luts,
+    return _decode_layout(stream, rest, bs, n, _FP32, ref, table, nzero, word_start, rest_start, s0, luts,
                           mluts, out)
 
 
 @njit(inline="always")
-def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, rest_start, lengths, bits, luts, mluts,
+def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, rest_start, s0, luts, mluts,
                    out):
     """Decode every block into ``out``; returns 0 or an error code: the first failing block's, where
     an invalid code would fail the whole group of LANES blocks it is decoded with (none is: the
-    bank's codes are complete prefix codes; a corrupt stream fails by where it ends). lengths:
-    section 0's (nblocks, sub-streams) bits, checked against the streams (bits: each bank
-    entry's bits per symbol, escaped field included).
+    bank's codes are complete prefix codes; a corrupt stream fails by where it ends). s0: section
+    0's bytes, each block's sub-stream lengths (empty where blocks have none), whose sum must be
+    the bits its stream took (a raw block's 0): this decoder walks a block in one chain and
+    relies on no sub-stream's start, so their sum is what it can go wrong by (docs/FORMAT.md).
 
     Coded blocks go LANES at a time: their symbols into a buffer of LANES blocks, then joined
     with their rest bytes while that buffer is still in the core's cache (a buffer for the
     whole tensor, written by one pass and read by the next, made decoding 1.03-1.2x slower,
     most where other work had run between calls)."""
     itemsize = layout[5]
+    subs = s0.shape[0] // (2 * ref.shape[0]) if ref.shape[0] else 0
     for b in range(ref.shape[0]):
         if table[b] == RAW_BLOCK:
+            if _block_bits(s0, b, subs):
+                return -4
             lo, j = b * bs, rest_start[b]
             for i in range(min(n, lo + bs) - lo):
                 v = np.int64(0)
@@ -1078,8 +1070,6 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
     sym = np.empty(LANES * bs + 4, np.uint8)
     xexp = np.empty(LANES * bs + 4, np.uint8)  # used only where a symbol is an escape
     lanes = np.zeros((LANES, 4), np.int64)  # see _lane_symbols
-    marks = np.zeros((LANES, bs // SUBSTREAM + 1), np.int64)  # see _lane_symbols
-    subs = lengths.shape[1]
     zpos = np.empty(bs // 16 + 2, np.int64)
     bounds = np.empty(bs // 8 + 2, np.int64)  # see _nonzero_runs
     ub = np.empty(bs if layout[4] else 0, np.uint8)  # a block's side bits, a byte per element
@@ -1087,16 +1077,14 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
         m = min(LANES, coded.shape[0] - g)
         nxt = coded[min(g + LANES, coded.shape[0] - 1)]  # the next group's first block (the last: itself)
         _lane_symbols(stream, bs, n, layout[1], coded[g:g + m], m, table, word_start, luts, mluts, sym, xexp, lanes,
-                      marks, rest, out, 4 * word_start[nxt], rest_start[nxt], nxt * bs, layout[3] + (layout[4] > 0),
-                      itemsize)
+                      rest, out, 4 * word_start[nxt], rest_start[nxt], nxt * bs, layout[3] + (layout[4] > 0), itemsize)
         for q in range(m):
             b = coded[g + q]
             lo = b * bs
             nv = min(n, lo + bs) - lo
             if lanes[q, 3] or lanes[q, 0] > word_start[b + 1] * 32:
                 return -1
-            if subs and not _substreams_ok(sym, q * bs, nv, word_start[b] * 32, lanes[q, 0], marks[q], bits[table[b]],
-                                           lengths[b]):
+            if subs and lanes[q, 0] - word_start[b] * 32 != _block_bits(s0, b, subs):
                 return -4
             err = _join_block(sym[q * bs:q * bs + nv], xexp[q * bs:q * bs + nv], lanes[q, 2], rest, rest_start[b],
                               layout, np.int64(ref[b]), nzero[b], zpos, bounds, ub, out[lo:lo + nv])
@@ -1106,29 +1094,12 @@ def _decode_layout(stream, rest, bs, n, layout, ref, table, nzero, word_start, r
 
 
 @njit(inline="always")
-def _substreams_ok(sym, q0, nv, start, end, marks, bits, lengths):
-    """Whether each sub-stream of a block decoded by _lane_symbols (symbols at sym[q0:q0 + nv],
-    its stream from bit ``start`` to ``end``) has the bits ``lengths`` gives it: each
-    sub-stream's end from the lane's last mark before it (marks: _lane_symbols' row), plus the
-    bits of the symbols between; a round is at most 4 * ROUND symbols, so few are summed."""
-    prev, k_prev = start, 0
-    for j in range(1, lengths.shape[0] + 1):
-        at = min(j * SUBSTREAM, nv)
-        if at == nv:
-            pos = end
-        else:
-            i = at >> _SUB_SHIFT
-            while marks[i] < 0 or (marks[i] & 0xFFFF) > at:
-                i -= 1
-            pos, k = marks[i] >> 16, marks[i] & 0xFFFF
-            if k < k_prev:  # no mark since the last sub-stream's end: from there
-                pos, k = prev, k_prev
-            for t in range(k, at):
-                pos += bits[sym[q0 + t]]
-        if pos - prev != lengths[j - 1]:
-            return False
-        prev, k_prev = pos, at
-    return True
+def _block_bits(s0, b, subs):
+    """The sum of block b's sub-stream lengths in section 0 (``s0``, its bytes; ``subs`` a block)."""
+    total = np.int64(0)
+    for j in range(2 * b * subs, 2 * (b + 1) * subs, 2):
+        total += np.int64(s0[j]) | (np.int64(s0[j + 1]) << 8)
+    return total
 
 
 @njit(inline="always")
@@ -1219,11 +1190,9 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
         stream = _scratch("words", reach, np.uint8)
         stream[4 * nw:] = 0
         stream[:4 * nw] = buf[p.stream_offset:p.rest_offset]
-    lengths = substream_lengths(buf, h)
-    if (lengths[p.table == RAW_BLOCK] != 0).any():
-        raise FormatError(SUBSTREAM_ERROR)
-    err = _decode(stream, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero, p.word_start, p.rest_start, lengths,
-                  _symbol_bits(p.lengths.tobytes(), layout.ebits), luts, mluts, view)
+    s0 = buf[HEADER_SIZE:HEADER_SIZE + h.sections[0]]
+    err = _decode(stream, rest, bs, n, layout.mbits, p.ref, p.table, p.nzero, p.word_start, p.rest_start, s0,
+                  luts, mluts, view)
     if err:
         raise FormatError(_ERRORS[err])
     return out

@@ -18,7 +18,7 @@ from numba import njit
 
 from ..errors import FormatError
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_BLOCK_SIZE, MAXLEN,
-                      MIN_BLOCK_SIZE, NSYM, RAW_BLOCK, FloatLayout, Header, prefix_sizes, substreams,
+                      MIN_BLOCK_SIZE, NSYM, RAW_BLOCK, FloatLayout, Header, prefix_sizes,
                       check_payload_crc, num_blocks, out_mismatch, parse_header)
 from ..bank import BANK, BANK_SIZE
 
@@ -193,14 +193,6 @@ SUBSTREAM_ERROR = "a block's sub-stream lengths in section 0 do not match its st
 BLOCK_ERRORS = {1: "invalid or truncated code in an exponent stream", 2: "decoded exponent out of range",
                 4: "zero count of a block does not match its index entry",
                 8: "sign+mantissa bytes of a block overrun its section", 16: SUBSTREAM_ERROR}
-
-
-def substream_lengths(packet: np.ndarray, h: Header) -> np.ndarray:
-    """Section 0 of a validated lossless packet (its bytes on the host): (nblocks, sub-streams)
-    int64 bits of each sub-stream, a raw block's all 0 (decoders check them as they decode)."""
-    nb = num_blocks(h.numel, h.block_size)
-    return packet[HEADER_SIZE:HEADER_SIZE + h.sections[0]].view(np.uint16).reshape(
-        nb, substreams(h.block_size)).astype(np.int64)
 
 
 def block_error(codes: np.ndarray) -> str | None:
