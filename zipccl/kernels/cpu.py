@@ -772,14 +772,16 @@ def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     pl = plan(tables, ref, cost, nzero, n, block_size, layout)
     buf = np.empty(pl.total_size + 8, dtype=np.uint8)  # the rest section's stores spill up to 8 bytes
     s0 = pl.sizes[0]
+    raw = nb and (pl.table == RAW_BLOCK).any()
     if s0:  # section 0: the sub-stream lengths, a raw block's 0
-        subs[pl.table == RAW_BLOCK] = 0
+        if raw:
+            subs[pl.table == RAW_BLOCK] = 0
         buf[HEADER_SIZE:HEADER_SIZE + s0] = subs.view(np.uint8).reshape(-1)
     front = pl.front()
     p = HEADER_SIZE + s0 + len(front)
     buf[HEADER_SIZE + s0:p] = front
     if nb:
-        if (pl.table == RAW_BLOCK).any():
+        if raw:
             _place_streams(streams, cost, pl.table, pl.word_start, buf[p:])
         else:
             buf[p:p + pl.sizes[2]] = streams[:pl.sizes[2]]
