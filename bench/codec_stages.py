@@ -45,7 +45,7 @@ def stages(x: torch.Tensor) -> dict:
     tables = choose(hist, x.dtype)
     cost = np.zeros(nb, np.int64)
     streams = np.empty(4 * nb * bs + 8, np.uint8)
-    subs = np.zeros((nb, substreams(bs) or 1), np.int64)
+    subs = np.zeros((nb, substreams(bs) or 1), np.uint16)  # the encoder's own type: no second compile
     pack = lambda: C._pack(bits, bs, layout.mbits, ref, tables.assign, nzero, hist, tables.codes,  # noqa: E731
                            tables.lengths, streams, cost, subs, C._pair_tables())
     pack()

@@ -188,7 +188,7 @@ def test_cpu_rest_section_stays_in_its_plan_when_the_tensor_changes(dtype, plann
     tables, cost = choose(hist, dtype), np.zeros(nb, np.int64)
     streams = np.empty(4 * nb * BS * (F.MAXLEN + lay.ebits) // 32 + 8, np.uint8)
     C._pack(C._int_view(before), BS, lay.mbits, ref, tables.assign, nzero, hist, tables.codes, tables.lengths, streams,
-            cost, np.zeros((nb, F.substreams(BS) or 1), np.int64), C._pair_tables())
+            cost, np.zeros((nb, F.substreams(BS) or 1), np.uint16), C._pair_tables())
     pl = plan(tables, ref, cost, nzero, before.numel(), BS, lay)
     assert (pl.table[:-1] != F.RAW_BLOCK).all()  # whole blocks coded: their sections planned from nzero
     size = int(pl.rest_start[-1])
