@@ -94,7 +94,7 @@ class Plan:
         return HEADER_SIZE + sum(self.sizes)
 
     def front(self) -> np.ndarray:
-        """Section 1, the block index, as bytes (section 0 comes from the encoder's streams)."""
+        """Section 1, the block index, as bytes (section 0 comes from the packer's sub-stream ends)."""
         return _index_bytes(self.ref, self.table, self.nwords, self.nzero)
 
 
