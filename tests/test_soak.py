@@ -31,18 +31,20 @@ def _soak():
 
 @pytest.mark.timeout(400)
 def test_soak_small(tmp_path):
-    """Three rounds of the collectives' schedule after the unsampled one (315 calls) and 150 DDP
-    steps per hook, fitted past the first half of each phase (the collectives' last two rounds;
-    the lossless decoder's caches fill during the first 50-70 DDP steps): fds flat, memory slope
-    under BOUND on every rank, every rank's results bit-identical."""
+    """Two ranks (the full soak runs four), three rounds of the collectives' schedule after the
+    unsampled one (315 calls) and 150 DDP steps per hook, fitted past the first half of each
+    phase (the collectives' last two rounds; the lossless decoder's caches fill during the first
+    50-70 DDP steps): fds flat, memory slope under BOUND on every rank, every rank's results
+    bit-identical. With 64 KiB kept per all-reduce (--leak 65536) every phase fails on both ranks
+    (+80 MiB per 1,000 in the collectives, +200 in DDP)."""
     out = tmp_path / "soak.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--calls", "315", "--steps", "150",
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--nranks", "2", "--calls", "315", "--steps", "150",
                           "--warmup", "0.5", "--max-slope", str(BOUND), "--json", str(out)],
                          capture_output=True, text=True, env=env, timeout=380)
     assert out.exists(), res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert list(report["phases"]) == ["collectives", "ddp-lossless", "ddp-entropy"]
+    assert report["nranks"] == 2 and list(report["phases"]) == ["collectives", "ddp-lossless", "ddp-entropy"]
     for name, phase in report["phases"].items():
         assert len(set(phase["hashes"])) == 1, (name, phase["hashes"])
         for rank, s in enumerate(phase["ranks"]):
