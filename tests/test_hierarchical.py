@@ -126,7 +126,7 @@ def check_exact(res):
             assert all(r[key][1] == res[0][key][1] for r in res)
 
 
-@pytest.mark.parametrize("n", [1, 1000, 70001])
+@pytest.mark.parametrize("n", [1, 70001])  # fewer elements than ranks; pieces of several blocks, uneven
 def test_2x2_equals_the_documented_order(pool, n):
     check_exact(pool.run(_exact, "2x2", 2, 2, n, timeout=500))
 
