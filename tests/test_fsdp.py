@@ -92,7 +92,8 @@ def _train(rank, groups, n, comm, steps, lossy=None, mp=None):
 def test_custom_comms_match_fsdp2_default(pool, n):
     """raw and lossless give the same bits; on 2 ranks (a sum of two is the same in any order) also
     FSDP2's default's bits, on 4 its values within summation-order tolerance."""
-    runs = {c: pool.run(_train, n, c, 20, timeout=400)[:n] for c in ("torch", "raw", "lossless")}
+    steps = 8
+    runs = {c: pool.run(_train, n, c, steps, timeout=400)[:n] for c in ("torch", "raw", "lossless")}
     for c, res in runs.items():
         assert all(not isinstance(r, BaseException) for r in res), res
         assert len({r["digest"] for r in res}) == 1, f"{c}: ranks differ"
@@ -102,7 +103,7 @@ def test_custom_comms_match_fsdp2_default(pool, n):
     else:
         torch.testing.assert_close(runs["raw"][0]["params"], runs["torch"][0]["params"], rtol=1e-5, atol=1e-6)
     st = runs["lossless"][0]["stats"]
-    assert st["reduce_scatter"]["calls"] == 20 * 5 and st["all_gather"]["calls"] >= 20 * 5
+    assert st["reduce_scatter"]["calls"] == steps * 5 and st["all_gather"]["calls"] >= steps * 5
     assert 0 < st["wire_bytes"] < st["raw_bytes"]
 
 
