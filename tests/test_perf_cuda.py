@@ -22,25 +22,47 @@ from zipccl.bench.netlab import NetLab
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("flags", [
+CUDA_FLAGS = [
     ["--device", "cuda"],
     ["--device", "cuda", "--share-gpu", "--nranks", "4"],
     ["--share-gpu", "--collective", "reduce_scatter"],
     ["--transport", "nccl"],
     ["--device", "cuda", "--share-gpu", "--nranks", "2", "--netlab", "1gbit"],  # before any lab is built
-])
-def test_without_cuda_one_line_and_exit_2(flags):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")  # no CUDA, also on a GPU machine
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK"):
-        env.pop(k, None)
-    r = subprocess.run([sys.executable, "-m", "zipccl.bench", *flags], capture_output=True, text=True, env=env,
-                       timeout=200)
-    assert r.returncode == 2, r.stderr
-    assert r.stdout == ""
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+]
+
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def _refused_in_one_line(code: int, out: str, err: str) -> None:
+    assert code == 2 and out == "", (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("zipccl-perf: ") and "CUDA" in lines[0], lines[0]
+
+
+@pytest.mark.timeout(240)
+def test_without_cuda_one_line_and_exit_2():
+    """The command as users run it: one line on stderr, nothing on stdout, exit 2."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")  # no CUDA, also on a GPU machine
+    for k in LAUNCHER_VARS:
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "-m", "zipccl.bench", *CUDA_FLAGS[0]], capture_output=True, text=True,
+                       env=env, timeout=200)
+    _refused_in_one_line(r.returncode, r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("flags", CUDA_FLAGS, ids=" ".join)
+def test_every_cuda_option_without_cuda_is_refused_in_one_line(monkeypatch, capsys, flags):
+    """The same refusal for every option that needs CUDA, from zipccl-perf's main in this process."""
+    from zipccl.bench import perf
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for k in LAUNCHER_VARS:
+        monkeypatch.delenv(k, raising=False)
+    code = perf.main(list(flags))
+    out, err = capsys.readouterr()
+    _refused_in_one_line(code, out, err)
 
 
 def _args(*flags: str) -> argparse.Namespace:
