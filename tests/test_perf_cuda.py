@@ -29,8 +29,6 @@ CUDA_FLAGS = [
     ["--transport", "nccl"],
     ["--device", "cuda", "--share-gpu", "--nranks", "2", "--netlab", "1gbit"],  # before any lab is built
 ]
-
-
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK")
 
 
@@ -52,7 +50,7 @@ def test_without_cuda_one_line_and_exit_2():
     _refused_in_one_line(r.returncode, r.stdout, r.stderr)
 
 
-@pytest.mark.parametrize("flags", CUDA_FLAGS, ids=" ".join)
+@pytest.mark.parametrize("flags", CUDA_FLAGS)
 def test_every_cuda_option_without_cuda_is_refused_in_one_line(monkeypatch, capsys, flags):
     """The same refusal for every option that needs CUDA, from zipccl-perf's main in this process."""
     from zipccl.bench import perf
