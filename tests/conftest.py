@@ -40,14 +40,15 @@ if GRADS.exists():
 
 def pytest_configure(config):
     """Under xdist (`make test`), numba's kernels compiled into its cache once, before the test
-    processes start (the workers skip this): tests/compile_kernels.py, its two families side by
-    side, 30 s in a fresh clone, 4 s once cached. Where a family fails, the tests that need it
-    report why."""
+    processes start (the workers skip this): tests/compile_kernels.py, the lossless kernels of
+    each dtype and the sparse ones side by side (150 s on one core in a fresh clone, so about
+    half that on two), 4 s once cached. Where a family fails, the tests that need it report why."""
     if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
         return
     script = Path(__file__).with_name("compile_kernels.py")
-    runs = [subprocess.Popen([sys.executable, str(script), family], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL) for family in ("lossless", "sparse")]
+    runs = [subprocess.Popen([sys.executable, str(script), *family], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+            for family in (("lossless", "fp32"), ("lossless", "bf16"), ("lossless", "fp16"), ("sparse",))]
     for run in runs:
         run.wait(timeout=600)
 
