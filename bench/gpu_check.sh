@@ -194,14 +194,16 @@ else:
 PY
 }
 
-# numba's kernels (the CPU codec, top-k, the sums) into their on-disk cache, both families side by
-# side, in the background from the start: cold they take minutes. A step that needs them waits
-# for OUTDIR/numba.done (within its own limit).
+# numba's kernels (the CPU codec per dtype, top-k, the sums) into their on-disk cache, side by
+# side, in the background from the start: cold they take minutes on one core. A step that needs
+# them waits for OUTDIR/numba.done (within its own limit).
 numba_compile() {
-    local t0=$SECONDS
-    $py tests/compile_kernels.py lossless > "$out/numba.txt" 2>&1 & local a=$!
+    local t0=$SECONDS dtype pids=() ra=0
+    for dtype in fp32 bf16 fp16; do
+        $py tests/compile_kernels.py lossless $dtype >> "$out/numba.txt" 2>&1 & pids+=($!)
+    done
     $py tests/compile_kernels.py sparse >> "$out/numba.txt" 2>&1 & local b=$!
-    wait $a; local ra=$?
+    for a in "${pids[@]}"; do wait "$a" || ra=$?; done
     wait $b; local rb=$?
     echo "numba_compile rc=$((ra || rb)) seconds=$((SECONDS - t0)) (lossless rc=$ra, sparse rc=$rb; background)" \
         > "$out/numba.done"
