@@ -198,7 +198,7 @@ PY
 # side, in the background from the start: cold they take minutes on one core. A step that needs
 # them waits for OUTDIR/numba.done (within its own limit).
 numba_compile() {
-    local t0=$SECONDS dtype pids=() ra=0
+    local t0=$SECONDS dtype a pids=() ra=0
     for dtype in fp32 bf16 fp16; do
         $py tests/compile_kernels.py lossless $dtype >> "$out/numba.txt" 2>&1 & pids+=($!)
     done
