@@ -174,6 +174,33 @@ def test_auto_learns_before_the_timed_calls(pool):
     assert row["out_of_place"]["wrong"] == row["in_place"]["wrong"] == 0
 
 
+def test_learning_waits_out_a_lucky_time():
+    """A call's time reaches auto's policy two calls late (with the next call's exchange), and
+    the lower of a plan's last two times decides: one lucky raw time (call 4, faster than
+    native's) keeps raw chosen for three calls after the probing. Learning stops only once
+    the choice rests on times from after it, and from there on every call runs native."""
+    from zipccl.auto import Policy
+
+    policy, nbytes = Policy(), 2 << 20
+    key, plans = Policy.key("all_reduce", "torch.bfloat16", nbytes), ("native", "raw", "lossless")
+    seconds = {"native": 7e-3, "raw": 10e-3, "lossless": 22e-3}
+    ran: list[str] = []
+
+    def call():
+        if len(ran) >= 2:
+            i = len(ran) - 2
+            policy.learn(key, ran[i], 5e-3 if i == 4 else seconds[ran[i]])
+        ran.append(policy.choose(key, nbytes, plans))
+
+    while not common.settled(policy, key):
+        call()
+    learned = len(ran)
+    assert ran[6:9] == ["raw"] * 3 and learned <= 6 + 3 + common.STREAK, ran
+    for _ in range(12):
+        call()
+    assert set(ran[learned:]) == {"native"}, (ran, learned)
+
+
 @pytest.mark.timeout(300)
 def test_hierarchical_on_emulated_nodes():
     """--nodes 2 on four spawned ranks: ZIPCCL_TOPOLOGY=2x2; hierarchical rows checked exactly (verifiable

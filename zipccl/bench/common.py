@@ -352,14 +352,19 @@ def auto_class(spec: Spec, group, dtype, numel_in: int) -> tuple:
                                           numel_in * torch.empty(0, dtype=dtype).element_size())
 
 
+#: The calls that must run one plan, in a row, before auto's choice counts as settled.
+STREAK = 4
+
+
 def settled(policy: Policy, key: tuple) -> bool:
     """Whether auto's choice for class ``key`` has settled: every plan has run ``explore``
-    times (the round has come back to a plan it ran, so all are known), and the last two calls
-    ran the same plan (a call's time reaches the policy with a later call, so the first choice
-    after probing may still move)."""
+    times, then the last STREAK calls ran one plan. A call's time reaches the policy with the
+    next call's metadata exchange, in time for the call after that, and the lower of a plan's
+    last two times decides: the fourth call of a streak is the first chosen from the streak's own
+    times alone, so one lucky time from before it can no longer hold a plan in place."""
     calls = policy.calls.get(key, 0)
-    last = [i for (k, _), i in policy.last.items() if k == key]  # the index of each plan's last call
-    return calls > len(last) and calls >= policy.explore * len(last) + 2 and calls - 2 not in last
+    last = sorted(i for (k, _), i in policy.last.items() if k == key)  # the index of each plan's last call
+    return len(last) > 1 and calls >= policy.explore * len(last) and last[-2] < calls - STREAK
 
 
 def plans_since(policy: Policy, key: tuple, first: int) -> list[str]:
