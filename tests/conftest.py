@@ -53,16 +53,16 @@ def pytest_configure(config):
         run.wait(timeout=600)
 
 
-#: The test files that run longest on 2 cores, longest first (`pytest --durations=0` at e54987a,
+#: The test files that run longest on 2 cores, longest first (`pytest --durations=0` at a023d4e,
 #: summed per file; the others, 10 s or less each, follow). `make test` hands whole files to its
 #: two processes in collection order (--dist loadfile --no-loadscope-reorder): longest first, they
 #: finish together.
-LONGEST_FIRST = ("test_backend.py", "test_triton.py", "test_gpu_check.py", "test_fsdp.py", "test_codec.py",
-                 "test_dead_rank.py", "test_perf_cli.py", "test_launch.py", "test_netlab.py", "test_soak.py",
-                 "test_perf_format.py", "test_ci_rules.py", "test_ddp.py", "test_faults.py", "test_fuzz.py",
-                 "test_hierarchical.py", "test_device_plan.py", "test_cpu_kernels.py", "test_alltoall.py",
-                 "test_p2p.py", "test_collectives.py", "test_perf_cuda.py", "test_bench_codec.py", "test_sparse.py",
-                 "test_device_ops.py", "test_backend_ddp.py", "test_host_reads.py")
+LONGEST_FIRST = ("test_codec.py", "test_dead_rank.py", "test_triton.py", "test_fsdp.py", "test_gpu_check.py",
+                 "test_perf_cli.py", "test_backend.py", "test_perf_format.py", "test_ddp.py", "test_launch.py",
+                 "test_cpu_kernels.py", "test_ci_rules.py", "test_faults.py", "test_soak.py", "test_netlab.py",
+                 "test_collectives.py", "test_fuzz.py", "test_hierarchical.py", "test_alltoall.py", "test_p2p.py",
+                 "test_bench_codec.py", "test_nccl.py", "test_device_plan.py", "test_sparse.py", "test_device_ops.py",
+                 "test_strict_transport.py", "test_backend_ddp.py", "test_host_reads.py", "test_perf_cuda.py")
 
 
 def pytest_collection_modifyitems(items):
