@@ -249,6 +249,41 @@ def test_needs_cuda_or_the_interpreter(monkeypatch):
         Lossless("triton").encode(torch.zeros(8, dtype=torch.bfloat16))
 
 
+def test_coding_runs_with_the_tensors_own_gpu_current(monkeypatch):
+    """Triton launches on the current CUDA device, the codec allocates on the tensor's: every
+    entry point makes the tensor's device current for the call (a stand-in for torch.cuda.device
+    records which, with cuda:0 current), and leaves the current one alone where they agree and on
+    CPU tensors."""
+    from zipccl.kernels import gpu
+    made_current = []
+
+    class Device:  # torch.cuda.device's stand-in
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            made_current.append(self.device)
+
+        def __exit__(self, *exc):
+            made_current.append("restored")
+
+    class OnGpu:  # what the guard reads of a CUDA tensor
+        def __init__(self, index):
+            self.is_cuda, self.device = True, torch.device("cuda", index)
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    during = []
+    call = gpu.on_its_device(lambda first, *args: during.append(list(made_current)) or len(during))
+    assert call(OnGpu(1), "more") == 1 and during[-1] == [torch.device("cuda", 1)]
+    assert made_current == [torch.device("cuda", 1), "restored"]
+    assert call([OnGpu(2), OnGpu(2)]) == 2 and during[-1][-1] == torch.device("cuda", 2)  # a list: its first
+    made_current.clear()
+    assert call(OnGpu(0)) == 3 and call(torch.zeros(2)) == 4 and made_current == []
+    for name in ("encode", "encode_into", "encode_many", "decode", "decode_into", "decode_many"):
+        assert getattr(gpu, name).__code__ is call.__code__, f"gpu.{name} runs on whatever device is current"
+
+
 def _run(code_or_args, env_drop=("TRITON_INTERPRET",), timeout=300):
     env = {k: v for k, v in os.environ.items() if k not in env_drop}
     return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, env=env, timeout=timeout)

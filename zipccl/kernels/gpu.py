@@ -41,6 +41,7 @@ serial chain (docs/GPU.md).
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import numpy as np
@@ -517,6 +518,23 @@ def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: t
                              PARTS=parts is not None, **_shape_args(layout))
 
 
+def on_its_device(fn):
+    """Run ``fn`` with the current CUDA device set to that of its first argument (a tensor, or a
+    list of them): Triton launches on the current device, while the codec allocates on the
+    tensor's, so a tensor on another GPU than the current one would be coded there, through
+    pointers of another device and out of order with its own stream. A no-op on the current
+    device and on CPU tensors."""
+    @functools.wraps(fn)
+    def run(first, *args, **kwargs):
+        t = first[0] if isinstance(first, (list, tuple)) else first
+        if t.is_cuda and t.device.index != torch.cuda.current_device():
+            with torch.cuda.device(t.device):
+                return fn(first, *args, **kwargs)
+        return fn(first, *args, **kwargs)
+    return run
+
+
+@on_its_device
 def encode(x: torch.Tensor, block_size: int, checksum: bool) -> torch.Tensor:
     n, dev = x.numel(), x.device
     # The plan on the device (kernels/device_plan.py): the host reads only the two data section
@@ -556,6 +574,7 @@ def _template(dtype: torch.dtype, n: int, block_size: int, device: torch.device)
     return _TEMPLATES[key]
 
 
+@on_its_device
 def encode_into(x: torch.Tensor, out: torch.Tensor, block_size: int) -> torch.Tensor:
     """The packet of ``encode`` (without checksum) written to the front of ``out`` (uint8 on x's
     device, at least the codec's bound), its size returned as an int64 tensor there: the host
@@ -566,6 +585,7 @@ def encode_into(x: torch.Tensor, out: torch.Tensor, block_size: int) -> torch.Te
     return _encode_packets(x, None, x.numel(), out, 0, block_size)[0]
 
 
+@on_its_device
 def encode_many(parts: list[torch.Tensor], out: torch.Tensor, slot: int, block_size: int) -> torch.Tensor:
     """``encode_into`` of each of ``parts`` (1-D, one dtype, numel and storage), packet k at
     ``out[k * slot:]``, in one launch sequence: their sizes as an int64 tensor on the device.
@@ -599,6 +619,7 @@ def _encode_packets(x: torch.Tensor, parts: torch.Tensor | None, n: int, out: to
     return pl.size
 
 
+@on_its_device
 def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
     # The header is validated on the host before any launch; the block index on the device
     # (device_plan.index), its verdict read with the blocks' errors at the end (_raise_first).
@@ -614,6 +635,7 @@ def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPac
     return out
 
 
+@on_its_device
 def decode_into(packet: torch.Tensor, out: torch.Tensor, block_size: int) -> Verdict:
     """Decode into ``out`` (its numel and dtype are what the packet must hold, in blocks of
     ``block_size``) without the host reading anything: the header is checked on the device
@@ -629,6 +651,7 @@ def decode_into(packet: torch.Tensor, out: torch.Tensor, block_size: int) -> Ver
     return short or _decode_packets(packet, None, [packet.numel()], out, out.numel(), block_size)[0]
 
 
+@on_its_device
 def decode_many(packets: list[torch.Tensor], outs: list[torch.Tensor], block_size: int) -> list[Verdict]:
     """``decode_into`` of each packet into its out (packets: 1-D uint8 of one storage, at 4-byte
     aligned offsets; outs: of one dtype, numel and storage), in one launch sequence: their

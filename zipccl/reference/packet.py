@@ -61,6 +61,11 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     return host.numpy()
 
 
+#: Pinned host copies that a CUDA graph captured a copy from: each replay copies from that address
+#: again, so they are never freed (nor reused for other data, as a freed pinned block would be).
+_CAPTURED_SOURCES: list = []
+
+
 def to_device(data: bytes | np.ndarray, device: torch.device) -> torch.Tensor:
     """``data`` (bytes as uint8, or an array as its dtype) on ``device``; to CUDA from pinned
     memory on the current stream, without the host waiting (a first call is no synchronising
@@ -69,7 +74,10 @@ def to_device(data: bytes | np.ndarray, device: torch.device) -> torch.Tensor:
         torch.from_numpy(np.ascontiguousarray(data))
     if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    pinned = host.pin_memory()
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED_SOURCES.append(pinned)
+    return pinned.to(device, non_blocking=True)
 
 
 def host_bytes(packet: torch.Tensor, start: int, stop: int) -> np.ndarray:
