@@ -162,6 +162,40 @@ def test_exact_sum_inputs_have_zero_wrong(pool, size, n, algorithm):
         assert all(v == 0 for v in r.values()), r
 
 
+def _as_on_torchs_nccl(rank, groups, size, n):
+    """_verifiable_in with the group's TorchTransport as on torch's NCCL: each group's sends and
+    receives issued together at its end (batch_isend_irecv), exact receives (the strict transport's
+    rules, which it keeps, but not its checks), one lane; also how many batches went out."""
+    from zipccl.transport.torch_dist import TorchTransport
+    if rank >= size:
+        return None
+    t = TorchTransport.of(groups[size])
+    real, issued = (t.batches, t._upward, t.strict, dist.batch_isend_irecv), [0]
+
+    def counted(ops):
+        issued[0] += 1
+        return real[3](ops)
+
+    assert not t.loose_receives
+    t.batches, t._upward, t.strict, dist.batch_isend_irecv = True, None, None, counted
+    try:
+        with piece_bytes(SMALL_PIECE_BYTES):
+            return _verifiable_in(groups[size], rank, size, n), issued[0]
+    finally:
+        t.batches, t._upward, t.strict, dist.batch_isend_irecv = real
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_sends_and_receives_batched_as_on_torchs_nccl(pool, size):
+    """On torch's NCCL, TorchTransport issues each group's sends and receives together at its end
+    (a lone send and receive of two ranks to each other would block each other there): every
+    collective, codec and dtype still gives exactly the sum, on gloo ranks made to batch."""
+    for r in pool.run(_as_on_torchs_nccl, size, 600_007, timeout=240)[:size]:
+        assert not isinstance(r, BaseException), r
+        wrong, issued = r
+        assert all(v == 0 for v in wrong.values()) and issued >= 12, r
+
+
 def _batched(rank, groups, size, n):
     """_verifiable_in as on CUDA: each piece's reduce-scatter packets encoded into one buffer,
     their sizes read at once (pipeline.batches), and the packets that landed decoded with

@@ -307,6 +307,10 @@ def nccl_group(request, monkeypatch):
     for name in ("isend", "irecv"):
         monkeypatch.setattr(dist, name, lambda x, *a, _n=name, **k: sent.append((_n, x.device.type, x.dtype,
                                                                                 x.numel())) or _Work())
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, **k: types.SimpleNamespace(op=op, tensor=tensor, **k))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [  # what torch's NCCL takes as one group
+        sent.append((op.op.__name__, op.tensor.device.type, op.tensor.dtype, op.tensor.numel())) or _Work()
+        for op in ops])
     t = TorchTransport(object())
     assert t.meta_device == META and (t.strict is not None) == request.param
     return t, sent, request.param

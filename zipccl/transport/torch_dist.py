@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import threading
 import time
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from torch._C._distributed_c10d import AllgatherOptions
+from torch.distributed import distributed_c10d as c10d
 from torch.overrides import has_torch_function
 
 from .. import config
@@ -113,6 +115,15 @@ def underneath(group, device: torch.device):
     return pg._get_backend(device) if dist.get_backend(group) == "zipccl" else None
 
 
+class _Batched:
+    """A send or receive of a group (TorchTransport._batched) until the group ends and issues it:
+    then its work."""
+    __slots__ = ("work",)
+
+    def __init__(self):
+        self.work = None
+
+
 class _Staged:
     """A receive into ``wire`` (on the group's device) for ``host``, a tensor elsewhere (a CPU
     size or status on an NCCL group), which ``TorchTransport.wait`` fills once it has come."""
@@ -183,9 +194,44 @@ class TorchTransport(Transport):
         self.own_timeout = _own_timeout(group, self.meta_device)
         self.loose_receives = self.tags = gloo and self.strict is None
         self._pg = direct_group(group)  # native's direct calls
+        self.batches = self.backend == "nccl"  # grouped() issues its operations together (_batched)
+        self._local = threading.local()  # this thread's open batch: the async calls' thread has its own
 
     def grouped(self):
-        return self.strict.grouped() if self.strict is not None else super().grouped()
+        if self.strict is not None:
+            return self.strict.grouped()
+        return self._batched() if self.batches else super().grouped()
+
+    @contextlib.contextmanager
+    def _batched(self):
+        """The group's sends and receives collected, then issued at its end as one NCCL group
+        (batch_isend_irecv). torch's NCCL runs a lone send or receive on the stream of its pair of
+        ranks, in issue order: a rank's receive from a peer would wait behind its own send to that
+        peer, which waits for the peer's receive, behind the peer's own send, so two ranks sending
+        each other more than NCCL buffers would block each other for good."""
+        if getattr(self._local, "batch", None) is not None:
+            raise RuntimeError("TorchTransport.grouped() inside another group")
+        batch = self._local.batch = []
+        try:
+            yield
+        finally:
+            self._local.batch = None
+        if batch:
+            works = dist.batch_isend_irecv([op for op, _ in batch])
+            for i, (_, pending) in enumerate(batch):  # NCCL's coalesced group gives one work for all
+                pending.work = works[0] if len(works) == 1 else works[i]
+
+    def _issue(self, op, tensor, peer: int, group, tag: int):
+        """``op`` (dist.isend or dist.irecv) now, or into this thread's open batch."""
+        batch = getattr(self._local, "batch", None)
+        if batch is None:
+            if op is dist.isend:
+                return dist.isend(tensor, group=group, group_dst=peer, tag=tag)
+            return dist.irecv(tensor, group=group, group_src=peer, tag=tag)
+        pending = _Batched()
+        kind = c10d.isend if op is dist.isend else c10d.irecv  # P2POp takes torch's own functions only
+        batch.append((dist.P2POp(kind, tensor, group=group, tag=tag, group_peer=peer), pending))
+        return pending
 
     def global_rank(self, rank: int) -> int:
         return self._ranks[rank]
@@ -200,6 +246,10 @@ class TorchTransport(Transport):
         staged = work if isinstance(work, _Staged) else None
         if staged is not None:
             work = staged.work
+        if isinstance(work, _Batched):
+            if work.work is None:
+                raise RuntimeError("TorchTransport: a send or receive waited for inside its group, before it was issued")
+            work = work.work
         if self.strict is not None:
             self.strict.wait(work, lambda w: self._wait(w, timeout))
         else:
@@ -245,7 +295,7 @@ class TorchTransport(Transport):
         return self._isend(send, dst, tag)
 
     def _isend(self, send, dst, tag):
-        return dist.isend(send, group=self._lane(self.rank, dst), group_dst=dst, tag=tag)
+        return self._issue(dist.isend, send, dst, self._lane(self.rank, dst), tag)
 
     def irecv(self, recv, src, tag=0):
         wire = recv if recv.device == self.meta_device else torch.empty_like(recv, device=self.meta_device)
@@ -256,7 +306,7 @@ class TorchTransport(Transport):
         return work if wire is recv else _Staged(work, recv, wire)
 
     def _irecv(self, recv, src, tag):
-        return dist.irecv(recv, group=self._lane(src, self.rank), group_src=src, tag=tag)
+        return self._issue(dist.irecv, recv, src, self._lane(src, self.rank), tag)
 
     def native(self, name, *tensors, op=None):
         avg = self.backend == "gloo" and op == dist.ReduceOp.AVG  # (a ReduceOp's == costs a microsecond)
