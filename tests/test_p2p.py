@@ -172,6 +172,42 @@ def test_overlap_is_judged_by_bytes_where_contiguous_and_by_storage_where_not():
     assert not overlaps(x[0], torch.zeros(4)) and not overlaps(x[:0], x)
 
 
+def _two_of_four(rank, groups):
+    """Ranks 0 and 1 of the four exchange messages with the backend's own send and receive
+    (codec "native", and "auto" below its probe floor), ranks 2 and 3 take no part; zipccl's
+    transport is never asked for (it stands in raising), as on CUDA, where making it takes every
+    rank of the group."""
+    from zipccl import p2p
+
+    def refused(group, device):
+        raise AssertionError(f"zipccl's transport asked for, for a message on {device}")
+
+    real, p2p.transport_for = p2p.transport_for, refused
+    try:
+        if rank > 1:
+            return None
+        x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
+        got = torch.empty_like(x)
+        for codec in ("native", "auto"):
+            ops = [dist.P2POp(dist.isend, x, 1 - rank), dist.P2POp(dist.irecv, got, 1 - rank)]
+            for h in zipccl.batch_isend_irecv([zipccl.P2POp(op.op, op.tensor, op.peer, codec=codec) for op in ops]):
+                h.wait()
+            if not torch.equal(got, torch.arange(1000, dtype=torch.float32) * (2 - rank)):
+                return f"{codec}: wrong values"
+            zipccl.send(x, 1 - rank, codec=codec) if rank == 0 else zipccl.recv(got, 0, codec=codec)
+            zipccl.recv(got, 1, codec=codec) if rank == 0 else zipccl.send(x, 0, codec=codec)
+            if not torch.equal(got, torch.arange(1000, dtype=torch.float32) * (2 - rank)):
+                return f"{codec}: wrong values from send and recv"
+        return "ok"
+    finally:
+        p2p.transport_for = real
+
+
+def test_a_plain_message_between_two_ranks_needs_no_other_rank(pool):
+    res = pool.run(_two_of_four, timeout=60)
+    assert res == ["ok", "ok", None, None], res
+
+
 def _mismatch(rank, groups, case):
     """Rank 0 sends to rank 1, which disagrees in ``case``; both raise (others idle)."""
     g = groups[4]

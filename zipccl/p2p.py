@@ -74,10 +74,13 @@ class _Op:
             raise ValueError(f"{kind}: give exactly one of the peer's rank in the job and its rank in the group")
         self.peer = group_peer if group_peer is not None else dist.get_group_rank(pg, peer)
         topology.publish_node()  # before anything here may wait on a peer that looks ours up
-        self.t = transport_for(group, self.tensor.device)
-        if self.peer == self.t.rank:
+        if self.peer == dist.get_rank(pg):
             raise ValueError(f"{kind}: rank {dist.get_rank()} cannot {kind} to itself with zipccl")
         self.plan = _decide(codec, self.tensor, group, self.peer)
+        # zipccl's transport only for a framed message: on CUDA it is NcclTransport, whose
+        # communicators are made by every rank of the group together, which a message between two
+        # of them is not (the backend's own send and receive need none)
+        self.t = None if self.plan is NATIVE else transport_for(group, self.tensor.device)
         if self.plan is not NATIVE and not self.tensor.is_contiguous():
             raise UnsupportedError(f"{kind}'s tensor must be contiguous")
         self.sig = None if self.plan is NATIVE else Signature.of(self.tensor, codec, self.tag)  # framed only
@@ -291,7 +294,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
         return dist.recv(tensor, group=group, tag=tag)
     op = _Op("recv", tensor, src, group, tag, group_src, codec)
     _post_receive(op, False)
-    return op.t.global_rank(op.peer)
+    return dist.get_global_rank(group if group is not None else dist.group.WORLD, op.peer)
 
 
 def batch_isend_irecv(p2p_op_list: list) -> list:
