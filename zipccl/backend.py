@@ -310,9 +310,11 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             record_native(name)  # in zipccl.stats, as zipccl's own native calls are
         return own
 
-    def _run(self, fn, result, async_op: bool) -> dist.Work:
+    def _run(self, fn, result, async_op: bool, inputs=()) -> dist.Work:
         """``fn()`` through zipccl's queue (after every async call issued before it), inside
-        zipccl; a Work whose future's value is ``result`` (DDP reads its first tensor)."""
+        zipccl; a Work whose future's value is ``result`` (DDP reads its first tensor). An async
+        call's tensors, ``inputs`` too, are recorded on the stream it runs on: the caller may drop
+        an input while the call still reads it."""
         def call():
             with _Inside():
                 fn()
@@ -324,7 +326,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             except Exception as e:  # raised by wait(), which torch calls at once
                 return _finished(error=e)
             return _finished(result)
-        return _Work(executor.run(call, True, result))
+        return _Work(executor.run(call, True, [*result, *inputs]))
 
 
     # ---- the overrides --------------------------------------------------------------------------------------
@@ -371,7 +373,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             return self._inner_for(input)._allgather_base(output, input, _options(AllgatherOptions, opts))
         out, src = _data([output, input])
         return self._run(lambda: api.all_gather(out, src, group=self, codec=self.codec,
-                                                algorithm=self.options.algorithm), [output], async_op)
+                                                algorithm=self.options.algorithm), [output], async_op, [input])
 
     def reduce_scatter_single(self, output, input, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
@@ -384,7 +386,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         def fn():
             src = data if factor is None else data * factor
             api.reduce_scatter(out, src, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
-        return self._run(fn, [output], async_op)
+        return self._run(fn, [output], async_op, [input])
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """The list form (``dist.all_gather``): zipccl where every rank's tensor has the input's
@@ -405,7 +407,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             api.all_gather(flat, x, group=self, codec=self.codec, algorithm=self.options.algorithm)
             for j, o in enumerate(_data(outs)):
                 o.copy_(flat[j].view_as(o))
-        return self._run(fn, outs, async_op)
+        return self._run(fn, outs, async_op, inputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """The list form (``dist.reduce_scatter``): zipccl where every chunk has the output's
@@ -426,7 +428,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             if factor is not None:
                 flat.mul_(factor)
             api.reduce_scatter(out, flat, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
-        return self._run(fn, outputs, async_op)
+        return self._run(fn, outputs, async_op, inputs[0])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         async_op = getattr(opts, "asyncOp", True)
@@ -437,7 +439,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         def fn():
             for o, i in zip(_data(outputs), _data(inputs)):
                 api.all_gather(o, i, group=self, codec=self.codec, algorithm=self.options.algorithm)
-        return self._run(fn, list(outputs), async_op)
+        return self._run(fn, list(outputs), async_op, list(inputs))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
@@ -450,7 +452,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             for o, i in zip(_data(outputs), _data(inputs)):
                 api.reduce_scatter(o, i if factor is None else i * factor, zop, group=self, codec=self.codec,
                                    algorithm=self.options.algorithm)
-        return self._run(fn, list(outputs), async_op)
+        return self._run(fn, list(outputs), async_op, list(inputs))
 
     # ---- every other call: to the backend underneath, directly (see _inner_for) ----------------------------
 
@@ -487,7 +489,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                                                         list(input_split_sizes or []),
                                                         _options(dist.AllToAllOptions, opts))
         return self._run(lambda: alltoall.all_to_all_single(out, src, outs, ins, group=self, codec=self.codec,
-                                                            algorithm=self.options.algorithm), [output], async_op)
+                                                            algorithm=self.options.algorithm), [output], async_op,
+                         [input])
 
     alltoall_base = all_to_all_single
 
@@ -498,7 +501,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             return self._inner_for(_first(inputs)).alltoall(outputs, inputs, _options(dist.AllToAllOptions, opts))
         outs, ins = _data(outputs), _data(inputs)
         return self._run(lambda: alltoall.all_to_all(outs, ins, group=self, codec=self.codec,
-                                                     algorithm=self.options.algorithm), list(outputs), async_op)
+                                                     algorithm=self.options.algorithm), list(outputs), async_op,
+                         list(inputs))
 
     def allgather_coalesced(self, outputs, inputs, *args, **kwargs):
         return self._forward("allgather_coalesced", _first(inputs), outputs, inputs, *args, **kwargs)
