@@ -382,6 +382,52 @@ def test_the_round_is_fenced_and_a_broken_group_aborted():
     assert e.value.broken and e.value.rank == 3 and t.log == ["fence", "send 1", "send 2", "abort"], t.log
 
 
+def test_a_verdict_read_that_runs_out_breaks_the_group(monkeypatch):
+    """On CUDA a call's packets are judged by one read of their verdicts before the status round;
+    where the stream waits on a receive from a stopped peer that read would wait for good. It
+    waits config.wait_bound() (reference.packet.passed), then this rank has given up on the group:
+    no round (no peer of a broken group is waited on), its transport aborted, RankFailure."""
+    from zipccl.reference import packet
+
+    monkeypatch.setattr(failure, "read_all", lambda verdicts: packet.passed(_Never(), 0.05))
+    t = _Round(2, {0: 0, 1: 0, 3: 0})
+    fate = failure.Fate("all_reduce", 2)
+    fate.verdicts.append((3, object()))
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        fate.settle(t)
+    assert time.monotonic() - start < 5 and fate.gave_up and e.value.broken, e.value
+    assert t.log == ["fence", "abort"] and "within 0.05 s" in str(e.value), (t.log, str(e.value))
+
+
+class _Never:
+    """A CUDA event's stand-in that never passes."""
+
+    def query(self) -> bool:
+        return False
+
+
+def test_polling_an_event_stops_at_the_bound_and_returns_when_it_passes():
+    class Passes:  # passes at the fifth query
+        def __init__(self):
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries >= 5
+
+    from zipccl import errors
+    from zipccl.reference import packet
+
+    event = Passes()
+    packet.passed(event, 1.0)
+    assert event.queries == 5
+    start = time.monotonic()
+    with pytest.raises(errors.TimeoutError, match="within 0.2 s"):
+        packet.passed(_Never(), 0.2)
+    assert 0.2 <= time.monotonic() - start < 2
+
+
 def test_status_round_gave_up_raises():
     """Rank 0's connection closed in the round (forgiven alone: its call is whole), then this
     rank gave up on a slow rank 1: its connections are closed, so it raises here."""

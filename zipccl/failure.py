@@ -166,12 +166,23 @@ class Fate:
         its verdict is read with the call's others before the call settles (``_read_verdicts``)."""
         self.verdicts.append((t.global_rank(peer), verdict))
 
-    def _read_verdicts(self) -> None:
-        """The unread verdicts, in one read: a bad packet is its sender's failure (CORRUPT)."""
+    def _read_verdicts(self, t=None) -> None:
+        """The unread verdicts, in one read: a bad packet is its sender's failure (CORRUPT). The
+        read waits for the device, whose stream may wait on a receive from a peer that stopped:
+        at most config.wait_bound(), then this rank gave up on the group (``t``'s, where given)."""
         if not self.verdicts:
             return
         pending, self.verdicts = self.verdicts, []
-        for (rank, _), problem in zip(pending, read_all([v for _, v in pending])):
+        try:
+            problems = read_all([v for _, v in pending])
+        except TimeoutError as e:
+            self.gave_up = True
+            if t is not None:
+                self.lose(t, -1, e)
+            else:
+                self.fail(LOST, e, rank=-1)
+            return
+        for (rank, _), problem in zip(pending, problems):
             if problem is not None:
                 self.fail(CORRUPT, FormatError(problem), rank=rank)
 
@@ -270,7 +281,7 @@ class Fate:
         the peer in a next call; it raises here, as every survivor that waits on a hung rank does.
         The verdicts of packets decoded without a host read are read first, so that a corrupt
         one goes out in this rank's status."""
-        self._read_verdicts()
+        self._read_verdicts(t)
         if t.size > 1:
             known = self.first
             mine = torch.tensor([self.code], dtype=torch.int64)

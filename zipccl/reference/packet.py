@@ -10,13 +10,15 @@ fixed bank's (zipccl/bank.py), which each block's index entry names.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from numba import njit
 
-from ..errors import FormatError
+from .. import config
+from ..errors import FormatError, TimeoutError  # noqa: A004 - zipccl's, also the builtin's subclass
 from ..format import (CODEC_LOSSLESS, FLAG_CRC, HEADER_SIZE, INDEX_ENTRY, LAYOUTS, MAX_BLOCK_SIZE, MAXLEN,
                       MIN_BLOCK_SIZE, NSYM, RAW_BLOCK, FloatLayout, Header, prefix_sizes,
                       check_payload_crc, num_blocks, out_mismatch, parse_header)
@@ -46,19 +48,39 @@ def assemble(header: Header, sections: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def to_host(t: torch.Tensor) -> np.ndarray:
+def to_host(t: torch.Tensor, bound: float | None = None) -> np.ndarray:
     """``t``'s values on the host: the one way the codecs read the device. From CUDA, a copy into
     pinned memory and a wait on an event recorded after it: the host waits for the current
     stream's work up to the copy, as any read must, but through no synchronising torch operation,
-    so that torch's sync debug mode can check a call for any other."""
+    so that torch's sync debug mode can check a call for any other. ``bound``: at most that many
+    seconds, else errors.TimeoutError (the stream may wait on a receive from a dead peer)."""
     if t.device.type != "cuda":
         return t.cpu().numpy()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    done.synchronize()
+    if bound is None:
+        done.synchronize()
+    else:
+        passed(done, bound)
     return host.numpy()
+
+
+def passed(event, bound: float) -> None:
+    """Wait until ``event`` has passed, polling it (a wait on it has no limit): spinning for the
+    first millisecond, then in sleeps of at most a millisecond; errors.TimeoutError after
+    ``bound`` seconds."""
+    start = time.monotonic()
+    nap = 0.0
+    while not event.query():
+        waited = time.monotonic() - start
+        if waited > bound:
+            raise TimeoutError(f"the device did not reach a read of its results within {bound:g} s: its stream "
+                               "still waits, as on a receive from a peer that stopped")
+        if waited > 1e-3:
+            nap = min(1e-3, nap * 2 or 5e-5)
+            time.sleep(nap)
 
 
 #: Pinned host copies that a CUDA graph captured a copy from: each replay copies from that address
@@ -254,7 +276,7 @@ class Verdict:
 def read_all(verdicts: list) -> list:
     """Each verdict's problem (None where its packet was good), read from the device at once."""
     live = [v for v in verdicts if v.values is not None]
-    values = to_host(torch.cat([v.values for v in live])) if live else None
+    values = to_host(torch.cat([v.values for v in live]), config.wait_bound()) if live else None
     out, at = [], 0
     for v in verdicts:
         if v.values is None:
