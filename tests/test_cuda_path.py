@@ -698,6 +698,20 @@ def test_a_hung_peer_on_nccl_is_named_with_the_communicator_aborted(monkeypatch)
     assert (id(t), 2) in fate.lost
 
 
+def test_a_tensor_on_another_gpu_than_the_communicators_is_refused():
+    """NcclTransport's communicators live on the device that was current when they were made; a
+    tensor on another GPU is refused before anything is sent (NCCL would read it through that
+    device's pointers), with what to do."""
+    class OnGpu:  # what the check reads of a CUDA tensor
+        device = torch.device("cuda", 1)
+
+    t = object.__new__(NcclTransport)
+    t.rank, t.size, t._ranks, t.comm, t.mail_comm, t._open, t.device = 0, 2, [0, 1], _Comm(), _Comm(), [], 0
+    for send in (True, False):
+        with pytest.raises(UnsupportedError, match=r"cuda:1.*cuda:0.*set_device"):
+            t._p2p(OnGpu(), 1, send)
+
+
 # ---- NVML's view of the links feeds the planner -----------------------------------------------------------------
 
 def test_the_link_is_agreed_by_every_rank():

@@ -236,6 +236,11 @@ class NcclTransport(Transport):
             raise ZipcclError("NcclTransport: sends and receives are issued inside grouped() (NCCL's group call)")
         if self.comm is None:
             raise _aborted()
+        on = (tensor.tensor if isinstance(tensor, DeviceMail) else tensor).device
+        if on.type == "cuda" and on.index != self.device:
+            raise UnsupportedError(f"NcclTransport: a tensor on {on}, but this group's communicators are on "
+                                   f"cuda:{self.device}, the device that was current when they were made: call "
+                                   "torch.cuda.set_device() on every rank before its first zipccl call")
         from_device = isinstance(tensor, DeviceMail)
         if from_device:
             tensor = tensor.tensor
