@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from torch._C._distributed_c10d import AllgatherOptions
-from torch.distributed import distributed_c10d as c10d
 from torch.overrides import has_torch_function
 
 from .. import config
@@ -221,16 +220,17 @@ class TorchTransport(Transport):
             for i, (_, pending) in enumerate(batch):  # NCCL's coalesced group gives one work for all
                 pending.work = works[0] if len(works) == 1 else works[i]
 
-    def _issue(self, op, tensor, peer: int, group, tag: int):
-        """``op`` (dist.isend or dist.irecv) now, or into this thread's open batch."""
+    def _issue(self, send: bool, tensor, peer: int, group, tag: int):
+        """A send (``send``) or receive of ``tensor`` now, or into this thread's open batch."""
         batch = getattr(self._local, "batch", None)
         if batch is None:
-            if op is dist.isend:
+            if send:
                 return dist.isend(tensor, group=group, group_dst=peer, tag=tag)
             return dist.irecv(tensor, group=group, group_src=peer, tag=tag)
         pending = _Batched()
-        kind = c10d.isend if op is dist.isend else c10d.irecv  # P2POp takes torch's own functions only
-        batch.append((dist.P2POp(kind, tensor, group=group, tag=tag, group_peer=peer), pending))
+        c10d = dist.distributed_c10d  # P2POp takes torch's own functions only
+        batch.append((dist.P2POp(c10d.isend if send else c10d.irecv, tensor, group=group, tag=tag, group_peer=peer),
+                      pending))
         return pending
 
     def global_rank(self, rank: int) -> int:
@@ -295,7 +295,7 @@ class TorchTransport(Transport):
         return self._isend(send, dst, tag)
 
     def _isend(self, send, dst, tag):
-        return self._issue(dist.isend, send, dst, self._lane(self.rank, dst), tag)
+        return self._issue(True, send, dst, self._lane(self.rank, dst), tag)
 
     def irecv(self, recv, src, tag=0):
         wire = recv if recv.device == self.meta_device else torch.empty_like(recv, device=self.meta_device)
@@ -306,7 +306,7 @@ class TorchTransport(Transport):
         return work if wire is recv else _Staged(work, recv, wire)
 
     def _irecv(self, recv, src, tag):
-        return self._issue(dist.irecv, recv, src, self._lane(src, self.rank), tag)
+        return self._issue(False, recv, src, self._lane(src, self.rank), tag)
 
     def native(self, name, *tensors, op=None):
         avg = self.backend == "gloo" and op == dist.ReduceOp.AVG  # (a ReduceOp's == costs a microsecond)
