@@ -95,9 +95,15 @@ def routed(monkeypatch):
             if nccl_fails:
                 raise ZipcclError("no communicator (test)")
             return "NcclTransport"
+        def pair_of(group, src, dst):
+            made.append("pair")
+            if nccl_fails:
+                raise ZipcclError("no communicator (test)")
+            return f"NcclPair {src}>{dst}"
         monkeypatch.setattr(NcclTransport, "of", staticmethod(nccl_of))
-        monkeypatch.setattr(TorchTransport, "of", staticmethod(lambda group=None: made.append("torch") or
-                                                               "TorchTransport"))
+        monkeypatch.setattr(select.NcclPair, "of", staticmethod(pair_of))
+        monkeypatch.setattr(TorchTransport, "of", staticmethod(lambda group=None, messages=False: made.append(
+            "torch messages" if messages else "torch") or "TorchTransport"))
         return made
     return setup
 
@@ -113,9 +119,16 @@ def routed(monkeypatch):
     ("zipccl", "auto", True, "cpu", "TorchTransport"),
 ])
 def test_transport_for_follows_the_table(routed, backend_name, setting, extra, device, expected):
+    """A collective's transport is the group's; a point-to-point direction's (``pair``) is made by
+    its two ranks alone: NcclPair where the group's would be NcclTransport, else the group's
+    TorchTransport for messages, which has no second gloo group (made by the whole job)."""
     made = routed(backend_name, setting, extra)
     assert select.transport_for(None, torch.device(device)) == expected
     assert made == [expected.removesuffix("Transport").lower()]
+    made.clear()
+    nccl = expected == "NcclTransport"
+    assert select.transport_for(None, torch.device(device), pair=(2, 1)) == ("NcclPair 2>1" if nccl else expected)
+    assert made == ["pair" if nccl else "torch messages"]
 
 
 def test_transport_for_refuses_what_nothing_carries(routed):
@@ -132,6 +145,11 @@ def test_a_failed_communicator_falls_back_only_on_nccl_groups(routed):
     assert made == ["nccl", "torch"]
     assert select.transport_for(None, torch.device("cuda")) == "TorchTransport"  # not asked again
     assert made == ["nccl", "torch", "torch"]
+    made.clear()
+    with pytest.warns(RuntimeWarning, match="go through torch.distributed"):  # a pair's own fallback
+        assert select.transport_for(None, torch.device("cuda"), pair=(0, 1)) == "TorchTransport"
+    assert select.transport_for(None, torch.device("cuda"), pair=(0, 1)) == "TorchTransport"
+    assert made == ["pair", "torch messages", "torch messages"]
     for backend_name in ("zipccl", "gloo"):  # no torch backend there carries CUDA tensors: NCCL's error
         made = routed(backend_name, "auto", True, nccl_fails=True)
         made.clear()

@@ -500,6 +500,7 @@ def _nccl_stand_in(monkeypatch):
 
     t = object.__new__(cupy_nccl.NcclTransport)
     t.rank, t.size, t._ranks, t.comm, t.mail_comm, t._open = 0, 4, [0, 1, 2, 3], Comm(), Comm(), None
+    t._members = t._ranks
     work = cupy_nccl._Work(None, host=torch.zeros(1, dtype=torch.int64), mail=True)
     work.event = types.SimpleNamespace(query=lambda: False)
     return t, work

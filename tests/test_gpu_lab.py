@@ -188,9 +188,10 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
         return diffs
 
     def all_to_all_and_point_to_point():
-        """zipccl.all_to_all_single (equal splits) against the blocks each rank sends, and
-        zipccl.send / zipccl.recv between rank pairs (0-1, 2-3), bits differing; None where
-        this checkout has not those entry points."""
+        """zipccl.all_to_all_single (equal splits) against the blocks each rank sends, then
+        zipccl.send / zipccl.recv between rank pairs (0-1, 2-3), auto (native here, one node)
+        and lossless both ways in one batch (each direction on the NcclPair of its two ranks
+        alone), bits differing; None where this checkout has not those entry points."""
         if not all(hasattr(zipccl, f) for f in ("all_to_all_single", "send", "recv")):
             return None
         inputs = [_exact(r, n * K, torch.bfloat16) for r in range(n)]
@@ -205,7 +206,12 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
         else:
             zipccl.recv(theirs, peer)
             zipccl.send(mine, peer)
-        return _differences(got.cpu(), want)[0], _differences(theirs.cpu(), inputs[peer][:K])[0]
+        framed = torch.empty(K, dtype=torch.bfloat16, device="cuda")
+        for h in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, framed, peer, codec="lossless"),
+                                           zipccl.P2POp(zipccl.isend, mine, peer, codec="lossless")]):
+            h.wait()
+        return tuple(_differences(g.cpu(), w)[0] for g, w in ((got, want), (theirs, inputs[peer][:K]),
+                                                               (framed, inputs[peer][:K])))
 
     def hierarchical():
         """ZIPCCL_TOPOLOGY=2x2: the three collectives, against plain torch's sums, bits differing."""
@@ -312,7 +318,7 @@ def test_every_entry_point_on_cuda_tensors(monkeypatch):
     assert not problems, problems
     for r, out in enumerate(res):
         assert all(d == [0, 0, 0] for d in out["flat"].values()), (r, out["flat"])
-        assert out["all_to_all_and_point_to_point"] in (None, (0, 0)), (r, out["all_to_all_and_point_to_point"])
+        assert out["all_to_all_and_point_to_point"] in (None, (0, 0, 0)), (r, out["all_to_all_and_point_to_point"])
         assert all(d == [0, 0, 0] for d in out["hierarchical"].values()), (r, out["hierarchical"])
         for name in ("fsdp2_dropin", "fsdp2_zipccl_comms"):
             assert out[name] < 1e-5, (r, name, out[name])

@@ -159,6 +159,66 @@ def test_bootstrap_alike_on_every_rank(n, monkeypatch):
     assert all(v[4] == ["TorchTransport", "NcclError", "NcclError"] for v in got.values()), got
 
 
+def _pair(rank: int, port: int, timeout: float, results) -> None:
+    """Ranks 1 and 2 of three make the NcclPair of rank 1's messages to rank 2 (rank 2 twice,
+    where ``timeout`` says how long rank 1 waits for it, rank 1 not at all), while rank 0 waits
+    in a barrier: it takes no part."""
+    import torch
+    import torch.distributed as dist
+
+    from zipccl import config
+    from zipccl.transport.nccl_pair import NcclPair
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_SOCKET_IFNAME="lo")
+    config.TIMEOUT = timeout
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=datetime.timedelta(seconds=60))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    outcome, seen = None, {}
+    real = NcclPair._connect
+
+    def spy(self, uid):
+        seen["uid"] = uid.hex()
+        return real(self, uid)
+
+    NcclPair._connect = spy
+    if rank == 1 or (rank == 2 and timeout > 5):
+        t0 = time.perf_counter()
+        try:
+            NcclPair(None, 1, 2)
+            outcome = ("made", "")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            outcome = (type(e).__name__, str(e))
+        outcome = (*outcome, seen.get("uid"), time.perf_counter() - t0)
+    dist.barrier()
+    results.put((rank, outcome))
+    dist.destroy_process_group()
+
+
+def test_a_pair_is_made_by_its_two_ranks_alone(monkeypatch):
+    """The communicators of one direction's messages (zipccl.p2p on CUDA) are made by the two
+    ranks alone, through the job's store: both get the sender's ids and then the same outcome
+    (without a GPU each, the same NcclError), while the third rank of the group does nothing."""
+    import torch
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    got, _ = spawn(_pair, 3, (free_port(), 60.0), seconds=120, stop_on_crash=True)
+    assert sorted(got) == [0, 1, 2] and got[0] is None, got
+    (kind, message, uid, seconds), theirs = got[1], got[2]
+    assert theirs[:3] == (kind, message, uid) and len(uid) == 512 and uid != "00" * 256, got
+    assert max(seconds, theirs[3]) < 60, got
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        assert kind == "made", message
+        return
+    assert kind == "NcclError" and "messages from rank 1 to rank 2" in message and "NCCL_ERROR" in message, message
+
+
+def test_a_pair_whose_other_end_never_comes_is_given_up_within_the_bound(monkeypatch):
+    """The sender's end waits for the receiver's at most ZIPCCL_TIMEOUT, then says whom it waited for."""
+    got, _ = spawn(_pair, 3, (free_port(), 2.0), seconds=60, stop_on_crash=True)
+    assert got[0] is None and got[2] is None, got
+    kind, message, uid, seconds = got[1]
+    assert kind == "NcclError" and "rank 2 did not join" in message and 2 <= seconds < 5, got
+
+
 def test_nvml_link():
     """pynvml (nvidia-ml-py) is installed. Without a CUDA device there is no driver: NVML cannot
     start, and the topology says "unknown". With one, NVML starts and names the link of its GPUs
@@ -217,6 +277,7 @@ def _pending_transport(monkeypatch, mail: bool = False):
     from zipccl.transport.cupy_nccl import NcclTransport, _Work
     t = object.__new__(NcclTransport)
     t.comm, t.mail_comm, t.device, t.rank, t._ranks = _Comm(), _Comm(), "cpu", 0, [0, 1]
+    t._members = t._ranks
     _Comm.aborted = False
     stream = _Stream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)

@@ -208,6 +208,76 @@ def test_a_plain_message_between_two_ranks_needs_no_other_rank(pool):
     assert res == ["ok", "ok", None, None], res
 
 
+def _made_where_issued(rank, groups, token):
+    """Ranks 0 and 1 exchange framed messages both ways in one batch, with each direction's
+    transport a stand-in for NcclPair, which the message's two ends make together: it meets the
+    other end through the job's store (for 20 s at most), then gives the group's transport for
+    messages. Returns (received right, [(sender, receiver, made on the caller's thread)])."""
+    import threading
+
+    from zipccl import p2p
+    from zipccl.transport import store
+    from zipccl.transport.torch_dist import TorchTransport
+    if rank > 1:
+        return None
+    made = []
+
+    def meeting(group, device, pair=None):
+        key = f"test/{token}/{pair[0]}>{pair[1]}"
+        store.own().set(f"{key}/{rank}", "")
+        store.wait(f"{key}/{1 - rank}", 20.0)
+        made.append((*pair, threading.current_thread() is threading.main_thread()))
+        return TorchTransport.of(group, messages=True)
+
+    real, p2p.transport_for = p2p.transport_for, meeting
+    try:
+        x = activations(5_000, seed=rank).to(torch.bfloat16)
+        got = torch.empty_like(x)
+        for h in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, got, 1 - rank, codec="lossless"),
+                                           zipccl.P2POp(zipccl.isend, x, 1 - rank, codec="lossless")]):
+            h.wait()
+    finally:
+        p2p.transport_for = real
+    return torch.equal(bits(got), bits(activations(5_000, seed=1 - rank).to(torch.bfloat16))), sorted(made)
+
+
+def test_a_directions_transport_is_made_on_the_thread_that_issues_it(pool):
+    """A send's on the caller's thread, a receive's on zipccl's async thread, never in the call
+    that queues the receive: there, two ranks receiving first would each wait for the other."""
+    import secrets
+    res = pool.run(_made_where_issued, secrets.token_hex(4), timeout=60)
+    assert res[0] == (True, [(0, 1, True), (1, 0, False)]), res
+    assert res[1] == (True, [(0, 1, False), (1, 0, True)]), res
+
+
+def _first_calls(rank: int, port: int, results) -> None:
+    """In a fresh job of four, the first zipccl calls are framed messages between ranks 0 and 1,
+    both ways in one batch, then a send and a receive; ranks 2 and 3 wait in a barrier, which
+    they would leave to no one where the messages' transport were made by the whole job."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=60))
+    outcome = None
+    if rank < 2:
+        x = activations(20_000, seed=rank).to(torch.bfloat16)
+        got, again = torch.empty_like(x), torch.empty_like(x)
+        for h in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, got, 1 - rank, codec="lossless"),
+                                           zipccl.P2POp(zipccl.isend, x, 1 - rank, codec="lossless")]):
+            h.wait()
+        zipccl.send(x, 1, codec="lossless") if rank == 0 else zipccl.recv(again, 0, codec="lossless")
+        want = activations(20_000, seed=1 - rank).to(torch.bfloat16)
+        outcome = torch.equal(bits(got), bits(want)) and (rank == 0 or torch.equal(bits(again), bits(want)))
+    dist.barrier()
+    results.put((rank, outcome))
+    dist.destroy_process_group()
+
+
+def test_a_framed_message_between_two_ranks_needs_no_other_rank():
+    from zipccl.launch import free_port
+    got, _ = spawn(_first_calls, 4, (free_port(),), seconds=60)
+    assert got == {0: True, 1: True, 2: None, 3: None}, got
+
+
 def _mismatch(rank, groups, case):
     """Rank 0 sends to rank 1, which disagrees in ``case``; both raise (others idle)."""
     g = groups[4]

@@ -18,6 +18,10 @@ posted on the caller's thread (after the collectives issued before it) and compl
 does block: a blocking ``recv`` before the send its peer waits for (on any backend), and a
 collective issued between a receive and the send its peer waits for, on both ranks (the
 collective waits for the receive; docs/USAGE.md).
+
+A framed message's transport is its direction's (``transport_for(..., pair=...)``), made by
+its two ranks alone on the thread that issues it, with the first message in that direction: on
+CUDA an NcclPair, whose communicators no other rank and no other thread of these ranks uses.
 """
 
 from __future__ import annotations
@@ -77,14 +81,22 @@ class _Op:
         if self.peer == dist.get_rank(pg):
             raise ValueError(f"{kind}: rank {dist.get_rank()} cannot {kind} to itself with zipccl")
         self.plan = _decide(codec, self.tensor, group, self.peer)
-        # zipccl's transport only for a framed message: on CUDA it is NcclTransport, whose
-        # communicators are made by every rank of the group together, which a message between two
-        # of them is not (the backend's own send and receive need none)
-        self.t = None if self.plan is NATIVE else transport_for(group, self.tensor.device)
+        self.t = None  # zipccl's transport, for a framed message only: ``transport()``
         if self.plan is not NATIVE and not self.tensor.is_contiguous():
             raise UnsupportedError(f"{kind}'s tensor must be contiguous")
         self.sig = None if self.plan is NATIVE else Signature.of(self.tensor, codec, self.tag)  # framed only
         self.seq = None
+
+    def transport(self):
+        """The transport of this framed message's direction, made on first use: on CUDA the
+        NcclPair of its two ranks (zipccl.transport.nccl_pair), so it is asked for on the thread
+        that issues the message (a send's caller, a receive's async thread), never by the call
+        that queues a receive, which must not wait for its sender."""
+        if self.t is None:
+            me = dist.get_rank(self.group if self.group is not None else dist.group.WORLD)
+            pair = (me, self.peer) if self.kind == "send" else (self.peer, me)
+            self.t = transport_for(self.group, self.tensor.device, pair=pair)
+        return self.t
 
 
 def _decide(codec, x: torch.Tensor, group, peer: int):
@@ -117,7 +129,8 @@ _seqs: dict = {}  # (group name, kind, peer's job rank) -> framed messages so fa
 
 
 def _next_seq(op: _Op) -> int:
-    key = (_group_name(op.group), op.kind, op.t.global_rank(op.peer))
+    pg = op.group if op.group is not None else dist.group.WORLD
+    key = (_group_name(op.group), op.kind, dist.get_global_rank(pg, op.peer))
     with _seq_lock:
         n = _seqs.get(key, 0)
         _seqs[key] = n + 1
@@ -187,8 +200,8 @@ def _send(op: _Op):
     """Post ``op``'s message on this thread; its handle."""
     if op.plan is NATIVE:
         return _native_send(op)
-    fate, acc = Fate.of("send", op.t), new_acc()
     op.seq = _next_seq(op)
+    fate, acc = Fate.of("send", op.transport()), new_acc()
     flat = op.tensor.reshape(-1)
     sends = send_message(op.t, flat, op.peer, op.plan, op.sig, acc, fate)
     me, peer = op.t.global_rank(op.t.rank), op.t.global_rank(op.peer)
@@ -219,7 +232,7 @@ def _receive(op: _Op):
         work = _native_recv(op)
         work.wait()
         return None
-    fate, acc = Fate.of("recv", op.t), new_acc()
+    fate, acc = Fate.of("recv", op.transport()), new_acc()
     me, peer = op.t.global_rank(op.t.rank), op.t.global_rank(op.peer)
     problem = receive_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)
     try:

@@ -22,17 +22,15 @@ and sends one-byte stand-ins, as the collectives do.
 
 from __future__ import annotations
 
-import datetime
-import threading
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from .. import config
 from .. import format as F
 from ..errors import FormatError, MismatchError
 from ..failure import ENCODE, OTHER, SIZE, Fate, describe
+from ..transport import store
 from .links import PLAIN
 from .metadata import _TAG_P2P, timed
 from .pipeline import decode_to, pieces
@@ -234,51 +232,26 @@ def _decode(codec, packet: torch.Tensor, out: torch.Tensor, fate: Fate, t, peer:
         timed(acc, "codec_seconds", decode_to, codec, packet, out, fate, t, peer)
 
 
-_connections = threading.local()
-
-
 class Verdict:
-    """The receiver's word on one message, through the job's store: its signature and status (0,
-    1 for a mismatch, else a poison code of zipccl.failure). Key: the group, the pair (job ranks)
-    and the message's number on that pair, counted alike by both ends."""
+    """The receiver's word on one message, through the job's store (on this thread's own
+    connection: zipccl.transport.store): its signature and status (0, 1 for a mismatch, else a
+    poison code of zipccl.failure). Key: the group, the pair (job ranks) and the message's number
+    on that pair, counted alike by both ends."""
 
     def __init__(self, group_name: str, src: int, dst: int, seq: int):
         self.key = f"zipccl/p2p/{group_name}/{src}>{dst}/{seq}"
 
-    @staticmethod
-    def _store():
-        """The job's store through this thread's own connection: a store client serves one request
-        at a time, so a sender waiting for its verdict on one thread would hold back the verdict
-        that another thread of the same rank gives (in a ring of sends, every rank waits forever)."""
-        store = dist.distributed_c10d._get_default_store()
-        own = getattr(_connections, "own", None)
-        if own is None or own[0] is not store:
-            try:
-                clone = store.clone()
-            except Exception:  # noqa: BLE001 - a store without clone() (in-process)
-                clone = store
-            _connections.own = own = (store, clone)
-        return own[1]
-
     def give(self, sig: Signature, status: int) -> None:
-        self._store().set(self.key, ",".join(map(str, [status, *sig.values()])))
+        store.own().set(self.key, ",".join(map(str, [status, *sig.values()])))
 
     def ready(self) -> bool:
-        return self._store().check([self.key])
+        return store.own().check([self.key])
 
     def take(self, timeout: float | None) -> tuple[int, Signature]:
         """(status, the receiver's signature), waiting at most ``timeout`` seconds (None: the
         store's own); raises TimeoutError past it."""
-        store = self._store()
-        try:
-            if timeout is None:
-                store.wait([self.key])
-            else:
-                store.wait([self.key], datetime.timedelta(seconds=timeout))
-        except RuntimeError as e:  # the store's timeout (DistStoreError)
-            raise TimeoutError(str(e)) from e
-        status, *values = (int(v) for v in store.get(self.key).decode().split(","))
-        store.delete_key(self.key)
+        status, *values = (int(v) for v in store.wait(self.key, timeout).decode().split(","))
+        store.own().delete_key(self.key)
         return status, Signature(*values)
 
 

@@ -97,6 +97,7 @@ class NcclTransport(Transport):
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
+        self._members = self._ranks  # the job ranks its communicators join, whose heartbeats a long wait reads
         backend = dist.get_backend(group)
         self._cpu = backend != "nccl"  # where the group's own collectives take CPU tensors
         self._open: list | None = None
@@ -126,21 +127,26 @@ class NcclTransport(Transport):
         self.unique_id = bytes(ids.cpu().tolist())
         return self.unique_id
 
+    def _comm_rank(self, rank: int) -> int:
+        """``rank`` of the group as its communicators number it (the same here; NcclPair's differ)."""
+        return rank
+
     def _connect(self, uid: bytes) -> Exception | None:
         """This rank's two communicators (``uid``: their ids, one after the other); the exception
         where NCCL or CUDA refused them."""
         if not any(uid):
             return UnsupportedError("rank 0 could not load NCCL")
         bulk, mail = uid[:128], uid[128:]
+        size, rank = len(self._members), self._comm_rank(self.rank)
         try:
             if not torch.cuda.is_available():  # NCCL is still asked, so that its own error is the one reported
-                self.comm = self.nccl.NcclCommunicator(self.size, bulk, self.rank)
+                self.comm = self.nccl.NcclCommunicator(size, bulk, rank)
                 raise UnsupportedError("torch has no CUDA device here: NcclTransport takes torch CUDA tensors")
             import cupy
             self.device = torch.cuda.current_device()
             with cupy.cuda.Device(self.device):
-                self.comm = self.nccl.NcclCommunicator(self.size, bulk, self.rank)
-                self.mail_comm = self.nccl.NcclCommunicator(self.size, mail, self.rank)
+                self.comm = self.nccl.NcclCommunicator(size, bulk, rank)
+                self.mail_comm = self.nccl.NcclCommunicator(size, mail, rank)
             self.stream = torch.cuda.Stream(self.device)
             self.mail_stream = torch.cuda.Stream(self.device)
         except Exception as e:  # noqa: BLE001 - NcclError, CUDARuntimeError: every rank must hear of it
@@ -254,7 +260,7 @@ class NcclTransport(Transport):
                     keep = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
                     staged.copy_(keep, non_blocking=True)
                 tensor = staged
-        flat = tensor.view(-1).view(torch.uint8)
+        flat, peer = tensor.view(-1).view(torch.uint8), self._comm_rank(peer)
         name, _ = nccl_stack.DTYPES[torch.uint8]
         try:
             if send:
@@ -322,7 +328,7 @@ class NcclTransport(Transport):
             if now > look:  # a long wait: is a rank of the group silent?
                 look = now + heartbeat.period()
                 board = heartbeat.board()
-                silent = board.silent(self._ranks) if board is not None else {}
+                silent = board.silent(self._members) if board is not None else {}
                 if silent:
                     self._give_up("no heartbeat from rank(s) " + ", ".join(
                         f"{r} for {age:.1f} s" for r, age in sorted(silent.items())))

@@ -23,6 +23,7 @@ on any other group, and with "nccl", NCCL's error is raised, never hidden.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
@@ -33,6 +34,7 @@ from ..errors import UnsupportedError, ZipcclError
 from . import nccl_stack
 from .base import Transport
 from .cupy_nccl import NcclTransport
+from .nccl_pair import NcclPair
 from .torch_dist import TorchTransport
 
 __all__ = ["transport_for", "choose"]
@@ -63,25 +65,32 @@ def choose(device: str | None, backend: str, setting: str, extra: bool) -> str:
                            f"needs CuPy with NCCL: {_EXTRA}")
 
 
-def transport_for(group, device) -> Transport:
+def transport_for(group, device, pair: tuple[int, int] | None = None) -> Transport:
     """The transport of a call that compresses on ``group`` with tensors on ``device`` (None: not
     a tensor): TorchTransport.of(group) for CPU tensors, NcclTransport (made here on first use)
-    or TorchTransport for CUDA ones, as ``choose`` says."""
+    or TorchTransport for CUDA ones, as ``choose`` says. ``pair`` (sender, receiver: group ranks):
+    the transport of point-to-point messages in that direction, which those two ranks make alone:
+    on CUDA an NcclPair (zipccl.transport.nccl_pair) where ``choose`` says "nccl", else the
+    group's TorchTransport for messages."""
+    messages = pair is not None
     if device is None or device.type != "cuda":
-        return TorchTransport.of(group)
+        return TorchTransport.of(group, messages)
     backend = dist.get_backend(group)
     if choose(device.type, backend, config.TRANSPORT, nccl_stack.extra_installed()) == "torch":
-        return TorchTransport.of(group)
+        return TorchTransport.of(group, messages)
+
+    def make():
+        return NcclTransport.of(group) if pair is None else NcclPair.of(group, *pair)
     if config.TRANSPORT == "nccl" or backend != "nccl":
-        return NcclTransport.of(group)
-    key = group if group is not None else dist.GroupMember.WORLD
+        return make()
+    key = (group if group is not None else dist.GroupMember.WORLD, pair)
     if key in _refused:
-        return TorchTransport.of(group)
-    with _lock:
+        return TorchTransport.of(group, messages)
+    with _lock if pair is None else contextlib.nullcontext():  # a pair's making waits for its other end
         try:
-            return NcclTransport.of(group)
+            return make()
         except ZipcclError as e:
             _refused[key] = str(e)
             warnings.warn(f"zipccl: CUDA tensors on this group go through torch.distributed, not CuPy's NCCL: {e}",
                           RuntimeWarning, stacklevel=3)
-            return TorchTransport.of(group)
+            return TorchTransport.of(group, messages)

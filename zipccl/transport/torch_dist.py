@@ -166,16 +166,20 @@ class TorchTransport(Transport):
     CPU tensor is ever sent on an NCCL group."""
 
     @classmethod
-    def of(cls, group=None) -> "TorchTransport":
+    def of(cls, group=None, messages: bool = False) -> "TorchTransport":
         """The transport of ``group``, made once (its look-ups cost 25 us a call, a third of what
-        zipccl adds to a small call that goes to the backend)."""
+        zipccl adds to a small call that goes to the backend). ``messages``: the one of
+        point-to-point messages (zipccl.p2p), which two ranks of the group use alone, so it has
+        no second gloo group (``_twin``), whose making takes every rank of the job."""
         key = group if group is not None else dist.GroupMember.WORLD
+        if messages:
+            key = (key, "messages")
         t = _transports.get(key)
         if t is None:
-            t = _transports.setdefault(key, cls(group))
+            t = _transports.setdefault(key, cls(group, twin=not messages))
         return t
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, twin: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call zipccl.launch.init() or "
                                "torch.distributed.init_process_group() first")
@@ -187,7 +191,7 @@ class TorchTransport(Transport):
         self.backend = dist.get_backend(group)
         self.meta_device = wire_device(self.backend)
         gloo = _wire(self.backend) == "gloo"
-        self._upward = _twin(group) if gloo and self.size > 1 else None
+        self._upward = _twin(group) if twin and gloo and self.size > 1 else None
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
         self.strict = Strict(self.rank, self.meta_device) if config.STRICT_TRANSPORT else None
         self.own_timeout = _own_timeout(group, self.meta_device)
