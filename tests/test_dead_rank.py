@@ -428,6 +428,42 @@ def test_polling_an_event_stops_at_the_bound_and_returns_when_it_passes():
     assert 0.2 <= time.monotonic() - start < 2
 
 
+def test_a_device_read_runs_out_at_the_default_bound(monkeypatch):
+    """Every read of the device (reference.packet.to_host: a codec's sizes, a verdict, a
+    piece's sizes) waits at most config.wait_bound() where no bound is given: ZIPCCL_TIMEOUT,
+    else the default (here made 0.05 s); never for ever. CUDA's pinned copy and event stand in."""
+    from zipccl import config, errors
+    from zipccl.reference import packet
+
+    class OnGpu(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    monkeypatch.setattr(config, "TIMEOUT", None)
+    monkeypatch.setattr(config, "DEFAULT_TIMEOUT", 0.05)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *shape, pin_memory=False, **kw: empty(*shape, **kw))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda: None, query=lambda: False))
+    start = time.monotonic()
+    with pytest.raises(errors.TimeoutError, match="within 0.05 s"):
+        packet.to_host(torch.arange(4).as_subclass(OnGpu))
+    assert time.monotonic() - start < 2
+
+
+def test_a_codecs_device_read_that_runs_out_breaks_the_group_not_the_codec():
+    """An encode whose read of the device runs out (its stream waits on a receive from a peer
+    that stopped) is no failure of this rank's codec: this rank gave up on the group, and the
+    call raises RankFailure naming no rank of its own, the group broken."""
+    from zipccl.reference import packet
+    fate = failure.Fate("all_reduce", 2)
+    assert fate.guard(failure.ENCODE, lambda: packet.passed(_Never(), 0.05)) is None
+    assert fate.gave_up and fate.first == (-1, failure.LOST), fate.first
+    with pytest.raises(RankFailure) as e:
+        fate.settle(_Round(2, {0: 0, 1: 0, 3: 0}))
+    assert e.value.broken and e.value.rank != 2 and "within 0.05 s" in str(e.value), str(e.value)
+
+
 def test_status_round_gave_up_raises():
     """Rank 0's connection closed in the round (forgiven alone: its call is whole), then this
     rank gave up on a slow rank 1: its connections are closed, so it raises here."""

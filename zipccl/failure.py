@@ -144,9 +144,12 @@ class Fate:
             return None
         try:
             return fn(*args)
+        except TimeoutError as e:  # a read of the device ran out (reference.packet.passed): its stream
+            self.gave_up = True    # waits on a peer that stopped, not on this rank's codec
+            self.fail(LOST, e, rank=-1)
         except Exception as e:  # noqa: BLE001 - every failure must reach the peers
             self.fail(kind, e)
-            return None
+        return None
 
     def decode(self, t, peer: int, fn, *args):
         """``guard`` for decoding ``peer``'s packet: a FormatError (the packet failed validation)

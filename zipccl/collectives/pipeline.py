@@ -197,7 +197,7 @@ def on_host(coded: tuple) -> tuple[list, list[int]]:
     packets, sizes = coded
     if not isinstance(packets, Deferred):
         return packets, sizes
-    sizes = sizes.tolist()
+    sizes = to_host(sizes).tolist()
     return [packets.packet(j, size) for j, size in enumerate(sizes)], sizes
 
 

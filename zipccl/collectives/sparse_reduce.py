@@ -11,7 +11,7 @@ from .. import format as F
 from ..errors import FormatError, MismatchError
 from ..failure import DECODE, ENCODE, Fate
 from ..kernels import sparse
-from ..reference.packet import host_bytes
+from ..reference.packet import host_bytes, to_host
 from .algorithms import _acc_dtype
 from .metadata import Call, _meta_bytes, timed
 from .resolve import _OPS, _RAW
@@ -96,7 +96,7 @@ def _to_owners(t, flat: torch.Tensor, selected, bounds: list, op, codec, call: C
 
     def split():
         idx, values = selected
-        cut = _cuts(idx, bounds).tolist()
+        cut = to_host(_cuts(idx, bounds)).tolist()  # on CUDA a bounded read
         return [codec.encode_selected(idx[cut[j]:cut[j + 1]] - bounds[j], values[cut[j]:cut[j + 1]],
                                       bounds[j + 1] - bounds[j]) for j in range(n)]
 

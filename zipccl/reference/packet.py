@@ -49,27 +49,26 @@ def assemble(header: Header, sections: list[torch.Tensor]) -> torch.Tensor:
 
 
 def to_host(t: torch.Tensor, bound: float | None = None) -> np.ndarray:
-    """``t``'s values on the host: the one way the codecs read the device. From CUDA, a copy into
-    pinned memory and a wait on an event recorded after it: the host waits for the current
-    stream's work up to the copy, as any read must, but through no synchronising torch operation,
-    so that torch's sync debug mode can check a call for any other. ``bound``: at most that many
-    seconds, else errors.TimeoutError (the stream may wait on a receive from a dead peer)."""
+    """``t``'s values on the host: the one way the codecs and collectives read the device. From
+    CUDA, a copy into pinned memory and a wait on an event recorded after it: the host waits for
+    the current stream's work up to the copy, as any read must, but through no synchronising torch
+    operation, so that torch's sync debug mode can check a call for any other. The wait takes at
+    most ``bound`` seconds (None: config.wait_bound()), then errors.TimeoutError: the stream may
+    wait on a receive from a peer that stopped, and no read may block for ever."""
     if t.device.type != "cuda":
         return t.cpu().numpy()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    if bound is None:
-        done.synchronize()
-    else:
-        passed(done, bound)
+    passed(done, config.wait_bound() if bound is None else bound)
     return host.numpy()
 
 
 def passed(event, bound: float) -> None:
     """Wait until ``event`` has passed, polling it (a wait on it has no limit): spinning for the
-    first millisecond, then in sleeps of at most a millisecond; errors.TimeoutError after
+    first 2 ms (a codec's read: the device is about to finish), then in sleeps of at most 200 us,
+    so that a longer wait costs the host little and overshoots little; errors.TimeoutError after
     ``bound`` seconds."""
     start = time.monotonic()
     nap = 0.0
@@ -78,8 +77,8 @@ def passed(event, bound: float) -> None:
         if waited > bound:
             raise TimeoutError(f"the device did not reach a read of its results within {bound:g} s: its stream "
                                "still waits, as on a receive from a peer that stopped")
-        if waited > 1e-3:
-            nap = min(1e-3, nap * 2 or 5e-5)
+        if waited > 2e-3:
+            nap = min(2e-4, nap * 2 or 2e-5)
             time.sleep(nap)
 
 
