@@ -252,8 +252,8 @@ class _Round:
     def global_rank(self, rank: int) -> int:
         return rank
 
-    def fence(self) -> None:
-        self.log.append("fence")
+    def fence(self, *others) -> None:
+        self.log.append(" ".join(["fence", *(o.name for o in others)]))
 
     def abort(self) -> None:
         self.log.append("abort")
@@ -285,6 +285,33 @@ def _settle(rank: int, statuses: dict, fate: failure.Fate | None = None):
     except RankFailure as e:
         return e.rank, e.kind, e.broken
     return None
+
+
+class _Level:
+    """A hierarchical call's level transport, as the status round sees it: its name, its aborts."""
+
+    def __init__(self, name: str):
+        self.name, self.aborted = name, False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_a_broken_hierarchical_call_aborts_its_levels_too():
+    """A hierarchical call settles on the whole group after its levels' transports (fenced after
+    them: a peer that has this rank's status has its packets of every level) and, where the group
+    broke, aborts them with the whole group's: no level's operation stays pending on the device."""
+    levels = (_Level("intra"), _Level("inter"))
+    t = _Round(2, {0: 0, 1: None, 3: 0})
+    fate = failure.Fate("all_reduce", 2)
+    fate.lose(t, 1, RuntimeError("Connection closed by peer 1"))
+    with pytest.raises(RankFailure) as e:
+        fate.settle(t, levels)
+    assert e.value.rank == 1 and t.log[0] == "fence intra inter" and t.log[-1] == "abort", t.log
+    assert all(level.aborted for level in levels)
+    well = (_Level("intra"), _Level("inter"))
+    failure.Fate("all_reduce", 2).settle(_Round(2, {0: 0, 1: 0, 3: 0}), well)
+    assert not any(level.aborted for level in well)
 
 
 def test_rank_lost_in_status_round_ends_the_call_alike():

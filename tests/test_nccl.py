@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -324,5 +325,8 @@ def test_the_status_round_leaves_after_the_calls_packets(monkeypatch):
     t.mail_stream.wait_stream = t.mail_stream.waited.append
     t.fence()
     assert t.mail_stream.waited == ["bulk"]
+    inter, gloo = types.SimpleNamespace(stream="the nodes' level's bulk"), types.SimpleNamespace()
+    t.fence(t, inter, gloo)  # a hierarchical call's levels: those with streams (NCCL's) are waited for
+    assert t.mail_stream.waited == ["bulk", "bulk", "the nodes' level's bulk"]
     t.abort()
     assert _Comm.aborted and t.comm is None and t.mail_comm is None

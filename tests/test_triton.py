@@ -289,6 +289,65 @@ def _run(code_or_args, env_drop=("TRITON_INTERPRET",), timeout=300):
     return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
+class _Stream:
+    """A CUDA stream's stand-in: records the events it is made to wait for."""
+
+    def __init__(self, name: str):
+        self.name, self.waited = name, []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+class _Event:
+    """A CUDA event's stand-in, recorded on the current stream; passes once ``done`` is set."""
+
+    def __init__(self):
+        self.done = False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_table_uploaded_on_one_stream_is_waited_for_on_another(monkeypatch):
+    """kernels.constants: a kept table's upload is asynchronous on the stream of its first call;
+    a call on another stream waits for it by event until it is seen done, the uploading stream
+    needs no wait, and once done nobody waits; made inside a graph capture a table is not kept
+    (it holds its data only in the graph's replays), and a kept table that a capture read is never
+    evicted."""
+    from zipccl.kernels.constants import Constants
+    a, b = _Stream("a"), _Stream("b")
+    state = {"stream": a, "capturing": False}
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["stream"])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    gpu, made = torch.device("cuda", 0), []
+
+    def make(name):
+        return lambda: made.append(name) or name
+
+    tables = Constants(limit=2)
+    assert tables.get("t", gpu, make("t")) == "t" and made == ["t"]
+    assert tables.get("t", gpu, make("t")) == "t" and made == ["t"] and a.waited == []  # its own stream
+    state["stream"] = b
+    assert tables.get("t", gpu, make("t")) == "t" and len(b.waited) == 1 and made == ["t"]
+    upload = b.waited[0]
+    upload.done = True
+    assert tables.get("t", gpu, make("t")) == "t" and b.waited == [upload]  # done: no more waits
+    state["capturing"] = True
+    assert tables.get("in graph", gpu, make("in graph")) == "in graph"
+    assert tables.get("in graph", gpu, make("in graph")) == "in graph" and made == ["t", "in graph", "in graph"]
+    assert tables.get("t", gpu, make("t")) == "t"  # read by a capture: kept for good
+    state["capturing"] = False
+    for name in ("u", "v", "w"):
+        tables.get(name, gpu, make(name))
+    assert tables.get("t", gpu, make("t")) == "t" and made.count("t") == 1 and len(tables) == 2
+    assert tables.get("u", gpu, make("u")) == "u" and made.count("u") == 2  # evicted, made again
+
+
 def test_import_zipccl_never_imports_triton():
     r = _run(["-c", "import sys, zipccl, zipccl.codecs, zipccl.collectives, zipccl.ddp; "
                     "print('triton' in sys.modules)"])

@@ -232,8 +232,8 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         plan, fate = _Plan(codecs), Fate.of(name, whole)
         if codecs[1] is not C.NATIVE or config.CHECK_NATIVE:  # signature and auto reports, whole group
             C.Call(name, dtype, numel, op, plan).exchange(whole, [], None, fate)
-        hierarchical.run(name, levels, output, input, op, codecs, acc, fate)
-        C.timed(acc, "comm_seconds", fate.settle, whole)  # a failure on any level, in any node, reaches every rank
+        used = hierarchical.run(name, levels, output, input, op, codecs, acc, fate)
+        C.timed(acc, "comm_seconds", fate.settle, whole, used)  # a failure on any level, in any node, reaches every rank
         return plan
 
     def flat(codec, acc):

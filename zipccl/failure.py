@@ -268,9 +268,11 @@ class Fate:
                 self.lose(t, peer, e)
             return False
 
-    def settle(self, t) -> None:
+    def settle(self, t, others: tuple = ()) -> None:
         """The call's end on ``t``'s group: every rank's status to every other, pairwise; raises
-        RankFailure on every rank if any failed.
+        RankFailure on every rank if any failed. ``others``: the call's other transports (a
+        hierarchical call's levels), which the round is fenced after and, where the group broke,
+        aborted with ``t``.
 
         A peer lost in the round itself, where nothing had failed here before, does not fail
         the call on this rank: its status (well) had gone out already, and the peers that had
@@ -290,7 +292,7 @@ class Fate:
             mine = torch.tensor([self.code], dtype=torch.int64)
             got = torch.zeros(t.size, dtype=torch.int64)
             peers = [j for j in range(t.size) if j != t.rank and self.alive(t, j)]
-            t.fence()
+            t.fence(*others)
             with t.grouped():
                 sends = [(j, self.send(t, mine, j, TAG_STATUS)) for j in peers]
                 recvs = [(j, self.recv(t, got[j:j + 1], j, TAG_STATUS)) for j in peers]
@@ -303,7 +305,8 @@ class Fate:
             for value in heard:
                 self.heard(value)
         if self.first is not None and (self.lost or self.first[1] == LOST):
-            t.abort()  # the group is broken: no operation of the call stays pending (NCCL)
+            for u in (t, *others):  # the group is broken: no operation of the call stays pending (NCCL)
+                u.abort()
         self.check()
 
     def check(self) -> None:

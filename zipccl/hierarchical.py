@@ -95,11 +95,11 @@ def _node(fate: Fate, acc: dict, intra, fn, *args):
 
 
 def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op, codecs: tuple, acc: dict,
-        fate: Fate) -> None:
+        fate: Fate) -> tuple:
     """``name`` (all_reduce in place on ``input``, reduce_scatter, all_gather) over both levels;
     ``codecs`` = (intra, inter), each NATIVE, None or a codec object; the intra level may also be SHM.
     A failure on any level goes on poisoned through the others (zipccl.failure); the caller
-    settles ``fate`` on the whole group."""
+    settles ``fate`` on the whole group, after the levels' transports, which this returns."""
     nodes = len(levels.topology.nodes)
     local = levels.topology.local_size
     size = nodes * local
@@ -131,7 +131,7 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
         padded = flat if m * local == numel else torch.cat([flat, flat.new_zeros(m * local - numel)])
         if codecs[0] is SHM:
             _shm_all_reduce(levels, flat, padded, m, level_op, size if avg else 1, codecs[1], inter, acc, fate)
-            return
+            return intra, inter
         shard = torch.empty(m, dtype=flat.dtype, device=flat.device)
         intra_reduce_scatter(shard, padded)
         run_flat("all_reduce", inter, shard, shard, level_op, codecs[1], acc, fate=fate)
@@ -140,7 +140,7 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
         run_flat("all_gather", intra, padded, shard, None, codecs[0], acc, fate=fate)
         if padded is not flat:
             flat.copy_(padded[:numel])
-        return
+        return intra, inter
     index = _arrangement(levels, (output if name == "all_gather" else input).device)
     if name == "reduce_scatter":
         m = output.numel()
@@ -150,7 +150,7 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
         run_flat("reduce_scatter", inter, output.view(-1), node_sums, level_op, codecs[1], acc, fate=fate)
         if avg:
             output.div_(size)
-        return
+        return intra, inter
     m = input.numel()
     rows = output.view(size, m)
     if codecs[0] is SHM:  # the nodes' level gathers straight into this rank's slot
@@ -159,15 +159,16 @@ def run(name: str, levels: Levels, output: torch.Tensor, input: torch.Tensor, op
         run_flat("all_gather", inter, across, input.view(-1), None, codecs[1], acc, fate=fate)
         _node(fate, acc, intra, memory.publish)
         if fate.failed:
-            return
+            return intra, inter
         for j in range(local):  # local rank j's slot: the ranks (node i, local j), by node
             rows.index_copy_(0, index[j * nodes:(j + 1) * nodes], every[j].view(nodes, m))
-        return
+        return intra, inter
     across = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
     run_flat("all_gather", inter, across, input.view(-1), None, codecs[1], acc, fate=fate)
     arranged = torch.empty(size * m, dtype=input.dtype, device=input.device)
     run_flat("all_gather", intra, arranged, across, None, codecs[0], acc, fate=fate)
     rows.index_copy_(0, index, arranged.view(size, m))
+    return intra, inter
 
 
 def _shm_all_reduce(levels: Levels, flat, padded, m: int, op, divide: int, inter_codec, inter, acc: dict,

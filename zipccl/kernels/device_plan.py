@@ -35,23 +35,23 @@ from ..format import HEADER_SIZE, INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, SYM_ZER
 from ..reference import tables as T
 from ..reference.packet import to_device, to_host
 from ..reference.plan import _encoder_codes
+from .constants import Constants
 
 __all__ = ["DevicePlan", "Index", "Scratch", "VERDICT_ERRORS", "bank", "index", "plan", "read_index", "scratch"]
 
-_BANKS: dict = {}  # (dtype, device) -> the bank's tensors there, uploaded once
+_BANKS = Constants()  # (dtype, device) -> the bank's tensors there, uploaded once
 
 
 def bank(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bank of ``dtype`` on ``device``: code lengths, canonical codes and each symbol's bits
     (code plus an escape's raw field after it), all (BANK_SIZE, NSYM) int32; uploaded once per device,
-    asynchronously (reference.packet.to_device)."""
-    key = (dtype, device)
-    if key not in _BANKS:
+    asynchronously (kernels.constants)."""
+    def make():
         lengths = BANK[dtype]
-        _BANKS[key] = tuple(to_device(a, device) for a in (
+        return tuple(to_device(a, device) for a in (
             lengths.astype(np.int32), _encoder_codes(dtype).astype(np.int32),
             (lengths + T.extra_bits(LAYOUTS[dtype])).astype(np.int32)))
-    return _BANKS[key]
+    return _BANKS.get((dtype, device), device, make)
 
 
 TILE = 4  # blocks per program of _choose: its cost products are TILE x BANK_SIZE x NSYM int32 values

@@ -56,11 +56,11 @@ from ..format import (CODEC_LOSSLESS, FLAG_CRC, GPU_BLOCK_SIZE, HEADER_SIZE, LAY
 from ..reference import tables as T
 from ..reference.packet import LosslessPacket, Verdict, block_error, index_error, parse_lossless, to_device, to_host
 from . import device_plan
+from .constants import Constants
 from .device_plan import read_index
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
-_TEMPLATES: dict = {}  # (dtype, numel, block size, device) -> encode_into's header template there
-_CAPTURED: dict = {}   # the templates a CUDA graph capture used: never freed
+_TEMPLATES = Constants(limit=256)  # (dtype, numel, block size, device) -> encode_into's header template there
 JOIN_CHUNK, JOIN_WARPS = 32, 4  # _decode_join's program: elements of each of a program's sub-streams
 COUNT_ROWS = SUBSTREAM // JOIN_CHUNK + 1  # int32 counts per sub-stream between the two decode kernels
 DECODE_SCRATCH = 1 << 27  # elements decoded per pair of launches (their 16-bit codes: 256 MiB)
@@ -457,15 +457,12 @@ def block_warps(block_size: int) -> int:
     return max(4, min(16, block_size // 256))
 
 
-_LUTS: dict = {}  # (dtype, device) -> the bank's decode lookups there, built and uploaded once
+_LUTS = Constants()  # (dtype, device) -> the bank's decode lookups there, built and uploaded once
 
 
 def _luts(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(BANK_SIZE, 2**MAXLEN) int32 lookups of the bank's entries on ``device``."""
-    key = (dtype, device)
-    if key not in _LUTS:
-        _LUTS[key] = to_device(T.decode_luts(BANK[dtype]), device)
-    return _LUTS[key]
+    return _LUTS.get((dtype, device), device, lambda: to_device(T.decode_luts(BANK[dtype]), device))
 
 
 def _ints(x: torch.Tensor) -> torch.Tensor:
@@ -557,21 +554,12 @@ def _template(dtype: torch.dtype, n: int, block_size: int, device: torch.device)
     """The header of encode_into's packets of ``n`` elements, data sizes and CRC zero, kept on the
     device (decode_into compares packets with it there): a graph that captures either reads it
     from there at every replay (a copy from host memory would replay from wherever that memory
-    went). The last 256 are kept, and for good any that a graph capture used: a replay reads it
-    by its address."""
-    key = (dtype, n, block_size, device)
-    if key in _CAPTURED:
-        return _CAPTURED[key]
-    if key not in _TEMPLATES:
-        if len(_TEMPLATES) >= 256:
-            _TEMPLATES.pop(next(iter(_TEMPLATES)))
+    went). The last 256 are kept, and for good any that a graph capture used (kernels.constants)."""
+    def make():
         h = Header(CODEC_LOSSLESS, dtype, n, 0, block_size, BANK_SIZE, NSYM, MAXLEN,
                    (*prefix_sizes(n, block_size), 0, 0), 0)
-        _TEMPLATES[key] = to_device(h.pack(), device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _CAPTURED[key] = _TEMPLATES.pop(key)
-        return _CAPTURED[key]
-    return _TEMPLATES[key]
+        return to_device(h.pack(), device)
+    return _TEMPLATES.get((dtype, n, block_size, device), device, make)
 
 
 @on_its_device

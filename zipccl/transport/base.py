@@ -65,8 +65,9 @@ class Transport(ABC):
         """The job's rank of this group's ``rank`` (errors name ranks of the job)."""
         return rank
 
-    def fence(self) -> None:
-        """Order what is sent from now on after every operation issued so far: the call's status
+    def fence(self, *others: "Transport") -> None:
+        """Order what is sent from now on after every operation issued so far, here and on
+        ``others`` (the call's other transports: a hierarchical call's levels): the call's status
         round (zipccl.failure.Fate.settle) then tells a peer that this rank's messages have all
         left and arrived. A no-op where messages already go in issue order (gloo)."""
 

@@ -340,11 +340,16 @@ class NcclTransport(Transport):
         error.timed_out = True
         raise error
 
-    def fence(self) -> None:
-        """The mail stream waits for the bulk stream's operations so far: the status round's mails
-        leave after the call's packets (a peer that has this rank's status has its packets)."""
+    def fence(self, *others) -> None:
+        """The mail stream waits for the bulk stream's operations so far, and for those of the
+        ``others`` that have streams (a hierarchical call's levels): the status round's mails leave
+        after the call's packets (a peer that has this rank's status has its packets)."""
         if self.comm is not None:
             self.mail_stream.wait_stream(self.stream)
+            for other in others:
+                stream = getattr(other, "stream", None)
+                if other is not self and stream is not None:
+                    self.mail_stream.wait_stream(stream)
 
     def abort(self) -> None:
         """End the communicators (ncclCommAbort): after a failure that broke the group, no operation
