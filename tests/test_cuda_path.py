@@ -120,15 +120,24 @@ def routed(monkeypatch):
 ])
 def test_transport_for_follows_the_table(routed, backend_name, setting, extra, device, expected):
     """A collective's transport is the group's; a point-to-point direction's (``pair``) is made by
-    its two ranks alone: NcclPair where the group's would be NcclTransport, else the group's
-    TorchTransport for messages, which has no second gloo group (made by the whole job)."""
+    its two ranks alone: on CPU the group's TorchTransport for messages, which has no second gloo
+    group (made by the whole job); on CUDA NcclPair where the group's would be NcclTransport, and
+    nothing where it would be torch's NCCL (one stream for both directions of a pair: framed
+    messages both ways would block each other): an error saying so, which auto avoids."""
     made = routed(backend_name, setting, extra)
     assert select.transport_for(None, torch.device(device)) == expected
     assert made == [expected.removesuffix("Transport").lower()]
     made.clear()
-    nccl = expected == "NcclTransport"
-    assert select.transport_for(None, torch.device(device), pair=(2, 1)) == ("NcclPair 2>1" if nccl else expected)
-    assert made == ["pair" if nccl else "torch messages"]
+    if device == "cpu":
+        assert select.transport_for(None, torch.device(device), pair=(2, 1)) == "TorchTransport"
+        assert made == ["torch messages"] and select.frames_messages(None, torch.device(device))
+    elif expected == "NcclTransport":
+        assert select.transport_for(None, torch.device(device), pair=(2, 1)) == "NcclPair 2>1"
+        assert made == ["pair"] and select.frames_messages(None, torch.device(device))
+    else:
+        with pytest.raises(UnsupportedError, match="block each other; use codec='native'"):
+            select.transport_for(None, torch.device(device), pair=(2, 1))
+        assert made == [] and not select.frames_messages(None, torch.device(device))
 
 
 def test_transport_for_refuses_what_nothing_carries(routed):
@@ -146,10 +155,9 @@ def test_a_failed_communicator_falls_back_only_on_nccl_groups(routed):
     assert select.transport_for(None, torch.device("cuda")) == "TorchTransport"  # not asked again
     assert made == ["nccl", "torch", "torch"]
     made.clear()
-    with pytest.warns(RuntimeWarning, match="go through torch.distributed"):  # a pair's own fallback
-        assert select.transport_for(None, torch.device("cuda"), pair=(0, 1)) == "TorchTransport"
-    assert select.transport_for(None, torch.device("cuda"), pair=(0, 1)) == "TorchTransport"
-    assert made == ["pair", "torch messages", "torch messages"]
+    with pytest.raises(ZipcclError, match="no communicator"):  # a pair's: no fallback (see the table's test)
+        select.transport_for(None, torch.device("cuda"), pair=(0, 1))
+    assert made == ["pair"]
     for backend_name in ("zipccl", "gloo"):  # no torch backend there carries CUDA tensors: NCCL's error
         made = routed(backend_name, "auto", True, nccl_fails=True)
         made.clear()
@@ -443,6 +451,29 @@ def test_hierarchical_levels_take_their_codecs_carriers(monkeypatch):
 
 
 # ---- the drop-in backend's routing ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra,setting", [(True, "auto"), (False, "auto"), (True, "torch")])
+def test_point_to_point_frames_cuda_messages_only_on_zipccls_nccl(monkeypatch, extra, setting):
+    """Across nodes auto frames a 4 MiB CUDA message losslessly where each direction gets its
+    NcclPair, and otherwise sends it natively; an explicit codec there is refused at the call,
+    on both ends alike, naming what to install or "native"."""
+    from zipccl import p2p
+    from zipccl.codecs import Lossless
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(select.nccl_stack, "extra_installed", lambda: extra)
+    monkeypatch.setattr(config, "TRANSPORT", setting)
+    monkeypatch.setattr(topology, "same_node", lambda group, peer: False)
+    x = _on_gpu(1 << 21)
+    framed = extra and setting == "auto"
+    assert isinstance(p2p._decide("auto", x, None, 1), Lossless) if framed else p2p._decide("auto", x, None, 1) is C.NATIVE
+    for codec in ("lossless", "raw"):
+        if framed:
+            assert p2p._decide(codec, x, None, 1) is not C.NATIVE
+        else:
+            with pytest.raises(UnsupportedError, match="use codec='native'"):
+                p2p._decide(codec, x, None, 1)
+    assert p2p._decide("native", x, None, 1) is C.NATIVE
+
 
 def test_drop_in_takes_cuda_tensors_unless_transport_torch():
     # (device, ZIPCCL_TRANSPORT, GPU extra installed) -> zipccl takes the call

@@ -43,6 +43,7 @@ from .errors import MismatchError, UnsupportedError
 from .failure import LOST, Fate, code as poison
 from .format import DTYPE_CODES
 from .transport import transport_for
+from .transport.select import frames_messages, framing_refused
 from .transport.torch_dist import underneath
 
 __all__ = ["send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp"]
@@ -110,15 +111,16 @@ def _decide(codec, x: torch.Tensor, group, peer: int):
         return NATIVE
     nbytes = x.numel() * x.element_size()
     if codec == "auto":
-        if x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer):
+        if x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer) \
+                or not frames_messages(group, x.device):
             return NATIVE
         return resolve_codec("lossless" if config.AUTO_LEARN else "auto", x.dtype, nbytes)
     r = resolve_codec(codec, x.dtype, nbytes)
-    if r is None or plain(r):  # "raw": the tensor's own bytes, no packet (so no copy at either end)
-        return PLAIN
-    if not getattr(r, "exact", True):
+    if r is not None and not plain(r) and not getattr(r, "exact", True):
         raise UnsupportedError(f"lossy codec {r!r} reduces: all_reduce and reduce_scatter only, not send/recv")
-    return r
+    if not frames_messages(group, x.device):
+        raise framing_refused()
+    return PLAIN if r is None or plain(r) else r  # "raw": the tensor's own bytes, no packet (no copy at either end)
 
 
 # ---- ordering -------------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ on any other group, and with "nccl", NCCL's error is raised, never hidden.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 
@@ -37,7 +36,7 @@ from .cupy_nccl import NcclTransport
 from .nccl_pair import NcclPair
 from .torch_dist import TorchTransport
 
-__all__ = ["transport_for", "choose"]
+__all__ = ["transport_for", "choose", "frames_messages", "framing_refused"]
 
 _refused: dict = {}
 _lock = threading.Lock()
@@ -65,32 +64,53 @@ def choose(device: str | None, backend: str, setting: str, extra: bool) -> str:
                            f"needs CuPy with NCCL: {_EXTRA}")
 
 
+def frames_messages(group, device) -> bool:
+    """Whether zipccl can frame point-to-point messages of tensors on ``device`` on ``group``:
+    always for CPU tensors; for CUDA ones only where ``choose`` says "nccl" (an NcclPair per
+    direction). torch's NCCL runs both directions of a pair on one stream in issue order, and a
+    framed message's sends and receives are issued apart (sizes, then packets, from two threads):
+    two ranks sending each other more than NCCL buffers would block each other for good."""
+    if device is None or device.type != "cuda":
+        return True
+    return choose(device.type, dist.get_backend(group), config.TRANSPORT, nccl_stack.extra_installed()) == "nccl"
+
+
+def framing_refused() -> UnsupportedError:
+    """The error of a framed message of CUDA tensors where ``frames_messages`` is False."""
+    return UnsupportedError(f"compressed point-to-point messages of CUDA tensors need zipccl's NCCL transport "
+                            f"({_EXTRA}; ZIPCCL_TRANSPORT not 'torch'): torch's NCCL would run a pair's two "
+                            "directions on one stream, where two ranks sending each other block each other; "
+                            "use codec='native' for the backend's own send and receive")
+
+
 def transport_for(group, device, pair: tuple[int, int] | None = None) -> Transport:
     """The transport of a call that compresses on ``group`` with tensors on ``device`` (None: not
     a tensor): TorchTransport.of(group) for CPU tensors, NcclTransport (made here on first use)
     or TorchTransport for CUDA ones, as ``choose`` says. ``pair`` (sender, receiver: group ranks):
     the transport of point-to-point messages in that direction, which those two ranks make alone:
-    on CUDA an NcclPair (zipccl.transport.nccl_pair) where ``choose`` says "nccl", else the
-    group's TorchTransport for messages."""
+    the group's TorchTransport for messages on CPU, an NcclPair (zipccl.transport.nccl_pair) on
+    CUDA, where nothing else may carry them (``frames_messages``): NCCL's errors are raised."""
     messages = pair is not None
     if device is None or device.type != "cuda":
         return TorchTransport.of(group, messages)
+    if messages:
+        if not frames_messages(group, device):
+            raise framing_refused()
+        return NcclPair.of(group, *pair)
     backend = dist.get_backend(group)
     if choose(device.type, backend, config.TRANSPORT, nccl_stack.extra_installed()) == "torch":
         return TorchTransport.of(group, messages)
 
-    def make():
-        return NcclTransport.of(group) if pair is None else NcclPair.of(group, *pair)
     if config.TRANSPORT == "nccl" or backend != "nccl":
-        return make()
-    key = (group if group is not None else dist.GroupMember.WORLD, pair)
+        return NcclTransport.of(group)
+    key = group if group is not None else dist.GroupMember.WORLD
     if key in _refused:
-        return TorchTransport.of(group, messages)
-    with _lock if pair is None else contextlib.nullcontext():  # a pair's making waits for its other end
+        return TorchTransport.of(group)
+    with _lock:
         try:
-            return make()
+            return NcclTransport.of(group)
         except ZipcclError as e:
             _refused[key] = str(e)
             warnings.warn(f"zipccl: CUDA tensors on this group go through torch.distributed, not CuPy's NCCL: {e}",
                           RuntimeWarning, stacklevel=3)
-            return TorchTransport.of(group, messages)
+            return TorchTransport.of(group)
