@@ -191,7 +191,9 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
         """zipccl.all_to_all_single (equal splits) against the blocks each rank sends, then
         zipccl.send / zipccl.recv between rank pairs (0-1, 2-3), auto (native here, one node)
         and lossless both ways in one batch (each direction on the NcclPair of its two ranks
-        alone), bits differing; None where this checkout has not those entry points."""
+        alone), then 32 MiB both ways as a separate irecv and isend (more than NCCL buffers: on
+        one stream for both directions the two ranks would block each other), bits differing;
+        None where this checkout has not those entry points."""
         if not all(hasattr(zipccl, f) for f in ("all_to_all_single", "send", "recv")):
             return None
         inputs = [_exact(r, n * K, torch.bfloat16) for r in range(n)]
@@ -210,8 +212,16 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
         for h in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, framed, peer, codec="lossless"),
                                            zipccl.P2POp(zipccl.isend, mine, peer, codec="lossless")]):
             h.wait()
+
+        def big(r):
+            return torch.randn(1 << 24, device="cuda", generator=torch.Generator("cuda").manual_seed(r)).bfloat16()
+        mine_big, theirs_big = big(rank), torch.empty(1 << 24, dtype=torch.bfloat16, device="cuda")
+        handles = [zipccl.irecv(theirs_big, peer, codec="lossless"), zipccl.isend(mine_big, peer, codec="lossless")]
+        for h in handles:
+            h.wait()
         return tuple(_differences(g.cpu(), w)[0] for g, w in ((got, want), (theirs, inputs[peer][:K]),
-                                                               (framed, inputs[peer][:K])))
+                                                               (framed, inputs[peer][:K]),
+                                                               (theirs_big, big(peer).cpu())))
 
     def hierarchical():
         """ZIPCCL_TOPOLOGY=2x2: the three collectives, against plain torch's sums, bits differing."""
@@ -318,7 +328,7 @@ def test_every_entry_point_on_cuda_tensors(monkeypatch):
     assert not problems, problems
     for r, out in enumerate(res):
         assert all(d == [0, 0, 0] for d in out["flat"].values()), (r, out["flat"])
-        assert out["all_to_all_and_point_to_point"] in (None, (0, 0, 0)), (r, out["all_to_all_and_point_to_point"])
+        assert out["all_to_all_and_point_to_point"] in (None, (0, 0, 0, 0)), (r, out["all_to_all_and_point_to_point"])
         assert all(d == [0, 0, 0] for d in out["hierarchical"].values()), (r, out["hierarchical"])
         for name in ("fsdp2_dropin", "fsdp2_zipccl_comms"):
             assert out[name] < 1e-5, (r, name, out[name])
