@@ -160,10 +160,10 @@ def test_bootstrap_alike_on_every_rank(n, monkeypatch):
     assert all(v[4] == ["TorchTransport", "NcclError", "NcclError"] for v in got.values()), got
 
 
-def _pair(rank: int, port: int, timeout: float, results) -> None:
-    """Ranks 1 and 2 of three make the NcclPair of rank 1's messages to rank 2 (rank 2 twice,
-    where ``timeout`` says how long rank 1 waits for it, rank 1 not at all), while rank 0 waits
-    in a barrier: it takes no part."""
+def _pair(rank: int, port: int, timeout: float, case: str, results) -> None:
+    """Ranks 1 and 2 of three make the NcclPair of rank 1's messages to rank 2 (rank 2 only where
+    ``timeout`` is over 5 s, which is how long rank 1 waits for it; without NCCL where ``case``
+    says "receiver without NCCL"), while rank 0 waits in a barrier: it takes no part."""
     import torch
     import torch.distributed as dist
 
@@ -182,6 +182,13 @@ def _pair(rank: int, port: int, timeout: float, results) -> None:
         return real(self, uid)
 
     NcclPair._connect = spy
+    if rank == 2 and case == "receiver without NCCL":
+        from zipccl.errors import UnsupportedError
+        from zipccl.transport import nccl_stack
+
+        def load():
+            raise UnsupportedError("no NCCL here (test)")
+        nccl_stack.load = load
     if rank == 1 or (rank == 2 and timeout > 5):
         t0 = time.perf_counter()
         try:
@@ -201,7 +208,7 @@ def test_a_pair_is_made_by_its_two_ranks_alone(monkeypatch):
     (without a GPU each, the same NcclError), while the third rank of the group does nothing."""
     import torch
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
-    got, _ = spawn(_pair, 3, (free_port(), 60.0), seconds=120, stop_on_crash=True)
+    got, _ = spawn(_pair, 3, (free_port(), 60.0, "both"), seconds=120, stop_on_crash=True)
     assert sorted(got) == [0, 1, 2] and got[0] is None, got
     (kind, message, uid, seconds), theirs = got[1], got[2]
     assert theirs[:3] == (kind, message, uid) and len(uid) == 512 and uid != "00" * 256, got
@@ -209,15 +216,27 @@ def test_a_pair_is_made_by_its_two_ranks_alone(monkeypatch):
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         assert kind == "made", message
         return
-    assert kind == "NcclError" and "messages from rank 1 to rank 2" in message and "NCCL_ERROR" in message, message
+    assert kind == "NcclError" and "messages from rank 1 to rank 2: rank 1: " in message and "NCCL_ERROR" in message, \
+        message
 
 
 def test_a_pair_whose_other_end_never_comes_is_given_up_within_the_bound(monkeypatch):
     """The sender's end waits for the receiver's at most ZIPCCL_TIMEOUT, then says whom it waited for."""
-    got, _ = spawn(_pair, 3, (free_port(), 2.0), seconds=60, stop_on_crash=True)
+    got, _ = spawn(_pair, 3, (free_port(), 2.0, "both"), seconds=60, stop_on_crash=True)
     assert got[0] is None and got[2] is None, got
     kind, message, uid, seconds = got[1]
     assert kind == "NcclError" and "rank 2 did not join" in message and 2 <= seconds < 5, got
+
+
+def test_an_end_without_nccl_keeps_the_other_out_of_nccl():
+    """Where one end cannot load NCCL, the handshake tells the other, which does not enter NCCL
+    (whose making of a communicator would wait for that end without a bound): both raise the
+    same NcclError, naming the end without NCCL and why."""
+    got, _ = spawn(_pair, 3, (free_port(), 60.0, "receiver without NCCL"), seconds=120, stop_on_crash=True)
+    assert sorted(got) == [0, 1, 2] and got[0] is None, got
+    (kind, message, uid, seconds), theirs = got[1], got[2]
+    assert theirs[:2] == (kind, message) and kind == "NcclError" and uid == "00" * 256, got
+    assert "rank 2: UnsupportedError: no NCCL here (test)" in message and max(seconds, theirs[3]) < 30, message
 
 
 def test_nvml_link():

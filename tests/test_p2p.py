@@ -208,11 +208,12 @@ def test_a_plain_message_between_two_ranks_needs_no_other_rank(pool):
     assert res == ["ok", "ok", None, None], res
 
 
-def _made_where_issued(rank, groups, token):
-    """Ranks 0 and 1 exchange framed messages both ways in one batch, with each direction's
-    transport a stand-in for NcclPair, which the message's two ends make together: it meets the
-    other end through the job's store (for 20 s at most), then gives the group's transport for
-    messages. Returns (received right, [(sender, receiver, made on the caller's thread)])."""
+def _made_where_issued(rank, groups, token, order):
+    """Ranks 0 and 1 exchange framed messages both ways (``order``: in one batch, or as an isend
+    then an irecv on each), with each direction's transport a stand-in for NcclPair, which the
+    message's two ends make together: it meets the other end through the job's store (for 20 s
+    at most), then gives the group's transport for messages. Returns (received right,
+    [(sender, receiver, the name of the thread that made it)])."""
     import threading
 
     from zipccl import p2p
@@ -226,15 +227,19 @@ def _made_where_issued(rank, groups, token):
         key = f"test/{token}/{pair[0]}>{pair[1]}"
         store.own().set(f"{key}/{rank}", "")
         store.wait(f"{key}/{1 - rank}", 20.0)
-        made.append((*pair, threading.current_thread() is threading.main_thread()))
+        made.append((*pair, threading.current_thread().name.split(" ")[0]))
         return TorchTransport.of(group, messages=True)
 
     real, p2p.transport_for = p2p.transport_for, meeting
     try:
         x = activations(5_000, seed=rank).to(torch.bfloat16)
         got = torch.empty_like(x)
-        for h in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, got, 1 - rank, codec="lossless"),
-                                           zipccl.P2POp(zipccl.isend, x, 1 - rank, codec="lossless")]):
+        if order == "batch":
+            handles = zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, got, 1 - rank, codec="lossless"),
+                                                zipccl.P2POp(zipccl.isend, x, 1 - rank, codec="lossless")])
+        else:
+            handles = [zipccl.isend(x, 1 - rank, codec="lossless"), zipccl.irecv(got, 1 - rank, codec="lossless")]
+        for h in handles:
             h.wait()
     finally:
         p2p.transport_for = real
@@ -242,12 +247,20 @@ def _made_where_issued(rank, groups, token):
 
 
 def test_a_directions_transport_is_made_on_the_thread_that_issues_it(pool):
-    """A send's on the caller's thread, a receive's on zipccl's async thread, never in the call
-    that queues the receive: there, two ranks receiving first would each wait for the other."""
+    """A send's on its direction's lane, a receive's on zipccl's async thread, never in the
+    caller's call: there, two ranks receiving first would each wait for the other."""
     import secrets
-    res = pool.run(_made_where_issued, secrets.token_hex(4), timeout=60)
-    assert res[0] == (True, [(0, 1, True), (1, 0, False)]), res
-    assert res[1] == (True, [(0, 1, False), (1, 0, True)]), res
+    res = pool.run(_made_where_issued, secrets.token_hex(4), "batch", timeout=60)
+    assert res[0] == (True, [(0, 1, "zipccl-lane"), (1, 0, "zipccl-async")]), res
+    assert res[1] == (True, [(0, 1, "zipccl-async"), (1, 0, "zipccl-lane")]), res
+
+
+def test_an_isend_before_an_irecv_on_both_ends_completes(pool):
+    """Two ranks that each isend, then irecv: the sends' transports are made off the caller's
+    thread, so neither waits in its isend for the other's irecv."""
+    import secrets
+    res = pool.run(_made_where_issued, secrets.token_hex(4), "isend first", timeout=60)
+    assert [r[0] for r in res[:2]] == [True, True], res
 
 
 def _first_calls(rank: int, port: int, results) -> None:

@@ -300,52 +300,66 @@ class _Stream:
 
 
 class _Event:
-    """A CUDA event's stand-in, recorded on the current stream; passes once ``done`` is set."""
+    """A CUDA event's stand-in; passes once ``done`` is set, and may not be asked while capturing."""
 
-    def __init__(self):
-        self.done = False
+    def __init__(self, state: dict):
+        self.done, self.state = False, state
 
-    def record(self) -> None:
-        pass
+    def record(self, stream) -> None:
+        self.stream = stream
 
     def query(self) -> bool:
+        assert not self.state["capturing"], "an event queried during a capture"
         return self.done
+
+
+class _Table:
+    """A kept table's stand-in: the streams it is recorded on."""
+
+    def __init__(self, name: str):
+        self.name, self.recorded = name, []
+
+    def record_stream(self, stream) -> None:
+        self.recorded.append(stream.name)
 
 
 def test_a_table_uploaded_on_one_stream_is_waited_for_on_another(monkeypatch):
     """kernels.constants: a kept table's upload is asynchronous on the stream of its first call;
-    a call on another stream waits for it by event until it is seen done, the uploading stream
-    needs no wait, and once done nobody waits; made inside a graph capture a table is not kept
-    (it holds its data only in the graph's replays), and a kept table that a capture read is never
-    evicted."""
+    a call on another stream waits for it by event until it is seen done, and records it there;
+    the uploading stream needs no wait; made inside a graph capture a table is not kept (it holds
+    its data only in the graph's replays), a capture asks no event, and a kept table that a
+    capture read is never evicted."""
     from zipccl.kernels.constants import Constants
-    a, b = _Stream("a"), _Stream("b")
+    a, b, c = _Stream("a"), _Stream("b"), _Stream("c")
     state = {"stream": a, "capturing": False}
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(state))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["stream"])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     gpu, made = torch.device("cuda", 0), []
 
     def make(name):
-        return lambda: made.append(name) or name
+        return lambda: made.append(name) or _Table(name)
 
     tables = Constants(limit=2)
-    assert tables.get("t", gpu, make("t")) == "t" and made == ["t"]
-    assert tables.get("t", gpu, make("t")) == "t" and made == ["t"] and a.waited == []  # its own stream
+    t = tables.get("t", gpu, make("t"))
+    assert tables.get("t", gpu, make("t")) is t and made == ["t"] and a.waited == [] and t.recorded == []
     state["stream"] = b
-    assert tables.get("t", gpu, make("t")) == "t" and len(b.waited) == 1 and made == ["t"]
-    upload = b.waited[0]
-    upload.done = True
-    assert tables.get("t", gpu, make("t")) == "t" and b.waited == [upload]  # done: no more waits
+    assert tables.get("t", gpu, make("t")) is t and len(b.waited) == 1 and t.recorded == ["b"]
+    assert b.waited[0].stream is a  # the upload's event, recorded on the uploading stream
     state["capturing"] = True
-    assert tables.get("in graph", gpu, make("in graph")) == "in graph"
-    assert tables.get("in graph", gpu, make("in graph")) == "in graph" and made == ["t", "in graph", "in graph"]
-    assert tables.get("t", gpu, make("t")) == "t"  # read by a capture: kept for good
+    assert tables.get("in graph", gpu, make("in graph")).name == "in graph"
+    assert tables.get("in graph", gpu, make("in graph")).name == "in graph"
+    assert made == ["t", "in graph", "in graph"]
+    assert tables.get("t", gpu, make("t")) is t  # read by a capture: kept for good
     state["capturing"] = False
+    b.waited[0].done = True
+    state["stream"] = c
+    assert tables.get("t", gpu, make("t")) is t and c.waited == [] and t.recorded == ["b", "c"]  # done: no wait
     for name in ("u", "v", "w"):
         tables.get(name, gpu, make(name))
-    assert tables.get("t", gpu, make("t")) == "t" and made.count("t") == 1 and len(tables) == 2
-    assert tables.get("u", gpu, make("u")) == "u" and made.count("u") == 2  # evicted, made again
+    assert tables.get("t", gpu, make("t")) is t and made.count("t") == 1 and len(tables) == 3
+    tables.get("u", gpu, make("u"))
+    assert made.count("u") == 2  # evicted (the oldest of those not captured), made again
 
 
 def test_import_zipccl_never_imports_triton():

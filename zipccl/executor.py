@@ -27,7 +27,7 @@ import torch
 
 from .errors import TimeoutError  # noqa: A004 - zipccl's, a subclass of the builtin
 
-__all__ = ["Handle", "drain", "idle", "last", "run", "submit"]
+__all__ = ["Handle", "drain", "idle", "last", "run", "submit", "on_lane"]
 
 
 class Handle:
@@ -81,7 +81,8 @@ _queue: queue.Queue | None = None
 _queue_lock = threading.Lock()
 _worker_thread: threading.Thread | None = None
 _last: Handle | None = None  # the async call issued last
-_streams: dict = {}  # CUDA device -> the stream async calls run on there
+_lanes: dict = {}  # key -> the queue of a lane's thread (on_lane)
+_streams: dict = {}  # (thread's queue, CUDA device) -> the stream the thread's calls run on there
 
 
 def _worker(q: queue.Queue) -> None:
@@ -92,9 +93,9 @@ def _worker(q: queue.Queue) -> None:
                 handle._future.set_result(fn())
                 continue
             device, ready = start
-            stream = _streams.get(device)
+            stream = _streams.get((id(q), device))
             if stream is None:
-                stream = _streams[device] = torch.cuda.Stream(device)
+                stream = _streams[id(q), device] = torch.cuda.Stream(device)
             stream.wait_event(ready)
             for t in tensors:
                 t.record_stream(stream)
@@ -146,6 +147,24 @@ def idle() -> bool:
     """Whether no async call is queued or running: a call issued now is next on the group."""
     last = _last
     return last is None or last._done.is_set()
+
+
+def on_lane(key, fn, tensors=()) -> Handle:
+    """``fn()`` on the thread of lane ``key`` (made on first use), after the work queued there
+    before it, with the CUDA semantics of an async call (its own stream per device, the caller's
+    stream's work before it, ``wait()`` ordering the waiting stream after it); apart from the async
+    calls' queue (``last`` is not changed). zipccl.p2p posts each direction's framed sends on a
+    lane of its own, so that making a pair's communicators never blocks the caller."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
+    start = _issued_on(tensors)
+    with _queue_lock:
+        q = _lanes.get(key)
+        if q is None:
+            q = _lanes[key] = queue.Queue()
+            threading.Thread(target=_worker, args=(q,), daemon=True, name=f"zipccl-lane {key}").start()
+        handle = Handle(device=None if start is None else start[0])
+        q.put((fn, handle, start, tensors))
+    return handle
 
 
 def run(fn, async_op: bool, tensors=()):

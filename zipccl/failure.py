@@ -144,12 +144,17 @@ class Fate:
             return None
         try:
             return fn(*args)
-        except TimeoutError as e:  # a read of the device ran out (reference.packet.passed): its stream
-            self.gave_up = True    # waits on a peer that stopped, not on this rank's codec
-            self.fail(LOST, e, rank=-1)
+        except TimeoutError as e:
+            self._ran_out(e)
         except Exception as e:  # noqa: BLE001 - every failure must reach the peers
             self.fail(kind, e)
         return None
+
+    def _ran_out(self, error: TimeoutError) -> None:
+        """A read of the device ran out (reference.packet.passed): its stream waits on a peer that
+        stopped, which is no failure of this rank's codec; this rank gave up on the group."""
+        self.gave_up = True
+        self.fail(LOST, error, rank=-1)
 
     def decode(self, t, peer: int, fn, *args):
         """``guard`` for decoding ``peer``'s packet: a FormatError (the packet failed validation)
@@ -160,6 +165,8 @@ class Fate:
             return fn(*args)
         except FormatError as e:
             self.blame(t, peer, e)
+        except TimeoutError as e:
+            self._ran_out(e)
         except Exception as e:  # noqa: BLE001 - every failure must reach the peers
             self.fail(DECODE, e)
         return None
@@ -221,7 +228,7 @@ class Fate:
                 self.evidence = f"rank {named}, whose connection closed, had lost it first"
                 return first
         patience = 0.0 if known else heartbeat.stale_after() + heartbeat.period()
-        found = b.culprit([t.global_rank(r) for r in range(t.size)], self.began, patience)
+        found = b.culprit(heartbeat.members(t), self.began, patience)
         if found is None:
             if not known and named >= 0:
                 self.evidence = "the peer whose operation ran out: no heartbeat names another rank"

@@ -12,16 +12,17 @@ to agree on them without talking (see docs/USAGE.md).
 Order and progress, as NCCL's: a rank's messages to a peer match the peer's receives in issue
 order. A receive runs on zipccl's async thread, in issue order with zipccl's collectives, and
 holds that queue until its message has come; a send never waits for its peer: it is encoded and
-posted on the caller's thread (after the collectives issued before it) and completes in
-``wait()``. So ranks that send to each other never block each other, whether in one
+posted on its direction's lane (a thread of its own, zipccl.executor.on_lane), after the
+collectives issued before it and the direction's earlier sends, and completes in ``wait()``. So ranks that send to each other never block each other, whether in one
 ``batch_isend_irecv`` (whatever the list's order) or as separate isend and irecv calls. What
 does block: a blocking ``recv`` before the send its peer waits for (on any backend), and a
 collective issued between a receive and the send its peer waits for, on both ranks (the
 collective waits for the receive; docs/USAGE.md).
 
 A framed message's transport is its direction's (``transport_for(..., pair=...)``), made by
-its two ranks alone on the thread that issues it, with the first message in that direction: on
-CUDA an NcclPair, whose communicators no other rank and no other thread of these ranks uses.
+its two ranks alone with the first message in that direction, on the threads that issue it (the
+sender's lane, the receiver's async thread): on CUDA an NcclPair, whose communicators no other
+rank and no other thread of these ranks uses.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ class _Op:
     def transport(self):
         """The transport of this framed message's direction, made on first use: on CUDA the
         NcclPair of its two ranks (zipccl.transport.nccl_pair), so it is asked for on the thread
-        that issues the message (a send's caller, a receive's async thread), never by the call
-        that queues a receive, which must not wait for its sender."""
+        that issues the message (a send's lane, a receive's async thread), never by the caller's
+        call, which must not wait for the other end."""
         if self.t is None:
             me = dist.get_rank(self.group if self.group is not None else dist.group.WORLD)
             pair = (me, self.peer) if self.kind == "send" else (self.peer, me)
@@ -199,17 +200,25 @@ class _SendHandle(executor.Handle):
 
 
 def _send(op: _Op):
-    """Post ``op``'s message on this thread; its handle."""
+    """Post ``op``'s message on its direction's lane (executor.on_lane), in issue order with the
+    direction's other sends: making the pair's transport with the first message waits for the
+    receiver, which must never block this thread (two ranks that each isend before they irecv
+    would wait for each other for good). Its handle."""
     if op.plan is NATIVE:
         return _native_send(op)
     op.seq = _next_seq(op)
-    fate, acc = Fate.of("send", op.transport()), new_acc()
-    flat = op.tensor.reshape(-1)
-    sends = send_message(op.t, flat, op.peer, op.plan, op.sig, acc, fate)
-    me, peer = op.t.global_rank(op.t.rank), op.t.global_rank(op.peer)
+    me, peer = dist.get_rank(), dist.get_global_rank(op.group if op.group is not None else dist.group.WORLD, op.peer)
     verdict = Verdict(_group_name(op.group), me, peer, op.seq)
 
+    def post():
+        fate, acc = Fate.of("send", op.transport()), new_acc()
+        return fate, acc, send_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)
+
+    posted = executor.on_lane(("send", _group_name(op.group), peer), post, (op.tensor,))
+
     def complete():
+        posted.wait()  # raises where posting failed (the pair's transport could not be made)
+        fate, acc, sends = posted.get_future().value()
         for w in sends:
             fate.wait(op.t, w, op.peer)
         if not fate.lost:

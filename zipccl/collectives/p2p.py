@@ -94,6 +94,10 @@ def _cuts(numel: int, itemsize: int, plain: bool) -> list[tuple[int, int]]:
     return pieces(numel, 1, itemsize, plain) if numel else []
 
 
+def _encode(codec, piece: torch.Tensor, acc: dict) -> torch.Tensor:
+    return codec.encode(piece) if codec is PLAIN else timed(acc, "codec_seconds", codec.encode, piece)
+
+
 def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict, fate: Fate) -> list:
     """Post the message of ``x`` (flat, contiguous) to group rank ``peer``, each piece encoded with
     ``codec`` (PLAIN: its bytes) as the previous one leaves: the handles of its sends, to be waited
@@ -107,13 +111,7 @@ def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict
         sends.append(fate.send(t, header, peer, _TAG_P2P))
     acc["meta_bytes"] += 8 * _HEADER
     for a, b in cuts:
-        packet = None
-        if not fate.failed:
-            try:
-                packet = codec.encode(x[a:b]) if codec is PLAIN else \
-                    timed(acc, "codec_seconds", codec.encode, x[a:b])
-            except Exception as e:  # noqa: BLE001 - the receiver must hear of it
-                fate.fail(ENCODE, e)
+        packet = fate.guard(ENCODE, _encode, codec, x[a:b], acc)
         if packet is None:
             packet = torch.zeros(1, dtype=torch.uint8, device=x.device)
         size = torch.tensor([packet.numel() if not fate.failed else -fate.code], dtype=torch.int64)

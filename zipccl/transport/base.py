@@ -65,6 +65,11 @@ class Transport(ABC):
         """The job's rank of this group's ``rank`` (errors name ranks of the job)."""
         return rank
 
+    def members(self) -> list[int]:
+        """The job ranks that this transport's operations involve, whose heartbeats speak for its
+        failures (zipccl.failure, zipccl.transport.heartbeat): the group's."""
+        return [self.global_rank(r) for r in range(self.size)]
+
     def fence(self, *others: "Transport") -> None:
         """Order what is sent from now on after every operation issued so far, here and on
         ``others`` (the call's other transports: a hierarchical call's levels): the call's status

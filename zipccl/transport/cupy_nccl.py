@@ -81,6 +81,7 @@ class NcclTransport(Transport):
 
     loose_receives = False
     tags = False
+    _without_ids = "rank 0 could not load NCCL"  # why the shared ids are zeros
 
     @classmethod
     def of(cls, group=None) -> "NcclTransport":
@@ -135,7 +136,7 @@ class NcclTransport(Transport):
         """This rank's two communicators (``uid``: their ids, one after the other); the exception
         where NCCL or CUDA refused them."""
         if not any(uid):
-            return UnsupportedError("rank 0 could not load NCCL")
+            return UnsupportedError(self._without_ids)
         bulk, mail = uid[:128], uid[128:]
         size, rank = len(self._members), self._comm_rank(self.rank)
         try:
@@ -181,6 +182,9 @@ class NcclTransport(Transport):
 
     def global_rank(self, rank: int) -> int:
         return self._ranks[rank]
+
+    def members(self) -> list[int]:
+        return list(self._members)  # an NcclPair's: its two ranks
 
     def _ready(self) -> int:
         """This transport's stream, after torch's current stream's work so far."""

@@ -237,6 +237,13 @@ def start() -> Board | None:
         return _board
 
 
+def members(t) -> list[int]:
+    """The job ranks of transport ``t`` whose heartbeats speak for its failures (Transport.members;
+    every rank of its group where it does not say)."""
+    own = getattr(t, "members", None)
+    return own() if own is not None else [t.global_rank(r) for r in range(t.size)]
+
+
 def entered(t) -> None:
     """A zipccl call on transport ``t``'s group begins on this rank (starts the heartbeat)."""
     b = start()
@@ -247,7 +254,7 @@ def entered(t) -> None:
     except TypeError:  # a transport that takes no weak reference
         ranks = None
     if ranks is None:
-        ranks = tuple(t.global_rank(r) for r in range(t.size))
+        ranks = tuple(members(t))
         try:
             _keys[t] = ranks
         except TypeError:

@@ -13,10 +13,12 @@ needs both directions in one group call).
 
 Made by the first message in that direction, by its two ends alone: the sender's ids reach the
 receiver through the job's store, and each end then tells the other through the store whether it
-succeeded, so both raise the same NcclError or neither does; every wait for the other end takes
-at most config.wait_bound(). As NCCL's own making of a communicator (and torch's for its first
-message between two ranks), the sender's first message waits until the receiver posts its
-receive.
+succeeded, so both raise the same NcclError or neither does; every wait for the other end in the
+store takes at most config.wait_bound(), and neither end enters NCCL before both have said they
+will (NCCL's own making of a communicator waits without a bound: an end that dies in that moment
+leaves the other there). As NCCL's own making of a communicator (and torch's for its first message
+between two ranks), the first message leaves once the receiver has posted its receive; the
+sender's thread is its direction's lane (zipccl.p2p), not the caller's.
 
 Ranks stay the group's (the peer of ``isend``/``irecv``, ``global_rank``), so zipccl's framing and
 failure protocol see the same transport as elsewhere; only NCCL sees the pair's numbering.
@@ -25,7 +27,9 @@ failure protocol see the same transport as elsewhere; only NCCL sees the pair's 
 from __future__ import annotations
 
 import atexit
+import secrets
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -45,6 +49,8 @@ atexit.register(_pairs.clear)
 class NcclPair(NcclTransport):
     """Messages from group rank ``src`` to group rank ``dst`` of ``group``, made on either end."""
 
+    _without_ids = "an end of the pair could not load NCCL"
+
     @classmethod
     def of(cls, group, src: int, dst: int) -> "NcclPair":
         key = (group if group is not None else dist.GroupMember.WORLD, src, dst)
@@ -59,10 +65,10 @@ class NcclPair(NcclTransport):
         return t
 
     def __init__(self, group, src: int, dst: int):
-        self.pair = (src, dst)
+        if dist.get_rank(group) not in (src, dst):
+            raise ValueError(f"rank {dist.get_rank(group)} of the group is neither end of the pair {(src, dst)}")
+        self.pair, self._nonce = (src, dst), ""
         super().__init__(group)
-        if self.rank not in self.pair:
-            raise ValueError(f"rank {self.rank} of the group is neither end of the pair {self.pair}")
 
     def _comm_rank(self, rank: int) -> int:
         return self.pair.index(rank)
@@ -73,49 +79,70 @@ class NcclPair(NcclTransport):
         return f"zipccl/nccl-pair/{name}/{src}>{dst}/{what}"
 
     def _share_id(self) -> bytes:
-        """The sender's two unique ids (zeros where it has no NCCL), through the store; the sender
-        goes on to NCCL once the receiver has them, so that neither waits in NCCL for an end that
-        never comes."""
+        """The sender's two unique ids, through the store, in a handshake that both ends finish
+        before either enters NCCL (whose making of a communicator waits without a bound): the
+        sender offers its ids under a fresh nonce ("id"), the receiver answers with the nonce and
+        whether it has NCCL ("joined"), the sender confirms ("go/<nonce>"). Zeros where either
+        end has no NCCL, so that neither enters it. A sender that gives up withdraws its offer."""
         self._members = [self._ranks[r] for r in self.pair]
+        ready = "" if self.nccl is not None else "NCCL could not be loaded"
         if self.rank == self.pair[0]:
-            ids = b"".join(self.nccl.get_unique_id() for _ in range(2)) if self.nccl else bytes(256)
-            store.own().set(self._key("id"), ids)
-            self._hear("joined")
+            self._nonce = secrets.token_hex(8)
+            ids = b"".join(self.nccl.get_unique_id() for _ in range(2)) if self.nccl is not None else b""
+            store.own().set(self._key("id"), self._nonce.encode() + b"|" + ids)
+            try:
+                theirs = self._hear("joined", self._nonce)
+            except NcclError:
+                store.own().delete_key(self._key("id"))
+                raise
+            store.own().set(self._key(f"go/{self._nonce}"), "")
         else:
-            ids = self._hear("id")
-            store.own().set(self._key("joined"), "")
-        self.unique_id = bytes(ids)
+            offer = self._hear("id")
+            nonce, _, ids = offer.partition(b"|")
+            self._nonce = nonce.decode()
+            store.own().set(self._key("joined"), f"{self._nonce}|{ready}")
+            theirs = b"" if ids else b"NCCL could not be loaded"
+            self._hear(f"go/{self._nonce}")
+        self.unique_id = bytes(ids) if ids and not theirs and not ready else bytes(256)
         return self.unique_id
 
-    def _hear(self, what: str) -> bytes:
-        """The other end's word ``what`` (then deleted), waited for at most config.wait_bound()."""
-        key = self._key(what)
-        try:
-            value = store.wait(key, config.wait_bound())
-        except TimeoutError as e:
-            peer = self._members[1 - self._comm_rank(self.rank)]
-            raise NcclError(f"zipccl: rank {peer} did not join the NCCL communicators of its messages with rank "
-                            f"{self._members[self._comm_rank(self.rank)]} within {config.wait_bound():g} s") from e
-        store.own().delete_key(key)
-        return value
+    def _hear(self, what: str, nonce: str | None = None) -> bytes:
+        """The other end's word ``what`` (then deleted), waited for at most config.wait_bound()
+        in all; with ``nonce``, a word of another attempt (a stale one) is dropped and waited past,
+        and the nonce taken off the value returned."""
+        key, deadline = self._key(what), time.monotonic() + config.wait_bound()
+        while True:
+            try:
+                value = store.wait(key, max(0.0, deadline - time.monotonic()))
+            except TimeoutError as e:
+                peer = self._members[1 - self._comm_rank(self.rank)]
+                raise NcclError(f"zipccl: rank {peer} did not join the NCCL communicators of its messages with "
+                                f"rank {self._members[self._comm_rank(self.rank)]} within {config.wait_bound():g} s") \
+                    from e
+            store.own().delete_key(key)
+            if nonce is None:
+                return value
+            theirs, _, value = value.partition(b"|")
+            if theirs.decode() == nonce:
+                return value
 
     def _agree(self, error: Exception | None) -> None:
         """Each end writes its outcome and reads the other's: the same error on both where either failed."""
         me = self._comm_rank(self.rank)
         texts = [""] * 2
         texts[me] = "" if error is None else f"{type(error).__name__}: {error}"
-        store.own().set(self._key(f"made{me}"), texts[me])
+        store.own().set(self._key(f"made{me}/{self._nonce}"), texts[me])
         try:
-            texts[1 - me] = self._hear(f"made{1 - me}").decode()
+            texts[1 - me] = self._hear(f"made{1 - me}/{self._nonce}").decode()
         except NcclError:
             self._abort()
             raise
         failed = [k for k in (0, 1) if texts[k]]
         if failed:
             self._abort()
+            said = "; ".join(f"rank {self._members[k]}: {texts[k]}" for k in failed)
             raise NcclError(f"zipccl: no NCCL communicator for the messages from rank {self._members[0]} to rank "
-                            f"{self._members[1]}: rank(s) {[self._members[k] for k in failed]} failed; rank "
-                            f"{self._members[failed[0]]}: {texts[failed[0]]} ({nccl_stack.detect()})")
+                            f"{self._members[1]}: {said} ({nccl_stack.detect()})")
 
     def all_to_all(self, send, send_splits, recv_splits):
         raise ZipcclError("NcclPair carries one direction's messages only")

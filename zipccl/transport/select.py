@@ -99,8 +99,7 @@ def transport_for(group, device, pair: tuple[int, int] | None = None) -> Transpo
         return NcclPair.of(group, *pair)
     backend = dist.get_backend(group)
     if choose(device.type, backend, config.TRANSPORT, nccl_stack.extra_installed()) == "torch":
-        return TorchTransport.of(group, messages)
-
+        return TorchTransport.of(group)
     if config.TRANSPORT == "nccl" or backend != "nccl":
         return NcclTransport.of(group)
     key = group if group is not None else dist.GroupMember.WORLD

@@ -40,6 +40,6 @@ def wait(key: str, timeout: float | None) -> bytes:
             store.wait([key])
         else:
             store.wait([key], datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:  # the store's timeout (DistStoreError)
+    except dist.DistStoreError as e:  # the store's timeout (a store that is gone raises DistNetworkError)
         raise TimeoutError(str(e)) from e
     return store.get(key)
