@@ -455,6 +455,16 @@ def test_polling_an_event_stops_at_the_bound_and_returns_when_it_passes():
     assert 0.2 <= time.monotonic() - start < 2
 
 
+def test_poison_codes_name_every_rank_and_are_no_verdict():
+    """A poison code goes negated in a size and as a point-to-point verdict's status, whose 0 and
+    1 mean well and a mismatch: every code is above 1, the rank not known (-1) included, and
+    names its rank and kind back."""
+    for rank in (-1, 0, 1, 5, 4095):
+        for kind in range(len(failure.NAMES)):
+            value = failure.code(rank, kind)
+            assert value > 1 and failure.describe(value) == (rank, kind), (rank, kind, value)
+
+
 def test_a_device_read_runs_out_at_the_default_bound(monkeypatch):
     """Every read of the device (reference.packet.to_host: a codec's sizes, a verdict, a
     piece's sizes) waits at most config.wait_bound() where no bound is given: ZIPCCL_TIMEOUT,

@@ -263,6 +263,87 @@ def test_an_isend_before_an_irecv_on_both_ends_completes(pool):
     assert [r[0] for r in res[:2]] == [True, True], res
 
 
+def _send_posted_after_a_collective(rank, groups):
+    """Rank 0 isends a framed message to rank 1, then issues an async all-reduce; its send is
+    posted only after the all-reduce's messages (the lane's transport comes 0.5 s late). Rank 1
+    receives, then all-reduces. Strict mode (the tests') keeps one tag on the wire: the messages'
+    transport has a tag of its own, as its own communicator on NCCL, so the receive never takes
+    the all-reduce's messages for the send's."""
+    import time as clock
+
+    from zipccl import p2p
+    if rank > 1:
+        return None
+    g = groups[2]
+
+    def late(group, device, pair=None):
+        if pair is not None and pair[0] == rank:
+            clock.sleep(0.5)
+        return real(group, device, pair=pair)
+
+    real, p2p.transport_for = p2p.transport_for, late
+    try:
+        x, y = activations(20_000, seed=rank).to(torch.bfloat16), torch.full((1000,), float(rank + 1))
+        got = torch.empty_like(x)
+        if rank == 0:
+            handles = [zipccl.isend(x, 1, group=g, codec="lossless"),
+                       zipccl.all_reduce(y, group=g, codec="lossless", async_op=True)]
+        else:
+            handles = [zipccl.irecv(got, 0, group=g, codec="lossless"),
+                       zipccl.all_reduce(y, group=g, codec="lossless", async_op=True)]
+        for h in handles:
+            h.wait()
+    finally:
+        p2p.transport_for = real
+    sent = activations(20_000, seed=0).to(torch.bfloat16)
+    return bool((y == 3).all()) and (rank == 0 or torch.equal(bits(got), bits(sent)))
+
+
+def test_a_send_posted_after_a_later_collective_is_still_received(pool):
+    assert pool.run(_send_posted_after_a_collective, timeout=60) == [True, True, None, None]
+
+
+def _unposted(rank, groups):
+    """A framed message from rank 0 to rank 1 whose transport cannot be made (a stand-in refuses
+    it on both ends, as an NcclPair's failure is agreed): the send's handle says it is completed
+    once that is known, and ``wait()`` raises the reason, though no receiver's verdict ever
+    comes; the receive raises it too (both ends count the message, so the pair stays in step)."""
+    import time as clock
+
+    from zipccl import p2p
+    if rank > 1:
+        return None
+
+    def refused(group, device, pair=None):
+        raise RuntimeError("no transport for this direction (test)")
+
+    real, p2p.transport_for = p2p.transport_for, refused
+    try:
+        if rank == 1:
+            try:
+                zipccl.recv(torch.ones(1 << 20, dtype=torch.bfloat16), 0, codec="lossless")
+            except RuntimeError as e:
+                return str(e)
+            return "no error"
+        h = zipccl.isend(torch.ones(1 << 20, dtype=torch.bfloat16), 1, codec="lossless")
+        deadline = clock.monotonic() + 10
+        while not h.is_completed() and clock.monotonic() < deadline:
+            clock.sleep(0.01)
+        completed = h.is_completed()
+        try:
+            h.wait()
+        except RuntimeError as e:
+            return completed, str(e)
+        return completed, "no error"
+    finally:
+        p2p.transport_for = real
+
+
+def test_a_send_that_could_not_be_posted_completes_with_its_error(pool):
+    res = pool.run(_unposted, timeout=60)
+    assert res[:2] == [(True, "no transport for this direction (test)"), "no transport for this direction (test)"], res
+
+
 def _first_calls(rank: int, port: int, results) -> None:
     """In a fresh job of four, the first zipccl calls are framed messages between ranks 0 and 1,
     both ways in one batch, then a send and a receive; ranks 2 and 3 wait in a barrier, which

@@ -52,8 +52,10 @@ _WHAT = {CORRUPT: "it sent a packet that failed validation", ENCODE: "encoding f
 
 
 def code(rank: int, kind: int) -> int:
-    """The positive poison code of ``kind`` on ``rank``; sizes carry it negated."""
-    return 1 + kind + _KINDS * rank
+    """The poison code of ``kind`` on ``rank`` (-1: a rank not known); sizes carry it negated.
+    Above 1 for every rank from -1 up: a size must be negative, and a point-to-point verdict's
+    0 and 1 mean well and a mismatch."""
+    return 1 + kind + _KINDS * (rank + 2)
 
 
 def timed_out(error: BaseException | None) -> bool:
@@ -72,7 +74,7 @@ def identifies(error: BaseException | None) -> bool:
 def describe(value: int) -> tuple[int, int]:
     """(rank, kind) of a poison code."""
     value -= 1
-    return value // _KINDS, value % _KINDS
+    return value // _KINDS - 2, value % _KINDS
 
 
 class Fate:

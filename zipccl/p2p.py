@@ -176,9 +176,11 @@ class _SendHandle(executor.Handle):
     """A framed send: posted, completed by ``wait()`` (its sends, then the receiver's verdict),
     which raises what went wrong on either end; ``is_completed()`` once the verdict is there."""
 
-    def __init__(self, complete, verdict: Verdict):
+    def __init__(self, complete, verdict: Verdict, unposted):
+        """``unposted()``: whether posting the message failed (then no verdict comes)."""
         super().__init__()
         self._complete, self._verdict, self._lock = complete, verdict, threading.Lock()
+        self._unposted = unposted
 
     def _finish(self) -> None:
         with self._lock:
@@ -194,7 +196,8 @@ class _SendHandle(executor.Handle):
         return super().wait(timeout)
 
     def is_completed(self) -> bool:
-        if not self._future.done() and self._verdict.ready():
+        """Once the verdict is there, or posting failed (no verdict comes then)."""
+        if not self._future.done() and (self._verdict.ready() or self._unposted()):
             self._finish()
         return self._future.done()
 
@@ -210,15 +213,17 @@ def _send(op: _Op):
     me, peer = dist.get_rank(), dist.get_global_rank(op.group if op.group is not None else dist.group.WORLD, op.peer)
     verdict = Verdict(_group_name(op.group), me, peer, op.seq)
 
-    def post():
+    state = []  # (fate, acc, sends), kept here: a CUDA-aware future would pickle its value, and c10d's works cannot be
+
+    def post() -> None:
         fate, acc = Fate.of("send", op.transport()), new_acc()
-        return fate, acc, send_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)
+        state.append((fate, acc, send_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)))
 
     posted = executor.on_lane(("send", _group_name(op.group), peer), post, (op.tensor,))
 
     def complete():
         posted.wait()  # raises where posting failed (the pair's transport could not be made)
-        fate, acc, sends = posted.get_future().value()
+        fate, acc, sends = state[0]
         for w in sends:
             fate.wait(op.t, w, op.peer)
         if not fate.lost:
@@ -234,7 +239,7 @@ def _send(op: _Op):
         fate.check()
         return finish("send", op.plan, acc)
 
-    return _SendHandle(complete, verdict)
+    return _SendHandle(complete, verdict, lambda: posted.is_completed() and not state)
 
 
 def _receive(op: _Op):

@@ -39,7 +39,7 @@ def wait(key: str, timeout: float | None) -> bytes:
         if timeout is None:
             store.wait([key])
         else:
-            store.wait([key], datetime.timedelta(seconds=timeout))
+            store.wait([key], datetime.timedelta(seconds=max(timeout, 1e-3)))  # 0 would mean no limit
     except dist.DistStoreError as e:  # the store's timeout (a store that is gone raises DistNetworkError)
         raise TimeoutError(str(e)) from e
     return store.get(key)

@@ -192,6 +192,9 @@ class TorchTransport(Transport):
         self.meta_device = wire_device(self.backend)
         gloo = _wire(self.backend) == "gloo"
         self._upward = _twin(group) if twin and gloo and self.size > 1 else None
+        # strict mode's one tag: the messages transport's is another, as its own communicator would be
+        # (zipccl.p2p posts its sends on lanes, apart from the collectives issued after them)
+        self._wire_tag = 0 if twin else 1
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
         self.strict = Strict(self.rank, self.meta_device) if config.STRICT_TRANSPORT else None
         self.own_timeout = _own_timeout(group, self.meta_device)
@@ -295,7 +298,7 @@ class TorchTransport(Transport):
             send = send.tensor
         send = send if send.device == self.meta_device else send.to(self.meta_device)
         if self.strict is not None:  # one tag on the wire: matched in issue order, as NCCL does
-            return self.strict.send(lambda x, peer: self._isend(x, peer, 0), send, dst, tag)
+            return self.strict.send(lambda x, peer: self._isend(x, peer, self._wire_tag), send, dst, tag)
         return self._isend(send, dst, tag)
 
     def _isend(self, send, dst, tag):
@@ -304,7 +307,7 @@ class TorchTransport(Transport):
     def irecv(self, recv, src, tag=0):
         wire = recv if recv.device == self.meta_device else torch.empty_like(recv, device=self.meta_device)
         if self.strict is not None:
-            work = self.strict.recv(lambda x, peer: self._irecv(x, peer, 0), wire, src, tag)
+            work = self.strict.recv(lambda x, peer: self._irecv(x, peer, self._wire_tag), wire, src, tag)
         else:
             work = self._irecv(wire, src, tag)
         return work if wire is recv else _Staged(work, recv, wire)
