@@ -13,7 +13,8 @@ Order and progress, as NCCL's: a rank's messages to a peer match the peer's rece
 order. A receive runs on zipccl's async thread, in issue order with zipccl's collectives, and
 holds that queue until its message has come; a send never waits for its peer: it is encoded and
 posted on its direction's lane (a thread of its own, zipccl.executor.on_lane), after the
-collectives issued before it and the direction's earlier sends, and completes in ``wait()``. So ranks that send to each other never block each other, whether in one
+collectives issued before it and the direction's earlier sends, and completes in ``wait()``.
+So ranks that send to each other never block each other, whether in one
 ``batch_isend_irecv`` (whatever the list's order) or as separate isend and irecv calls. What
 does block: a blocking ``recv`` before the send its peer waits for (on any backend), and a
 collective issued between a receive and the send its peer waits for, on both ranks (the

@@ -2,11 +2,11 @@
 
 Why not the group's NcclTransport: its communicators are made by every rank of the group
 together, which a message between two of them is not (a pipeline stage's first send would wait
-for ever for ranks that never send); and point-to-point issues from two threads of a rank (sends
-on the caller's, receives on zipccl's async thread), while NCCL wants each communicator's
-operations issued in one order by each of its ranks. So each ordered pair (sender, receiver) of
-a group has its own two communicators (bulk and mail, as NcclTransport's), of those two ranks
-alone: on it the sender only sends, from its caller's thread, and the receiver only receives,
+for ever for ranks that never send); and point-to-point issues from several threads of a rank
+(sends on a lane per direction, receives on zipccl's async thread), while NCCL wants each
+communicator's operations issued in one order by each of its ranks. So each ordered pair (sender,
+receiver) of a group has its own two communicators (bulk and mail, as NcclTransport's), of those
+two ranks alone: on it the sender only sends, from its lane, and the receiver only receives,
 from its async thread, each on streams of their own, so two ranks that send to each other never
 queue one's send behind the other's (one communicator per pair, as torch's point-to-point has,
 needs both directions in one group call).
