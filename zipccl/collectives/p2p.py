@@ -29,7 +29,7 @@ import torch
 from .. import config
 from .. import format as F
 from ..errors import FormatError, MismatchError
-from ..failure import ENCODE, OTHER, SIZE, Fate, describe
+from ..failure import ENCODE, OTHER, SIZE, Fate
 from ..transport import store
 from .links import PLAIN
 from .metadata import _TAG_P2P, timed
@@ -251,8 +251,3 @@ class Verdict:
         status, *values = (int(v) for v in store.wait(self.key, timeout).decode().split(","))
         store.own().delete_key(self.key)
         return status, Signature(*values)
-
-
-def describe_status(status: int) -> tuple[int, int]:
-    """(rank, kind) of a verdict's poison code."""
-    return describe(status)
