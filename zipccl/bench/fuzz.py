@@ -707,6 +707,8 @@ def run(family: str, cases: int, seed: int = 0, grads: np.ndarray | None = None,
     """Cases start..start+cases-1 of a family; ``progress(summary)`` every ``every`` seconds;
     ``current.value``, if given, is set to each case's number before it runs (so that a process
     watching this one can name the case that killed it)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown fuzz family {family!r}; choose from {', '.join(FAMILIES)}")
     bases = base_packets(family, grads)
     s = Summary(family)
     t0 = last = time.perf_counter()
