@@ -155,16 +155,22 @@ def on_lane(key, fn, tensors=()) -> Handle:
     stream's work before it, ``wait()`` ordering the waiting stream after it); apart from the async
     calls' queue (``last`` is not changed). zipccl.p2p posts each direction's framed sends on a
     lane of its own, so that making a pair's communicators never blocks the caller."""
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
-    start = _issued_on(tensors)
+    task = _task(fn, tensors)
     with _queue_lock:
         q = _lanes.get(key)
         if q is None:
             q = _lanes[key] = queue.Queue()
             threading.Thread(target=_worker, args=(q,), daemon=True, name=f"zipccl-lane {key}").start()
-        handle = Handle(device=None if start is None else start[0])
-        q.put((fn, handle, start, tensors))
-    return handle
+        q.put(task)
+    return task[1]
+
+
+def _task(fn, tensors) -> tuple:
+    """What a worker thread runs: (fn, its handle, (device, the caller's stream's event) or None,
+    its CUDA tensors)."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
+    start = _issued_on(tensors)
+    return fn, Handle(device=None if start is None else start[0]), start, tensors
 
 
 def run(fn, async_op: bool, tensors=()):
@@ -176,14 +182,12 @@ def run(fn, async_op: bool, tensors=()):
         drain()
         fn()
         return None
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
-    start = _issued_on(tensors)
+    task = _task(fn, tensors)
     with _queue_lock:
         if _queue is None:
             _queue = queue.Queue()
             _worker_thread = threading.Thread(target=_worker, args=(_queue,), daemon=True, name="zipccl-async")
             _worker_thread.start()
-        handle = Handle(device=None if start is None else start[0])
-        _last = handle
-        _queue.put((fn, handle, start, tensors))
-    return handle
+        _last = task[1]
+        _queue.put(task)
+    return task[1]

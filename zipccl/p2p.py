@@ -68,8 +68,9 @@ def _kind(op) -> str | None:
 
 
 class _Op:
-    """One resolved message end: its transport, peer (group rank), codec decision and signature."""
-    __slots__ = ("kind", "tensor", "group", "t", "peer", "tag", "codec", "plan", "sig", "seq")
+    """One resolved message end: its transport, peer (group rank; ``peer_job``: in the job), this
+    rank in the group (``me``), codec decision and signature."""
+    __slots__ = ("kind", "tensor", "group", "t", "peer", "peer_job", "me", "tag", "codec", "plan", "sig", "seq")
 
     def __init__(self, kind: str, tensor, peer, group, tag: int, group_peer, codec):
         if not isinstance(tensor, torch.Tensor):
@@ -80,8 +81,10 @@ class _Op:
         if (peer is None) == (group_peer is None):
             raise ValueError(f"{kind}: give exactly one of the peer's rank in the job and its rank in the group")
         self.peer = group_peer if group_peer is not None else dist.get_group_rank(pg, peer)
+        self.peer_job = peer if peer is not None else dist.get_global_rank(pg, group_peer)
         topology.publish_node()  # before anything here may wait on a peer that looks ours up
-        if self.peer == dist.get_rank(pg):
+        self.me = dist.get_rank(pg)
+        if self.peer == self.me:
             raise ValueError(f"{kind}: rank {dist.get_rank()} cannot {kind} to itself with zipccl")
         self.plan = _decide(codec, self.tensor, group, self.peer)
         self.t = None  # zipccl's transport, for a framed message only: ``transport()``
@@ -96,8 +99,7 @@ class _Op:
         that issues the message (a send's lane, a receive's async thread), never by the caller's
         call, which must not wait for the other end."""
         if self.t is None:
-            me = dist.get_rank(self.group if self.group is not None else dist.group.WORLD)
-            pair = (me, self.peer) if self.kind == "send" else (self.peer, me)
+            pair = (self.me, self.peer) if self.kind == "send" else (self.peer, self.me)
             self.t = transport_for(self.group, self.tensor.device, pair=pair)
         return self.t
 
@@ -133,8 +135,7 @@ _seqs: dict = {}  # (group name, kind, peer's job rank) -> framed messages so fa
 
 
 def _next_seq(op: _Op) -> int:
-    pg = op.group if op.group is not None else dist.group.WORLD
-    key = (_group_name(op.group), op.kind, dist.get_global_rank(pg, op.peer))
+    key = (_group_name(op.group), op.kind, op.peer_job)
     with _seq_lock:
         n = _seqs.get(key, 0)
         _seqs[key] = n + 1
@@ -211,8 +212,7 @@ def _send(op: _Op):
     if op.plan is NATIVE:
         return _native_send(op)
     op.seq = _next_seq(op)
-    me, peer = dist.get_rank(), dist.get_global_rank(op.group if op.group is not None else dist.group.WORLD, op.peer)
-    verdict = Verdict(_group_name(op.group), me, peer, op.seq)
+    verdict = Verdict(_group_name(op.group), dist.get_rank(), op.peer_job, op.seq)
 
     state = []  # (fate, acc, sends), kept here: a CUDA-aware future would pickle its value, and c10d's works cannot be
 
@@ -220,7 +220,7 @@ def _send(op: _Op):
         fate, acc = Fate.of("send", op.transport()), new_acc()
         state.append((fate, acc, send_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)))
 
-    posted = executor.on_lane(("send", _group_name(op.group), peer), post, (op.tensor,))
+    posted = executor.on_lane(("send", _group_name(op.group), op.peer_job), post, (op.tensor,))
 
     def complete():
         posted.wait()  # raises where posting failed (the pair's transport could not be made)
@@ -234,7 +234,7 @@ def _send(op: _Op):
                 fate.lose(op.t, op.peer, e)
             else:
                 if status == 1:
-                    raise MismatchError(mismatch_text(me, peer, op.sig, theirs))
+                    raise MismatchError(mismatch_text(dist.get_rank(), op.peer_job, op.sig, theirs))
                 if status and not fate.failed:
                     fate.heard(status)
         fate.check()
@@ -324,7 +324,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
         return dist.recv(tensor, group=group, tag=tag)
     op = _Op("recv", tensor, src, group, tag, group_src, codec)
     _post_receive(op, False)
-    return dist.get_global_rank(group if group is not None else dist.group.WORLD, op.peer)
+    return op.peer_job
 
 
 def batch_isend_irecv(p2p_op_list: list) -> list:
