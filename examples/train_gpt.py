@@ -44,11 +44,12 @@ from zipccl import launch
 
 def stdlib_text(limit: int) -> torch.Tensor:
     """The standard library's .py files, sorted by path and concatenated, as bytes (first ``limit``)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = []
+    for top, dirs, files in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirs[:] = [d for d in dirs if d != "site-packages"]  # not walked: it can hold far more than the library
+        paths += [Path(top, f) for f in files if f.endswith(".py")]
     chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
+    for path in sorted(paths):
         data = path.read_bytes()
         chunks.append(data)
         total += len(data)
