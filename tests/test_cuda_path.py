@@ -92,6 +92,8 @@ def routed(monkeypatch):
 
         def nccl_of(group=None):
             made.append("nccl")
+            if nccl_fails == "lost":
+                raise RankFailure("rank 3 did not join (test)", 3, "lost", True)
             if nccl_fails:
                 raise ZipcclError("no communicator (test)")
             return "NcclTransport"
@@ -164,6 +166,18 @@ def test_a_failed_communicator_falls_back_only_on_nccl_groups(routed):
         with pytest.raises(ZipcclError, match="no communicator"):
             select.transport_for(None, torch.device("cuda"))
         assert made == ["nccl"]
+
+
+
+def test_a_rank_that_never_joins_the_communicator_is_no_reason_to_fall_back(routed):
+    """Where a rank never joined NCCL's communicators (RankFailure, broken), the group is broken,
+    not without NCCL: the error is raised, nothing falls back to torch's NCCL and nothing is kept."""
+    made = routed("nccl", "auto", True, nccl_fails="lost")
+    for _ in range(2):
+        with pytest.raises(RankFailure, match="rank 3 did not join") as e:
+            select.transport_for(None, torch.device("cuda"))
+        assert e.value.rank == 3 and e.value.broken
+    assert made == ["nccl", "nccl"] and select._refused == {}
 
 
 # ---- codec "native" on CUDA: the group's own collective, no communicator of CuPy -------------------------------

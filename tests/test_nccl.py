@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -237,6 +238,96 @@ def test_an_end_without_nccl_keeps_the_other_out_of_nccl():
     (kind, message, uid, seconds), theirs = got[1], got[2]
     assert theirs[:2] == (kind, message) and kind == "NcclError" and uid == "00" * 256, got
     assert "rank 2: UnsupportedError: no NCCL here (test)" in message and max(seconds, theirs[3]) < 30, message
+
+
+class _JoiningNccl:
+    """A stand-in for CuPy's NCCL module whose making of a communicator returns, as NCCL's does,
+    once every rank of it has come (here: counted in the job's store), and waits for them without
+    a bound. ``leaving``: what rank 2 does in the making, from its ``after``-th on: "dies"
+    (os._exit) or "stays" (alive, never joins)."""
+
+    def __init__(self, leaving: str, after: int):
+        self.leaving, self.after, self.made = leaving, after, 0
+        stand_in = self
+
+        class NcclCommunicator:
+            def __init__(self, size, uid, rank):
+                import torch.distributed as dist
+                stand_in.made += 1
+                if dist.get_rank() == 2 and stand_in.made > stand_in.after:
+                    if stand_in.leaving == "dies":
+                        os._exit(0)
+                    threading.Event().wait()
+                store, key = dist.distributed_c10d._get_default_store(), f"test/joined/{bytes(uid).hex()}"
+                store.add(key, 1)
+                while store.add(key, 0) < size:
+                    time.sleep(0.01)
+
+            def abort(self):
+                pass
+
+        self.NcclCommunicator = NcclCommunicator
+
+    @staticmethod
+    def get_unique_id():
+        return tuple(os.urandom(128))
+
+
+def _join(rank: int, port: int, timeout: float, leaving: str, results) -> None:
+    """Three ranks make NcclTransport's communicators over _JoiningNccl twice: all of them, then
+    without rank 2 (``leaving``). Each survivor reports both outcomes."""
+    import torch
+    import torch.distributed as dist
+
+    from zipccl import config
+    from zipccl.transport import nccl_stack
+    from zipccl.transport.cupy_nccl import NcclTransport
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    config.TIMEOUT = timeout
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=datetime.timedelta(seconds=60))
+    stand_in = _JoiningNccl(leaving, after=2 if torch.cuda.is_available() else 1)  # without CUDA: the bulk one only
+    nccl_stack.load = lambda: stand_in
+    outcomes = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        try:
+            NcclTransport(None)
+            outcomes.append(("made", "", None, None, 0.0))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            outcomes.append((type(e).__name__, str(e), getattr(e, "rank", None), getattr(e, "broken", None),
+                             time.perf_counter() - t0))
+    results.put((rank, outcomes))
+    store = dist.distributed_c10d._get_default_store()
+    store.add("test/reported", 1)
+    deadline = time.monotonic() + 30
+    while store.add("test/reported", 0) < (2 if leaving == "dies" else 3) and time.monotonic() < deadline:
+        time.sleep(0.05)  # rank 0 serves the store: it stays until every survivor has read the heartbeats
+
+
+@pytest.mark.parametrize("leaving", ["dies", "stays"])
+def test_a_rank_that_never_joins_the_communicators_is_named_within_the_bound(leaving):
+    """NCCL's making of a communicator waits for every rank without a bound: a rank that dies
+    there (or before) would keep the others waiting for good. The others give up on it, raising
+    RankFailure (lost, broken): a dead rank named from its heartbeat, before ZIPCCL_TIMEOUT (6 s,
+    so silent after 3 s); a live one that never joins, with no evidence to name it, at
+    ZIPCCL_TIMEOUT (2 s), on every rank. The stand-in's first making, with every rank, completes."""
+    import torch
+    timeout = 6.0 if leaving == "dies" else 2.0
+    got, _ = spawn(_join, 3, (free_port(), timeout, leaving), answers=2 if leaving == "dies" else 3, seconds=90)
+    assert sorted(got) == ([0, 1] if leaving == "dies" else [0, 1, 2]), got
+    for rank, (first, second) in got.items():
+        if torch.cuda.is_available():
+            assert first[0] == "made", first
+        else:
+            assert first[0] == "NcclError" and "torch has no CUDA device" in first[1], first
+        kind, message, named, broken, seconds = second
+        assert kind == "RankFailure" and broken, second
+        if leaving == "dies":
+            assert named == 2 and "rank 2 failed: it did not join" in message and "heartbeat" in message, second
+            assert 3 <= seconds < timeout, second
+        else:
+            assert named == -1 and "a rank did not join (no progress within 2 s" in message, second
+            assert 2 <= seconds < 4, second
 
 
 def test_nvml_link():

@@ -6,6 +6,9 @@ broadcast on the group itself (its torch backend), so no store or start method o
 needed. Making them is collective, and every rank then tells every other whether it succeeded
 (one small all-gather on the group): where any failed, every rank raises the same ZipcclError
 carrying NCCL's message, and no rank is left waiting in NCCL. A failed communicator is aborted.
+NCCL's making waits for every rank without a bound, so it runs on a thread of its own, which the
+rank waits for as for a mail: where a rank never joins (dead, hung), the others raise RankFailure
+naming it (from its heartbeat; ``broken``) within the bound, not never.
 
 Two channels, each a communicator with its own stream. The bulk channel carries device tensors
 (packets, native collectives) on a stream ordered after torch's current stream by an event, so
@@ -35,13 +38,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from .. import config
-from ..errors import UnsupportedError, ZipcclError
+from ..errors import RankFailure, UnsupportedError, ZipcclError
 from . import heartbeat, nccl_stack
 from .base import DeviceMail, Transport, wait_limit
 from .torch_dist import TorchTransport
@@ -134,26 +138,84 @@ class NcclTransport(Transport):
 
     def _connect(self, uid: bytes) -> Exception | None:
         """This rank's two communicators (``uid``: their ids, one after the other); the exception
-        where NCCL or CUDA refused them."""
+        where NCCL or CUDA refused them. Raises RankFailure where a rank never joined (``_made``)."""
         if not any(uid):
             return UnsupportedError(self._without_ids)
         bulk, mail = uid[:128], uid[128:]
-        size, rank = len(self._members), self._comm_rank(self.rank)
         try:
             if not torch.cuda.is_available():  # NCCL is still asked, so that its own error is the one reported
-                self.comm = self.nccl.NcclCommunicator(size, bulk, rank)
+                self.comm, = self._made(None, bulk)
                 raise UnsupportedError("torch has no CUDA device here: NcclTransport takes torch CUDA tensors")
-            import cupy
             self.device = torch.cuda.current_device()
-            with cupy.cuda.Device(self.device):
-                self.comm = self.nccl.NcclCommunicator(size, bulk, rank)
-                self.mail_comm = self.nccl.NcclCommunicator(size, mail, rank)
+            self.comm, self.mail_comm = self._made(self.device, bulk, mail)
             self.stream = torch.cuda.Stream(self.device)
             self.mail_stream = torch.cuda.Stream(self.device)
+        except RankFailure:
+            raise
         except Exception as e:  # noqa: BLE001 - NcclError, CUDARuntimeError: every rank must hear of it
             self._abort()
             return e
         return None
+
+    def _made(self, device: int | None, *ids: bytes) -> list:
+        """The communicators of ``ids`` (on CUDA ``device``), made by NCCL on a thread of its own:
+        NCCL's making waits for every rank of the communicator without a bound (and without the
+        GIL), so a rank that died or hangs before joining would keep this one there for good. This
+        rank waits for it as for a mail (``_until``); where it gives up, it raises RankFailure
+        (``broken``) naming the rank the heartbeats name, and the communicators that NCCL's thread,
+        left blocked, may still make are aborted."""
+        made, state, lock = [], {}, threading.Lock()
+        size, rank = len(self._members), self._comm_rank(self.rank)
+
+        def make() -> None:
+            try:
+                with contextlib.ExitStack() as scope:
+                    if device is not None:
+                        import cupy
+                        scope.enter_context(cupy.cuda.Device(device))  # the device is the thread's own
+                    for uid in ids:
+                        made.append(self.nccl.NcclCommunicator(size, uid, rank))
+            except Exception as e:  # noqa: BLE001 - raised on the caller's thread
+                state["error"] = e
+            with lock:
+                state["done"] = True
+                if state.get("abandoned"):
+                    for comm in made:
+                        with contextlib.suppress(Exception):
+                            comm.abort()
+
+        heartbeat.start()  # the evidence, where a rank never joins
+        since, limit = time.time(), config.wait_bound()
+        thread = threading.Thread(target=make, name="zipccl-nccl-init", daemon=True)
+        thread.start()
+        why = self._until(lambda: not thread.is_alive(), limit, nap=0.005)
+        with lock:
+            if why is not None and not state.get("done"):
+                state["abandoned"] = True
+                raise self._not_joined(why, since)
+        if "error" in state:
+            for comm in made:
+                with contextlib.suppress(Exception):
+                    comm.abort()
+            raise state["error"]
+        return made
+
+    def _not_joined(self, why: str, since: float) -> RankFailure:
+        """The error of a communicator that NCCL did not make: the rank the heartbeats name (-1 where
+        they name none) did not join it."""
+        board = heartbeat.board()
+        found = board.culprit(self._members, since) if board is not None else None
+        me, what = self.global_rank(self.rank), self._what()
+        if found is None:
+            return RankFailure(f"zipccl: NCCL did not make the communicators of {what} on rank {me}: a rank did "
+                               f"not join ({why}; no heartbeat names one); rebuild the group", -1, "lost", True)
+        rank, evidence = found
+        return RankFailure(f"zipccl: rank {rank} failed: it did not join the NCCL communicators of {what} "
+                           f"[{evidence}]; rank {me} gave up ({why}); rebuild the group", rank, "lost", True)
+
+    def _what(self) -> str:
+        """What these communicators carry, in words."""
+        return f"this group of {self.size} ranks"
 
     def _agree(self, error: Exception | None) -> None:
         """Every rank learns whether every rank has a communicator; the same error everywhere if not."""
@@ -315,28 +377,43 @@ class NcclTransport(Transport):
             work.host.copy_(work.pinned)
 
     def _host_wait(self, work, limit: float) -> None:
+        why = self._until(work.event.query, limit, self._check)
+        if why is not None:
+            self._give_up(why)
+
+    def _check(self) -> None:
+        """Raise where the communicators were aborted or NCCL reports an error of its own."""
+        if self.comm is None:  # aborted by another wait of the call
+            raise _aborted()
+        try:
+            self.comm.check_async_error()
+            self.mail_comm.check_async_error()
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(e) from e
+
+    def _until(self, done, limit: float, check=None, nap: float = 1e-4) -> str | None:
+        """Poll ``done()`` every ``nap`` seconds (``check()`` each time, which may raise) for at most
+        ``limit`` seconds: None once it is done, else why this rank gives up: the time ran out, or,
+        once the wait has lasted ``heartbeat.stale_after()``, the heartbeats of the ranks waited for
+        (``_members``) say some are silent."""
         start = time.monotonic()
         deadline, look = start + limit, start + heartbeat.stale_after()
-        while not work.event.query():
-            if self.comm is None:  # aborted by another wait of the call
-                raise _aborted()
-            try:
-                self.comm.check_async_error()
-                self.mail_comm.check_async_error()
-            except Exception as e:  # noqa: BLE001
-                raise self._fail(e) from e
+        while not done():
+            if check is not None:
+                check()
             now = time.monotonic()
             if now > deadline:
-                self._give_up(f"no progress within {limit:g} s (ZIPCCL_TIMEOUT={config.TIMEOUT}, "
-                              f"default {config.DEFAULT_TIMEOUT:g} s)")
-            if now > look:  # a long wait: is a rank of the group silent?
+                return f"no progress within {limit:g} s (ZIPCCL_TIMEOUT={config.TIMEOUT}, " \
+                       f"default {config.DEFAULT_TIMEOUT:g} s)"
+            if now > look:  # a long wait: is a rank silent?
                 look = now + heartbeat.period()
                 board = heartbeat.board()
                 silent = board.silent(self._members) if board is not None else {}
                 if silent:
-                    self._give_up("no heartbeat from rank(s) " + ", ".join(
-                        f"{r} for {age:.1f} s" for r, age in sorted(silent.items())))
-            time.sleep(1e-4)
+                    return "no heartbeat from rank(s) " + ", ".join(f"{r} for {age:.1f} s"
+                                                                   for r, age in sorted(silent.items()))
+            time.sleep(nap)
+        return None
 
     def _give_up(self, why: str):
         """Abort and raise: this rank gave up waiting (``timed_out``); the peer waited on may live."""

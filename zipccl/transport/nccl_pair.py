@@ -15,8 +15,8 @@ Made by the first message in that direction, by its two ends alone: the sender's
 receiver through the job's store, and each end then tells the other through the store whether it
 succeeded, so both raise the same NcclError or neither does; every wait for the other end in the
 store takes at most config.wait_bound(), and neither end enters NCCL before both have said they
-will (NCCL's own making of a communicator waits without a bound: an end that dies in that moment
-leaves the other there). As NCCL's own making of a communicator (and torch's for its first message
+will (NCCL's own making of a communicator waits for the other end without a bound: zipccl waits for
+it as NcclTransport does, and an end that dies in that moment is named, RankFailure). As NCCL's own making of a communicator (and torch's for its first message
 between two ranks), the first message leaves once the receiver has posted its receive; the
 sender's thread is its direction's lane (zipccl.p2p), not the caller's.
 
@@ -143,6 +143,9 @@ class NcclPair(NcclTransport):
             said = "; ".join(f"rank {self._members[k]}: {texts[k]}" for k in failed)
             raise NcclError(f"zipccl: no NCCL communicator for the messages from rank {self._members[0]} to rank "
                             f"{self._members[1]}: {said} ({nccl_stack.detect()})")
+
+    def _what(self) -> str:
+        return f"the messages from rank {self._members[0]} to rank {self._members[1]}"
 
     def all_to_all(self, send, send_splits, recv_splits):
         raise ZipcclError("NcclPair carries one direction's messages only")

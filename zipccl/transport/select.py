@@ -29,7 +29,7 @@ import warnings
 import torch.distributed as dist
 
 from .. import config
-from ..errors import UnsupportedError, ZipcclError
+from ..errors import RankFailure, UnsupportedError, ZipcclError
 from . import nccl_stack
 from .base import Transport
 from .cupy_nccl import NcclTransport
@@ -108,6 +108,8 @@ def transport_for(group, device, pair: tuple[int, int] | None = None) -> Transpo
     with _lock:
         try:
             return NcclTransport.of(group)
+        except RankFailure:  # a rank never joined: the group is broken, not without NCCL
+            raise
         except ZipcclError as e:
             _refused[key] = str(e)
             warnings.warn(f"zipccl: CUDA tensors on this group go through torch.distributed, not CuPy's NCCL: {e}",
