@@ -450,6 +450,37 @@ def test_a_failure_raises_on_both_ends(pool):
     assert all(h is True for h in pool.run(_healthy, timeout=120))
 
 
+def _late_receiver(rank, groups):
+    """Rank 1 posts its receive 1.5 s after rank 0's isend: ``wait(0.3)`` raises zipccl's
+    TimeoutError after 0.3 s (the send goes on), and a later ``wait()`` completes it, the
+    message intact. Ranks 2 and 3 take no part."""
+    import time as clock
+
+    from zipccl.errors import TimeoutError as Late
+    if rank > 1:
+        return None
+    x = activations(300_000, seed=5).to(torch.bfloat16)
+    if rank == 1:
+        clock.sleep(1.5)
+        got = torch.empty_like(x)
+        zipccl.recv(got, 0, codec="lossless")
+        return torch.equal(bits(got), bits(x))
+    h = zipccl.isend(x, 1, codec="lossless")
+    start = clock.monotonic()
+    try:
+        h.wait(0.3)
+        early = "no timeout"
+    except Late:
+        early = round(clock.monotonic() - start, 1)
+    h.wait()
+    return early, h.is_completed()
+
+
+def test_a_sends_wait_honours_its_timeout(pool):
+    res = pool.run(_late_receiver, timeout=60)
+    assert res[1] is True and res[0][1] is True and isinstance(res[0][0], float) and 0.3 <= res[0][0] < 1.2, res
+
+
 def _async(rank, groups):
     """isend/irecv handles, between async all-reduces: the send waits for the all-reduce issued
     before it and passes the receive queued before it (which waits for the peer's send), the

@@ -29,13 +29,14 @@ rank and no other thread of these ranks uses.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
-from . import auto, config, executor, topology
+from . import auto, config, errors, executor, topology
 from .collectives.links import PLAIN
 from .collectives.p2p import Signature, Verdict, mismatch_text, receive_message, send_message
 from .collectives.pipeline import plain
@@ -194,6 +195,16 @@ class _SendHandle(executor.Handle):
                 self._future.set_exception(e)
 
     def wait(self, timeout=None) -> bool:
+        """``timeout`` (seconds or a timedelta) bounds the wait for the receiver's verdict, as
+        ``Handle.wait``'s: zipccl.errors.TimeoutError past it, and the send goes on."""
+        if timeout is not None:
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            deadline = time.monotonic() + seconds
+            while not (self._future.done() or self._verdict.ready() or self._unposted()):
+                if time.monotonic() >= deadline:
+                    raise errors.TimeoutError(f"zipccl: the send did not finish within {seconds:g} s (its receiver's "
+                                       "verdict has not come; it is still under way: wait again, or rebuild the group)")
+                time.sleep(0.002)
         self._finish()
         return super().wait(timeout)
 
