@@ -481,6 +481,29 @@ def test_a_sends_wait_honours_its_timeout(pool):
     assert res[1] is True and res[0][1] is True and isinstance(res[0][0], float) and 0.3 <= res[0][0] < 1.2, res
 
 
+def test_an_idle_lane_ends_and_the_next_send_makes_another(monkeypatch):
+    """A direction's lane (executor.on_lane) whose thread has waited LANE_IDLE seconds for a task
+    ends, its key dropped; tasks posted around that moment all run, in order, none lost on a
+    thread that has ended."""
+    import threading
+
+    from zipccl import executor
+    monkeypatch.setattr(executor, "LANE_IDLE", 0.03)
+    key = ("send", "test", "idle")
+    ran, handles = [], []
+    for i in range(60):
+        handles.append(executor.on_lane(key, lambda i=i: ran.append((i, threading.current_thread()))))
+        time.sleep((0, 0.031, 0.034, 0.037, 0.05)[i % 5])  # just past the idle time: as a lane gives up
+    for h in handles:
+        h.wait(timeout=10)
+    assert [i for i, _ in ran] == list(range(60))
+    threads = {id(t): t for _, t in ran}.values()
+    assert len(threads) > 1  # lanes ended in between, and later tasks made new ones
+    for t in threads:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in threads) and key not in executor._lanes
+
+
 def _async(rank, groups):
     """isend/irecv handles, between async all-reduces: the send waits for the all-reduce issued
     before it and passes the receive queued before it (which waits for the peer's send), the

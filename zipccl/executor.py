@@ -82,12 +82,27 @@ _queue_lock = threading.Lock()
 _worker_thread: threading.Thread | None = None
 _last: Handle | None = None  # the async call issued last
 _lanes: dict = {}  # key -> the queue of a lane's thread (on_lane)
+#: Seconds a lane's thread waits for its next task before it ends (a later task makes a new one):
+#: a process that sends to many peers in turn keeps no thread per peer it no longer talks to.
+LANE_IDLE = 60.0
 _streams: dict = {}  # (thread's queue, CUDA device) -> the stream the thread's calls run on there
 
 
-def _worker(q: queue.Queue) -> None:
+def _worker(q: queue.Queue, lane=None) -> None:
+    """Run ``q``'s tasks in order, for good; a ``lane``'s (its key) ends once idle for ``LANE_IDLE``
+    seconds, its key and streams dropped under the lock that posting takes, so that a task is
+    never put on a queue whose thread has ended."""
     while True:
-        fn, handle, start, tensors = q.get()
+        try:
+            fn, handle, start, tensors = q.get(timeout=None if lane is None else LANE_IDLE)
+        except queue.Empty:
+            with _queue_lock:
+                if q.empty():
+                    del _lanes[lane]
+                    for key in [k for k in _streams if k[0] == id(q)]:
+                        del _streams[key]
+                    return
+            continue
         try:
             if start is None:
                 handle._future.set_result(fn())
@@ -153,14 +168,15 @@ def on_lane(key, fn, tensors=()) -> Handle:
     """``fn()`` on the thread of lane ``key`` (made on first use), after the work queued there
     before it, with the CUDA semantics of an async call (its own stream per device, the caller's
     stream's work before it, ``wait()`` ordering the waiting stream after it); apart from the async
-    calls' queue (``last`` is not changed). zipccl.p2p posts each direction's framed sends on a
-    lane of its own, so that making a pair's communicators never blocks the caller."""
+    calls' queue (``last`` is not changed); a lane idle for ``LANE_IDLE`` seconds ends. zipccl.p2p
+    posts each direction's framed sends on a lane of its own, so that making a pair's
+    communicators never blocks the caller."""
     task = _task(fn, tensors)
     with _queue_lock:
         q = _lanes.get(key)
         if q is None:
             q = _lanes[key] = queue.Queue()
-            threading.Thread(target=_worker, args=(q,), daemon=True, name=f"zipccl-lane {key}").start()
+            threading.Thread(target=_worker, args=(q, key), daemon=True, name=f"zipccl-lane {key}").start()
         q.put(task)
     return task[1]
 
