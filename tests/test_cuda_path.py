@@ -168,7 +168,6 @@ def test_a_failed_communicator_falls_back_only_on_nccl_groups(routed):
         assert made == ["nccl"]
 
 
-
 def test_a_rank_that_never_joins_the_communicator_is_no_reason_to_fall_back(routed):
     """Where a rank never joined NCCL's communicators (RankFailure, broken), the group is broken,
     not without NCCL: the error is raised, nothing falls back to torch's NCCL and nothing is kept."""

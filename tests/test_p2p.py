@@ -451,17 +451,19 @@ def test_a_failure_raises_on_both_ends(pool):
 
 
 def _late_receiver(rank, groups):
-    """Rank 1 posts its receive 1.5 s after rank 0's isend: ``wait(0.3)`` raises zipccl's
-    TimeoutError after 0.3 s (the send goes on), and a later ``wait()`` completes it, the
-    message intact. Ranks 2 and 3 take no part."""
+    """Rank 1 posts its receive only once rank 0's ``wait(0.3)`` on its isend has raised zipccl's
+    TimeoutError, after 0.3 s (the send goes on); a later ``wait()`` completes it, the message
+    intact. Ranks 2 and 3 take no part."""
     import time as clock
 
     from zipccl.errors import TimeoutError as Late
     if rank > 1:
         return None
+    store, key = dist.distributed_c10d._get_default_store(), "test/late-receiver"
     x = activations(300_000, seed=5).to(torch.bfloat16)
     if rank == 1:
-        clock.sleep(1.5)
+        store.wait([key], datetime.timedelta(seconds=30))
+        store.delete_key(key)
         got = torch.empty_like(x)
         zipccl.recv(got, 0, codec="lossless")
         return torch.equal(bits(got), bits(x))
@@ -472,6 +474,7 @@ def _late_receiver(rank, groups):
         early = "no timeout"
     except Late:
         early = round(clock.monotonic() - start, 1)
+    store.set(key, "")
     h.wait()
     return early, h.is_completed()
 
@@ -534,16 +537,28 @@ def test_async_handles(pool):
 TIMEOUT = 5.0
 
 
+def _waited_in_steps(handle) -> None:
+    """``handle.wait(1.0)`` until it returns, as a caller that polls with a timeout does: each
+    TimeoutError says only that the call goes on; a dead peer is still named."""
+    from zipccl.errors import TimeoutError as Late
+    while True:
+        try:
+            handle.wait(1.0)
+            return
+        except Late:
+            pass
+
+
 def _killed(rank: int, port: int, victim: int, results) -> None:
-    """Rank 0 sends 2,000,000 bf16 to rank 1 over and over; ``victim`` dies (SIGKILL) in the
-    middle; the survivor reports what it raised and when."""
+    """Rank 0 sends 2,000,000 bf16 to rank 1 over and over (each send waited for a second at a
+    time); ``victim`` dies (SIGKILL) in the middle; the survivor reports what it raised and when."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZIPCCL_TIMEOUT=str(TIMEOUT))
     torch.set_num_threads(1)
     import zipccl.config
     zipccl.config.TIMEOUT = TIMEOUT
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     x = torch.randn(2_000_000).to(torch.bfloat16)
-    call = (lambda: zipccl.send(x, 1, codec="lossless")) if rank == 0 else \
+    call = (lambda: _waited_in_steps(zipccl.isend(x, 1, codec="lossless"))) if rank == 0 else \
         (lambda: zipccl.recv(torch.empty_like(x), 0, codec="lossless"))
     call()
     dist.barrier()

@@ -29,14 +29,13 @@ rank and no other thread of these ranks uses.
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
-from . import auto, config, errors, executor, topology
+from . import auto, config, executor, topology
 from .collectives.links import PLAIN
 from .collectives.p2p import Signature, Verdict, mismatch_text, receive_message, send_message
 from .collectives.pipeline import plain
@@ -183,7 +182,7 @@ class _SendHandle(executor.Handle):
         """``unposted()``: whether posting the message failed (then no verdict comes)."""
         super().__init__()
         self._complete, self._verdict, self._lock = complete, verdict, threading.Lock()
-        self._unposted = unposted
+        self._unposted, self._behind = unposted, None
 
     def _finish(self) -> None:
         with self._lock:
@@ -195,17 +194,17 @@ class _SendHandle(executor.Handle):
                 self._future.set_exception(e)
 
     def wait(self, timeout=None) -> bool:
-        """``timeout`` (seconds or a timedelta) bounds the wait for the receiver's verdict, as
-        ``Handle.wait``'s: zipccl.errors.TimeoutError past it, and the send goes on."""
-        if timeout is not None:
-            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
-            deadline = time.monotonic() + seconds
-            while not (self._future.done() or self._verdict.ready() or self._unposted()):
-                if time.monotonic() >= deadline:
-                    raise errors.TimeoutError(f"zipccl: the send did not finish within {seconds:g} s (its receiver's "
-                                       "verdict has not come; it is still under way: wait again, or rebuild the group)")
-                time.sleep(0.002)
-        self._finish()
+        """Complete the send (its sends, the receiver's verdict, every wait within zipccl's bound)
+        and raise what went wrong on either end. ``timeout`` (seconds or a timedelta): as
+        ``Handle.wait``'s, zipccl.errors.TimeoutError past it, while the send completes on a
+        thread of its own (a dead receiver is still named there, and by the next ``wait()``)."""
+        if timeout is None:
+            self._finish()
+        else:
+            with self._lock:
+                if self._behind is None and not self._future.done():
+                    self._behind = threading.Thread(target=self._finish, daemon=True, name="zipccl-send")
+                    self._behind.start()
         return super().wait(timeout)
 
     def is_completed(self) -> bool:

@@ -5,10 +5,10 @@ Two communicators per process group, made once (``NcclTransport.of(group)``) on 
 broadcast on the group itself (its torch backend), so no store or start method of CuPy's own is
 needed. Making them is collective, and every rank then tells every other whether it succeeded
 (one small all-gather on the group): where any failed, every rank raises the same ZipcclError
-carrying NCCL's message, and no rank is left waiting in NCCL. A failed communicator is aborted.
-NCCL's making waits for every rank without a bound, so it runs on a thread of its own, which the
-rank waits for as for a mail: where a rank never joins (dead, hung), the others raise RankFailure
-naming it (from its heartbeat; ``broken``) within the bound, not never.
+carrying NCCL's message. A failed communicator is aborted. NCCL's making waits for every rank
+without a bound, so it runs on a thread of its own, which the rank waits for as for a mail:
+where a rank never joins (dead, hung), the others raise RankFailure (``broken``) instead of
+waiting in NCCL for good, naming the rank the heartbeats name (silent, or behind), else -1.
 
 Two channels, each a communicator with its own stream. The bulk channel carries device tensors
 (packets, native collectives) on a stream ordered after torch's current stream by an event, so
@@ -54,6 +54,11 @@ __all__ = ["NcclTransport", "NcclError"]
 
 _transports: dict = {}
 atexit.register(_transports.clear)
+
+#: The shortest wait for NCCL to make a group's communicators: ZIPCCL_TIMEOUT may be a few
+#: seconds, and a first making (CUDA's and NCCL's start-up, several ranks on one GPU) can take
+#: that long; a dead rank is still named once its heartbeat is stale (half of ZIPCCL_TIMEOUT).
+MAKING_S = 60.0
 
 
 class NcclError(ZipcclError, RuntimeError):
@@ -161,9 +166,11 @@ class NcclTransport(Transport):
         """The communicators of ``ids`` (on CUDA ``device``), made by NCCL on a thread of its own:
         NCCL's making waits for every rank of the communicator without a bound (and without the
         GIL), so a rank that died or hangs before joining would keep this one there for good. This
-        rank waits for it as for a mail (``_until``); where it gives up, it raises RankFailure
-        (``broken``) naming the rank the heartbeats name, and the communicators that NCCL's thread,
-        left blocked, may still make are aborted."""
+        rank waits for it as for a mail (``_until``), but at least MAKING_S seconds; where it gives
+        up, it raises RankFailure (``broken``) naming the rank the heartbeats name, and aborts the
+        communicators made so far (NCCL's thread, left blocked, aborts any it makes later). A rank
+        that gives up just as the others finish leaves them in ``_agree``, the group's own
+        collective, which keeps the group's timeout."""
         made, state, lock = [], {}, threading.Lock()
         size, rank = len(self._members), self._comm_rank(self.rank)
 
@@ -185,13 +192,16 @@ class NcclTransport(Transport):
                             comm.abort()
 
         heartbeat.start()  # the evidence, where a rank never joins
-        since, limit = time.time(), config.wait_bound()
+        since, limit = time.time(), max(config.wait_bound(), MAKING_S)
         thread = threading.Thread(target=make, name="zipccl-nccl-init", daemon=True)
         thread.start()
         why = self._until(lambda: not thread.is_alive(), limit, nap=0.005)
         with lock:
             if why is not None and not state.get("done"):
                 state["abandoned"] = True
+                for comm in made:  # those made already; NCCL's thread aborts any it makes later
+                    with contextlib.suppress(Exception):
+                        comm.abort()
                 raise self._not_joined(why, since)
         if "error" in state:
             for comm in made:

@@ -15,10 +15,11 @@ Made by the first message in that direction, by its two ends alone: the sender's
 receiver through the job's store, and each end then tells the other through the store whether it
 succeeded, so both raise the same NcclError or neither does; every wait for the other end in the
 store takes at most config.wait_bound(), and neither end enters NCCL before both have said they
-will (NCCL's own making of a communicator waits for the other end without a bound: zipccl waits for
-it as NcclTransport does, and an end that dies in that moment is named, RankFailure). As NCCL's own making of a communicator (and torch's for its first message
-between two ranks), the first message leaves once the receiver has posted its receive; the
-sender's thread is its direction's lane (zipccl.p2p), not the caller's.
+will (NCCL's own making of a communicator waits for the other end without a bound: zipccl
+waits for it as NcclTransport does, and an end that dies in that moment is named, RankFailure).
+As NCCL's own making of a communicator (and torch's for its first message between two ranks),
+the first message leaves once the receiver has posted its receive; the sender's thread is its
+direction's lane (zipccl.p2p), not the caller's.
 
 Ranks stay the group's (the peer of ``isend``/``irecv``, ``global_rank``), so zipccl's framing and
 failure protocol see the same transport as elsewhere; only NCCL sees the pair's numbering.
