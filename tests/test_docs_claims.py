@@ -1,7 +1,8 @@
 """What README.md and docs/*.md name exists: every path (a file or folder of the repository), test
 (``file::function``, and ``::function`` after it for the same file), flag (``--flag`` in the
 ``--help`` of the command it follows, or of one of the project's commands) and ZIPCCL_ variable
-(read in zipccl/config.py); and the format version they say the code implements."""
+(read in zipccl/config.py); the counts of tests they give (README's, and "(N cases)" after a
+test's name) against pytest's collection; and the format version they say the code implements."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import fnmatch
 import importlib
 import io
 import json
+import os
 import re
 import runpy
 import subprocess
@@ -144,6 +146,31 @@ def test_every_test_named_exists():
     missing = [f"{doc}:{n}: {file}::{fn}" for doc, n, file, fn in named
                if file is None or (fn not in _test_functions(file) if fn else True)]
     assert not missing, "\n".join(missing)
+
+
+@lru_cache(maxsize=None)
+def _collected() -> tuple[str, ...]:
+    """The node ids of the whole suite, as pytest collects them (outside CI's rules)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return tuple(line for line in run.stdout.splitlines() if "::" in line)
+
+
+def test_the_counts_of_tests_the_docs_give_are_the_suites():
+    """README's count of tests, and each "`test` (N cases)" in the docs, against what pytest collects."""
+    ids = _collected()
+    told = re.search(r"\(([\d,]+) tests, two processes\)", (ROOT / "README.md").read_text())
+    assert told and int(told[1].replace(",", "")) == len(ids), (told and told[1], len(ids))
+    claims = [(doc.name, m[1], m[2], int(m[3].replace(",", ""))) for doc in DOCS
+              for m in re.finditer(r"`(?:tests/(test_\w+\.py))?(?:::)?(test_\w+)` \(([\d,]+) (?:[\w-]+ )?cases",
+                                   doc.read_text())]
+    assert len(claims) >= 2, claims  # the pattern finds the docs' claims
+    wrong = [(doc, name, n, got) for doc, file, name, n in claims
+             if n != (got := sum(1 for i in ids if i.split("::")[-1].split("[")[0] == name
+                                 and (not file or i.startswith(f"tests/{file}::"))))]
+    assert not wrong, wrong
 
 
 # ---- flags ----------------------------------------------------------------------------------------------------
