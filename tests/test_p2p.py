@@ -484,6 +484,48 @@ def test_a_sends_wait_honours_its_timeout(pool):
     assert res[1] is True and res[0][1] is True and isinstance(res[0][0], float) and 0.3 <= res[0][0] < 1.2, res
 
 
+def test_a_timed_wait_never_waits_on_the_send_completing_behind_it(monkeypatch):
+    """Each ``wait(timeout)`` on a send returns within its timeout while the send completes on a
+    thread of its own (here: held up until released), and that thread queues the send's device
+    waits on the stream that was current where the caller waited (stand-ins for torch.cuda: the
+    caller's stream is "caller", any other thread's "elsewhere")."""
+    import contextlib
+    import threading
+
+    from zipccl import p2p
+    from zipccl.errors import TimeoutError as Late
+    local, caller, release, seen = threading.local(), "caller", threading.Event(), []
+
+    def current_stream(device=None):
+        return getattr(local, "stream", None) or (caller if threading.current_thread() is threading.main_thread()
+                                                  else "elsewhere")
+
+    @contextlib.contextmanager
+    def stream(s):
+        local.stream = s
+        try:
+            yield
+        finally:
+            local.stream = None
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+
+    def complete():
+        release.wait(30)
+        seen.append(torch.cuda.current_stream(torch.device("cuda", 0)))  # where NcclTransport.wait queues
+        return {"sent": True}
+    verdict = type("Pending", (), {"ready": lambda self: False})()
+    h = p2p._SendHandle(complete, verdict, lambda: False, torch.device("cuda", 0))
+    for _ in range(3):
+        start = time.monotonic()
+        with pytest.raises(Late):
+            h.wait(0.2)
+        assert time.monotonic() - start < 1.0
+    release.set()
+    h.wait(10)
+    assert seen == ["caller"] and h.is_completed() and h.get_future().value() == {"sent": True}
+
+
 def test_an_idle_lane_ends_and_the_next_send_makes_another(monkeypatch):
     """A direction's lane (executor.on_lane) whose thread has waited LANE_IDLE seconds for a task
     ends, its key dropped; tasks posted around that moment all run, in order, none lost on a

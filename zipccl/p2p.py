@@ -28,6 +28,7 @@ rank and no other thread of these ranks uses.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Mapping
@@ -178,18 +179,22 @@ class _SendHandle(executor.Handle):
     """A framed send: posted, completed by ``wait()`` (its sends, then the receiver's verdict),
     which raises what went wrong on either end; ``is_completed()`` once the verdict is there."""
 
-    def __init__(self, complete, verdict: Verdict, unposted):
-        """``unposted()``: whether posting the message failed (then no verdict comes)."""
+    def __init__(self, complete, verdict: Verdict, unposted, device: torch.device | None = None):
+        """``unposted()``: whether posting the message failed (then no verdict comes); ``device``:
+        the tensor's CUDA device, where it has one."""
         super().__init__()
         self._complete, self._verdict, self._lock = complete, verdict, threading.Lock()
-        self._unposted, self._behind = unposted, None
+        self._unposted, self._device, self._behind, self._behind_lock = unposted, device, None, threading.Lock()
 
-    def _finish(self) -> None:
+    def _finish(self, stream=None) -> None:
+        """Complete the send on this thread, its device waits queued on ``stream`` (default: this
+        thread's current one), so that the stream of the caller that waits comes after the send."""
         with self._lock:
             if self._future.done():
                 return
             try:
-                self._future.set_result(self._complete())
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    self._future.set_result(self._complete())
             except BaseException as e:  # raised by wait()
                 self._future.set_exception(e)
 
@@ -197,13 +202,16 @@ class _SendHandle(executor.Handle):
         """Complete the send (its sends, the receiver's verdict, every wait within zipccl's bound)
         and raise what went wrong on either end. ``timeout`` (seconds or a timedelta): as
         ``Handle.wait``'s, zipccl.errors.TimeoutError past it, while the send completes on a
-        thread of its own (a dead receiver is still named there, and by the next ``wait()``)."""
+        thread of its own (a dead receiver is still named there, and by the next ``wait()``),
+        which orders the caller's current CUDA stream after the send as ``wait()`` does."""
         if timeout is None:
             self._finish()
         else:
-            with self._lock:
+            with self._behind_lock:  # not _lock, which completing holds
                 if self._behind is None and not self._future.done():
-                    self._behind = threading.Thread(target=self._finish, daemon=True, name="zipccl-send")
+                    stream = torch.cuda.current_stream(self._device) if self._device is not None else None
+                    self._behind = threading.Thread(target=self._finish, args=(stream,), daemon=True,
+                                                    name="zipccl-send")
                     self._behind.start()
         return super().wait(timeout)
 
@@ -250,7 +258,8 @@ def _send(op: _Op):
         fate.check()
         return finish("send", op.plan, acc)
 
-    return _SendHandle(complete, verdict, lambda: posted.is_completed() and not state)
+    return _SendHandle(complete, verdict, lambda: posted.is_completed() and not state,
+                       op.tensor.device if op.tensor.is_cuda else None)
 
 
 def _receive(op: _Op):
