@@ -538,7 +538,7 @@ def test_an_idle_lane_ends_and_the_next_send_makes_another(monkeypatch):
     ran, handles = [], []
     for i in range(60):
         handles.append(executor.on_lane(key, lambda i=i: ran.append((i, threading.current_thread()))))
-        time.sleep((0, 0.031, 0.034, 0.037, 0.1)[i % 5])  # just past the idle time (as a lane gives up), and well past it
+        time.sleep((0, 0.031, 0.034, 0.037, 0.1)[i % 5])  # just past the idle time, and well past it
     for h in handles:
         h.wait(timeout=10)
     assert [i for i, _ in ran] == list(range(60))
