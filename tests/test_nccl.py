@@ -244,7 +244,8 @@ class _JoiningNccl:
     """A stand-in for CuPy's NCCL module whose making of a communicator returns, as NCCL's does,
     once every rank of it has come (here: counted in the job's store), and waits for them without
     a bound. ``leaving``: what rank 2 does in the making, from its ``after``-th on: "dies"
-    (os._exit) or "stays" (alive, never joins)."""
+    (os._exit), "stays" (alive, never joins) or "hangs" (joins, so that the others' making
+    completes, and never returns)."""
 
     def __init__(self, leaving: str, after: int):
         self.leaving, self.after, self.made = leaving, after, 0
@@ -254,12 +255,15 @@ class _JoiningNccl:
             def __init__(self, size, uid, rank):
                 import torch.distributed as dist
                 stand_in.made += 1
-                if dist.get_rank() == 2 and stand_in.made > stand_in.after:
-                    if stand_in.leaving == "dies":
-                        os._exit(0)
+                leaves = dist.get_rank() == 2 and stand_in.made > stand_in.after
+                if leaves and stand_in.leaving == "dies":
+                    os._exit(0)
+                if leaves and stand_in.leaving == "stays":
                     threading.Event().wait()
                 store, key = dist.distributed_c10d._get_default_store(), f"test/joined/{bytes(uid).hex()}"
                 store.add(key, 1)
+                if leaves:
+                    threading.Event().wait()
                 while store.add(key, 0) < size:
                     time.sleep(0.01)
 
@@ -284,7 +288,7 @@ def _join(rank: int, port: int, timeout: float, leaving: str, results) -> None:
     from zipccl.transport.cupy_nccl import NcclTransport
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     config.TIMEOUT = timeout
-    if leaving == "stays":
+    if leaving != "dies":
         cupy_nccl.MAKING_S = 0.0  # the bound is ZIPCCL_TIMEOUT alone
     dist.init_process_group("gloo", rank=rank, world_size=3, timeout=datetime.timedelta(seconds=60))
     stand_in = _JoiningNccl(leaving, after=2 if torch.cuda.is_available() else 1)  # without CUDA: the bulk one only
@@ -306,14 +310,16 @@ def _join(rank: int, port: int, timeout: float, leaving: str, results) -> None:
         time.sleep(0.05)  # rank 0 serves the store: it stays until every survivor has read the heartbeats
 
 
-@pytest.mark.parametrize("leaving", ["dies", "stays"])
+@pytest.mark.parametrize("leaving", ["dies", "stays", "hangs"])
 def test_a_rank_that_never_joins_the_communicators_is_named_within_the_bound(leaving):
     """NCCL's making of a communicator waits for every rank without a bound: a rank that dies
     there (or before) would keep the others waiting for good. The others give up on it, raising
     RankFailure (lost, broken): a dead rank named from its heartbeat, before ZIPCCL_TIMEOUT (6 s,
     so silent after 3 s); a live one that never joins, with no evidence to name it, at the
-    bound (here ZIPCCL_TIMEOUT, 4 s, alone), on every rank. The stand-in's first making, with
-    every rank, completes."""
+    bound (here ZIPCCL_TIMEOUT, 4 s, alone), on every rank. Where the others' making completes
+    and rank 2's never returns, rank 2 gives up at the bound and the others, waiting for its
+    word in the store, raise its failure with it (its words: "on rank 2"), not at a bound of
+    their own nor at the group's timeout. The stand-in's first making, with every rank, completes."""
     import torch
     timeout = 6.0 if leaving == "dies" else 4.0
     got, _ = spawn(_join, 3, (free_port(), timeout, leaving), answers=2 if leaving == "dies" else 3, seconds=90)
@@ -331,6 +337,8 @@ def test_a_rank_that_never_joins_the_communicators_is_named_within_the_bound(lea
         else:
             assert named == -1 and "a rank did not join (no progress within 4 s" in message, second
             assert 4 <= seconds < 7, second
+            if leaving == "hangs":
+                assert "on rank 2:" in message, second
 
 
 def test_nvml_link():

@@ -1,14 +1,16 @@
 """Transport over an NCCL communicator of CuPy (``cupy.cuda.nccl``): the GPU path of zipccl.
 
 Two communicators per process group, made once (``NcclTransport.of(group)``) on the device of
-``torch.cuda.current_device()``: rank 0's unique ids reach the group's other ranks through a
-broadcast on the group itself (its torch backend), so no store or start method of CuPy's own is
-needed. Making them is collective, and every rank then tells every other whether it succeeded
-(one small all-gather on the group): where any failed, every rank raises the same ZipcclError
-carrying NCCL's message. A failed communicator is aborted. NCCL's making waits for every rank
-without a bound, so it runs on a thread of its own, which the rank waits for as for a mail:
-where a rank never joins (dead, hung), the others raise RankFailure (``broken``) instead of
-waiting in NCCL for good, naming the rank the heartbeats name (silent, or behind), else -1.
+``torch.cuda.current_device()``: rank 0's unique ids reach the group's other ranks through the
+job's store (torch.distributed's default one), so no start method of CuPy's own is needed. Making
+them is collective, and every rank then tells every other, through the store, whether it
+succeeded: where any failed, every rank raises the same ZipcclError carrying NCCL's message. A
+failed communicator is aborted. NCCL's making waits for every rank without a bound, so it runs
+on a thread of its own, which the rank waits for as for a mail, as it waits for the store's
+words: where a rank never joins (dead, hung), the others raise RankFailure (``broken``) instead
+of waiting for good, naming the rank the heartbeats name (silent, or behind), else -1; one that
+gives up tells the others, which raise its failure with it. Nothing here waits on the group's
+own backend, whose timeout is torch's.
 
 Two channels, each a communicator with its own stream. The bulk channel carries device tensors
 (packets, native collectives) on a stream ordered after torch's current stream by an event, so
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import threading
 import time
 
@@ -46,7 +49,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..errors import RankFailure, UnsupportedError, ZipcclError
-from . import heartbeat, nccl_stack
+from . import heartbeat, nccl_stack, store
 from .base import DeviceMail, Transport, wait_limit
 from .torch_dist import TorchTransport
 
@@ -59,6 +62,9 @@ atexit.register(_transports.clear)
 #: seconds, and a first making (CUDA's and NCCL's start-up, several ranks on one GPU) can take
 #: that long; a dead rank is still named once its heartbeat is stale (half of ZIPCCL_TIMEOUT).
 MAKING_S = 60.0
+
+_makings: dict = {}  # group name -> the makings of its NcclTransport so far (their keys in the store); None -> whose world
+_makings_lock = threading.Lock()
 
 
 class NcclError(ZipcclError, RuntimeError):
@@ -108,8 +114,6 @@ class NcclTransport(Transport):
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
         self._members = self._ranks  # the job ranks its communicators join, whose heartbeats a long wait reads
-        backend = dist.get_backend(group)
-        self._cpu = backend != "nccl"  # where the group's own collectives take CPU tensors
         self._open: list | None = None
         self.comm, self.mail_comm, error = None, None, None
         try:
@@ -123,19 +127,44 @@ class NcclTransport(Transport):
 
     # ---- bootstrap ------------------------------------------------------------------------------------------
 
-    def _device_tensor(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self._cpu else x.to("cuda")
-
     def _share_id(self) -> bytes:
         """Rank 0's two unique ids (128 bytes each: the bulk channel's, then the mail channel's),
-        broadcast on the group; zeros where rank 0 has no NCCL."""
-        ids = torch.zeros(256, dtype=torch.int64)
-        if self.rank == 0 and self.nccl is not None:
-            ids[:] = torch.tensor(list(self.nccl.get_unique_id()) + list(self.nccl.get_unique_id()), dtype=torch.int64)
-        ids = self._device_tensor(ids)
-        dist.broadcast(ids, group=self.group, group_src=0)
-        self.unique_id = bytes(ids.cpu().tolist())
+        through the job's store under this making's keys (``_key``), waited for as for a mail
+        (``_heard``); zeros where rank 0 has no NCCL."""
+        name = (self.group if self.group is not None else dist.GroupMember.WORLD).group_name
+        with _makings_lock:  # a group's makings, counted alike on its ranks (one that failed everywhere runs again)
+            if _makings.get(None) is not dist.GroupMember.WORLD:  # a new job's world: its own store, counted anew
+                _makings.clear()
+                _makings[None] = dist.GroupMember.WORLD
+            n = _makings[name] = _makings.get(name, -1) + 1
+        self._prefix = f"zipccl/nccl/{name}/{n}/"
+        heartbeat.start()  # the evidence, where a rank never comes
+        if self.rank == 0:
+            ids = b"".join(bytes(self.nccl.get_unique_id()) for _ in range(2)) if self.nccl is not None else b""
+            store.own().set(self._key("ids"), ids.ljust(256, b"\0"))
+        self.unique_id = bytes(self._heard("ids", time.time()))
         return self.unique_id
+
+    def _key(self, what: str) -> str:
+        return self._prefix + what
+
+    def _heard(self, what: str, since: float) -> bytes:
+        """The value of this making's key ``what`` once set, waited for as for a mail (``_until``;
+        at least MAKING_S), in waits of the store's own of half a heartbeat each (one request
+        each, not a poll): RankFailure where it never comes (``_not_joined``)."""
+        key = self._key(what)
+
+        def came() -> bool:
+            try:
+                store.wait(key, heartbeat.period() / 2)
+            except TimeoutError:
+                return False
+            return True
+        why = self._until(came, max(config.wait_bound(), MAKING_S), nap=0.0)
+        if why is not None:
+            self._abort()
+            raise self._not_joined(why, since)
+        return store.own().get(key)
 
     def _comm_rank(self, rank: int) -> int:
         """``rank`` of the group as its communicators number it (the same here; NcclPair's differ)."""
@@ -168,9 +197,8 @@ class NcclTransport(Transport):
         GIL), so a rank that died or hangs before joining would keep this one there for good. This
         rank waits for it as for a mail (``_until``), but at least MAKING_S seconds; where it gives
         up, it raises RankFailure (``broken``) naming the rank the heartbeats name, and aborts the
-        communicators made so far (NCCL's thread, left blocked, aborts any it makes later). A rank
-        that gives up just as the others finish leaves them in ``_agree``, the group's own
-        collective, which keeps the group's timeout."""
+        communicators made so far (NCCL's thread, left blocked, aborts any it makes later), and
+        tells the ranks whose making finished meanwhile (``_say_lost``)."""
         made, state, lock = [], {}, threading.Lock()
         size, rank = len(self._members), self._comm_rank(self.rank)
 
@@ -202,7 +230,9 @@ class NcclTransport(Transport):
                 for comm in made:  # those made already; NCCL's thread aborts any it makes later
                     with contextlib.suppress(Exception):
                         comm.abort()
-                raise self._not_joined(why, since)
+                failure = self._not_joined(why, since)
+                self._say_lost(failure)
+                raise failure
         if "error" in state:
             for comm in made:
                 with contextlib.suppress(Exception):
@@ -227,11 +257,24 @@ class NcclTransport(Transport):
         """What these communicators carry, in words."""
         return f"this group of {self.size} ranks"
 
+    def _say_lost(self, failure: RankFailure) -> None:
+        """Tell the ranks waiting in ``_agree`` that this one gave up (``failure``), so that they
+        raise it too, at once, rather than wait for its word until the bound."""
+        store.own().set(self._key(f"made/{self.rank}"), json.dumps({"error": str(failure), "lost": failure.rank}))
+
     def _agree(self, error: Exception | None) -> None:
-        """Every rank learns whether every rank has a communicator; the same error everywhere if not."""
+        """Every rank learns whether every rank has a communicator, through the job's store (each
+        rank's word waited for as for a mail): the same error everywhere if not; RankFailure where a
+        rank gave up on one that never joined (``_say_lost``) or never says."""
         text = "" if error is None else f"{type(error).__name__}: {error}"
-        texts = [None] * self.size
-        dist.all_gather_object(texts, text, group=self.group)
+        store.own().set(self._key(f"made/{self.rank}"), json.dumps({"error": text}))
+        since = time.time()
+        said = [json.loads(self._heard(f"made/{r}", since)) for r in range(self.size)]
+        lost = next((w for w in said if "lost" in w), None)
+        if lost is not None:
+            self._abort()
+            raise RankFailure(lost["error"], lost["lost"], "lost", True)
+        texts = [w["error"] for w in said]
         failed = [r for r, t in enumerate(texts) if t]
         if failed:
             self._abort()
@@ -402,10 +445,11 @@ class NcclTransport(Transport):
             raise self._fail(e) from e
 
     def _until(self, done, limit: float, check=None, nap: float = 1e-4) -> str | None:
-        """Poll ``done()`` every ``nap`` seconds (``check()`` each time, which may raise) for at most
-        ``limit`` seconds: None once it is done, else why this rank gives up: the time ran out, or,
-        once the wait has lasted ``heartbeat.stale_after()``, the heartbeats of the ranks waited for
-        (``_members``) say some are silent."""
+        """Poll ``done()`` every ``nap`` seconds (back to back where it waits itself; ``check()``
+        each time, which may raise) for at most ``limit`` seconds: None once it is done, else why
+        this rank gives up: the time ran out, or, once the wait has lasted
+        ``heartbeat.stale_after()``, the heartbeats of the ranks waited for (``_members``) say some
+        are silent."""
         start = time.monotonic()
         deadline, look = start + limit, start + heartbeat.stale_after()
         while not done():
@@ -422,7 +466,8 @@ class NcclTransport(Transport):
                 if silent:
                     return "no heartbeat from rank(s) " + ", ".join(f"{r} for {age:.1f} s"
                                                                    for r, age in sorted(silent.items()))
-            time.sleep(nap)
+            if nap:
+                time.sleep(nap)
         return None
 
     def _give_up(self, why: str):

@@ -148,6 +148,11 @@ class NcclPair(NcclTransport):
     def _what(self) -> str:
         return f"the messages from rank {self._members[0]} to rank {self._members[1]}"
 
+    def _say_lost(self, failure) -> None:
+        """The other end, waiting in ``_agree``, raises this end's failure with it, at once."""
+        me = self._comm_rank(self.rank)
+        store.own().set(self._key(f"made{me}/{self._nonce}"), f"{type(failure).__name__}: {failure}")
+
     def all_to_all(self, send, send_splits, recv_splits):
         raise ZipcclError("NcclPair carries one direction's messages only")
 
