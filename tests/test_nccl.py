@@ -291,8 +291,16 @@ def _join(rank: int, port: int, timeout: float, leaving: str, results) -> None:
     if leaving != "dies":
         cupy_nccl.MAKING_S = 0.0  # the bound is ZIPCCL_TIMEOUT alone
     dist.init_process_group("gloo", rank=rank, world_size=3, timeout=datetime.timedelta(seconds=60))
-    stand_in = _JoiningNccl(leaving, after=2 if torch.cuda.is_available() else 1)  # without CUDA: the bulk one only
+    per_making = 2 if torch.cuda.is_available() else 1  # the bulk communicator and the mail one (no CUDA: bulk)
+    # rank 2 leaves in the second making: at its first communicator, or ("hangs") at its last
+    stand_in = _JoiningNccl(leaving, after=2 * per_making - 1 if leaving == "hangs" else per_making)
     nccl_stack.load = lambda: stand_in
+    if leaving == "cannot" and rank == 2:
+        from zipccl.errors import UnsupportedError
+
+        def load():
+            raise UnsupportedError("no NCCL here (test)")
+        nccl_stack.load = load
     outcomes = []
     for _ in range(2):
         t0 = time.perf_counter()
@@ -308,6 +316,20 @@ def _join(rank: int, port: int, timeout: float, leaving: str, results) -> None:
     deadline = time.monotonic() + 30
     while store.add("test/reported", 0) < (2 if leaving == "dies" else 3) and time.monotonic() < deadline:
         time.sleep(0.05)  # rank 0 serves the store: it stays until every survivor has read the heartbeats
+
+
+def test_a_rank_without_nccl_keeps_the_others_out_of_nccl():
+    """Where one rank cannot load NCCL, it says so before any rank enters NCCL (whose making
+    would wait for it): every rank raises the same NcclError naming it, at once, in every making
+    (so a group of torch's NCCL can fall back to it), none waiting for the bound."""
+    got, _ = spawn(_join, 3, (free_port(), 4.0, "cannot"), seconds=90)
+    assert sorted(got) == [0, 1, 2], got
+    outcomes = {o[:2] for v in got.values() for o in v}
+    assert len(outcomes) == 1, outcomes  # the same on every rank, in both makings
+    kind, message = outcomes.pop()
+    assert kind == "NcclError" and "rank 2 could not load NCCL (UnsupportedError: no NCCL here (test))" in message, \
+        message
+    assert max(o[4] for v in got.values() for o in v) < 3, got
 
 
 @pytest.mark.parametrize("leaving", ["dies", "stays", "hangs"])

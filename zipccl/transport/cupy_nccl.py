@@ -3,9 +3,10 @@
 Two communicators per process group, made once (``NcclTransport.of(group)``) on the device of
 ``torch.cuda.current_device()``: rank 0's unique ids reach the group's other ranks through the
 job's store (torch.distributed's default one), so no start method of CuPy's own is needed. Making
-them is collective, and every rank then tells every other, through the store, whether it
-succeeded: where any failed, every rank raises the same ZipcclError carrying NCCL's message. A
-failed communicator is aborted. NCCL's making waits for every rank without a bound, so it runs
+them is collective: every rank first says whether it can load NCCL (where one cannot, none enters
+NCCL), then tells every other, through the store, whether it succeeded: where any failed, every
+rank raises the same ZipcclError carrying the reason (NCCL's message). A failed communicator is
+aborted. NCCL's making waits for every rank without a bound, so it runs
 on a thread of its own, which the rank waits for as for a mail, as it waits for the store's
 words: where a rank never joins (dead, hung), the others raise RankFailure (``broken``) instead
 of waiting for good, naming the rank the heartbeats name (silent, or behind), else -1; one that
@@ -63,7 +64,8 @@ atexit.register(_transports.clear)
 #: that long; a dead rank is still named once its heartbeat is stale (half of ZIPCCL_TIMEOUT).
 MAKING_S = 60.0
 
-_makings: dict = {}  # group name -> the makings of its NcclTransport so far (their keys in the store); None -> whose world
+#: group name -> the makings of its NcclTransport so far (their keys in the store); None -> whose world
+_makings: dict = {}
 _makings_lock = threading.Lock()
 
 
@@ -120,38 +122,58 @@ class NcclTransport(Transport):
             self.nccl = nccl_stack.load()
         except UnsupportedError as e:
             self.nccl, error = None, e
-        uid = self._share_id()
+        uid = self._share_id(error)
         if error is None:
             error = self._connect(uid)
         self._agree(error)
 
     # ---- bootstrap ------------------------------------------------------------------------------------------
 
-    def _share_id(self) -> bytes:
+    def _share_id(self, error: Exception | None = None) -> bytes:
         """Rank 0's two unique ids (128 bytes each: the bulk channel's, then the mail channel's),
-        through the job's store under this making's keys (``_key``), waited for as for a mail
-        (``_heard``); zeros where rank 0 has no NCCL."""
+        through the job's store under this making's keys (``_key``), once every rank has said it
+        can load NCCL (``error``: why not); each word waited for as for a mail (``_heard``).
+        Zeros, and why (``_without_ids``), where a rank cannot or rank 0's NCCL gives no id: then
+        no rank enters NCCL, and every rank raises the same NcclError (``_agree``)."""
         name = (self.group if self.group is not None else dist.GroupMember.WORLD).group_name
         with _makings_lock:  # a group's makings, counted alike on its ranks (one that failed everywhere runs again)
             if _makings.get(None) is not dist.GroupMember.WORLD:  # a new job's world: its own store, counted anew
                 _makings.clear()
                 _makings[None] = dist.GroupMember.WORLD
             n = _makings[name] = _makings.get(name, -1) + 1
-        self._prefix = f"zipccl/nccl/{name}/{n}/"
+        self._prefix, since = f"zipccl/nccl/{name}/{n}/", time.time()
         heartbeat.start()  # the evidence, where a rank never comes
+        store.own().set(self._key(f"ready/{self.rank}"), "" if error is None else f"{type(error).__name__}: {error}")
         if self.rank == 0:
-            ids = b"".join(bytes(self.nccl.get_unique_id()) for _ in range(2)) if self.nccl is not None else b""
-            store.own().set(self._key("ids"), ids.ljust(256, b"\0"))
-        self.unique_id = bytes(self._heard("ids", time.time()))
+            deadline = time.monotonic() + self._bound()
+            words = [self._heard(f"ready/{r}", since, deadline).decode() for r in range(self.size)]
+            why = "; ".join(f"rank {self.global_rank(r)} could not load NCCL ({w})" for r, w in enumerate(words) if w)
+            ids = b""
+            if not why:
+                try:
+                    ids = b"".join(bytes(self.nccl.get_unique_id()) for _ in range(2))
+                except Exception as e:  # noqa: BLE001 - every rank must hear of it
+                    why = f"rank {self.global_rank(0)}'s NCCL gave no unique id ({type(e).__name__}: {e})"
+            store.own().set(self._key("ids"), ids.ljust(256, b"\0") + why.encode())
+        said = self._heard("ids", since, time.monotonic() + self._bound())
+        self.unique_id, why = bytes(said[:256]), bytes(said[256:]).decode()
+        if why:
+            self._without_ids = why
         return self.unique_id
 
     def _key(self, what: str) -> str:
         return self._prefix + what
 
-    def _heard(self, what: str, since: float) -> bytes:
-        """The value of this making's key ``what`` once set, waited for as for a mail (``_until``;
-        at least MAKING_S), in waits of the store's own of half a heartbeat each (one request
-        each, not a poll): RankFailure where it never comes (``_not_joined``)."""
+    @staticmethod
+    def _bound() -> float:
+        """How long a making may take: ZIPCCL_TIMEOUT, but at least MAKING_S."""
+        return max(config.wait_bound(), MAKING_S)
+
+    def _heard(self, what: str, since: float, deadline: float) -> bytes:
+        """The value of this making's key ``what`` once set, waited for as for a mail (``_until``)
+        until ``deadline`` (monotonic), in waits of the store's own of half a heartbeat each (one
+        request each, not a poll): RankFailure where it never comes, or the store fails (its host,
+        job rank 0, gone): ``_not_joined``."""
         key = self._key(what)
 
         def came() -> bool:
@@ -160,11 +182,15 @@ class NcclTransport(Transport):
             except TimeoutError:
                 return False
             return True
-        why = self._until(came, max(config.wait_bound(), MAKING_S), nap=0.0)
+        try:
+            why = self._until(came, max(0.0, deadline - time.monotonic()), nap=0.0)
+            value = store.own().get(key) if why is None else None
+        except Exception as e:  # noqa: BLE001 - the store's host is gone
+            why = f"the job's store failed ({type(e).__name__}: {e})"
         if why is not None:
             self._abort()
             raise self._not_joined(why, since)
-        return store.own().get(key)
+        return value
 
     def _comm_rank(self, rank: int) -> int:
         """``rank`` of the group as its communicators number it (the same here; NcclPair's differ)."""
@@ -220,7 +246,7 @@ class NcclTransport(Transport):
                             comm.abort()
 
         heartbeat.start()  # the evidence, where a rank never joins
-        since, limit = time.time(), max(config.wait_bound(), MAKING_S)
+        since, limit = time.time(), self._bound()
         thread = threading.Thread(target=make, name="zipccl-nccl-init", daemon=True)
         thread.start()
         why = self._until(lambda: not thread.is_alive(), limit, nap=0.005)
@@ -260,7 +286,8 @@ class NcclTransport(Transport):
     def _say_lost(self, failure: RankFailure) -> None:
         """Tell the ranks waiting in ``_agree`` that this one gave up (``failure``), so that they
         raise it too, at once, rather than wait for its word until the bound."""
-        store.own().set(self._key(f"made/{self.rank}"), json.dumps({"error": str(failure), "lost": failure.rank}))
+        with contextlib.suppress(Exception):  # the store's host may be the rank that is gone
+            store.own().set(self._key(f"made/{self.rank}"), json.dumps({"error": str(failure), "lost": failure.rank}))
 
     def _agree(self, error: Exception | None) -> None:
         """Every rank learns whether every rank has a communicator, through the job's store (each
@@ -268,8 +295,9 @@ class NcclTransport(Transport):
         rank gave up on one that never joined (``_say_lost``) or never says."""
         text = "" if error is None else f"{type(error).__name__}: {error}"
         store.own().set(self._key(f"made/{self.rank}"), json.dumps({"error": text}))
-        since = time.time()
-        said = [json.loads(self._heard(f"made/{r}", since)) for r in range(self.size)]
+        # one deadline for every word, later than any rank's own making gives up (its word then comes)
+        since, deadline = time.time(), time.monotonic() + self._bound() + heartbeat.stale_after()
+        said = [json.loads(self._heard(f"made/{r}", since, deadline)) for r in range(self.size)]
         lost = next((w for w in said if "lost" in w), None)
         if lost is not None:
             self._abort()

@@ -28,6 +28,8 @@ failure protocol see the same transport as elsewhere; only NCCL sees the pair's 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import re
 import secrets
 import threading
 import time
@@ -35,8 +37,8 @@ import time
 import torch.distributed as dist
 
 from .. import config
-from ..errors import ZipcclError
-from . import nccl_stack, store
+from ..errors import RankFailure, ZipcclError
+from . import heartbeat, nccl_stack, store
 from .cupy_nccl import NcclError, NcclTransport
 
 __all__ = ["NcclPair"]
@@ -79,7 +81,7 @@ class NcclPair(NcclTransport):
         name = (self.group if self.group is not None else dist.GroupMember.WORLD).group_name
         return f"zipccl/nccl-pair/{name}/{src}>{dst}/{what}"
 
-    def _share_id(self) -> bytes:
+    def _share_id(self, error=None) -> bytes:
         """The sender's two unique ids, through the store, in a handshake that both ends finish
         before either enters NCCL (whose making of a communicator waits without a bound): the
         sender offers its ids under a fresh nonce ("id"), the receiver answers with the nonce and
@@ -107,18 +109,19 @@ class NcclPair(NcclTransport):
         self.unique_id = bytes(ids) if ids and not theirs and not ready else bytes(256)
         return self.unique_id
 
-    def _hear(self, what: str, nonce: str | None = None) -> bytes:
-        """The other end's word ``what`` (then deleted), waited for at most config.wait_bound()
-        in all; with ``nonce``, a word of another attempt (a stale one) is dropped and waited past,
-        and the nonce taken off the value returned."""
-        key, deadline = self._key(what), time.monotonic() + config.wait_bound()
+    def _hear(self, what: str, nonce: str | None = None, limit: float | None = None) -> bytes:
+        """The other end's word ``what`` (then deleted), waited for at most ``limit`` seconds
+        (default config.wait_bound()) in all; with ``nonce``, a word of another attempt (a stale
+        one) is dropped and waited past, and the nonce taken off the value returned."""
+        limit = config.wait_bound() if limit is None else limit
+        key, deadline = self._key(what), time.monotonic() + limit
         while True:
             try:
                 value = store.wait(key, max(0.0, deadline - time.monotonic()))
             except TimeoutError as e:
                 peer = self._members[1 - self._comm_rank(self.rank)]
                 raise NcclError(f"zipccl: rank {peer} did not join the NCCL communicators of its messages with "
-                                f"rank {self._members[self._comm_rank(self.rank)]} within {config.wait_bound():g} s") \
+                                f"rank {self._members[self._comm_rank(self.rank)]} within {limit:g} s") \
                     from e
             store.own().delete_key(key)
             if nonce is None:
@@ -133,11 +136,15 @@ class NcclPair(NcclTransport):
         texts = [""] * 2
         texts[me] = "" if error is None else f"{type(error).__name__}: {error}"
         store.own().set(self._key(f"made{me}/{self._nonce}"), texts[me])
+        limit = self._bound() + heartbeat.stale_after()  # later than the other end's making gives up
         try:
-            texts[1 - me] = self._hear(f"made{1 - me}/{self._nonce}").decode()
+            texts[1 - me] = self._hear(f"made{1 - me}/{self._nonce}", limit=limit).decode()
         except NcclError:
             self._abort()
             raise
+        if lost := re.match(r"RankFailure\[(-?\d+)\]: ", texts[1 - me]):  # it gave up on NCCL's making
+            self._abort()
+            raise RankFailure(texts[1 - me][lost.end():], int(lost[1]), "lost", True)
         failed = [k for k in (0, 1) if texts[k]]
         if failed:
             self._abort()
@@ -151,7 +158,8 @@ class NcclPair(NcclTransport):
     def _say_lost(self, failure) -> None:
         """The other end, waiting in ``_agree``, raises this end's failure with it, at once."""
         me = self._comm_rank(self.rank)
-        store.own().set(self._key(f"made{me}/{self._nonce}"), f"{type(failure).__name__}: {failure}")
+        with contextlib.suppress(Exception):  # the store's host may be the rank that is gone
+            store.own().set(self._key(f"made{me}/{self._nonce}"), f"RankFailure[{failure.rank}]: {failure}")
 
     def all_to_all(self, send, send_splits, recv_splits):
         raise ZipcclError("NcclPair carries one direction's messages only")
