@@ -77,6 +77,14 @@ class NcclError(ZipcclError, RuntimeError):
     anonymous = True
 
 
+def _abort_all(comms) -> None:
+    """ncclCommAbort on each communicator of ``comms`` (None: none made), whatever NCCL says."""
+    for comm in comms:
+        if comm is not None:
+            with contextlib.suppress(Exception):
+                comm.abort()
+
+
 def _aborted() -> NcclError:
     return NcclError("the NCCL communicator was aborted after an earlier failure: rebuild the group")
 
@@ -122,6 +130,7 @@ class NcclTransport(Transport):
             self.nccl = nccl_stack.load()
         except UnsupportedError as e:
             self.nccl, error = None, e
+        heartbeat.start()  # the evidence that names a rank that never comes to the making
         uid = self._share_id(error)
         if error is None:
             error = self._connect(uid)
@@ -142,7 +151,6 @@ class NcclTransport(Transport):
                 _makings[None] = dist.GroupMember.WORLD
             n = _makings[name] = _makings.get(name, -1) + 1
         self._prefix, since = f"zipccl/nccl/{name}/{n}/", time.time()
-        heartbeat.start()  # the evidence, where a rank never comes
         store.own().set(self._key(f"ready/{self.rank}"), "" if error is None else f"{type(error).__name__}: {error}")
         if self.rank == 0:
             deadline = time.monotonic() + self._bound()
@@ -241,11 +249,8 @@ class NcclTransport(Transport):
             with lock:
                 state["done"] = True
                 if state.get("abandoned"):
-                    for comm in made:
-                        with contextlib.suppress(Exception):
-                            comm.abort()
+                    _abort_all(made)
 
-        heartbeat.start()  # the evidence, where a rank never joins
         since, limit = time.time(), self._bound()
         thread = threading.Thread(target=make, name="zipccl-nccl-init", daemon=True)
         thread.start()
@@ -253,16 +258,12 @@ class NcclTransport(Transport):
         with lock:
             if why is not None and not state.get("done"):
                 state["abandoned"] = True
-                for comm in made:  # those made already; NCCL's thread aborts any it makes later
-                    with contextlib.suppress(Exception):
-                        comm.abort()
+                _abort_all(made)  # those made already; NCCL's thread aborts any it makes later
                 failure = self._not_joined(why, since)
                 self._say_lost(failure)
                 raise failure
         if "error" in state:
-            for comm in made:
-                with contextlib.suppress(Exception):
-                    comm.abort()
+            _abort_all(made)
             raise state["error"]
         return made
 
@@ -312,10 +313,7 @@ class NcclTransport(Transport):
 
     def _abort(self) -> None:
         comms, self.comm, self.mail_comm = (self.comm, self.mail_comm), None, None
-        for comm in comms:
-            if comm is not None:
-                with contextlib.suppress(Exception):
-                    comm.abort()
+        _abort_all(comms)
 
     def _fail(self, e: Exception) -> NcclError:
         self._abort()
