@@ -134,6 +134,7 @@ def _bootstrap(rank: int, n: int, port: int, results) -> None:
         chosen.append(type(transport_for(None, torch.device("cuda"))).__name__)
     except Exception as e:  # noqa: BLE001
         chosen.append(type(e).__name__)
+    dist.barrier()  # rank 0 serves the store, where the others may still read the makings' last words
     results.put((rank, (*outcome, seen.get("uid"), seconds, chosen)))
     dist.destroy_process_group()
 
