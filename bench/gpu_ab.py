@@ -63,20 +63,23 @@ def _profiled(fn, repeat: int, device: str) -> tuple[float, dict[str, float]]:
 def join_sweep(settings: str, gpu: Lossless, packet: torch.Tensor, x: torch.Tensor, repeat: int, device: str) -> dict:
     """Decode again under each _decode_join setting ("CHUNKxWARPS"), where the checkout has that kernel."""
     from zipccl.kernels import gpu as kernels
-    if not settings or not hasattr(kernels, "JOIN_CHUNK"):
+    if not settings or not hasattr(kernels, "join_warps"):
         return {}
-    saved, rows = (kernels.JOIN_CHUNK, kernels.JOIN_WARPS), {}
+    saved, rows = (kernels.JOIN_CHUNK, kernels.COUNT_ROWS, kernels.join_warps), {}
     ints = INT[x.element_size()]
     try:
         for s in settings.split(","):
-            kernels.JOIN_CHUNK, kernels.JOIN_WARPS = (int(v) for v in s.split("x"))
+            chunk, warps = (int(v) for v in s.split("x"))
+            # the counts' rows follow the chunk (the scratch between the two kernels is sized by them)
+            kernels.JOIN_CHUNK, kernels.COUNT_ROWS = chunk, kernels.SUBSTREAM // chunk + 1
+            kernels.join_warps = lambda width, warps=warps: warps
             out = torch.empty(x.shape, dtype=x.dtype, device=packet.device)
             gpu.decode(packet, out)
             wall, kern = _profiled(lambda: gpu.decode(packet, out), repeat, device)
             rows[s] = {"same_bits": torch.equal(out.cpu().view(ints), x.view(ints)), "wall_ms": round(wall * 1e3, 4),
                        "kernels_us": {k: round(v, 1) for k, v in kern.items()}}
     finally:
-        kernels.JOIN_CHUNK, kernels.JOIN_WARPS = saved
+        kernels.JOIN_CHUNK, kernels.COUNT_ROWS, kernels.join_warps = saved
     return rows
 
 
