@@ -6,6 +6,8 @@ PYTEST_ARGS ?=
 # are made once: on 2 cores, 2 run the suite in two thirds of one's time (docs/PERFORMANCE.md).
 TEST_WORKERS ?= 2
 STAMP := .setup.stamp
+IMAGE_TRITON := 3.6.0
+IMAGE_TRITON_DIR := build/triton-$(IMAGE_TRITON)
 
 .PHONY: setup bench codec-bench test test-long coverage gpu-data clean
 
@@ -17,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m pip install torch==2.13.0
 	@# cuda12: CuPy + libnccl + NVML for the NCCL transport's CPU-runnable tests (about 470 MB; no GPU needed).
 	$(PYTHON) -m pip install -e '.[test,bench,gpu,cuda12]' -c .ci/versions.txt
+	@# The Triton of the CUDA image that GPU checks run on (docs/GPU.md), beside the package's own:
+	@# tests/test_triton.py compiles the kernels with it too (about 170 MB).
+	$(PYTHON) -m pip install -q --no-deps --upgrade --target $(IMAGE_TRITON_DIR) triton==$(IMAGE_TRITON)
 	touch $(STAMP)
 
 setup: $(STAMP)

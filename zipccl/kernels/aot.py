@@ -61,7 +61,7 @@ def _specs(dtype: str):
                                 "coded_ptr": "*i64", "meta_ptr": "*i64", "first": "i64", "span": "i64",
                                 "rows_ptr": "*i64", "stride": "i64", "err_ptr": "*i64", **many, "err_stride": "i64"},
                dict(BS=sub_bs, LANES=width, CHUNK=gpu.JOIN_CHUNK, MBITS=mbits, EBITS=ebits, REST_BYTES=rest_bytes,
-                    SIDE_BITS=side_bits, PARTS=True), gpu.JOIN_WARPS)
+                    SIDE_BITS=side_bits, PARTS=True), gpu.join_warps(width))
     yield ("_decode_raw", {"rest_ptr": "*u8", "out_ptr": ptr, "n": "i64", "order_ptr": "*i64", "meta_ptr": "*i64",
                            "rows_ptr": "*i64", "stride": "i64", "err_ptr": "*i64", **many, "err_stride": "i64"},
            dict(BS=bs, ITEMSIZE=itemsize, PARTS=True), gpu.block_warps(bs))
@@ -114,7 +114,7 @@ def compile_kernels(archs=ARCHS, dtypes=tuple(_DTYPES)) -> list[dict]:
                 k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
                 usage = _cubin_usage(k.asm["cubin"])
                 rows.append(dict(kernel=name, dtype=dtype, arch=f"sm_{arch}", block=constexprs.get("BS"), num_warps=warps,
-                                 shared=k.metadata.shared, ptx_bytes=len(k.asm["ptx"]),
+                                 triton=triton.__version__, shared=k.metadata.shared, ptx_bytes=len(k.asm["ptx"]),
                                  cubin_bytes=len(k.asm["cubin"]), **usage))
     return rows
 
@@ -122,8 +122,10 @@ def compile_kernels(archs=ARCHS, dtypes=tuple(_DTYPES)) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zipccl.kernels.aot", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    ap.add_argument("--arch", type=int, action="append", choices=ARCHS,
+                    help="compile for this sm_ only (repeatable; default: all of %(choices)s)")
     args = ap.parse_args(argv)
-    rows = compile_kernels()
+    rows = compile_kernels(tuple(args.arch or ARCHS))
     if args.json:
         print(json.dumps(rows))
         return 0

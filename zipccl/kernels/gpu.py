@@ -61,7 +61,7 @@ from .device_plan import read_index
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 _TEMPLATES = Constants(limit=256)  # (dtype, numel, block size, device) -> encode_into's header template there
-JOIN_CHUNK, JOIN_WARPS = 32, 4  # _decode_join's program: elements of each of a program's sub-streams
+JOIN_CHUNK = 32  # _decode_join's program: elements of each of a program's sub-streams
 COUNT_ROWS = SUBSTREAM // JOIN_CHUNK + 1  # int32 counts per sub-stream between the two decode kernels
 DECODE_SCRATCH = 1 << 27  # elements decoded per pair of launches (their 16-bit codes: 256 MiB)
 # The largest block _encode takes: its shared memory is 8 bytes per element of a block (128 KiB at
@@ -120,9 +120,20 @@ def _analyse(x_ptr, xoff_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.
 
 @triton.jit
 def _segment_ends(seg, NSEG: tl.constexpr):
-    """Per segment q in 0..NSEG-1, its last element (``seg`` nondecreasing, below NSEG; -1 before
-    the first), from a histogram of ``seg``."""
-    return tl.cumsum(tl.histogram(seg, NSEG), 0) - 1
+    """Per segment q in 0..NSEG-1, its last element (``seg`` nondecreasing; -1 before the first):
+    how many elements have ``seg <= q``, less one, by a binary search of ``seg`` for every q at
+    once, a gather a step. Not ``tl.histogram(seg, NSEG)``: Triton 3.6 (the CUDA image's) keeps
+    NSEG / 32 counters per thread for it, and at 4096 bins _encode spilled 2.3 KB a thread to the
+    stack (kernels.aot's report)."""
+    N: tl.constexpr = seg.shape[0]
+    q = tl.arange(0, NSEG)
+    count = q * 0
+    for k in tl.static_range(17):  # steps of N, N / 2, ..., 1 (N at most 2**16)
+        if (N >> k) > 0:
+            step = count + (N >> k)
+            below = tl.gather(seg, tl.minimum(step, N) - 1, 0) <= q
+            count = tl.where((step <= N) & below, step, count)
+    return count - 1
 
 
 @triton.jit
@@ -698,6 +709,12 @@ def lanes(bs: int) -> tuple[int, int]:
     return width, width // subs
 
 
+def join_warps(width: int) -> int:
+    """Warps of a _decode_join program over ``width`` lanes: 16 elements of its tile or fewer a
+    thread (at 128 lanes in 4 warps, Triton 3.6 spilled 224 bytes a thread; 3.9 did not)."""
+    return max(4, width * JOIN_CHUNK // 512)
+
+
 def _span(nb: int, bs: int) -> int:
     """Coded blocks per pair of decode launches: their codes between the two kernels take 2 bytes
     per element, at most DECODE_SCRATCH elements' worth at a time, so that a large packet does
@@ -750,7 +767,7 @@ def _decode_blocks(stream: torch.Tensor, packet: torch.Tensor, ix: device_plan.I
         _decode_join[(programs, SUBSTREAM // JOIN_CHUNK, count)](
             symbols, counts, packet, view, n, coded, ix.meta, first, span, ix.rows, stride, err, table, part_words,
             err_stride, BS=bs, LANES=width, CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits,
-            REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits, num_warps=JOIN_WARPS, **many)
+            REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits, num_warps=join_warps(width), **many)
 
 
 def _raise_first(p: LosslessPacket, values: torch.Tensor | None) -> None:
