@@ -130,6 +130,12 @@ def triton_version():
     return triton.__version__
 
 
+def numpy_numba():
+    import numba
+    import numpy
+    return f"numpy {numpy.__version__}, numba {numba.__version__}"
+
+
 def cupy_nccl():
     import cupy
     from cupy.cuda import nccl
@@ -161,7 +167,7 @@ print("nvidia-smi:", run("nvidia-smi", "--query-gpu=name,driver_version,clocks.m
 print("python", sys.version.split()[0], "| cores", os.cpu_count())
 print("real gradients:", os.environ.get("ZIPCCL_DATA") or "not found (synthetic values instead)")
 for what, get in [("torch", torch_version), ("GPU", gpu), ("torch's NCCL", torch_nccl), ("triton", triton_version),
-                  ("CuPy", cupy_nccl), ("zipccl's GPU stack", stack), ("NVML link between local GPUs", link)]:
+                  ("numpy, numba", numpy_numba), ("CuPy", cupy_nccl), ("zipccl's GPU stack", stack), ("NVML link between local GPUs", link)]:
     try:
         print(f"{what}: {get()}")
     except Exception as e:  # the next line still prints
