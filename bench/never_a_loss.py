@@ -1,6 +1,6 @@
 """Is codec="auto" ever slower than the plain collective, or than the best fixed plan?
 
-    python bench/never_a_loss.py --lab loopback|4|2x2 [--collective all_reduce|...|alltoall|sendrecv]
+    python bench/never_a_loss.py --lab loopback|4|2x2 [--collective all_reduce|...|alltoall|sendrecv|pair]
                                  [--sizes 64K,1M,16M,256M] [--data FILE] [--rounds 5] [--min-seconds 4]
                                  [--only flat/raw] [--json FILE] [--plot FILE.png]
                                  # labs other than loopback: root
@@ -41,8 +41,23 @@ from zipccl.torch_compat import all_gather_single, reduce_scatter_single
 NATIVE = {"all_reduce": lambda o, i: dist.all_reduce(o),
           "reduce_scatter": lambda o, i: reduce_scatter_single(o, i),
           "all_gather": lambda o, i: all_gather_single(o, i)}
-#: nccl-tests' alltoall_perf and sendrecv_perf calls (zipccl-perf's specs: the same calls as its tables).
-EXCHANGES = {"alltoall": alltoall.SPEC.run, "sendrecv": sendrecv.SPEC.run}
+def pair(out, inp, op, group, codec):
+    """One message between two nodes, the others idle: from the first node's last rank to the
+    second node's first (ranks 1 and 2 in the 2x2 lab; on loopback, one node, from 0 to 1), as a
+    pipeline stage sends its activations to the next. torch's send and recv where ``codec`` is
+    None."""
+    nodes = topology.topology().nodes
+    src, dst = (nodes[0][-1], nodes[1][0]) if len(nodes) > 1 else (0, 1)
+    me = dist.get_rank()
+    if me == src:
+        dist.send(inp, dst) if codec is None else zipccl.send(inp, dst, codec=codec)
+    elif me == dst:
+        dist.recv(out, src) if codec is None else zipccl.recv(out, src, codec=codec)
+
+
+#: nccl-tests' alltoall_perf and sendrecv_perf calls (zipccl-perf's specs: the same calls as its
+#: tables), and one message between two nodes.
+EXCHANGES = {"alltoall": alltoall.SPEC.run, "sendrecv": sendrecv.SPEC.run, "pair": pair}
 
 
 def zipccl_call(collective: str, **kw):
@@ -53,9 +68,9 @@ def zipccl_call(collective: str, **kw):
 
 
 def exchange_variants(collective: str) -> dict:
-    """All-to-all (each rank's buffer split evenly among the ranks) or a ring shift of send/recv:
-    torch's, auto, and the plans auto may choose, fixed (per link where there are several nodes:
-    the plain bytes inside a node, lossless between)."""
+    """All-to-all (each rank's buffer split evenly among the ranks), a ring shift of send/recv or
+    one message between two nodes (``pair``): torch's, auto, and the plans auto may choose, fixed
+    (per link where there are several nodes: the plain bytes inside a node, lossless between)."""
     run = EXCHANGES[collective]
     out = {"torch": lambda o, i: run(o, i, None, None, None)}
     for name, codec in (("auto", "auto"), ("flat/raw", "raw"), ("flat/lossless", "lossless")):
@@ -114,8 +129,11 @@ def sweep(args, data: torch.Tensor) -> list[dict]:
         for k in range(rounds):
             for name in names[k % len(names):] + names[:k % len(names)]:
                 times[name].append(slowest(_time(runs[name], out, src, reps)))
+        zipccl.reset_stats()
         runs["auto"](out, src)
-        plan = zipccl.stats()["last"]["codec"]  # what auto runs now
+        plans = [None] * n  # what auto runs now, on the ranks that took part (a native message records nothing)
+        dist.all_gather_object(plans, zipccl.stats()["last"].get("codec"))
+        plan = next((p for p in plans if p is not None), "native")
         med = {name: statistics.median(ts) for name, ts in times.items()}
         fixed = {name: t for name, t in med.items() if name != "auto"}
         best = min(fixed, key=fixed.get)
