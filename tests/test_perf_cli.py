@@ -224,10 +224,10 @@ def test_nodes_must_divide_the_ranks(capsys):
     assert exit_.value.code == 2 and "--nodes (3) must divide --nranks (4)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "alltoall"])
+@pytest.mark.parametrize("collective", ["all_reduce", "alltoall", "pair"])
 def test_never_a_loss_smoke(tmp_path, collective):
     """bench/never_a_loss.py on loopback at two small sizes, one round: it runs, and its table
-    has a row per size with auto's ratios (all-to-all: torch's, auto and the fixed plans)."""
+    has a row per size with auto's ratios (all-to-all and a pair: torch's, auto and the fixed plans)."""
     out = tmp_path / "n.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "never_a_loss.py"), "--lab", "loopback", "--sizes",
