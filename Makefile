@@ -71,3 +71,4 @@ gpu-data:
 
 clean:
 	rm -f $(STAMP)
+	rm -rf build/triton-*

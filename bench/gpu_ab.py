@@ -63,23 +63,26 @@ def _profiled(fn, repeat: int, device: str) -> tuple[float, dict[str, float]]:
 def join_sweep(settings: str, gpu: Lossless, packet: torch.Tensor, x: torch.Tensor, repeat: int, device: str) -> dict:
     """Decode again under each _decode_join setting ("CHUNKxWARPS"), where the checkout has that kernel."""
     from zipccl.kernels import gpu as kernels
-    if not settings or not hasattr(kernels, "join_warps"):
+    if not settings or not hasattr(kernels, "JOIN_CHUNK"):
         return {}
-    saved, rows = (kernels.JOIN_CHUNK, kernels.COUNT_ROWS, kernels.join_warps), {}
+    # The warps: join_warps() here, a constant JOIN_WARPS in checkouts before it.
+    knob = "join_warps" if hasattr(kernels, "join_warps") else "JOIN_WARPS"
+    saved, rows = (kernels.JOIN_CHUNK, kernels.COUNT_ROWS, getattr(kernels, knob)), {}
     ints = INT[x.element_size()]
     try:
         for s in settings.split(","):
             chunk, warps = (int(v) for v in s.split("x"))
             # the counts' rows follow the chunk (the scratch between the two kernels is sized by them)
             kernels.JOIN_CHUNK, kernels.COUNT_ROWS = chunk, kernels.SUBSTREAM // chunk + 1
-            kernels.join_warps = lambda width, warps=warps: warps
+            setattr(kernels, knob, (lambda width, warps=warps: warps) if knob == "join_warps" else warps)
             out = torch.empty(x.shape, dtype=x.dtype, device=packet.device)
             gpu.decode(packet, out)
             wall, kern = _profiled(lambda: gpu.decode(packet, out), repeat, device)
             rows[s] = {"same_bits": torch.equal(out.cpu().view(ints), x.view(ints)), "wall_ms": round(wall * 1e3, 4),
                        "kernels_us": {k: round(v, 1) for k, v in kern.items()}}
     finally:
-        kernels.JOIN_CHUNK, kernels.COUNT_ROWS, kernels.join_warps = saved
+        kernels.JOIN_CHUNK, kernels.COUNT_ROWS = saved[:2]
+        setattr(kernels, knob, saved[2])
     return rows
 
 

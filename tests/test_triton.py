@@ -445,6 +445,7 @@ def test_every_kernel_compiles_without_spills_on_the_cuda_images_triton():
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout)
     assert {row["triton"] for row in rows} == {version} and len(rows) == 36, rows
+    assert all("cubin_stack" in row for row in rows), "no spills read: cuobjdump not found beside that Triton's ptxas"
     spills = [(row["kernel"], row["dtype"], row["block"], row["cubin_stack"], row["cubin_local"]) for row in rows
               if row["cubin_stack"] or row["cubin_local"]]
     assert not spills, spills
