@@ -85,6 +85,22 @@ def _abort_all(comms) -> None:
                 comm.abort()
 
 
+def _made_word(error: Exception | None = None, lost: RankFailure | None = None) -> str:
+    """A rank's word, in the store, on its making of communicators: its error ("" for none), or
+    the RankFailure it gave up with (``lost``), which the ranks that read it raise too."""
+    if lost is not None:
+        return json.dumps({"error": str(lost), "lost": lost.rank})
+    return json.dumps({"error": "" if error is None else f"{type(error).__name__}: {error}"})
+
+
+def _error_of(word: bytes) -> str:
+    """The error in a rank's word (``_made_word``; "" for none); raises the RankFailure it gave up with."""
+    said = json.loads(word)
+    if "lost" in said:
+        raise RankFailure(said["error"], said["lost"], "lost", True)
+    return said["error"]
+
+
 def _aborted() -> NcclError:
     return NcclError("the NCCL communicator was aborted after an earlier failure: rebuild the group")
 
@@ -284,26 +300,29 @@ class NcclTransport(Transport):
         """What these communicators carry, in words."""
         return f"this group of {self.size} ranks"
 
+    def _made_key(self, rank: int) -> str:
+        """The store's key of ``rank``'s word on this making (``_made_word``)."""
+        return self._key(f"made/{rank}")
+
     def _say_lost(self, failure: RankFailure) -> None:
         """Tell the ranks waiting in ``_agree`` that this one gave up (``failure``), so that they
         raise it too, at once, rather than wait for its word until the bound."""
         with contextlib.suppress(Exception):  # the store's host may be the rank that is gone
-            store.own().set(self._key(f"made/{self.rank}"), json.dumps({"error": str(failure), "lost": failure.rank}))
+            store.own().set(self._made_key(self.rank), _made_word(lost=failure))
 
     def _agree(self, error: Exception | None) -> None:
         """Every rank learns whether every rank has a communicator, through the job's store (each
         rank's word waited for as for a mail): the same error everywhere if not; RankFailure where a
         rank gave up on one that never joined (``_say_lost``) or never says."""
-        text = "" if error is None else f"{type(error).__name__}: {error}"
-        store.own().set(self._key(f"made/{self.rank}"), json.dumps({"error": text}))
+        store.own().set(self._made_key(self.rank), _made_word(error))
         # one deadline for every word, later than any rank's own making gives up (its word then comes)
         since, deadline = time.time(), time.monotonic() + self._bound() + heartbeat.stale_after()
-        said = [json.loads(self._heard(f"made/{r}", since, deadline)) for r in range(self.size)]
-        lost = next((w for w in said if "lost" in w), None)
-        if lost is not None:
+        words = [self._heard(f"made/{r}", since, deadline) for r in range(self.size)]
+        try:
+            texts = [_error_of(w) for w in words]
+        except RankFailure:
             self._abort()
-            raise RankFailure(lost["error"], lost["lost"], "lost", True)
-        texts = [w["error"] for w in said]
+            raise
         failed = [r for r, t in enumerate(texts) if t]
         if failed:
             self._abort()

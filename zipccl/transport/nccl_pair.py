@@ -28,8 +28,6 @@ failure protocol see the same transport as elsewhere; only NCCL sees the pair's 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import re
 import secrets
 import threading
 import time
@@ -39,7 +37,7 @@ import torch.distributed as dist
 from .. import config
 from ..errors import RankFailure, ZipcclError
 from . import heartbeat, nccl_stack, store
-from .cupy_nccl import NcclError, NcclTransport
+from .cupy_nccl import NcclError, NcclTransport, _error_of, _made_word
 
 __all__ = ["NcclPair"]
 
@@ -133,18 +131,15 @@ class NcclPair(NcclTransport):
     def _agree(self, error: Exception | None) -> None:
         """Each end writes its outcome and reads the other's: the same error on both where either failed."""
         me = self._comm_rank(self.rank)
-        texts = [""] * 2
-        texts[me] = "" if error is None else f"{type(error).__name__}: {error}"
-        store.own().set(self._key(f"made{me}/{self._nonce}"), texts[me])
+        texts, word = [""] * 2, _made_word(error)
+        store.own().set(self._made_key(self.rank), word)
+        texts[me] = _error_of(word)
         limit = self._bound() + heartbeat.stale_after()  # later than the other end's making gives up
-        try:
-            texts[1 - me] = self._hear(f"made{1 - me}/{self._nonce}", limit=limit).decode()
-        except NcclError:
+        try:  # RankFailure: the other end gave up on NCCL's making
+            texts[1 - me] = _error_of(self._hear(f"made{1 - me}/{self._nonce}", limit=limit))
+        except (NcclError, RankFailure):
             self._abort()
             raise
-        if lost := re.match(r"RankFailure\[(-?\d+)\]: ", texts[1 - me]):  # it gave up on NCCL's making
-            self._abort()
-            raise RankFailure(texts[1 - me][lost.end():], int(lost[1]), "lost", True)
         failed = [k for k in (0, 1) if texts[k]]
         if failed:
             self._abort()
@@ -155,11 +150,8 @@ class NcclPair(NcclTransport):
     def _what(self) -> str:
         return f"the messages from rank {self._members[0]} to rank {self._members[1]}"
 
-    def _say_lost(self, failure) -> None:
-        """The other end, waiting in ``_agree``, raises this end's failure with it, at once."""
-        me = self._comm_rank(self.rank)
-        with contextlib.suppress(Exception):  # the store's host may be the rank that is gone
-            store.own().set(self._key(f"made{me}/{self._nonce}"), f"RankFailure[{failure.rank}]: {failure}")
+    def _made_key(self, rank: int) -> str:
+        return self._key(f"made{self._comm_rank(rank)}/{self._nonce}")
 
     def all_to_all(self, send, send_splits, recv_splits):
         raise ZipcclError("NcclPair carries one direction's messages only")
