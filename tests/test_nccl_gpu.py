@@ -71,7 +71,7 @@ def test_encode_many_and_decode_many_on_cuda(compiled, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [256, 1024, 16384, 32768])
 def test_every_16bit_pattern_on_cuda(compiled, dtype, block_size):
-    """All 2^16 patterns, shuffled, through the compiled kernels at the smallest and default block,
+    """All 2^16 patterns, shuffled, through the compiled kernels at the smallest block, 1024,
     the largest the encoder takes (16384: its packet against the reference's) and the largest of
     the format (32768: the reference's packet, decoded)."""
     from zipccl.kernels import gpu
