@@ -189,11 +189,13 @@ def _two_of_four(rank, groups):
         x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
         got = torch.empty_like(x)
         for codec in ("native", "auto"):
+            got.fill_(float("nan"))  # each transfer must deliver its own values
             ops = [dist.P2POp(dist.isend, x, 1 - rank), dist.P2POp(dist.irecv, got, 1 - rank)]
             for h in zipccl.batch_isend_irecv([zipccl.P2POp(op.op, op.tensor, op.peer, codec=codec) for op in ops]):
                 h.wait()
             if not torch.equal(got, torch.arange(1000, dtype=torch.float32) * (2 - rank)):
                 return f"{codec}: wrong values"
+            got.fill_(float("nan"))
             zipccl.send(x, 1 - rank, codec=codec) if rank == 0 else zipccl.recv(got, 0, codec=codec)
             zipccl.recv(got, 1, codec=codec) if rank == 0 else zipccl.send(x, 0, codec=codec)
             if not torch.equal(got, torch.arange(1000, dtype=torch.float32) * (2 - rank)):
