@@ -255,6 +255,9 @@ def _named(rank, groups, steps):
         keep = idx[:TopK(0.02).k(compensated.numel())]
         sent[keep] = compensated[keep]
         residual_ok &= bool(torch.equal(comp.residuals.store["w"], compensated - sent))
+        both = [torch.empty_like(sent) for _ in range(2)]
+        dist.all_gather(both, sent, group=g)  # the average of what each rank sent, by plain torch
+        residual_ok &= bool(torch.equal(w.reshape(-1), (both[0] + both[1]) / 2))
     out.update(w=w, residual_ok=residual_ok, step=comp.step, densities=comp.densities)
     # the module-level path: name= keeps feedback in zipccl.lossy.default("topk")
     x = torch.randn(100, 50, generator=gen)
@@ -313,7 +316,11 @@ def _bf16_values(rank, groups):
     idx, values = TopK(0.05).select(wire)
     sent = torch.zeros_like(compensated)
     sent[idx.long()] = values.float()
-    return w, bool(torch.equal(comp.residuals.store["w"], compensated - sent)), stats_bytes()
+    both = [torch.empty_like(sent) for _ in range(2)]
+    dist.all_gather(both, sent, group=g)  # the average of what each rank sent, by plain torch, in bf16
+    average = ((both[0] + both[1]) / 2).to(torch.bfloat16).float()
+    return w, bool(torch.equal(comp.residuals.store["w"], compensated - sent)), stats_bytes(), \
+        bool(torch.equal(w.reshape(-1), average))
 
 
 def stats_bytes():
@@ -327,6 +334,7 @@ def test_bf16_values_shrink_entries_to_six_bytes(pool):
     res = pool.run(_bf16_values)[:2]
     assert all(not isinstance(r, BaseException) for r in res), res
     assert torch.equal(res[0][0], res[1][0]) and res[0][1] and res[1][1]
+    assert res[0][3] and res[1][3], "not the bf16-rounded average of what the ranks sent"
     k = TopK(0.05).k(64 * 128)
     assert res[0][2] == F.HEADER_SIZE + 6 * k  # one packet to the one other rank
     assert torch.equal(res[0][0], res[0][0].to(torch.bfloat16).float())
