@@ -248,13 +248,14 @@ def test_train_gpt_example_smoke(tmp_path):
 
 
 def _train_nodes(rank, groups, codec, algorithm, steps):
-    """Four ranks as two emulated nodes (ZIPCCL_TOPOLOGY=2x2): DDP with zipccl's hook."""
+    """Four ranks as two emulated nodes (ZIPCCL_TOPOLOGY=2x2): DDP with zipccl's hook (codec None:
+    DDP's own all-reduce)."""
     old, zipccl.config.TOPOLOGY = zipccl.config.TOPOLOGY, "2x2"
     zipccl.topology.forget()
     try:
         ddp = DDP(_model(), bucket_cap_mb=0.05)
-        state = zipccl.ddp.State(codec=codec, algorithm=algorithm)
-        ddp.register_comm_hook(state, zipccl.ddp.hook)
+        if codec is not None:
+            ddp.register_comm_hook(zipccl.ddp.State(codec=codec, algorithm=algorithm), zipccl.ddp.hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(100 + rank)
         for _ in range(steps):
@@ -264,7 +265,7 @@ def _train_nodes(rank, groups, codec, algorithm, steps):
             loss.backward()
             opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
-        return hashlib.sha1(flat.numpy().tobytes()).hexdigest(), zipccl.stats()["last"]["codec"]
+        return hashlib.sha1(flat.numpy().tobytes()).hexdigest(), zipccl.stats()["last"]["codec"], flat
     finally:
         zipccl.config.TOPOLOGY = old
         zipccl.topology.forget()
@@ -272,12 +273,16 @@ def _train_nodes(rank, groups, codec, algorithm, steps):
 
 def test_hierarchical_hook_on_two_nodes(pool):
     """auto restricted to hierarchical plans gives raw hierarchical's bits (with two nodes every
-    hierarchical plan sums the same way), on every rank; flat raw too is the same on every rank."""
+    hierarchical plan sums the same way), on every rank; flat raw too is the same on every rank;
+    both train as DDP's own all-reduce does, up to the order of the sums."""
     runs = {(c, a): pool.run(_train_nodes, c, a, 20, timeout=240)
-            for c, a in (("raw", "hierarchical"), ("auto", "hierarchical"), ("raw", "flat"))}
+            for c, a in (("raw", "hierarchical"), ("auto", "hierarchical"), ("raw", "flat"), (None, None))}
     for key, res in runs.items():
         assert all(not isinstance(r, BaseException) for r in res), (key, res)
         assert len({r[0] for r in res}) == 1, f"{key}: ranks differ"
     assert runs[("auto", "hierarchical")][0][0] == runs[("raw", "hierarchical")][0][0]
     assert runs[("raw", "hierarchical")][0][1] == "hierarchical/raw+raw"
     assert runs[("auto", "hierarchical")][0][1].startswith("hierarchical/shm+")
+    plain = runs[(None, None)][0][2]
+    for key in (("raw", "hierarchical"), ("raw", "flat")):
+        torch.testing.assert_close(runs[key][0][2], plain, rtol=1e-4, atol=1e-6, msg=f"{key} against DDP's own")
