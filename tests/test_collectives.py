@@ -692,3 +692,48 @@ def test_tensors_that_require_grad(pool):
             assert torch.equal(w, want), codec
             assert requires_grad and grad_fn is None, codec  # still a leaf parameter, nothing recorded
             assert torch.equal(rs, rs_full[rank * 500:(rank + 1) * 500]), codec
+
+
+def _user_tags_beside_zipccl(rank, groups, strict):
+    """The user's own receives on tags 0, 1, 7 and 13 of the group (strict mode's wire tags, and
+    zipccl's metadata and point-to-point tags) posted before a lossless all-reduce and a framed
+    send on it, their messages sent after: each message reaches its own receive."""
+    if rank >= 2:
+        return None
+    from zipccl.transport.torch_dist import TorchTransport
+    g = groups[2]
+    transports = [TorchTransport.of(g), TorchTransport.of(g, messages=True)]
+    saved = [(t.strict, t.loose_receives, t.tags) for t in transports]
+    timeout, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 20.0  # crossed messages: a RankFailure, not a hang
+    if not strict:  # gloo as zipccl runs there outside the suite: its own tags on the wire
+        for t in transports:
+            t.strict, t.loose_receives, t.tags = None, True, True
+    try:
+        tags = (0, 1, 7, 13)
+        bufs = {tag: torch.full((8,), -1, dtype=torch.int64) for tag in tags}
+        works = [dist.irecv(bufs[tag], src=1, group=g, tag=tag) for tag in tags] if rank == 0 else []
+        x = data(rank, 70_000, torch.bfloat16)
+        zipccl.all_reduce(x, group=g, codec="lossless")
+        message = data(1, 5000, torch.bfloat16, seed=4)
+        got = torch.full_like(message, float("nan"))
+        zipccl.send(message, 0, group=g, codec="lossless") if rank == 1 else \
+            zipccl.recv(got, 1, group=g, codec="lossless")
+        if rank == 1:
+            for tag in tags:
+                dist.send(torch.arange(8) + 100 * tag, dst=0, group=g, tag=tag)
+            return True
+        for work in works:
+            work.wait()
+        want = (data(0, 70_000, torch.bfloat16).float() + data(1, 70_000, torch.bfloat16).float()).to(torch.bfloat16)
+        return (torch.equal(x, want), torch.equal(got, message),
+                all(torch.equal(buf, torch.arange(8) + 100 * tag) for tag, buf in bufs.items()))
+    finally:
+        zipccl.config.TIMEOUT = timeout
+        for t, (strict_, loose, tags_) in zip(transports, saved):
+            t.strict, t.loose_receives, t.tags = strict_, loose, tags_
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_the_users_own_tags_never_meet_zipccls_messages(pool, strict):
+    res = pool.run(_user_tags_beside_zipccl, strict, timeout=120)
+    assert res[:2] == [(True, True, True), True], res

@@ -75,6 +75,11 @@ def as_they_are(tensors) -> bool:
     return not has_torch_function(tensors) and not getattr(dist.distributed_c10d._world, "pg_coalesce_state", None)
 
 
+#: zipccl's own messages travel on tags from here up (its tags, 0-13, plus this): gloo matches a
+#: send with a receive by peer and tag alone, so on the tags the user's own sends and receives
+#: take (0 and up) the two would cross. torch's own collectives have a slot space of their own.
+WIRE_TAGS = 0x7A1C0000
+
 _twins: dict = {}
 _twins_lock = threading.Lock()
 
@@ -229,7 +234,7 @@ class TorchTransport(Transport):
 
     def _issue(self, send: bool, tensor, peer: int, group, tag: int):
         """A send (``send``) or receive of ``tensor`` now, or into this thread's open batch."""
-        batch = getattr(self._local, "batch", None)
+        batch, tag = getattr(self._local, "batch", None), WIRE_TAGS + tag
         if batch is None:
             if send:
                 return dist.isend(tensor, group=group, group_dst=peer, tag=tag)
