@@ -224,6 +224,38 @@ def test_an_invalid_call_raises_on_every_rank(pool):
     assert all(h is True for h in pool.run(_healthy, timeout=120))
 
 
+def _invalid_under_auto(rank, groups):
+    """Codec "auto" on one node is the backend's all-to-all, decided without an exchange: rank 1's
+    invalid splits raise there at once, as the backend's call would, and rank 1 then makes the
+    valid call that the others are waiting in."""
+    import time
+    g = groups[4]
+    x = torch.arange(8, dtype=torch.bfloat16) + 8 * rank
+    y = torch.empty_like(x)
+    timeout, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 20.0  # an exchange nobody joins: RankFailure, not a hang
+    try:
+        if rank == 1:
+            t0 = time.monotonic()
+            try:
+                zipccl.all_to_all_single(y, x, [4, 3, 0, 2], None, group=g)
+            except Exception as e:  # noqa: BLE001 - the test asserts on it
+                said = type(e).__name__, str(e), time.monotonic() - t0
+            dist.all_to_all_single(y, x, group=g)
+            return said
+        zipccl.all_to_all_single(y, x, group=g)
+        return torch.equal(y, torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.bfloat16) + 8 * j
+                                         for j in range(4)]))
+    finally:
+        zipccl.config.TIMEOUT = timeout
+
+
+def test_an_invalid_call_under_auto_on_one_node_fails_as_the_backends(pool):
+    res = pool.run(_invalid_under_auto, timeout=120)
+    kind, text, seconds = res[1]
+    assert kind == "ValueError" and "output split sizes [4, 3, 0, 2]" in text and seconds < 5, res[1]
+    assert res[0] is res[2] is res[3] is True, res
+
+
 def _decoder_fails(rank, groups):
     """Rank 1's decoder raises in the middle of the call: RankFailure on every rank, naming it."""
     from zipccl.collectives import alltoall as A
@@ -282,7 +314,7 @@ def test_async_handles(pool, last_codec):
         assert same == [True] * 3 and last
 
 
-def _in_place(rank, groups):
+def _in_place(rank, groups, codec):
     """Uneven splits whose rows and columns add up alike (circulant), so that one buffer serves
     as input and output, but each peer's part lands where other parts still wait to be sent."""
     g, n, parts = groups[4], 4, [700, 9000, 150, 3100]
@@ -293,13 +325,19 @@ def _in_place(rank, groups):
     dist.all_to_all_single(want, x, outs, ins, group=g)
     buf = x.clone()
     with piece_bytes(1 << 15):  # several rounds
-        zipccl.all_to_all_single(buf, buf, outs, ins, group=g, codec="lossless")
-    return torch.equal(bits(buf), bits(want))
+        zipccl.all_to_all_single(buf, buf, outs, ins, group=g, codec=codec)
+    parts = [activations(256, seed=10 * rank + j).to(torch.bfloat16) for j in range(n)]  # the list call:
+    expect = [torch.empty_like(x) for x in parts]                                       # each output its input
+    dist.all_to_all(expect, [x.clone() for x in parts], group=g)
+    zipccl.all_to_all(parts, parts, group=g, codec=codec)
+    return torch.equal(bits(buf), bits(want)) and all(torch.equal(bits(a), bits(b)) for a, b in zip(parts, expect))
 
 
-def test_in_place(pool):
-    """Output and input one buffer (zipccl-perf's in-place column): the input is kept until sent."""
-    assert all(r is True for r in pool.run(_in_place, timeout=120))
+@pytest.mark.parametrize("codec", ["lossless", "native", "auto"])
+def test_in_place(pool, codec):
+    """Output and input one buffer (zipccl-perf's in-place column): the input is kept until sent,
+    by zipccl's pipeline and where the call is the backend's (native; auto on one node)."""
+    assert all(r is True for r in pool.run(_in_place, codec, timeout=120))
 
 
 def _batched(rank, groups):

@@ -50,6 +50,8 @@ def _native_single(group, output, input, out_splits, in_splits) -> None:
     """The backend's all_to_all_single: on the drop-in's backend underneath, else on the group
     itself where dist's checks would pass the tensors as they are (as TorchTransport.native),
     else through dist."""
+    if overlaps(output, input):  # in place: the backend would overwrite parts not yet sent
+        input = input.clone()
     inner = underneath(group, input.device)
     pg = direct_group(group) if inner is None and as_they_are((output, input)) else None
     if inner is not None:
@@ -73,6 +75,7 @@ def _native_list(group, outputs, inputs) -> None:
         for x, part in zip(outputs, out.split([x.numel() for x in outputs])):
             x.copy_(part.view_as(x))
         return
+    inputs = [x.clone() if any(overlaps(x, y) for y in outputs) else x for x in inputs]  # in place, as above
     inner = underneath(group, inputs[0].device)
     work = dist.all_to_all(outputs, inputs, group=group, async_op=True) if inner is None else \
         inner.alltoall(outputs, inputs, dist.AllToAllOptions())
@@ -181,6 +184,11 @@ def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: b
             return _native(native, acc, fate, t)
         # the nodes, found on the group's first call (a collective: before any rank's error exchange)
         topo = topology.topology(group) if t.size > 1 else None
+        nodes = len(topo.nodes) if topo is not None else 1
+        if codec == "auto" and (nodes == 1 or dtype not in DTYPE_CODES):
+            if error is not None:  # the other ranks make the backend's call: fail as it does, here alone
+                raise error
+            return _native(native, acc, fate, t)  # one node: every link outruns the codec
         row = counts_row(sends, recvs) if error is None else [0] * (2 * n)
         if error is not None:
             Call(_NAME, dtype, 0, None, None).exchange(t, row, error, fate)
@@ -189,9 +197,6 @@ def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: b
             plan = levels[1] if levels[0] is levels[1] else Links(*levels)
             matrix = exchange_counts(t, Call(_NAME, dtype, 0, None, plan), row, None, fate, acc)
             return _pipeline(t, sends, recvs, codecs, matrix, plan, acc, fate)
-        nodes = len(topo.nodes) if topo is not None else 1
-        if nodes == 1 or dtype not in DTYPE_CODES:  # one node: every link outruns the codec
-            return _native(native, acc, fate, t)
         matrix = exchange_counts(t, Call(_NAME, dtype, 0, None, AUTO), row, None, fate, acc)
         nbytes = sum(sum(r[:n]) for r in matrix) * sends[0].element_size() // n
         local = any(len(node) > 1 for node in topo.nodes)
