@@ -29,6 +29,7 @@ rank and no other thread of these ranks uses.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Mapping
@@ -177,7 +178,8 @@ def _native_recv(op: _Op):
 
 class _SendHandle(executor.Handle):
     """A framed send: posted, completed by ``wait()`` (its sends, then the receiver's verdict),
-    which raises what went wrong on either end; ``is_completed()`` once the verdict is there."""
+    which raises what went wrong on either end, or on a thread of its own once ``get_future()``
+    was asked for; ``is_completed()`` once the verdict is there."""
 
     def __init__(self, complete, verdict: Verdict, unposted, device: torch.device | None = None):
         """``unposted()``: whether posting the message failed (then no verdict comes); ``device``:
@@ -207,13 +209,23 @@ class _SendHandle(executor.Handle):
         if timeout is None:
             self._finish()
         else:
-            with self._behind_lock:  # not _lock, which completing holds
-                if self._behind is None and not self._future.done():
-                    stream = torch.cuda.current_stream(self._device) if self._device is not None else None
-                    self._behind = threading.Thread(target=self._finish, args=(stream,), daemon=True,
-                                                    name="zipccl-send")
-                    self._behind.start()
+            self._in_background()
         return super().wait(timeout)
+
+    def _in_background(self) -> None:
+        """Complete the send on a thread of its own (once), its device waits on the current stream."""
+        with self._behind_lock:  # not _lock, which completing holds
+            if self._behind is None and not self._future.done():
+                stream = torch.cuda.current_stream(self._device) if self._device is not None else None
+                self._behind = threading.Thread(target=self._finish, args=(stream,), daemon=True,
+                                                name="zipccl-send")
+                self._behind.start()
+
+    def get_future(self) -> torch.futures.Future:
+        """The send's future, which completes by itself, as the backend's does (without a
+        ``wait()``: the send completes on a thread of its own)."""
+        self._in_background()
+        return super().get_future()
 
     def is_completed(self) -> bool:
         """Once the verdict is there, or posting failed (no verdict comes then)."""
@@ -286,6 +298,13 @@ def _receive(op: _Op):
     return finish("recv", op.plan, acc)
 
 
+def _forget(receive: weakref.ref, _future=None) -> None:
+    """A receive done: nothing walks past it (``_after_collectives``), so it no longer holds the
+    task queued before it, and a rank that only receives does not keep every receive alive."""
+    if (handle := receive()) is not None:
+        _receives.pop(handle, None)
+
+
 def _post_receive(op: _Op, async_op: bool):
     """``op``'s receive, queued in issue order (its handle), or run now (``async_op`` False)."""
     if op.plan is not NATIVE:
@@ -296,6 +315,7 @@ def _post_receive(op: _Op, async_op: bool):
     handle = executor.run(lambda: _receive(op), async_op, (op.tensor,))
     if handle is not None:
         _receives[handle] = before
+        handle.get_future().add_done_callback(functools.partial(_forget, weakref.ref(handle)))
     return handle
 
 
