@@ -576,6 +576,25 @@ def test_async_handles(pool):
         assert res == (True, True, True), (rank, res)
 
 
+def _strided(rank, groups, codec):
+    """A framed message from a strided tensor (a transpose) into a strided one (every other column
+    of a wider buffer), whose other elements stay as they were."""
+    if rank > 1:
+        return None
+    x = (torch.arange(300 * 200, dtype=torch.float32) / 7).to(torch.bfloat16).view(300, 200)
+    if rank == 0:
+        zipccl.send(x.t(), 1, group=groups[2], codec=codec)
+        return True
+    wide = torch.full((200, 600), -1.0, dtype=torch.bfloat16)
+    zipccl.recv(wide[:, ::2], 0, group=groups[2], codec=codec)
+    return torch.equal(bits(wide[:, ::2]), bits(x.t())) and bool((wide[:, 1::2] == -1).all())
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless"])
+def test_strided_tensors_travel_through_a_contiguous_copy(pool, codec):
+    assert pool.run(_strided, codec, timeout=120)[:2] == [True, True]
+
+
 def _future_alone(rank, groups):
     """A framed send's future completes by itself, as the backend's does (nothing waits for its
     handle); the receiver gets the message."""

@@ -72,7 +72,8 @@ def _kind(op) -> str | None:
 class _Op:
     """One resolved message end: its transport, peer (group rank; ``peer_job``: in the job), this
     rank in the group (``me``), codec decision and signature."""
-    __slots__ = ("kind", "tensor", "group", "t", "peer", "peer_job", "me", "tag", "codec", "plan", "sig", "seq")
+    __slots__ = ("kind", "tensor", "group", "t", "peer", "peer_job", "me", "tag", "codec", "plan", "sig", "seq",
+                 "staged")
 
     def __init__(self, kind: str, tensor, peer, group, tag: int, group_peer, codec):
         if not isinstance(tensor, torch.Tensor):
@@ -90,8 +91,13 @@ class _Op:
             raise ValueError(f"{kind}: rank {dist.get_rank()} cannot {kind} to itself with zipccl")
         self.plan = _decide(codec, self.tensor, group, self.peer)
         self.t = None  # zipccl's transport, for a framed message only: ``transport()``
-        if self.plan is not NATIVE and not self.tensor.is_contiguous():
-            raise UnsupportedError(f"{kind}'s tensor must be contiguous")
+        self.staged = None  # a framed receive's strided tensor, filled from ``tensor`` once its message lands
+        if self.plan is not NATIVE and not self.tensor.is_contiguous():  # framed: through a contiguous copy
+            if kind == "send":
+                self.tensor = self.tensor.contiguous()
+            else:
+                self.staged, self.tensor = self.tensor, torch.empty_like(self.tensor,
+                                                                          memory_format=torch.contiguous_format)
         self.sig = None if self.plan is NATIVE else Signature.of(self.tensor, codec, self.tag)  # framed only
         self.seq = None
 
@@ -295,6 +301,8 @@ def _receive(op: _Op):
     Verdict(_group_name(op.group), peer, me, op.seq).give(op.sig, status)
     if problem:
         raise MismatchError(problem)
+    if op.staged is not None:
+        op.staged.copy_(op.tensor)
     return finish("recv", op.plan, acc)
 
 
@@ -312,7 +320,7 @@ def _post_receive(op: _Op, async_op: bool):
     elif async_op and (executor.last() is None or executor.last().is_completed()):
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
     before = executor.last()
-    handle = executor.run(lambda: _receive(op), async_op, (op.tensor,))
+    handle = executor.run(lambda: _receive(op), async_op, (op.tensor,) if op.staged is None else (op.tensor, op.staged))
     if handle is not None:
         _receives[handle] = before
         handle.get_future().add_done_callback(functools.partial(_forget, weakref.ref(handle)))
