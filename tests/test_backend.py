@@ -696,6 +696,8 @@ def _exchanges(rank, groups, codec):
         s.wait()
         if not torch.equal(bits(got), bits(want)):
             bad.append(("isend/irecv", dtype))
+        if not (r.result()[0] is got and s.get_future().wait()[0] is x):  # as gloo's Work: the message's tensor
+            bad.append(("isend/irecv's values", dtype))
         got = torch.empty_like(x)
         if rank % 2 == 0:
             dist.send(x, nxt, group=g)

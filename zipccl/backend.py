@@ -143,11 +143,12 @@ class _Work(dist.Work):
     (SIGSEGV in ``parseCppCommHookResult``). A future made by ``then`` whose callback raises
     is failed in C++ itself, so the reducer raises a RuntimeError naming the error instead."""
 
-    def __init__(self, handle: executor.Handle):
-        """``handle``: the call's (its CUDA stream rules with it: zipccl.executor)."""
+    def __init__(self, handle: executor.Handle, value: list | None = None):
+        """``handle``: the call's (its CUDA stream rules with it: zipccl.executor); ``value``: the
+        future's value where the handle's is not the call's tensors (a message's: its statistics)."""
         super().__init__()
         self._handle = handle
-        self._future = handle.get_future().then(lambda future: _result(handle, future))
+        self._future = handle.get_future().then(lambda future: _result(handle, future, value))
 
     def wait(self, timeout=None) -> bool:
         """Wait for the call and raise its error; ``timeout`` (a timedelta or seconds; zero or
@@ -165,21 +166,23 @@ class _Work(dist.Work):
         """The call's output tensors, as gloo's Work gives them, once the call is done (its
         error raised)."""
         self.wait()
-        return self._handle.get_future().value()
+        return self._future.wait()
 
 
-def _result(handle: executor.Handle, future: torch.futures.Future):
-    """The call's value, or its error raised (``_Work``: a failure C++ sees); on CUDA after the
-    call's device work, so that the CUDA-aware future's consumer (DDP's reducer) is ordered after it."""
-    value = future.wait()
+def _result(handle: executor.Handle, future: torch.futures.Future, value: list | None = None):
+    """The call's value (``value`` where given), or its error raised (``_Work``: a failure C++
+    sees); on CUDA after the call's device work, so that the CUDA-aware future's consumer (DDP's
+    reducer) is ordered after it."""
+    got = future.wait()
     handle.join_stream()
-    return value
+    return got if value is None else value
 
 
-def _p2p_work(handle) -> dist.Work:
+def _p2p_work(handle, tensors: list) -> dist.Work:
     """A message's Work: the backend's own where zipccl handed it to the backend, else one over
-    zipccl's handle (a send's ``wait()`` completes it: zipccl.p2p)."""
-    return _Work(handle) if isinstance(handle, executor.Handle) else handle
+    zipccl's handle whose value is ``tensors``, as the backend's (a send completes by itself:
+    zipccl.p2p)."""
+    return _Work(handle, tensors) if isinstance(handle, executor.Handle) else handle
 
 
 def _finished(result=None, error: BaseException | None = None) -> _Work:
@@ -512,12 +515,12 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         dense float tensor; its receiver's ``recv`` decides alike."""
         if len(tensors) != 1 or not self._takes(tensors):
             return self._inner_for(_first(tensors)).send(tensors, dst, tag)
-        return _p2p_work(p2p.isend(tensors[0], group=self, tag=tag, codec=self.codec, group_dst=dst))
+        return _p2p_work(p2p.isend(tensors[0], group=self, tag=tag, codec=self.codec, group_dst=dst), tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
         if len(tensors) != 1 or not self._takes(tensors):
             return self._inner_for(_first(tensors)).recv(tensors, src, tag)
-        return _p2p_work(p2p.irecv(tensors[0], group=self, tag=tag, codec=self.codec, group_src=src))
+        return _p2p_work(p2p.irecv(tensors[0], group=self, tag=tag, codec=self.codec, group_src=src), tensors)
 
     def recv_anysource(self, tensors, *args, **kwargs):
         return self._forward("recv_anysource", _first(tensors), tensors, *args, **kwargs)
