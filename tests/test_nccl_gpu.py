@@ -399,8 +399,11 @@ for codec in ("native", "raw", "lossless"):  # zipccl's front door on CUDA tenso
     y = x.cuda()
     zipccl.all_reduce(y, codec=codec)
     assert torch.equal(y.cpu().view(torch.int16), x.view(torch.int16)), codec
+    assert zipccl.stats()["last"]["codec"] == codec, (codec, zipccl.stats()["last"])  # the path asked for ran
 y = x.cuda()
+calls = zipccl.stats()["all_reduce"]["calls"]
 dist.all_reduce(y)  # the drop-in: CUDA through zipccl's planner, on its NCCL communicator for the group
+assert zipccl.stats()["all_reduce"]["calls"] == calls + 1, "the drop-in's all_reduce did not go through zipccl"
 ag = torch.empty_like(y)
 dist.all_gather_into_tensor(ag, y)
 rs = torch.empty_like(y)
@@ -429,7 +432,8 @@ print("one-GPU drop-in and FSDP2: OK")
 
 def test_dropin_backend_and_fsdp2_on_one_gpu(tmp_path):
     """One rank on one GPU, in a fresh process: zipccl's collectives on CUDA tensors (native, raw,
-    lossless), the drop-in backend's CUDA calls (through zipccl's planner and NCCL transport), and
+    lossless: each the path it names), the drop-in backend's CUDA calls (through zipccl's planner:
+    counted there), and
     FSDP2 with zipccl's comms, whose gradients equal an unsharded copy's."""
     import subprocess
     import sys
