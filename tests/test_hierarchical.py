@@ -216,6 +216,33 @@ def test_refusals_are_clear_and_the_same_on_every_rank(pool, case, expected):
         assert all(r[1] == "lossless" and r[2] == [6.0] * 10 for r in res), res
 
 
+def _interleaved(rank, groups, nodes):
+    """Nodes whose ranks interleave (``nodes``, as a host layout could give them): levels only
+    where each local rank's group across the nodes is in node order, which torch's ascending group
+    ranks keep; else a hierarchical call is refused on every rank, and auto keeps to flat plans."""
+    from zipccl import topology as T
+    T.forget()
+    found = T.topology()
+    with T._lock:
+        T._found[T._group_key(None)] = T.Topology(nodes, found.source, found.link)
+    try:
+        made = T.levels() is not None
+        try:
+            zipccl.all_reduce(torch.ones(10), codec="raw", algorithm="hierarchical")
+            refused = None
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            refused = type(e).__name__
+        return made, refused
+    finally:
+        T.forget()
+
+
+@pytest.mark.parametrize("nodes,made", [(((0, 3), (1, 2)), False), (((0, 2), (1, 3)), True)])
+def test_nodes_of_interleaved_ranks_have_levels_only_in_node_order(pool, nodes, made):
+    res = pool.run(_interleaved, nodes, timeout=120)
+    assert res == [(made, None if made else "UnsupportedError")] * 4, res
+
+
 def _disagree(rank, groups):
     """Rank 3 believes in another topology: every rank raises MismatchError, none hangs."""
     with emulated("2x2" if rank != 3 else "1x4"):

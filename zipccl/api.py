@@ -247,7 +247,8 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         levels = topology.levels(group)  # made above
         if algorithm == "hierarchical" and levels is None:
             raise UnsupportedError(f"algorithm 'hierarchical' needs a group of several nodes with several ranks "
-                                   f"each that spans the job; this one is {topology.topology(group)}")
+                                   f"each that spans the job, each local rank's ranks across the nodes in node "
+                                   f"order; this one is {topology.topology(group)}")
         if fixed is not None:  # the caller's codecs: hierarchical where there are two levels
             if levels is not None:
                 used[0] = hier(levels, fixed, acc)

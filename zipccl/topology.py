@@ -275,7 +275,8 @@ def shares_memory(backend: str) -> bool:
 def levels(group=None) -> Levels | None:
     """The intra- and inter-node groups of ``group``, created on the first call (every rank of the
     job, in the same order: each node's group in node order, then each local rank's group), or
-    None where there is no second level or ``group`` does not span the job. Then, where
+    None where there is no second level, ``group`` does not span the job, or its nodes interleave
+    their ranks so that a local rank's group would not be in node order. Then, where
     ``shares_memory``, each node's shared memory (zipccl.transport.shm), used only if every
     node could map its own."""
     key = _group_key(group)
@@ -284,8 +285,11 @@ def levels(group=None) -> Levels | None:
             return _levels[key]
     topo = topology(group)
     made = None
-    if topo.hierarchical and dist.get_world_size(group) == dist.get_world_size():
-        ranks = dist.get_process_group_ranks(key)  # group rank -> global rank
+    ranks = dist.get_process_group_ranks(key)  # group rank -> global rank
+    # torch numbers a new group's ranks in ascending order: each local rank's group across the nodes
+    # must then be in node order, as the algorithms take it (nodes of interleaved ranks are not)
+    in_order = all(sorted(column) == list(column) for column in zip(*[[ranks[r] for r in n] for n in topo.nodes]))
+    if topo.hierarchical and in_order and dist.get_world_size(group) == dist.get_world_size():
         backend = dist.get_backend(group)
         me = dist.get_rank(group)
         intra = [dist.new_group([ranks[r] for r in node], backend=backend) for node in topo.nodes]
