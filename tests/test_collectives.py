@@ -737,3 +737,26 @@ def _user_tags_beside_zipccl(rank, groups, strict):
 def test_the_users_own_tags_never_meet_zipccls_messages(pool, strict):
     res = pool.run(_user_tags_beside_zipccl, strict, timeout=120)
     assert res[:2] == [(True, True, True), True], res
+
+
+def _first_auto_call_behind_async_ones(rank, groups):
+    """A group's first auto call finds its nodes (collectives on the group): a blocking call does
+    so only after the async calls issued before it, even where one rank comes late."""
+    g = groups[2] if rank < 2 else None
+    if g is None:
+        return None
+    zipccl.topology.forget(g)
+    big, native = torch.full((1 << 20,), float(rank + 1)), torch.full((1 << 20,), float(rank + 1))
+    handles = [zipccl.all_reduce(big, group=g, codec="lossless", async_op=True),
+               zipccl.all_reduce(native, group=g, codec="native", async_op=True)]
+    if rank == 1:
+        time.sleep(1.0)  # this rank's own work between the calls
+    x = torch.full((1 << 19,), float(rank + 1))
+    zipccl.all_reduce(x, group=g)  # codec "auto", 2 MiB: above the probe floor
+    for h in handles:
+        h.wait()
+    return all(bool((t == 3.0).all()) for t in (big, native, x))
+
+
+def test_a_groups_first_auto_call_finds_its_nodes_after_the_async_calls_before_it(pool):
+    assert pool.run(_first_auto_call_behind_async_ones, timeout=120)[:2] == [True, True]

@@ -217,8 +217,10 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             raise ValueError("a per-level codec needs algorithm 'hierarchical' or 'auto'")
         return C.flat_collective(name, group, output, input, op, codec, async_op)
     if dist.is_initialized() and not topology.known(group):  # collective: before any rank's error exchange
-        if async_op:
-            _run(lambda: None, True).wait()  # after the calls queued before this one, on every rank alike
+        if async_op:  # after the calls queued before this one, on every rank alike
+            _run(lambda: None, True).wait()
+        else:
+            _drain()
         topology.levels(group)
     numel, nbytes = C.input_size(input)
     tensors = (input,) if name == "all_reduce" else (output, input)
