@@ -388,6 +388,9 @@ def _mismatch(rank, groups, size, case):
         x = torch.ones(10, dtype=torch.int32)
     elif case == "product":
         kwargs["op"] = dist.ReduceOp.PRODUCT
+    elif case == "per_level_int":  # only rank 0 passes a type that a level's codec does not take
+        x = torch.ones(1000, dtype=torch.int32) if rank == 0 else x
+        kwargs["codec"] = {"intra": "lossless", "inter": "lossless"}
     elif case == "noncontig":  # only rank 0 passes a strided view
         x = torch.ones(40, 25).t() if rank == 0 else x
     elif case == "device":
@@ -421,6 +424,7 @@ def _healthy(rank, groups, size):
     ("product", "UnsupportedError", "UnsupportedError"),
     ("device", "UnsupportedError", "MismatchError"),
     ("noncontig", "UnsupportedError", "MismatchError"),
+    ("per_level_int", "UnsupportedError", "MismatchError"),
 ])
 def test_invalid_calls_raise_clearly_without_hanging(pool, case, local, others):
     res = pool.run(_mismatch, 4, case, timeout=60)

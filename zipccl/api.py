@@ -227,7 +227,10 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
     t, c, error = C.prepare(name, group, tensors, op, "raw" if per_level else codec, numel, nbytes,
                             C.check_shapes(name, output, input))
     dtype, device = (input.dtype, input.device) if isinstance(input, torch.Tensor) else (None, None)
-    fixed = None if codec == "auto" else _level_codecs(codec, dtype, nbytes)
+    try:
+        fixed = None if codec == "auto" else _level_codecs(codec, dtype, nbytes)
+    except Exception as e:  # noqa: BLE001 - a local error still joins the exchange, so that no rank hangs
+        fixed, error = None, error if error is not None else e
 
     def hier(levels, codecs, acc):
         whole = C.carrier(group, device, codecs[1])  # the group's own, or the nodes' level's carrier
