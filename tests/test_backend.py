@@ -329,6 +329,26 @@ def test_mismatches_raise_on_every_rank(zpool, what, async_op):
         assert value == [], f"rank {rank}: {value!r}"
 
 
+def _pass_through_behind_queued(rank, groups):
+    """Two async all-reduces of the drop-in (codec "auto": run on zipccl's thread, by the backend
+    underneath), then a broadcast, which zipccl passes through, while rank 1 comes late: the
+    backend meets the calls in the order issued on every rank."""
+    import time
+    a, b = torch.full((1 << 20,), float(rank + 1)), torch.full((3,), float(rank + 1))
+    works = [dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)]
+    if rank == 1:
+        time.sleep(1.0)
+    c = torch.tensor([7.0, 8.0, 9.0]) if rank == 0 else torch.zeros(3)
+    dist.broadcast(c, src=0)
+    for w in works:
+        w.wait()
+    return c.tolist() == [7.0, 8.0, 9.0] and bool((a == 10).all()) and bool((b == 10).all())
+
+
+def test_a_passed_through_call_follows_the_queued_ones(zpool):
+    assert zpool().run(_pass_through_behind_queued, timeout=120) == [True] * 4
+
+
 def _slow_peer(rank, groups, seconds):
     """Rank 1 enters the call ``seconds`` late: the others' Work.wait(timeout) runs out first,
     then their wait() returns with the result."""

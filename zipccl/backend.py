@@ -280,6 +280,16 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         tensors while it holds the lock that a new call waits for (seen under load)."""
         return self._inner.get(tensor.device.type if tensor is not None else "cpu", self._inner["cpu"])
 
+    def _passed(self, tensor: torch.Tensor | None):
+        """``_inner_for``, for a collective that zipccl passes through: outside zipccl's own calls,
+        after zipccl's queued calls (but receives, as a send: zipccl.p2p), whose collectives run on
+        zipccl's thread; one issued here meanwhile would meet the backend in another order on each
+        rank (a broadcast against a queued all-reduce: a hang; DDP's unused-parameter map against
+        a bucket: gloo aborts on the sizes)."""
+        if not (getattr(_inside, "on", False) or executor.ours()):
+            p2p.after_collectives()
+        return self._inner_for(tensor)
+
     def _takes(self, tensors, op=None) -> bool:
         """zipccl takes the call: not from inside zipccl, a codec other than native, dense float
         tensors of one dtype on a device zipccl takes (``takes_device``), an op zipccl reduces with."""
@@ -338,7 +348,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if len(tensors) != 1 or not self._takes(tensors, op) or self._own("all_reduce", tensors[0], tensors[0], op):
-            return self._inner_for(tensors[0]).allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
+            return self._passed(tensors[0]).allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
         zop, factor, x = _ZIPCCL_OPS[_red_type(op)], _factor(op), tensors[0].data
         lossy = self._lossy_name(x, zop)
 
@@ -355,7 +365,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         tensors = list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not tensors or not self._takes(tensors, op):
-            return self._inner_for(tensors[0]).allreduce_coalesced(
+            return self._passed(tensors[0]).allreduce_coalesced(
                 tensors, _options(dist.AllreduceCoalescedOptions, opts, op))
         zop, factor, data = _ZIPCCL_OPS[_red_type(op)], _factor(op), _data(tensors)
 
@@ -373,7 +383,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         async_op = getattr(opts, "asyncOp", True)
         if not self._takes([output, input]) or self._own("all_gather", output, input):
-            return self._inner_for(input)._allgather_base(output, input, _options(AllgatherOptions, opts))
+            return self._passed(input)._allgather_base(output, input, _options(AllgatherOptions, opts))
         out, src = _data([output, input])
         return self._run(lambda: api.all_gather(out, src, group=self, codec=self.codec,
                                                 algorithm=self.options.algorithm), [output], async_op, [input])
@@ -381,7 +391,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not self._takes([output, input], op) or self._own("reduce_scatter", output, input, op):
-            return self._inner_for(input)._reduce_scatter_base(
+            return self._passed(input)._reduce_scatter_base(
                 output, input, _options(dist.ReduceScatterOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
         out, data = _data([output, input])
@@ -402,7 +412,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not (len(inputs) == 1 and len(outputs) == 1 and len(outputs[0]) == self.size()
                 and self._takes(list(outputs[0]) + inputs)
                 and all(o.shape == inputs[0].shape for o in outputs[0])):
-            return self._inner_for(inputs[0]).allgather(outputs, inputs, _options(AllgatherOptions, opts))
+            return self._passed(inputs[0]).allgather(outputs, inputs, _options(AllgatherOptions, opts))
         x, outs = inputs[0].data, list(outputs[0])
 
         def fn():
@@ -421,7 +431,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not (len(outputs) == 1 and len(inputs) == 1 and len(inputs[0]) == self.size()
                 and self._takes(outputs + list(inputs[0]), op)
                 and all(i.shape == outputs[0].shape for i in inputs[0])):
-            return self._inner_for(outputs[0]).reduce_scatter(
+            return self._passed(outputs[0]).reduce_scatter(
                 outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
         out, chunks = outputs[0].data, _data(inputs[0])
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
@@ -460,7 +470,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     # ---- every other call: to the backend underneath, directly (see _inner_for) ----------------------------
 
     def _forward(self, name: str, tensor, *args, **kwargs):
-        backend = self._inner_for(tensor) if isinstance(tensor, torch.Tensor) else self._inner["cpu"]
+        backend = self._passed(tensor if isinstance(tensor, torch.Tensor) else None)
         return getattr(backend, name)(*args, **kwargs)
 
     def broadcast(self, tensors, *args, **kwargs):
@@ -480,7 +490,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         all-to-all (zipccl.alltoall) for dense float tensors, uneven splits included."""
         async_op = getattr(opts, "asyncOp", True)
         if not self._takes([output, input]):
-            return self._inner_for(input).alltoall_base(output, input, list(output_split_sizes or []),
+            return self._passed(input).alltoall_base(output, input, list(output_split_sizes or []),
                                                         list(input_split_sizes or []),
                                                         _options(dist.AllToAllOptions, opts))
         out, src = _data([output, input])
@@ -488,7 +498,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if self._compressor is None and \
                 alltoall.goes_native(out, src, (outs, ins), self.codec, self.options.algorithm):
             record_native("all_to_all")  # the backend's own, directly, as _own hands the collectives
-            return self._inner_for(input).alltoall_base(output, input, list(output_split_sizes or []),
+            return self._passed(input).alltoall_base(output, input, list(output_split_sizes or []),
                                                         list(input_split_sizes or []),
                                                         _options(dist.AllToAllOptions, opts))
         return self._run(lambda: alltoall.all_to_all_single(out, src, outs, ins, group=self, codec=self.codec,
@@ -501,7 +511,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         """``dist.all_to_all`` (list form): zipccl's all-to-all for dense float tensors."""
         async_op = getattr(opts, "asyncOp", True)
         if not (len(outputs) == len(inputs) == self.size() and self._takes(list(outputs) + list(inputs))):
-            return self._inner_for(_first(inputs)).alltoall(outputs, inputs, _options(dist.AllToAllOptions, opts))
+            return self._passed(_first(inputs)).alltoall(outputs, inputs, _options(dist.AllToAllOptions, opts))
         outs, ins = _data(outputs), _data(inputs)
         return self._run(lambda: alltoall.all_to_all(outs, ins, group=self, codec=self.codec,
                                                      algorithm=self.options.algorithm), list(outputs), async_op,
@@ -523,10 +533,10 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         return _p2p_work(p2p.irecv(tensors[0], group=self, tag=tag, codec=self.codec, group_src=src), tensors)
 
     def recv_anysource(self, tensors, *args, **kwargs):
-        return self._forward("recv_anysource", _first(tensors), tensors, *args, **kwargs)
+        return self._inner_for(_first(tensors)).recv_anysource(tensors, *args, **kwargs)
 
     def barrier(self, *args, **kwargs):
-        return self._inner["cpu"].barrier(*args, **kwargs)
+        return self._passed(None).barrier(*args, **kwargs)
 
     # ---- internals --------------------------------------------------------------------------------------------
 
@@ -535,7 +545,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         Python bindings have no coalesced form), waited for here."""
         try:
             for o, i in zip(outputs, inputs):
-                call(self._inner_for(i), o, i).wait()
+                call(self._passed(i), o, i).wait()
         except Exception as e:  # raised by wait(), as the backend's would be
             return _finished(error=e)
         return _finished(list(outputs))

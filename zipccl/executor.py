@@ -86,12 +86,14 @@ _lanes: dict = {}  # key -> the queue of a lane's thread (on_lane)
 #: a process that sends to many peers in turn keeps no thread per peer it no longer talks to.
 LANE_IDLE = 60.0
 _streams: dict = {}  # (thread's queue, CUDA device) -> the stream the thread's calls run on there
+_threads = threading.local()  # ``ours``: set on the worker's and the lanes' threads
 
 
 def _worker(q: queue.Queue, lane=None) -> None:
     """Run ``q``'s tasks in order, for good; a ``lane``'s (its key) ends once idle for ``LANE_IDLE``
     seconds, its key and streams dropped under the lock that posting takes, so that a task is
     never put on a queue whose thread has ended."""
+    _threads.ours = True
     while True:
         try:
             fn, handle, start, tensors = q.get(timeout=None if lane is None else LANE_IDLE)
@@ -134,6 +136,12 @@ def _issued_on(tensors: list) -> tuple | None:
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(device))
     return device, ready
+
+
+def ours() -> bool:
+    """Whether this thread is zipccl's (the async calls' or a lane's): it runs what is queued, so
+    it never waits for the queue."""
+    return getattr(_threads, "ours", False)
 
 
 def last() -> Handle | None:

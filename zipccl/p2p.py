@@ -154,9 +154,10 @@ def _group_name(group) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-def _after_collectives() -> None:
+def after_collectives() -> None:
     """Wait for the async calls queued before now, except receives: a send may pass those
-    (they only post receives, so no peer's order of messages changes), never a collective."""
+    (they only post receives, so no peer's order of messages changes), never a collective; nor
+    may a collective that the drop-in passes to the backend underneath (zipccl.backend)."""
     h = executor.last()
     while h is not None and not h.is_completed():
         before = _receives.get(h, _receives)
@@ -307,7 +308,7 @@ def _receive(op: _Op):
 
 
 def _forget(receive: weakref.ref, _future=None) -> None:
-    """A receive done: nothing walks past it (``_after_collectives``), so it no longer holds the
+    """A receive done: nothing walks past it (``after_collectives``), so it no longer holds the
     task queued before it, and a rank that only receives does not keep every receive alive."""
     if (handle := receive()) is not None:
         _receives.pop(handle, None)
@@ -338,9 +339,9 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     disagrees (dtype, elements, codec, tag: MismatchError on both ends) or failed."""
     op = _Op("send", tensor, dst, group, tag, group_dst, codec)
     if op.plan is not NATIVE:
-        _after_collectives()
+        after_collectives()
     elif not (executor.last() is None or executor.last().is_completed()):
-        _after_collectives()
+        after_collectives()
     return _send(op)
 
 
@@ -396,6 +397,6 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
     # the sends (which never wait for them), so that this rank's decoding overlaps its encoding
     handles = {id(op): _post_receive(op, True) for op in receives}
     if len(handles) < len(ops):
-        _after_collectives()
+        after_collectives()
     handles.update({id(op): _send(op) for op in ops if op.kind == "send"})
     return [handles[id(op)] for op in ops]
