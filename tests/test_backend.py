@@ -329,6 +329,30 @@ def test_mismatches_raise_on_every_rank(zpool, what, async_op):
         assert value == [], f"rank {rank}: {value!r}"
 
 
+def _old_names(rank, groups):
+    """torch before 2.13 calls the drop-in's all-gather and reduce-scatter of one tensor by their
+    old names, _allgather_base and _reduce_scatter_base: zipccl's, counted, with gloo's bits."""
+    import zipccl
+    g, gloo = groups["lossless"], groups["gloo"]
+    x = _data(rank, 3000, torch.bfloat16, 8)
+    got, want = torch.empty(4 * 3000, dtype=torch.bfloat16), torch.empty(4 * 3000, dtype=torch.bfloat16)
+    before = zipccl.stats().get("all_gather", {}).get("calls", 0)
+    g._allgather_base(got, x).wait()
+    dist.all_gather_into_tensor(want, x, group=gloo)
+    ok = torch.equal(_bits(got), _bits(want)) and zipccl.stats()["all_gather"]["calls"] == before + 1
+    src = _data(rank, 4 * 3000, torch.float32, 9)
+    out, ref = torch.empty(3000), torch.empty(3000)
+    before = zipccl.stats().get("reduce_scatter", {}).get("calls", 0)
+    g._reduce_scatter_base(out, src).wait()
+    dist.reduce_scatter_tensor(ref, src, group=gloo)
+    return ok and torch.allclose(out, ref, rtol=1e-6, atol=1e-6) and \
+        zipccl.stats()["reduce_scatter"]["calls"] == before + 1
+
+
+def test_the_old_names_of_the_single_tensor_collectives_are_zipccls(zpool):
+    assert zpool().run(_old_names, timeout=120) == [True] * 4
+
+
 def _pass_through_behind_queued(rank, groups):
     """Two async all-reduces of the drop-in (codec "auto": run on zipccl's thread, by the backend
     underneath), then a broadcast, which zipccl passes through, while rank 1 comes late: the

@@ -506,6 +506,9 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                          [input])
 
     alltoall_base = all_to_all_single
+    # torch before 2.13 calls these two by their old names (dist.all_gather_into_tensor, reduce_scatter_tensor)
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
 
     def alltoall(self, outputs, inputs, opts=None):
         """``dist.all_to_all`` (list form): zipccl's all-to-all for dense float tensors."""
