@@ -531,7 +531,7 @@ def test_drop_in_hands_its_native_calls_to_its_nccl_underneath(gpu_group, monkey
 
     class DropIn:  # the group's decisions without its store and ranks
         codec, options, _compressor, _inner = "auto", backend.Options(), None, {"cpu": None, "cuda": Nccl()}
-        _takes, _own, _inner_for = cls._takes, cls._own, cls._inner_for
+        _takes, _own, _inner_for, _passed = cls._takes, cls._own, cls._inner_for, cls._passed
 
     pg = DropIn()
     x, many = _on_gpu(1), _on_gpu(4)
