@@ -137,8 +137,12 @@ def _decide(name: str, group, output, input, op, codec, algorithm: str):
 
 def _route(name: str, group, output, input, op, codec, algorithm: str):
     """``_decide``'s answer for this call's signature (a dictionary look-up after the first,
-    every part of whose key is cheap to read), where the call's cheap checks pass (contiguous
-    tensors on one device; ZIPCCL_CHECK_NATIVE unset); else False."""
+    every part of whose key is cheap to read), where ZIPCCL_CHECK_NATIVE is unset; else False.
+    A call whose tensors zipccl's own path refuses (strided, or on two devices) takes the same
+    route as its peers' calls of the same signature: the group's own collective then takes or
+    refuses it as torch's does, and where auto chooses a plan of zipccl's, every rank takes the
+    policy's step and the exchange makes every rank raise (no rank waits in an exchange that
+    its peers, gone to the backend, never join, nor learns out of step)."""
     try:
         key = (name, group, _NATIVE_OPS.index(op), codec, algorithm, input.dtype, input.numel(), output.numel(),
                input.is_cuda, input.is_cpu)
@@ -150,8 +154,7 @@ def _route(name: str, group, output, input, op, codec, algorithm: str):
         if route is None:
             return False
         _routes[key] = route
-    if not route or config.CHECK_NATIVE or not input.is_contiguous() or not (
-            output is input or (output.is_contiguous() and output.get_device() == input.get_device())):
+    if not route or config.CHECK_NATIVE:
         return False
     return route
 
@@ -195,7 +198,9 @@ def _direct(name: str, group, output, input, op, codec, algorithm: str):
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dim() == 1 else x.view(-1)
+    """One dimension, as the backend's single-tensor calls take it; strided, as it is (the
+    backend's own checks then speak)."""
+    return x if x.dim() == 1 or not x.is_contiguous() else x.view(-1)
 
 
 def _outside_autograd(x):
