@@ -792,3 +792,22 @@ def test_a_call_that_one_rank_gets_wrong_keeps_auto_in_step(pool):
     assert [c for c, _ in res[0]] == [c for c, _ in res[1]], res  # the same policy steps
     assert all(o == "ok" for r in res for i, (_, o) in enumerate(r) if i != 1), res
     assert (res[0][1][1], res[1][1][1]) in (("ok", "ok"), ("UnsupportedError", "MismatchError")), res
+
+
+def _output_dtype_after_a_valid_call(rank, groups):
+    """A small all-gather (the group's own collective), then the same with an output of another
+    dtype on both ranks: zipccl's own check refuses it, whatever the call before it was."""
+    if rank > 1:
+        return None
+    g, x = groups[2], torch.ones(100)
+    zipccl.all_gather(torch.empty(200), x, group=g)
+    try:
+        zipccl.all_gather(torch.empty(200, dtype=torch.bfloat16), x, group=g)
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def test_an_output_of_another_dtype_is_refused_after_a_valid_call(pool):
+    res = pool.run(_output_dtype_after_a_valid_call, timeout=120)[:2]
+    assert all(kind == "ValueError" and "output is torch.bfloat16" in text for kind, text in res), res

@@ -78,10 +78,12 @@ def _intra(levels, device: torch.device) -> object:
     return hierarchical.SHM if levels.memory is not None and device.type == "cpu" else C.NATIVE
 
 
-#: How each call signature runs (``_route``), decided once: (collective, group, op, codec,
-#: algorithm, dtype, input numel, output numel, on CUDA, on the CPU) -> True (the group's own
-#: collective, always), an _Auto (auto chooses per call) or False (the full path).
+#: How each call signature runs (``_route``), decided once: (collective, group (the world's object
+#: for None, so that a new world decides anew), op, codec, algorithm, input and output dtypes,
+#: input numel, output numel, on CUDA, on the CPU) -> True (the group's own collective, always), an
+#: _Auto (auto chooses per call) or False (the full path). At most MAX_ROUTES, then forgotten.
 _routes: dict = {}
+MAX_ROUTES = 4096
 
 
 class _Auto(NamedTuple):
@@ -144,8 +146,8 @@ def _route(name: str, group, output, input, op, codec, algorithm: str):
     policy's step and the exchange makes every rank raise (no rank waits in an exchange that
     its peers, gone to the backend, never join, nor learns out of step)."""
     try:
-        key = (name, group, _NATIVE_OPS.index(op), codec, algorithm, input.dtype, input.numel(), output.numel(),
-               input.is_cuda, input.is_cpu)
+        key = (name, group if group is not None else dist.GroupMember.WORLD, _NATIVE_OPS.index(op), codec,
+               algorithm, input.dtype, output.dtype, input.numel(), output.numel(), input.is_cuda, input.is_cpu)
         route = _routes.get(key)
     except (ValueError, AttributeError, TypeError):  # an op zipccl does not take, not tensors, a codec mapping
         return False
@@ -153,6 +155,8 @@ def _route(name: str, group, output, input, op, codec, algorithm: str):
         route = _decide(name, group, output, input, op, codec, algorithm)
         if route is None:
             return False
+        if len(_routes) >= MAX_ROUTES:  # many sizes (variable all-gathers): decided again, as the first time
+            _routes.clear()
         _routes[key] = route
     if not route or config.CHECK_NATIVE:
         return False
