@@ -23,12 +23,14 @@ class RankFailure(ZipcclError, RuntimeError):
     """A rank failed inside a collective (zipccl.failure): raised on every rank of the group.
     ``rank``: the failing rank (of the job, as dist.get_rank(); -1 where a collective of the
     backend failed and no rank can be named); ``kind``: what failed ("corrupt": a packet it sent
-    failed validation, "encode", "decode", "size", "reduce", "lost", "memory"); ``broken``: the process group lost a connection and must be rebuilt."""
+    failed validation, "encode", "decode", "size", "reduce", "lost", "memory", "other");
+    ``broken``: the process group lost a connection and must be rebuilt."""
 
     def __init__(self, message: str, rank: int = -1, kind: str = "other", broken: bool = False):
         super().__init__(message)
         self.rank, self.kind, self.broken = rank, kind, broken
 
 
-class TimeoutError(ZipcclError, TimeoutError):  # noqa: A001 - also the builtin's subclass
-    """An async handle's ``wait(timeout)`` ran out before the call finished."""
+class TimeoutError(ZipcclError, TimeoutError, RuntimeError):  # noqa: A001 - also the builtin's subclass
+    """An async handle's ``wait(timeout)`` ran out before the call finished. A RuntimeError too,
+    as what torch's backends raise there, so that code written for them catches it."""
