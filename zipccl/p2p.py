@@ -321,7 +321,7 @@ def _post_receive(op: _Op, async_op: bool):
     elif async_op and (executor.last() is None or executor.last().is_completed()):
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
     before = executor.last()
-    handle = executor.run(lambda: _receive(op), async_op, (op.tensor,) if op.staged is None else (op.tensor, op.staged))
+    handle = executor.run(lambda: _receive(op), async_op, [t for t in (op.tensor, op.staged) if t is not None])
     if handle is not None:
         _receives[handle] = before
         handle.get_future().add_done_callback(functools.partial(_forget, weakref.ref(handle)))
@@ -338,10 +338,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     "inter": ...}; the receiver must pass the same. ``wait()`` raises where the receiver
     disagrees (dtype, elements, codec, tag: MismatchError on both ends) or failed."""
     op = _Op("send", tensor, dst, group, tag, group_dst, codec)
-    if op.plan is not NATIVE:
-        after_collectives()
-    elif not (executor.last() is None or executor.last().is_completed()):
-        after_collectives()
+    after_collectives()  # at once where nothing is queued
     return _send(op)
 
 
