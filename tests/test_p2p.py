@@ -136,14 +136,16 @@ def test_loose_receives_match_torch_bit_for_bit(pool, real_grads, codec):
         assert all(moved["send"][2] == 3 for moved, _ in plans.values()), plans  # framed: zipccl's pieces
 
 
-def _in_place(rank, groups, codec):
+def _in_place(rank, groups, codec, strided=False):
     """A ring shift in one batch that sends from and receives into one buffer (nccl-tests'
     in-place sendrecv), rank 0 half a second late to send: its receive lands first, yet every
-    rank ends with its predecessor's data as it was at the call."""
+    rank ends with its predecessor's data as it was at the call. ``strided``: the receive
+    lands in the buffer's transpose (framed: through a contiguous copy, then into the buffer)."""
     import zipccl.p2p as P
     g, n = groups[4], 4
     x = activations(200_000, seed=rank).to(torch.bfloat16)
     want, buf, real = _ring(g, x), x.clone(), P.send_message
+    into = buf.view(400, 500).t() if strided else buf
 
     def late(*args, **kwargs):
         time.sleep(0.5)
@@ -152,16 +154,17 @@ def _in_place(rank, groups, codec):
     P.send_message = late if rank == 0 else real
     try:
         for h in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.isend, buf, (rank + 1) % n, codec=codec),
-                                           zipccl.P2POp(zipccl.irecv, buf, (rank - 1) % n, codec=codec)]):
+                                           zipccl.P2POp(zipccl.irecv, into, (rank - 1) % n, codec=codec)]):
             h.wait()
     finally:
         P.send_message = real
-    return torch.equal(bits(buf), bits(want))
+    return torch.equal(bits(into.reshape(-1)), bits(want))
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("codec", ["raw", "lossless"])
-def test_a_batch_sends_a_buffer_as_it_was_before_receiving_into_it(pool, codec):
-    assert pool.run(_in_place, codec, timeout=120) == [True] * 4
+def test_a_batch_sends_a_buffer_as_it_was_before_receiving_into_it(pool, codec, strided):
+    assert pool.run(_in_place, codec, strided, timeout=120) == [True] * 4
 
 
 def test_overlap_is_judged_by_bytes_where_contiguous_and_by_storage_where_not():

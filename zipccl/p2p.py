@@ -101,6 +101,11 @@ class _Op:
         self.sig = None if self.plan is NATIVE else Signature.of(self.tensor, codec, self.tag)  # framed only
         self.seq = None
 
+    def landing(self) -> torch.Tensor:
+        """The memory a receive's message ends in: the caller's tensor, not the contiguous copy
+        that a strided one is received through first."""
+        return self.tensor if self.staged is None else self.staged
+
     def transport(self):
         """The transport of this framed message's direction, made on first use: on CUDA the
         NcclPair of its two ranks (zipccl.transport.nccl_pair), so it is asked for on the thread
@@ -388,7 +393,7 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
                        group_peer, getattr(p, "codec", "auto")))
     receives = [op for op in ops if op.kind == "recv"]
     for s in ops:  # a send from memory that a receive of the batch lands in sends what it held at the call
-        if s.kind == "send" and any(overlaps(s.tensor, r.tensor) for r in receives):
+        if s.kind == "send" and any(overlaps(s.tensor, r.landing()) for r in receives):
             s.tensor = s.tensor.clone()
     # the receives first: queued, they wait on the async thread while this thread encodes and posts
     # the sends (which never wait for them), so that this rank's decoding overlaps its encoding
