@@ -190,15 +190,17 @@ def _native_recv(op: _Op):
 
 class _SendHandle(executor.Handle):
     """A framed send: posted, completed by ``wait()`` (its sends, then the receiver's verdict),
-    which raises what went wrong on either end, or on a thread of its own once ``get_future()``
-    was asked for; ``is_completed()`` once the verdict is there."""
+    which raises what went wrong on either end, or in the background (its direction's completion
+    lane) once ``get_future()`` or ``is_completed()`` was asked for."""
 
-    def __init__(self, complete, verdict: Verdict, unposted, device: torch.device | None = None):
-        """``unposted()``: whether posting the message failed (then no verdict comes); ``device``:
-        the tensor's CUDA device, where it has one."""
+    def __init__(self, complete, verdict: Verdict, unposted, lane, device: torch.device | None = None):
+        """``unposted()``: whether posting the message failed (then no verdict comes); ``lane``:
+        the executor lane that completes its direction's sends in the background (one thread, and
+        one store connection, for all of them); ``device``: the tensor's CUDA device, where it has one."""
         super().__init__()
         self._complete, self._verdict, self._lock = complete, verdict, threading.Lock()
-        self._unposted, self._device, self._behind, self._behind_lock = unposted, device, None, threading.Lock()
+        self._unposted, self._lane, self._device = unposted, lane, device
+        self._behind, self._behind_lock = False, threading.Lock()
 
     def _finish(self, stream=None) -> None:
         """Complete the send on this thread, its device waits queued on ``stream`` (default: this
@@ -215,8 +217,8 @@ class _SendHandle(executor.Handle):
     def wait(self, timeout=None) -> bool:
         """Complete the send (its sends, the receiver's verdict, every wait within zipccl's bound)
         and raise what went wrong on either end. ``timeout`` (seconds or a timedelta): as
-        ``Handle.wait``'s, zipccl.errors.TimeoutError past it, while the send completes on a
-        thread of its own (a dead receiver is still named there, and by the next ``wait()``),
+        ``Handle.wait``'s, zipccl.errors.TimeoutError past it, while the send completes in the
+        background (a dead receiver is still named there, and by the next ``wait()``),
         which orders the caller's current CUDA stream after the send as ``wait()`` does."""
         if timeout is None:
             self._finish()
@@ -225,24 +227,30 @@ class _SendHandle(executor.Handle):
         return super().wait(timeout)
 
     def _in_background(self) -> None:
-        """Complete the send on a thread of its own (once), its device waits on the current stream."""
+        """Complete the send on its direction's completion lane (once), its device waits on the
+        current stream."""
         with self._behind_lock:  # not _lock, which completing holds
-            if self._behind is None and not self._future.done():
+            if not self._behind and not self._future.done():
                 stream = torch.cuda.current_stream(self._device) if self._device is not None else None
-                self._behind = threading.Thread(target=self._finish, args=(stream,), daemon=True,
-                                                name="zipccl-send")
-                self._behind.start()
+                self._behind = True
+                executor.on_lane(self._lane, functools.partial(self._finish, stream))
 
     def get_future(self) -> torch.futures.Future:
         """The send's future, which completes by itself, as the backend's does (without a
-        ``wait()``: the send completes on a thread of its own)."""
+        ``wait()``: the send completes in the background)."""
         self._in_background()
         return super().get_future()
 
     def is_completed(self) -> bool:
-        """Once the verdict is there, or posting failed (no verdict comes then)."""
-        if not self._future.done() and (self._verdict.ready() or self._unposted()):
-            self._finish()
+        """Once the verdict is there, or posting failed (no verdict comes then), or the send
+        failed: the first call that finds none of these completes the send in the background, so
+        that a loop that only polls sees a dead receiver within zipccl's bound, as ``wait()``
+        would."""
+        if not self._future.done():
+            if self._verdict.ready() or self._unposted():
+                self._finish()
+            else:
+                self._in_background()
         return self._future.done()
 
 
@@ -283,7 +291,7 @@ def _send(op: _Op):
         return finish("send", op.plan, acc)
 
     return _SendHandle(complete, verdict, lambda: posted.is_completed() and not state,
-                       op.tensor.device if op.tensor.is_cuda else None)
+                       ("sent", _group_name(op.group), op.peer_job), op.tensor.device if op.tensor.is_cuda else None)
 
 
 def _receive(op: _Op):
