@@ -683,6 +683,46 @@ def test_done_receives_are_freed(pool):
     assert live[1] <= live[0] < 20, live
 
 
+def _any_source_after_queued(rank, groups, way):
+    """Rank 0 issues an async all-reduce that rank 2 joins 1 s late, then receives from rank 1
+    (the backend's own receive, queued behind the all-reduce), then from any source; rank 1 sends
+    two messages with the backend's own isend, same tag. The receive issued first takes the first
+    message, as torch matches them; the receive from any source the second, naming rank 1.
+    ``way``: zipccl's calls, or dist's on a drop-in group (auto: a small message is the backend's)."""
+    import time as clock
+    g = groups[4] if way == "zipccl" else dist.new_group(backend="zipccl")
+    first, second = torch.arange(1000, dtype=torch.float32), -torch.arange(1000, dtype=torch.float32)
+    y = torch.ones(50_000)
+    try:
+        if rank == 0:
+            handles = [zipccl.all_reduce(y, group=groups[4], codec="lossless", async_op=True)]
+            got, other = torch.empty(1000), torch.empty(1000)
+            if way == "zipccl":
+                handles += [zipccl.irecv(got, 1, group=g, codec="native"), zipccl.irecv(other, group=g)]
+            else:
+                handles += [dist.irecv(got, 1, group=g), dist.irecv(other, group=g)]
+            for h in handles:
+                h.wait()
+            return torch.equal(got, first), torch.equal(other, second), handles[-1]._source_rank()
+        sends = [dist.isend(first, 0, group=g), dist.isend(second, 0, group=g)] if rank == 1 else []
+        if rank == 2:
+            clock.sleep(1.0)
+        zipccl.all_reduce(y, group=groups[4], codec="lossless")
+        for s in sends:
+            s.wait()
+        return None
+    finally:
+        if way != "zipccl":
+            dist.destroy_process_group(g)
+
+
+@pytest.mark.parametrize("way", ["zipccl", "drop-in"])
+def test_a_receive_from_any_source_never_passes_a_receive_issued_before_it(pool, way):
+    """A receive from any source is the backend's own: posted at once, it would take the message
+    meant for a receive queued before it (both come from rank 1 on one tag)."""
+    assert pool.run(_any_source_after_queued, way, timeout=60) == [(True, True, 1), None, None, None]
+
+
 # ---- a killed peer: processes of their own --------------------------------------------------------------------
 
 TIMEOUT = 5.0

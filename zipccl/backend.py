@@ -162,6 +162,10 @@ class _Work(dist.Work):
     def get_future(self) -> torch.futures.Future:
         return self._future
 
+    def _source_rank(self) -> int:
+        """A receive from any source's sender, its rank in the group (zipccl.p2p.after_queued)."""
+        return self._handle._source_rank()
+
     def result(self) -> list[torch.Tensor]:
         """The call's output tensors, as gloo's Work gives them, once the call is done (its
         error raised)."""
@@ -535,8 +539,10 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             return self._inner_for(_first(tensors)).recv(tensors, src, tag)
         return _p2p_work(p2p.irecv(tensors[0], group=self, tag=tag, codec=self.codec, group_src=src), tensors)
 
-    def recv_anysource(self, tensors, *args, **kwargs):
-        return self._inner_for(_first(tensors)).recv_anysource(tensors, *args, **kwargs)
+    def recv_anysource(self, tensors, tag: int = 0):
+        """The backend's own receive from any source, after the receives queued before it (zipccl.p2p)."""
+        inner = self._inner_for(_first(tensors))
+        return _p2p_work(p2p.after_queued(lambda: inner.recv_anysource(tensors, tag), _first(tensors)), tensors)
 
     def barrier(self, *args, **kwargs):
         return self._passed(None).barrier(*args, **kwargs)

@@ -341,6 +341,25 @@ def _post_receive(op: _Op, async_op: bool):
     return handle
 
 
+def after_queued(post, tensor: torch.Tensor):
+    """A receive from any source, ``post()`` (the backend's: a Work whose ``_source_rank()`` names
+    the sender in its group): posted at once where no receive or collective is queued, else behind
+    them in issue order, so that it never takes a message meant for a receive issued before it.
+    The Work, or a handle whose ``_source_rank()`` names the sender alike. On zipccl's async
+    thread (the drop-in's receive under zipccl's), what was issued before it is done: at once."""
+    if executor.ours() or executor.last() is None or executor.last().is_completed():
+        return post()
+
+    def receive() -> int:
+        work = post()
+        work.wait()
+        return work._source_rank()
+
+    handle = executor.run(receive, True, [tensor])
+    handle._source_rank = lambda: handle.get_future().value()
+    return handle
+
+
 # ---- the calls ------------------------------------------------------------------------------------------------
 
 def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, codec="auto",
@@ -363,7 +382,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     if src is None and group_src is None:
         if codec not in ("auto", "native"):
             raise UnsupportedError("a receive from any source is the backend's own: codec 'auto' or 'native'")
-        return dist.irecv(tensor, group=group, tag=tag)
+        return after_queued(lambda: dist.irecv(tensor, group=group, tag=tag), tensor)
     return _post_receive(_Op("recv", tensor, src, group, tag, group_src, codec), True)
 
 
@@ -377,9 +396,9 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
          group_src: int | None = None) -> int:
     """Like ``dist.recv``: receive into ``tensor`` and return the sender's rank in the job."""
     if src is None and group_src is None:
-        if codec not in ("auto", "native"):
-            raise UnsupportedError("a receive from any source is the backend's own: codec 'auto' or 'native'")
-        return dist.recv(tensor, group=group, tag=tag)
+        handle = irecv(tensor, group=group, tag=tag, codec=codec)
+        handle.wait()
+        return dist.get_global_rank(group if group is not None else dist.group.WORLD, handle._source_rank())
     op = _Op("recv", tensor, src, group, tag, group_src, codec)
     _post_receive(op, False)
     return op.peer_job
