@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks in two phases, on one GPU machine (docs/GPU.md, "How to run the GPU suite"):
-#   bash bench/gpu_check.sh [--phase 1|2|all] [--dry-run] [OUTDIR]    # OUTDIR: $OUT, else gpu_out
+#   ZIPCCL_COMMIT=<commit> bash bench/gpu_check.sh [--phase 1|2|all] [--dry-run] [OUTDIR]    # OUTDIR: gpu_out
 # Phase 1, at most 4 minutes: the stack's versions; Triton's kernels compiled (so that no rank
 # pays a cold compile inside a step's limit; numba's CPU kernels, minutes cold, compile in the
 # background meanwhile, for phase 2); every entry point on CUDA tensors on 4 ranks of the one-GPU
 # lab; a rank killed mid-call; the lab's all-reduce table under MPS against torch's NCCL, 64 KiB
-# to 256 MiB. Phase 2, at most 4 more: the codec's checks (its gpu tests; bytes, bits and GB/s
-# at 1, 8 and 64 MiB of each dtype), the host waits per pipeline piece, the 2- and 4-rank
-# collectives against plain torch, and (as root) the lab shaped to 10 Gbit/s per rank (zipccl-netlab: one network namespace per
+# to 256 MiB. Phase 2, at most 4 more: the host waits per pipeline piece, the 2- and 4-rank
+# collectives against plain torch, the codec's checks (its gpu tests; bytes, bits and GB/s at 1,
+# 8 and 64 MiB of each dtype: after the two others, so that numba's kernels, which it compares
+# with, have compiled where phase 2 runs alone on a fresh machine), and (as root) the lab shaped to 10 Gbit/s per rank (zipccl-netlab: one network namespace per
 # rank, NCCL's sockets on its veth) against torch's NCCL on the same ranks, under MPS.
 #
 # Every step is bounded by `timeout` (its limit: NAME_S, e.g. ENTRY_S=90) and by what is left of
@@ -17,7 +18,10 @@
 # SKIP="name ..." adds steps to leave out to DEFAULT_SKIP (what does not fit the 8 minutes; set
 # DEFAULT_SKIP= to run it). The real gradients are read from ZIPCCL_DATA, else data/ in this
 # checkout (`make gpu-data` copies them there: an ignored folder that travels with the checkout),
-# else ../shared/data; without them the steps use synthetic values and say so.
+# else ../shared/data; without them the steps use synthetic values and say so. ZIPCCL_COMMIT
+# names the commit in every record where the checkout has no .git (a warning if none is known).
+# BUNDLE (default: $OUT/gpu_check.tgz where OUT is set) gets the output folder as one archive,
+# rewritten after each step.
 # --dry-run: the same steps, bookkeeping, limits and files without CUDA: the pytest steps run
 # (every gpu test skips, naming CUDA; a selection that matches no test fails), the tables run on
 # 2 CPU ranks over gloo at 64 KiB, the shaped lab on gloo ranks (as root), no MPS daemon starts.
@@ -34,7 +38,10 @@ while (($#)); do
     esac
 done
 case $phase in 1|2|all) ;; *) echo "gpu_check.sh: --phase takes 1, 2 or all" >&2; exit 2 ;; esac
-out=${out:-${OUT:-gpu_out}}
+out=${out:-gpu_out}
+# The whole output folder as one archive, rewritten after each step (a machine that returns only
+# a few files from $OUT gets it all): BUNDLE, else $OUT/gpu_check.tgz where OUT is set.
+bundle=${BUNDLE-${OUT:+$OUT/gpu_check.tgz}}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
@@ -48,6 +55,13 @@ for d in ${ZIPCCL_DATA:-} "$PWD/data" "$PWD/../shared/data"; do
     if [[ -f $d/grads_step050_bucket0_fp32.npy ]]; then data=$d/grads_step050_bucket0_fp32.npy; break; fi
 done
 [[ -n $data ]] && export ZIPCCL_DATA=${data%/*}
+# The commit every record names: ZIPCCL_COMMIT, else git's (a copied checkout may have no .git).
+commit=${ZIPCCL_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
+if [[ -z $commit ]]; then
+    commit=unknown
+    echo "# WARNING: no commit known (no git here): run with ZIPCCL_COMMIT=<commit> so that the records name it" >&2
+fi
+export ZIPCCL_COMMIT=$commit
 : > "$out/steps.txt"
 
 # The steps: name, phase, limit (seconds), what runs (a function below). Phase 1's limits add up
@@ -58,9 +72,9 @@ steps=(
     "entry 1 ${ENTRY_S:-70} run_entry"
     "killed 1 ${KILLED_S:-40} run_killed"
     "lab_all_reduce_mps 1 ${LAB_MPS_S:-60} mps run_lab all_reduce _mps"
-    "codec 2 ${CODEC_S:-55} run_codec"
     "syncs 2 ${SYNCS_S:-40} run_syncs"
     "collectives 2 ${COLLECTIVES_S:-65} run_collectives"
+    "codec 2 ${CODEC_S:-55} run_codec"
     "shaped_all_reduce 2 ${SHAPED_S:-60} mps run_shaped all_reduce"
     "shaped_reduce_scatter 2 ${SHAPED_S:-60} mps run_shaped reduce_scatter"
     "shaped_all_gather 2 ${SHAPED_S:-60} mps run_shaped all_gather"
@@ -71,7 +85,8 @@ steps=(
 
 # The steps pick their tests (-m gpu, -k): CI's rule that nothing is deselected is for the
 # whole suite, not for these picks, so CI is unset in them.
-gpu_suite="env -u CI $py -m pytest -m gpu -q -rfEsxXp -p no:cacheprovider"  # -q: no banner; -r...p names every test
+# -v: each test's name and outcome as it ends, so that a step cut short still says which passed
+gpu_suite="env -u CI $py -m pytest -m gpu -v -rfEsxX -p no:cacheprovider"
 lab_sizes=(-b 64K -e 256M -f 4 -n 3 -w 1)
 ((dry)) && lab_sizes=(-b 64K -e 64K -n 1 -w 0)
 
@@ -161,7 +176,7 @@ def run(*argv):
 
 
 print("date", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-print("commit", os.environ.get("ZIPCCL_COMMIT") or run("git", "rev-parse", "HEAD"))
+print("commit", os.environ["ZIPCCL_COMMIT"])
 print("nvidia-smi:", run("nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total",
                          "--format=csv"))
 print("python", sys.version.split()[0], "| cores", os.cpu_count())
@@ -194,9 +209,19 @@ else:
         out = torch.empty_like(x)
         assert codec.decode_into(codec.encode(x), out).problem() is None
         assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), dtype
+        # the collectives' variants (packets at slots, several per launch; sizes on the device)
+        rows, slot = x.view(4, -1), codec.slot(x.numel() // 4, dtype)
+        buf = torch.empty(4 * slot, dtype=torch.uint8, device="cuda")
+        sizes = codec.encode_many(list(rows), buf)
+        one = torch.empty(slot, dtype=torch.uint8, device="cuda")
+        codec.encode_into(rows[0], one)
+        outs = torch.empty_like(rows)
+        packets = [buf[k * slot:(k + 1) * slot] for k in range(4)]
+        assert all(v.problem() is None for v in codec.decode_many(packets, list(outs))), dtype
+        assert torch.equal(outs.view(-1).view(torch.uint8), x.view(torch.uint8)) and int(sizes.max()) <= slot, dtype
     torch.cuda.synchronize()
-    print(f"Triton: encode and decode_into of bf16, fp16 and fp32 compiled and checked in "
-          f"{time.perf_counter() - t0:.1f} s")
+    print(f"Triton: encode, encode_into, encode_many, decode_into and decode_many of bf16, fp16 and fp32 "
+          f"compiled and checked in {time.perf_counter() - t0:.1f} s")
 PY
 }
 
@@ -239,7 +264,7 @@ run_codec() {
     $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
     local rc=$?
     ((dry)) && echo "# dry run: two small cases on CPU; on a GPU: --cases ${AB_CASES:-$AB_GRID}"
-    $py bench/gpu_ab.py ${data:+--data "$data"} --label "$(git rev-parse --short HEAD 2>/dev/null || echo checkout)" \
+    $py bench/gpu_ab.py ${data:+--data "$data"} --label "$ZIPCCL_COMMIT" \
         --json "$out/codec_ab.json" \
         $( ((dry)) && echo --device cpu --cases 512:bf16,512:bf16:256 --repeat 1 || echo --cases "${AB_CASES:-$AB_GRID}")
     local rc2=$?
@@ -279,7 +304,10 @@ run_memcheck() {
     elif [[ -z $tool ]]; then
         echo "# compute-sanitizer not found (PATH, /usr/local/cuda*/bin): no memcheck"
     else
-        timeout "${MEMCHECK_S:-25}" "$tool" --tool memcheck --error-exitcode 9 $py -c "$hostile_py" 40 cuda
+        # without torch's caching allocator, which carves small tensors out of larger blocks that
+        # memcheck sees as one: an overrun into a neighbour would go unseen
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_S:-25}" "$tool" --tool memcheck --error-exitcode 9 \
+            $py -c "$hostile_py" 40 cuda
     fi
 }
 
@@ -350,11 +378,17 @@ step() {
     echo "### $name (phase $p, at most $limit s): $*" | tee "$out/$name.txt"
     ((mps)) && mps_start > >(tee -a "$out/$name.txt") 2>&1  # in this shell: its variables reach the step
     local defs="$(declare -f "$1" perf wait_numba run_memcheck); $(declare -p py dry out data gpu_suite lab_sizes AB_GRID hostile_py)"
-    timeout -k 2 "$limit" bash -c "$defs; $*" \
+    # ZIPCCL_STEP_END: the tests' spawned ranks give up before the step ends (tests/workers.py)
+    ZIPCCL_STEP_END=$(($(date +%s) + limit)) timeout -k 2 "$limit" bash -c "$defs; $*" \
         2>&1 | tee -a "$out/$name.txt"
     local rc=${PIPESTATUS[0]}
     ((mps)) && mps_stop > >(tee -a "$out/$name.txt") 2>&1
     echo "$name phase=$p rc=$rc seconds=$((SECONDS - t0)) limit=$limit" | tee -a "$out/steps.txt"
+    pack
+}
+pack() {
+    [[ -z $bundle ]] && return
+    tar czf "$bundle.part" -C "$out" . && mv -f "$bundle.part" "$bundle"
 }
 
 rm -f "$out/numba.done"
@@ -377,3 +411,4 @@ if [[ -n $numba_pid ]]; then
 fi
 [[ -f $out/numba.done ]] && tee -a "$out/steps.txt" < "$out/numba.done"
 echo "### done in $SECONDS s: $out/steps.txt" | tee -a "$out/steps.txt"
+pack

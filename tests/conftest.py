@@ -26,8 +26,11 @@ def _grads_dir() -> Path:
         return Path(os.environ["ZIPCCL_DATA"])
     root = Path(__file__).resolve().parents[1]
     places = [root / "data", root.parent / "shared" / "data"]
-    origin = subprocess.run(["git", "-C", str(root), "config", "--get", "remote.origin.url"],
-                            capture_output=True, text=True).stdout.strip()
+    try:  # a copy of the checkout on a machine without git has no origin to look beside
+        origin = subprocess.run(["git", "-C", str(root), "config", "--get", "remote.origin.url"],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:
+        origin = ""
     if origin and Path(origin).is_dir():
         places.append(Path(origin).resolve().parent / "shared" / "data")
     return next((d for d in places if (d / GRADS_FILE).exists()), places[0])

@@ -28,8 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TRACKED = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True,
                          check=True).stdout.split()
-#: ZIPCCL_ variables that configure the test suite, not the library, and the tests that read them.
-TEST_SETTINGS = {"ZIPCCL_FAULT_LOG": ("tests/test_faults.py", "tests/test_dead_rank.py")}
+#: ZIPCCL_ variables that configure the test suite or the GPU script, not the library, and the files
+#: that read them.
+TEST_SETTINGS = {"ZIPCCL_FAULT_LOG": ("tests/test_faults.py", "tests/test_dead_rank.py"),
+                 "ZIPCCL_STEP_END": ("tests/workers.py", "bench/gpu_check.sh"),
+                 "ZIPCCL_COMMIT": ("bench/gpu_check.sh",)}
 #: The commands whose flags the docs name: how each is started here, and what names it in a doc.
 COMMANDS = {
     "zipccl-perf": ("module", "zipccl.bench.perf"), "python -m zipccl.bench": ("module", "zipccl.bench.perf"),

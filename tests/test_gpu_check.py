@@ -9,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,14 @@ import pytest
 pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parents[1]
 PHASE1 = ["env", "compile", "entry", "killed", "lab_all_reduce_mps"]
-PHASE2 = ["codec", "syncs", "collectives", "shaped_all_reduce", "shaped_reduce_scatter", "shaped_all_gather",
+PHASE2 = ["syncs", "collectives", "codec", "shaped_all_reduce", "shaped_reduce_scatter", "shaped_all_gather",
           "lab_reduce_scatter", "lab_all_gather", "transport"]
 DEFAULT_SKIP = {"lab_reduce_scatter", "lab_all_gather", "shaped_reduce_scatter", "shaped_all_gather", "transport"}
 
 
 def _run(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ("SKIP", "DEFAULT_SKIP", "PHASE_S", "OUT", "TRITON_INTERPRET")}
+    environ = {k: v for k, v in os.environ.items() if k not in ("SKIP", "DEFAULT_SKIP", "PHASE_S", "OUT", "BUNDLE", "ZIPCCL_COMMIT",
+                                                     "TRITON_INTERPRET")}
     environ.update(PYTHONPATH=str(ROOT), **env)
     return subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", *args, str(out)], cwd=ROOT, env=environ,
                           capture_output=True, text=True, timeout=800)
@@ -51,11 +53,16 @@ def test_dry_run_of_both_phases(tmp_path):
     CPU its gpu tests skip, naming CUDA) with exit code 0, each within a limit that fits its
     phase; the all-reduce table's JSON and the stack's lines written; the shaped lab run on gloo
     ranks where this machine can build it (root), else its reason said."""
-    out = tmp_path / "out"
-    r = _run(out)
+    out, bundle = tmp_path / "out", tmp_path / "all.tgz"
+    r = _run(out, BUNDLE=str(bundle), ZIPCCL_COMMIT="c0ffee1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = _steps(out)
     assert list(steps) == PHASE1 + PHASE2, steps
+    with tarfile.open(bundle) as tar:  # the whole folder, as it was at the end
+        packed = {Path(n).name: tar.extractfile(n).read() for n in tar.getnames() if tar.getmember(n).isfile()}
+    assert packed == {f.name: f.read_bytes() for f in out.iterdir()}, sorted(packed)
+    assert "commit c0ffee1" in (out / "env.txt").read_text()
+    assert json.loads((out / "codec_ab.json").read_text().splitlines()[0])["label"] == "c0ffee1"
     sums, planned = _plan(out)
     assert planned == PHASE1 + PHASE2 and sums[1] <= 232 and sums[2] <= 232, sums
     for name, (phase, rc, limit) in steps.items():
@@ -87,11 +94,15 @@ def test_dry_run_of_both_phases(tmp_path):
 def test_phase_one_alone_and_skip_adds_to_the_defaults(tmp_path):
     """--phase 1 runs phase 1's steps only; SKIP adds to DEFAULT_SKIP (here it skips all of
     phase 1 but the stack's versions); a phase's steps get no more than what is left of it."""
-    out = tmp_path / "out"
-    r = _run(out, "--phase", "1", SKIP="compile entry killed lab_all_reduce_mps")
+    out, device_out = tmp_path / "out", tmp_path / "device_out"
+    device_out.mkdir()
+    r = _run(out, "--phase", "1", SKIP="compile entry killed lab_all_reduce_mps", OUT=str(device_out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = _steps(out)
     assert list(steps) == PHASE1 and steps["env"][1] == 0, steps
+    assert [f.name for f in device_out.iterdir()] == ["gpu_check.tgz"]  # where OUT is set: one archive there
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert f"commit {head}" in (out / "env.txt").read_text()  # without ZIPCCL_COMMIT: git's
     assert all(steps[n][1] == "skip" for n in PHASE1[1:]), steps
     assert "# skipped: lab_reduce_scatter lab_all_gather" in (out / "plan.txt").read_text()
     out2 = tmp_path / "short"
@@ -103,3 +114,21 @@ def test_phase_one_alone_and_skip_adds_to_the_defaults(tmp_path):
     _, rc, limit = steps["lab_reduce_scatter"]
     assert rc in (0, 124) and 8 <= limit <= 12 - 2, steps  # what is left of the phase, less the kill's grace
     assert all(v[1] == "late" or v[2] < 10 for n, v in steps.items() if n in PHASE2[7:]), steps
+
+
+def _never_answers(rank: int, results) -> None:
+    import time
+    time.sleep(600)
+
+
+def test_spawned_ranks_give_up_before_the_step_ends(monkeypatch):
+    """Inside a step (ZIPCCL_STEP_END 16 s ahead) a test's spawned ranks that never answer are
+    given up 15 s before the step ends, not after the test's own 300 s."""
+    import time
+
+    from workers import spawn
+    monkeypatch.setenv("ZIPCCL_STEP_END", str(time.time() + 16))
+    t0 = time.monotonic()
+    got, procs = spawn(_never_answers, 2, (), seconds=300)
+    assert got == {} and not any(p.is_alive() for p in procs)
+    assert time.monotonic() - t0 < 12, time.monotonic() - t0

@@ -165,10 +165,13 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
     out = {}
 
     def check(name, fn):
+        t0 = time.perf_counter()
         try:
             out[name] = fn()
         except Exception as e:  # noqa: BLE001 - reported to the test
             out[name] = f"{type(e).__name__}: {e}"
+        # as it ends (pytest -s): a run cut short still shows the checks done
+        print(f"rank {rank} {name} ({time.perf_counter() - t0:.1f} s): {out[name]!r}", flush=True)
 
     def flat():
         """The three collectives, flat, lossless and raw, against plain torch's sums (values whose

@@ -317,3 +317,18 @@ def test_json_reader_is_strict():
         mutate(bad)
         with pytest.raises(nccl_json.SchemaError):
             nccl_json.read(bad)
+
+
+def test_nccl_version_is_the_code_nccl_tests_writes(monkeypatch):
+    """The JSON's nccl_version: NCCL_VERSION_CODE of the NCCL torch loaded (2.28.9 -> 22809), 0
+    where torch has none (this CPU build)."""
+    import torch
+
+    from zipccl.bench import cuda
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    assert cuda.nccl_version() == 22809
+
+    def missing():
+        raise AttributeError("module 'torch._C' has no attribute '_nccl_version'")
+    monkeypatch.setattr(torch.cuda.nccl, "version", missing)
+    assert cuda.nccl_version() == 0

@@ -107,17 +107,22 @@ def spawn(target, n: int, args: tuple, answers: int | None = None, seconds: floa
     (``stop_on_crash``: or a process has exited with an error); then join each for up to 30 s and
     kill what still lives (a rank that never answered, a stopped one, gets 1 s). Returns
     ({rank: value}, the processes): a rank that hung is missing. The processes fork from a
-    fork server that has torch imported (zipccl.launch.fork_server)."""
+    fork server that has torch imported (zipccl.launch.fork_server). Inside a step of
+    bench/gpu_check.sh (ZIPCCL_STEP_END: when the step is killed, in seconds since the epoch) the
+    collecting ends 15 s before that and the joins 5 s before, so that the test still says which
+    ranks answered."""
+    end = float(os.environ.get("ZIPCCL_STEP_END", "inf")) - time.time() + time.monotonic() - 5
     with fork_server(target) as method:
-        return _run(mp.get_context(method), target, n, args, answers, seconds, stop_on_crash)
+        return _run(mp.get_context(method), target, n, args, answers, seconds, stop_on_crash, end)
 
 
-def _run(ctx, target, n, args, answers, seconds, stop_on_crash) -> tuple[dict, list]:
+def _run(ctx, target, n, args, answers, seconds, stop_on_crash, end=float("inf")) -> tuple[dict, list]:
+    """``end``: the monotonic time by which the joins end too."""
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, *args, results)) for r in range(n)]
     for p in procs:
         p.start()
-    got, deadline = {}, time.monotonic() + seconds
+    got, deadline = {}, min(time.monotonic() + seconds, end - 10)
     try:
         while len(got) < (n if answers is None else answers) and time.monotonic() < deadline:
             try:
@@ -127,7 +132,7 @@ def _run(ctx, target, n, args, answers, seconds, stop_on_crash) -> tuple[dict, l
                 if stop_on_crash and any(p.exitcode not in (None, 0) for p in procs):
                     break
         for r, p in enumerate(procs):
-            p.join(timeout=30 if r in got else 1)
+            p.join(timeout=max(0.1, min(30 if r in got else 1, end - time.monotonic())))
     finally:
         for p in procs:
             if p.is_alive():

@@ -83,6 +83,16 @@ def device_entry() -> dict:
     return dict(device=d, device_hex=bus, device_info=f"{p.name} (torch {torch.__version__}, CUDA {torch.version.cuda})")
 
 
+def nccl_version() -> int:
+    """The NCCL that torch loaded, as nccl-tests' JSON writes it (NCCL_VERSION_CODE: 2.28.9 is
+    22809); 0 where this torch has none (a CPU build)."""
+    try:
+        major, minor, patch = torch.cuda.nccl.version()[:3]
+    except (AttributeError, RuntimeError):
+        return 0
+    return major * 10000 + minor * 100 + patch
+
+
 def table_lines(args, nranks: int) -> list[str]:
     """The table's `#` line saying how the CUDA run is made."""
     if args.device != "cuda":

@@ -147,15 +147,15 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
             versus = dict(line=line[2:], ratios=ratios)
         say("", flush=True)
         tables.append(dict(name=name, codec=label, rows=rows, notes=notes, versus=versus))
+        if rank == 0 and args.output_file:  # after each table: a run cut short keeps the tables it made
+            extra = dict(version=__version__, format=f"nccl-tests {report.FORMAT_VERSION}", collective=spec.name,
+                         nranks=nranks, launcher=how, backend=dist.get_backend(), torch=torch.__version__,
+                         algorithm=args.algorithm, data=str(args.data) if args.data else None,
+                         topology=str(topology.topology()),
+                         auto_plans=auto_policy().explain() if any(v == "auto" for _, v, _ in variants) else [])
+            report.write_json(report.document(start, argv if argv is not None else sys.argv, cfg, devs, tables, extra,
+                                              cuda.nccl_version()), args.output_file)
     rows = [r for t in tables for r in t["rows"]]
-    if rank == 0 and args.output_file:
-        extra = dict(version=__version__, format=f"nccl-tests {report.FORMAT_VERSION}", collective=spec.name,
-                     nranks=nranks, launcher=how, backend=dist.get_backend(), torch=torch.__version__,
-                     algorithm=args.algorithm, data=str(args.data) if args.data else None,
-                     topology=str(topology.topology()),
-                     auto_plans=auto_policy().explain() if any(v == "auto" for _, v, _ in variants) else [])
-        report.write_json(report.document(start, argv if argv is not None else sys.argv, cfg, devs, tables, extra),
-                          args.output_file)
     if rank == 0 and args.plot:
         plot([(f"zipccl-perf {spec.name}, {nranks} ranks ({how})", rows)], args.plot)
     _quiet_exit()

@@ -195,7 +195,7 @@ def now() -> str:
 
 
 def document(start_time: str, argv: list[str], cfg: dict, devices: list[dict], tables: list[dict],
-             zipccl: dict) -> dict:
+             zipccl: dict, nccl_version: int = 0) -> dict:
     """The whole run as one nccl-tests JSON document: ``tables`` (one per codec, each with name,
     codec, rows, notes and its summary against the baseline, "versus", or None) share its
     results list, and its footer figures cover them all as nccl-tests' cover every type and op
@@ -211,7 +211,7 @@ def document(start_time: str, argv: list[str], cfg: dict, devices: list[dict], t
                           "average_bus_bandwidth": {"bandwidth": _num(a), "okay": "unchecked"},
                           "notes": t["notes"], "versus": t.get("versus")})
     return {"version": JSON_FILE_VERSION, "start_time": start_time, "args": list(argv), "env": environment(),
-            "nccl_version": 0, "config": dict(cfg, devices=devices),
+            "nccl_version": nccl_version, "config": dict(cfg, devices=devices),
             "results": [result_json(r, per_iter) for r in rows],
             "out_of_bounds": {"count": wrong, "okay": "true" if wrong == 0 else "false"},
             "average_bus_bandwidth": {"bandwidth": _num(avg), "okay": "unchecked"},
@@ -219,4 +219,7 @@ def document(start_time: str, argv: list[str], cfg: dict, devices: list[dict], t
 
 
 def write_json(doc: dict, path: Path) -> None:
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    """Written whole or not at all (a run killed while writing leaves the last document)."""
+    part = Path(path).with_name(Path(path).name + ".part")
+    part.write_text(json.dumps(doc, indent=1) + "\n")
+    part.replace(path)
