@@ -683,6 +683,49 @@ def test_done_receives_are_freed(pool):
     assert live[1] <= live[0] < 20, live
 
 
+def _dropped_sends(rank, groups, n):
+    """After a first message waited for, rank 0 sends ``n`` framed messages to rank 1 and drops
+    each handle unwaited; rank 1 receives them. On rank 0, within 10 s after: every sent tensor
+    freed, and the job's store holds no more keys than before them (each receiver's verdict
+    taken). Rank 1: the bits received."""
+    import gc
+    import weakref
+    if rank > 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    one = torch.ones(5000, dtype=torch.bfloat16)  # a first message, waited: the pair's own keys made
+    (zipccl.send(one, 1, group=groups[2], codec="lossless") if rank == 0 else
+     zipccl.recv(one, 0, group=groups[2], codec="lossless"))
+    dist.barrier(groups[2])
+    keys = store.num_keys()
+    sent = [activations(5000, seed=k).to(torch.bfloat16) for k in range(n)]
+    if rank == 1:
+        got = [torch.empty(5000, dtype=torch.bfloat16) for _ in range(n)]
+        for g in got:
+            zipccl.recv(g, 0, group=groups[2], codec="lossless")
+        dist.barrier(groups[2])
+        return all(torch.equal(bits(a), bits(b)) for a, b in zip(got, sent))
+    refs = [weakref.ref(x) for x in sent]
+    for x in sent:
+        zipccl.isend(x, 1, group=groups[2], codec="lossless")  # the handle dropped at once
+    del sent, x
+    dist.barrier(groups[2])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        if not alive and store.num_keys() <= keys:
+            break
+        time.sleep(0.1)
+    return alive, store.num_keys() - keys
+
+
+def test_a_dropped_send_still_completes(pool):
+    """A send whose handle is dropped unwaited completes in the background all the same: it keeps
+    neither its tensor nor the receiver's verdict in the store."""
+    assert pool.run(_dropped_sends, 30, timeout=90)[:2] == [(0, 0), True]
+
+
 def _any_source_after_queued(rank, groups, way):
     """Rank 0 issues an async all-reduce that rank 2 joins 1 s late, then receives from rank 1
     (the backend's own receive, queued behind the all-reduce), then from any source; rank 1 sends

@@ -42,7 +42,8 @@ class Handle:
             future = torch.futures.Future(devices=[device]) if device is not None else torch.futures.Future()
         self._future = future
         self._done = threading.Event()
-        self._future.add_done_callback(lambda _: self._done.set())
+        done = self._done  # not self: the future's callback lives in C++, where the collector cannot
+        self._future.add_done_callback(lambda _: done.set())  # see a cycle back to this handle
         self._device_end = None  # (device, CUDA event after the call's device work), set by the worker
 
     def wait(self, timeout=None) -> bool:
@@ -124,6 +125,8 @@ def _worker(q: queue.Queue, lane=None) -> None:
                 handle._future.set_result(result)  # a CUDA-aware future records its tensors' events here
         except BaseException as e:  # surfaced by wait()
             handle._future.set_exception(e)
+        finally:  # nothing of a finished task kept while this thread waits for the next (its tensors)
+            fn = handle = start = tensors = result = None
 
 
 def _issued_on(tensors: list) -> tuple | None:

@@ -188,10 +188,30 @@ def _native_recv(op: _Op):
 
 # ---- handles --------------------------------------------------------------------------------------------------
 
+def _complete_send(future: torch.futures.Future, complete, lock: threading.Lock, stream=None) -> None:
+    """Complete a framed send on this thread (once), its device waits queued on ``stream``
+    (default: this thread's current one), its result or error into ``future``."""
+    with lock:
+        if future.done():
+            return
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                future.set_result(complete())
+        except BaseException as e:  # raised by wait()
+            future.set_exception(e)
+
+
+def _dropped(lane, future: torch.futures.Future, complete, lock: threading.Lock) -> None:
+    """A send's handle collected unwaited: the send completes on its lane all the same, so that
+    its tensor is freed and the receiver's verdict taken from the store (its error reaches nobody)."""
+    if not future.done():
+        executor.on_lane(lane, functools.partial(_complete_send, future, complete, lock))
+
+
 class _SendHandle(executor.Handle):
     """A framed send: posted, completed by ``wait()`` (its sends, then the receiver's verdict),
     which raises what went wrong on either end, or in the background (its direction's completion
-    lane) once ``get_future()`` or ``is_completed()`` was asked for."""
+    lane) once ``get_future()`` or ``is_completed()`` was asked for, or once the handle is dropped."""
 
     def __init__(self, complete, verdict: Verdict, unposted, lane, device: torch.device | None = None):
         """``unposted()``: whether posting the message failed (then no verdict comes); ``lane``:
@@ -201,18 +221,12 @@ class _SendHandle(executor.Handle):
         self._complete, self._verdict, self._lock = complete, verdict, threading.Lock()
         self._unposted, self._lane, self._device = unposted, lane, device
         self._behind, self._behind_lock = False, threading.Lock()
+        weakref.finalize(self, _dropped, lane, self._future, complete, self._lock).atexit = False
 
     def _finish(self, stream=None) -> None:
         """Complete the send on this thread, its device waits queued on ``stream`` (default: this
         thread's current one), so that the stream of the caller that waits comes after the send."""
-        with self._lock:
-            if self._future.done():
-                return
-            try:
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    self._future.set_result(self._complete())
-            except BaseException as e:  # raised by wait()
-                self._future.set_exception(e)
+        _complete_send(self._future, self._complete, self._lock, stream)
 
     def wait(self, timeout=None) -> bool:
         """Complete the send (its sends, the receiver's verdict, every wait within zipccl's bound)
