@@ -308,6 +308,44 @@ def _mismatch(rank, groups, what, async_op):
     return None
 
 
+def _groups_made_while_a_call_is_queued(rank, groups, codec):
+    """An async all-reduce as the first call of a new drop-in group, then the caller's own
+    new_group while it may still be queued (rank 1 a second late): the caller's group is the same
+    group on every rank (its name, and a sum over it), and the call's result is gloo's. "topk":
+    zipccl's lossy all-reduce instead, on a new gloo group (its result is top-k's, not checked)."""
+    import time
+
+    import zipccl
+    from zipccl.backend import Options
+    x = torch.full((70_000,), float(rank + 1), dtype=torch.bfloat16)
+    if codec == "topk":  # zipccl's lossy all-reduce with error feedback, on a new gloo group
+        g = dist.new_group(backend="gloo")
+        x = x.float()
+        work = zipccl.all_reduce(x, group=g, codec="topk", name="w", async_op=True)
+    else:
+        g = dist.new_group(backend="zipccl", pg_options=Options(codec=codec))
+        work = dist.all_reduce(x, group=g, async_op=True)
+    if rank == 1:
+        time.sleep(1.0)
+    mine = dist.new_group(backend="gloo")
+    y = torch.full((8,), float(rank + 1))
+    dist.all_reduce(y, group=mine)
+    work.wait()
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, mine.group_name, group=groups["gloo"])
+    ok = len(set(names)) == 1 and bool((y == 10).all()) and (codec == "topk" or bool((x == 10).all()))
+    dist.destroy_process_group(mine)
+    dist.destroy_process_group(g)
+    return ok
+
+
+@pytest.mark.parametrize("codec", ["raw", "auto", "topk"])
+def test_groups_zipccl_makes_are_made_on_the_callers_thread(zpool, codec):
+    """A group made on zipccl's async thread (its transport's second gloo group, the topology's
+    levels) would race the caller's own new_group: crossed names, then a hang."""
+    assert zpool().run(_groups_made_while_a_call_is_queued, codec, timeout=60) == [True] * 4
+
+
 @pytest.mark.parametrize("what", ["numel", "dtype", "op"])
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 def test_mismatches_raise_on_every_rank(zpool, what, async_op):

@@ -207,6 +207,21 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 1 or not x.is_contiguous() else x.view(-1)
 
 
+def make_groups(group, codec="auto", algorithm: str = "auto") -> None:
+    """Make on this thread the groups that a zipccl collective on ``group`` makes on its first
+    call: its transport's (on gloo a second group, zipccl.transport.torch_dist._twin) and, where
+    the call may go hierarchical, the topology's levels. Making a group is a collective of the
+    whole job that every rank must reach in the same order as the caller's own ``new_group``
+    calls: on zipccl's async thread the two would race (crossed groups, a hang). The drop-in and
+    the lossy all-reduce, which run zipccl's calls on that thread, call this before queuing."""
+    if not dist.is_initialized() or dist.get_rank(group) < 0:  # not a member: the call itself says so
+        return
+    TorchTransport.of(group)
+    if algorithm != "flat" and (codec == "auto" or isinstance(codec, Mapping)) and not topology.known(group):
+        _run(lambda: None, True).wait()  # after the calls queued before it, on every rank alike
+        topology.levels(group)
+
+
 def _outside_autograd(x):
     """A tensor that requires grad, as its ``.data`` (same storage): reduced outside autograd,
     as torch.distributed's backends do (no graph recorded, no version bump)."""
@@ -319,5 +334,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     norms lossless."""
     if name is not None and codec in ("topk", "entropy"):
         compressor = lossy.default(codec)
+        if async_op:
+            make_groups(group)
         return _run(lambda: compressor.all_reduce(tensor, name, op=op, group=group), async_op, (tensor,))
     return _call("all_reduce", group, tensor, tensor, op, codec, algorithm, async_op)
