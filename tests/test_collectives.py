@@ -811,3 +811,27 @@ def _output_dtype_after_a_valid_call(rank, groups):
 def test_an_output_of_another_dtype_is_refused_after_a_valid_call(pool):
     res = pool.run(_output_dtype_after_a_valid_call, timeout=120)[:2]
     assert all(kind == "ValueError" and "output is torch.bfloat16" in text for kind, text in res), res
+
+
+def _outside_the_group(rank, groups):
+    """Ranks 2 and 3 call each collective on groups[2] ({0, 1}), every codec: what each raises."""
+    if rank < 2:
+        return None
+    said = set()
+    for codec in ("auto", "native", "raw", "lossless"):
+        for call in (lambda x: zipccl.all_reduce(x, group=groups[2], codec=codec),
+                     lambda x: zipccl.all_gather(torch.empty(2000), x, group=groups[2], codec=codec),
+                     lambda x: zipccl.reduce_scatter(torch.empty(500), x, group=groups[2], codec=codec)):
+            try:
+                call(torch.ones(1000))
+                said.add("no error")
+            except ValueError as e:
+                said.add(str(e))
+    return said
+
+
+def test_a_rank_outside_the_group_is_told_so_by_every_codec(pool):
+    """A rank that calls a collective on a group it is not in is told so, with "auto" too (whose
+    topology look-ups said only "Invalid process group specified")."""
+    res = pool.run(_outside_the_group)
+    assert res[2] == res[3] == {"this process is not a member of the given process group"}, res

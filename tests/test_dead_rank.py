@@ -508,6 +508,19 @@ def test_status_round_gave_up_raises():
     assert _settle(2, {0: None, 1: 0, 3: 0}) is None
 
 
+def test_a_failure_no_rank_can_be_named_for_says_so():
+    """A collective of the backend that failed naming no peer (rank -1, RankFailure.rank) says
+    that no rank could be named, not "rank -1 failed"."""
+    from zipccl.errors import RankFailure
+    from zipccl.failure import LOST, Fate
+    fate = Fate("all_reduce", 0)
+    fate.fail(LOST, RuntimeError("Connection closed by peer"), rank=-1)
+    with pytest.raises(RankFailure) as e:
+        fate.check()
+    assert e.value.rank == -1 and "a rank the backend could not name failed" in str(e.value), str(e.value)
+    assert "rank -1" not in str(e.value)
+
+
 def test_torch_wait_takes_the_shorter_timeout(monkeypatch):
     """TorchTransport waits min(ZIPCCL_TIMEOUT, ``timeout``) and marks the error of a wait that
     ran out ``timed_out``; without ZIPCCL_TIMEOUT, min(DEFAULT_TIMEOUT, the group's own timeout,

@@ -233,6 +233,8 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
     chosen = None if async_op else _direct(name, group, output, input, op, codec, algorithm)
     if chosen is True:
         return None
+    if dist.is_initialized() and dist.get_rank(group) < 0:  # before the topology's look-ups, which say less
+        raise ValueError("this process is not a member of the given process group")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r}: use one of {ALGORITHMS}")
     per_level = isinstance(codec, Mapping)

@@ -325,7 +325,8 @@ class Fate:
             return
         rank, kind = self.first
         broken = bool(self.lost) or kind == LOST
-        text = f"zipccl.{self.name}: rank {rank} failed: {_WHAT.get(kind, _WHAT[OTHER])}"
+        who = f"rank {rank}" if rank >= 0 else "a rank the backend could not name"
+        text = f"zipccl.{self.name}: {who} failed: {_WHAT.get(kind, _WHAT[OTHER])}"
         if self.evidence and kind == LOST:
             text += f" [{self.evidence}]"
         if self.error is not None:

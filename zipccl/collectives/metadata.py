@@ -37,6 +37,15 @@ _TAG_A2A_SIZES, _TAG_A2A_DATA = 11, 12  # all-to-all: each round's _SizeMail, it
 _TAG_P2P = 13  # a send's header, sizes and packets (collectives.p2p)
 
 
+def _shown(field: str, value: int) -> str:
+    """A signature's field as the caller named it (a dtype, an op, a collective), where it is
+    one of a known set; else its code (a codec's is a hash of its settings)."""
+    names = {"collective": _COLLECTIVES, "reduce-scatter algorithm": _ALGORITHMS,
+             "dtype": {str(d).removeprefix("torch."): c for d, c in F.DTYPE_CODES.items()},
+             "op": {str(op).rsplit(".", 1)[-1]: c for op, c in _OPS.items()}}.get(field, {})
+    return next((name for name, code in names.items() if code == value), str(value))
+
+
 def _peers(t) -> list[int]:
     """Every other rank, nearest successor first."""
     return [(t.rank + s) % t.size for s in range(1, t.size)]
@@ -101,7 +110,7 @@ class Call:
                     groups = {}
                     for r in range(t.size):
                         groups.setdefault(int(col[r]), []).append(r)
-                    shown = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
+                    shown = "; ".join(f"ranks {rs}: {_shown(field, v)}" for v, rs in groups.items())
                     raise MismatchError(f"zipccl.{self.name}: ranks disagree on {field} ({shown})")
             return rows[:, first + 2 * REPORT_SLOTS:]
         return finish
