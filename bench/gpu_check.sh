@@ -388,7 +388,9 @@ step() {
 }
 pack() {
     [[ -z $bundle ]] && return
-    tar czf "$bundle.part" -C "$out" . && mv -f "$bundle.part" "$bundle"
+    # tar's exit code 1: a file changed while read (numba's log, written in the background): packed all the same
+    tar czf "$bundle.part" --exclude="${bundle##*/}*" -C "$out" . 2>/dev/null
+    (($? <= 1)) && mv -f "$bundle.part" "$bundle"
 }
 
 rm -f "$out/numba.done"
