@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -286,3 +287,35 @@ def test_hierarchical_hook_on_two_nodes(pool):
     plain = runs[(None, None)][0][2]
     for key in (("raw", "hierarchical"), ("raw", "flat")):
         torch.testing.assert_close(runs[key][0][2], plain, rtol=1e-4, atol=1e-6, msg=f"{key} against DDP's own")
+
+
+def _threads_that_make_groups(rank, groups, codec):
+    """A new whole-job gloo group's first use is DDP's ``codec`` hook: the threads on which
+    zipccl makes its own groups (dist.new_group) during the first steps."""
+    import threading
+    g = dist.new_group(backend="gloo")
+    made, real = [], dist.new_group
+
+    def watched(*args, **kwargs):
+        made.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    dist.new_group = watched
+    try:
+        ddp = DDP(_model(), process_group=g, bucket_cap_mb=0.05)
+        ddp.register_comm_hook(zipccl.ddp.State(group=g, codec=codec, density=0.1), zipccl.ddp.hook)
+        gen = torch.Generator().manual_seed(7 + rank)
+        for _ in range(2):
+            ddp(torch.randn(16, 32, generator=gen)).square().mean().backward()
+    finally:
+        dist.new_group = real
+    dist.destroy_process_group(g)
+    return made
+
+
+@pytest.mark.parametrize("codec", ["lossless", "topk"])
+def test_the_hooks_groups_are_made_on_the_callers_thread(pool, codec):
+    """zipccl's second gloo group for DDP's group is made on the thread that runs the hook, never
+    on zipccl's async thread, where it could cross a group the program makes meanwhile."""
+    made = pool.run(_threads_that_make_groups, codec, timeout=120)
+    assert all(m and "zipccl" not in " ".join(m) for m in made), made

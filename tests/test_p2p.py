@@ -726,6 +726,41 @@ def test_a_dropped_send_still_completes(pool):
     assert pool.run(_dropped_sends, 30, timeout=90)[:2] == [(0, 0), True]
 
 
+class _Cycle:
+    def __init__(self, handle):
+        self.handle, self.me = handle, self
+
+
+def _dropped_while_the_queue_is_locked(rank, groups):
+    """Rank 0 drops a framed send's handle inside a reference cycle, then the collector frees it
+    on a thread that holds the executor's lock (as an allocation inside executor.run may start a
+    collection): the send still completes. Rank 1 receives it."""
+    import gc
+
+    from zipccl import executor
+    if rank > 1:
+        return None
+    x = activations(5000, seed=3).to(torch.bfloat16)
+    if rank == 1:
+        got = torch.empty_like(x)
+        zipccl.recv(got, 0, group=groups[2], codec="lossless")
+        return torch.equal(bits(got), bits(x))
+    gc.disable()
+    try:
+        _Cycle(zipccl.isend(x, 1, group=groups[2], codec="lossless"))
+        with executor._queue_lock:
+            gc.collect()
+    finally:
+        gc.enable()
+    return True
+
+
+def test_a_send_dropped_while_the_executor_is_locked_completes(pool):
+    """The collector may free a dropped send's handle on any thread, holding any lock: its
+    completion must not take the executor's (a deadlock)."""
+    assert pool.run(_dropped_while_the_queue_is_locked, timeout=60) == [True, True, None, None]
+
+
 def _any_source_after_queued(rank, groups, way):
     """Rank 0 issues an async all-reduce that rank 2 joins 1 s late, then receives from rank 1
     (the backend's own receive, queued behind the all-reduce), then from any source; rank 1 sends
@@ -757,6 +792,41 @@ def _any_source_after_queued(rank, groups, way):
     finally:
         if way != "zipccl":
             dist.destroy_process_group(g)
+
+
+def _exchange_behind_a_collective(rank, groups, way):
+    """Ranks 0 and 1, zipccl's queue busy (an earlier async call still running): an async
+    all-reduce, then a receive from any source, then a send to the other (the backend's own,
+    small); then the waits. What each received, and the sum."""
+    import time as clock
+
+    from zipccl import executor
+    g = groups[2] if way == "zipccl" else dist.new_group([0, 1], backend="zipccl")  # every rank makes it
+    if rank > 1:
+        return None
+    lib = zipccl if way == "zipccl" else dist
+    try:
+        executor.submit(lambda: clock.sleep(0.3))
+        x = torch.ones(1 << 16)
+        handles = [lib.all_reduce(x, group=g, async_op=True)]
+        got = torch.zeros(8)
+        handles.append(lib.irecv(got, group=g))
+        handles.append(lib.isend(torch.full((8,), float(rank + 5)), 1 - rank, group=g))
+        for h in handles:
+            h.wait()
+        return got[0].item(), x[0].item()
+    finally:
+        if way != "zipccl":
+            dist.destroy_process_group(g)
+
+
+@pytest.mark.parametrize("way", ["zipccl", "drop-in"])
+def test_a_send_passes_a_queued_receive_from_any_source(pool, way):
+    """A receive from any source queued behind a collective is a receive: a send issued after it
+    may pass it (as a receive from one rank may be passed), so two ranks that each receive, then
+    send, do not wait for each other."""
+    res = pool.run(_exchange_behind_a_collective, way, timeout=60)
+    assert res == [(6.0, 2.0), (5.0, 2.0), None, None], res
 
 
 @pytest.mark.parametrize("way", ["zipccl", "drop-in"])

@@ -111,7 +111,7 @@ def spawn(target, n: int, args: tuple, answers: int | None = None, seconds: floa
     bench/gpu_check.sh (ZIPCCL_STEP_END: when the step is killed, in seconds since the epoch) the
     collecting ends 15 s before that and the joins 5 s before, so that the test still says which
     ranks answered."""
-    end = float(os.environ.get("ZIPCCL_STEP_END", "inf")) - time.time() + time.monotonic() - 5
+    end = float(os.environ.get("ZIPCCL_STEP_END") or "inf") - time.time() + time.monotonic() - 5
     with fork_server(target) as method:
         return _run(mp.get_context(method), target, n, args, answers, seconds, stop_on_crash, end)
 
@@ -131,6 +131,12 @@ def _run(ctx, target, n, args, answers, seconds, stop_on_crash, end=float("inf")
             except queue.Empty:
                 if stop_on_crash and any(p.exitcode not in (None, 0) for p in procs):
                     break
+        while time.monotonic() >= deadline and len(got) < n:  # what came at the deadline
+            try:
+                rank, value = results.get(timeout=0.1)
+                got[rank] = value
+            except queue.Empty:
+                break
         for r, p in enumerate(procs):
             p.join(timeout=max(0.1, min(30 if r in got else 1, end - time.monotonic())))
     finally:

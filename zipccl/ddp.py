@@ -133,6 +133,7 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         if state.rules is not None and key not in state.layouts:
             state.layouts[key] = segments(state.rules, bucket.parameters(), state.names, buffer.numel())
         layout = state.layouts.get(key)
+        api.make_groups(state.group, "lossless", "flat")  # what _split's flat collectives make, made here
         handle = collectives.submit(lambda: _split(state, step, key, buffer, layout))
     else:
         handle = api.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, async_op=True,

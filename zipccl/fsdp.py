@@ -133,10 +133,12 @@ def _ring_bytes(numel_out: int, n: int, itemsize: int) -> int:
     return (n - 1) * numel_out * itemsize
 
 
-def _issue(fn, tensors) -> dist.Work:
+def _issue(fn, tensors, group, codec) -> dist.Work:
     """``fn()`` on zipccl's async thread (zipccl.executor: after the caller's stream on CUDA, in
     issue order with every other zipccl call), as a torch ``Work`` whose ``wait()`` raises its
-    error and orders the waiting stream after it."""
+    error and orders the waiting stream after it; the groups zipccl makes for ``group`` made
+    here first (api.make_groups)."""
+    api.make_groups(group, codec)
     return _Work(executor.run(fn, True, tensors))
 
 
@@ -163,7 +165,7 @@ class AllGather(_AllGatherABC):
         def gather():
             api.all_gather(output_tensor, input_tensor, group=group, codec=codec)
             self.counters.add(_snapshot()["last"], raw)  # on the async thread: no other call in between
-        return _issue(gather, (output_tensor, input_tensor))
+        return _issue(gather, (output_tensor, input_tensor), group, codec)
 
 
 def _plain_op(op):
@@ -240,7 +242,7 @@ class ReduceScatter(_ReduceScatterABC):
                 call = _snapshot()["last"]
             self.counters.add(call, raw)
         if async_op:
-            return _issue(reduce, (output_tensor, input_tensor))
+            return _issue(reduce, (output_tensor, input_tensor), group, _exact_codec(self.codec, input_tensor.dtype))
         executor.run(reduce, False)  # after the async calls issued before it (the all-gathers)
         return None
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import queue
 import threading
 import weakref
 from collections.abc import Mapping
@@ -201,11 +202,36 @@ def _complete_send(future: torch.futures.Future, complete, lock: threading.Lock,
             future.set_exception(e)
 
 
+#: (lane, completion) of the sends whose handles were collected unwaited, for ``_pass_dropped``.
+_dropped_sends: queue.SimpleQueue = queue.SimpleQueue()
+_passer: list = []  # its thread, once started
+_passer_lock = threading.Lock()
+
+
 def _dropped(lane, future: torch.futures.Future, complete, lock: threading.Lock) -> None:
     """A send's handle collected unwaited: the send completes on its lane all the same, so that
-    its tensor is freed and the receiver's verdict taken from the store (its error reaches nobody)."""
+    its tensor is freed and the receiver's verdict taken from the store (its error reaches nobody).
+    The collector runs this on whichever thread allocated, holding whatever lock that thread holds
+    (the executor's too): it only puts the send on a SimpleQueue, whose put is safe there, and
+    ``_pass_dropped``'s thread queues it on its lane."""
     if not future.done():
-        executor.on_lane(lane, functools.partial(_complete_send, future, complete, lock))
+        _dropped_sends.put((lane, functools.partial(_complete_send, future, complete, lock)))
+
+
+def _pass_dropped() -> None:
+    while True:
+        lane, fn = _dropped_sends.get()
+        executor.on_lane(lane, fn)
+        del lane, fn  # nothing of a passed send kept while waiting for the next
+
+
+def _start_passing_dropped() -> None:
+    """The thread of ``_pass_dropped``, started with the first framed send (never by the collector)."""
+    if not _passer:
+        with _passer_lock:
+            if not _passer:
+                _passer.append(threading.Thread(target=_pass_dropped, daemon=True, name="zipccl-dropped-sends"))
+                _passer[0].start()
 
 
 class _SendHandle(executor.Handle):
@@ -221,6 +247,7 @@ class _SendHandle(executor.Handle):
         self._complete, self._verdict, self._lock = complete, verdict, threading.Lock()
         self._unposted, self._lane, self._device = unposted, lane, device
         self._behind, self._behind_lock = False, threading.Lock()
+        _start_passing_dropped()
         weakref.finalize(self, _dropped, lane, self._future, complete, self._lock).atexit = False
 
     def _finish(self, stream=None) -> None:
@@ -349,9 +376,14 @@ def _post_receive(op: _Op, async_op: bool):
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
     before = executor.last()
     handle = executor.run(lambda: _receive(op), async_op, [t for t in (op.tensor, op.staged) if t is not None])
-    if handle is not None:
-        _receives[handle] = before
-        handle.get_future().add_done_callback(functools.partial(_forget, weakref.ref(handle)))
+    return handle if handle is None else _a_receive(handle, before)
+
+
+def _a_receive(handle: executor.Handle, before) -> executor.Handle:
+    """``handle``, queued after ``before``, is a receive: later sends pass it (after_collectives)
+    until it is done."""
+    _receives[handle] = before
+    handle.get_future().add_done_callback(functools.partial(_forget, weakref.ref(handle)))
     return handle
 
 
@@ -369,7 +401,8 @@ def after_queued(post, tensor: torch.Tensor):
         work.wait()
         return work._source_rank()
 
-    handle = executor.run(receive, True, [tensor])
+    before = executor.last()
+    handle = _a_receive(executor.run(receive, True, [tensor]), before)
     handle._source_rank = lambda: handle.get_future().value()
     return handle
 
