@@ -212,8 +212,9 @@ def make_groups(group, codec="auto", algorithm: str = "auto") -> None:
     call: its transport's (on gloo a second group, zipccl.transport.torch_dist._twin) and, where
     the call may go hierarchical, the topology's levels. Making a group is a collective of the
     whole job that every rank must reach in the same order as the caller's own ``new_group``
-    calls: on zipccl's async thread the two would race (crossed groups, a hang). The drop-in and
-    the lossy all-reduce, which run zipccl's calls on that thread, call this before queuing."""
+    calls: on zipccl's async thread the two would race (crossed groups, a hang). What runs
+    zipccl's calls on that thread (the drop-in, the lossy all-reduce, DDP's lossy hook, FSDP2's
+    comms) calls this before queuing."""
     if not dist.is_initialized() or dist.get_rank(group) < 0:  # not a member: the call itself says so
         return
     TorchTransport.of(group)
