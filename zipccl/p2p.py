@@ -219,6 +219,7 @@ def _dropped(lane, future: torch.futures.Future, complete, lock: threading.Lock)
 
 
 def _pass_dropped() -> None:
+    """Each dropped send to its lane, from this thread of its own, which may take the executor's lock."""
     while True:
         lane, fn = _dropped_sends.get()
         executor.on_lane(lane, fn)
