@@ -219,7 +219,7 @@ def make_groups(group, codec="auto", algorithm: str = "auto") -> None:
         return
     TorchTransport.of(group)
     if algorithm != "flat" and (codec == "auto" or isinstance(codec, Mapping)) and not topology.known(group):
-        _run(lambda: None, True).wait()  # after the calls queued before it, on every rank alike
+        _drain()  # after the calls queued before it, on every rank alike (at once on zipccl's thread)
         topology.levels(group)
 
 

@@ -343,8 +343,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             except Exception as e:  # raised by wait(), which torch calls at once
                 return _finished(error=e)
             return _finished(result)
-        if not executor.ours():
-            api.make_groups(self, self.codec, self.options.algorithm)
+        api.make_groups(self, self.codec, self.options.algorithm)
         return _Work(executor.run(call, True, [*result, *inputs]))
 
 

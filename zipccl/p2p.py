@@ -373,7 +373,7 @@ def _post_receive(op: _Op, async_op: bool):
     """``op``'s receive, queued in issue order (its handle), or run now (``async_op`` False)."""
     if op.plan is not NATIVE:
         op.seq = _next_seq(op)
-    elif async_op and (executor.last() is None or executor.last().is_completed()):
+    elif async_op and executor.idle():
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
     before = executor.last()
     handle = executor.run(lambda: _receive(op), async_op, [t for t in (op.tensor, op.staged) if t is not None])
@@ -394,7 +394,7 @@ def after_queued(post, tensor: torch.Tensor):
     them in issue order, so that it never takes a message meant for a receive issued before it.
     The Work, or a handle whose ``_source_rank()`` names the sender alike. On zipccl's async
     thread (the drop-in's receive under zipccl's), what was issued before it is done: at once."""
-    if executor.ours() or executor.last() is None or executor.last().is_completed():
+    if executor.ours() or executor.idle():
         return post()
 
     def receive() -> int:
