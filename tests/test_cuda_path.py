@@ -288,6 +288,27 @@ def test_native_traffic_on_cuda_is_the_groups_own_and_makes_no_communicator(gpu_
     assert seen[-1] == "communicator"
 
 
+def test_all_to_all_on_cuda_is_checked_on_the_group_and_compresses_on_a_communicator(gpu_group, monkeypatch):
+    """zipccl.all_to_all_single on CUDA tensors: auto on one node and codec "native" (async, so
+    through zipccl's queue and checks) reach the group's own all-to-all with the caller's tensors
+    and make no communicator; a lossless call makes one, in the call."""
+    group, seen = gpu_group
+    monkeypatch.setattr(zipccl.alltoall, "underneath", lambda group, device: None)
+    monkeypatch.setattr(zipccl.alltoall, "direct_group", lambda group: None)
+
+    def all_to_all_single(out, inp, out_splits=None, in_splits=None, group=None, async_op=False):
+        seen.append(("all_to_all", group, inp, None))
+        return _Work()
+    monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
+    out, x = _on_gpu(8), _on_gpu(8)
+    zipccl.all_to_all_single(out, x, group=group)
+    zipccl.all_to_all_single(out, x, group=group, codec="native", async_op=True).wait(timeout=30)
+    assert [s[0] for s in seen] == ["all_to_all"] * 2 and all(s[1] is group and s[2] is x for s in seen), seen
+    with pytest.raises(_Made):
+        zipccl.all_to_all_single(out, x, group=group, codec="lossless")
+    assert seen[-1] == "communicator"
+
+
 def test_auto_over_a_slower_link_makes_the_communicator_for_its_compressing_plan(gpu_group, monkeypatch):
     """Where auto may compress (PCIe: native and lossless), its native plan makes nothing; the
     communicator comes with the first lossless plan, in the call that runs it."""

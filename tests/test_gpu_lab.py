@@ -191,7 +191,7 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
         return diffs
 
     def all_to_all_and_point_to_point():
-        """zipccl.all_to_all_single (equal splits) against the blocks each rank sends, then
+        """zipccl.all_to_all_single (equal splits; auto, then lossless) against the blocks each rank sends, then
         zipccl.send / zipccl.recv between rank pairs (0-1, 2-3), auto (native here, one node)
         and lossless both ways in one batch (each direction on the NcclPair of its two ranks
         alone), then 32 MiB both ways as a separate irecv and isend (more than NCCL buffers: on
@@ -199,6 +199,8 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
         inputs = [_exact(r, n * K, torch.bfloat16) for r in range(n)]
         got = torch.empty(n * K, dtype=torch.bfloat16, device="cuda")
         zipccl.all_to_all_single(got, inputs[rank].cuda())
+        packed = torch.empty(n * K, dtype=torch.bfloat16, device="cuda")  # every link's packets lossless
+        zipccl.all_to_all_single(packed, inputs[rank].cuda(), codec="lossless")
         want = torch.cat([inputs[r][rank * K:(rank + 1) * K] for r in range(n)])
         peer = rank ^ 1
         mine, theirs = inputs[rank][:K].cuda(), torch.empty(K, dtype=torch.bfloat16, device="cuda")
@@ -219,7 +221,7 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
         handles = [zipccl.irecv(theirs_big, peer, codec="lossless"), zipccl.isend(mine_big, peer, codec="lossless")]
         for h in handles:
             h.wait()
-        return tuple(_differences(g.cpu(), w)[0] for g, w in ((got, want), (theirs, inputs[peer][:K]),
+        return tuple(_differences(g.cpu(), w)[0] for g, w in ((got, want), (packed, want), (theirs, inputs[peer][:K]),
                                                                (framed, inputs[peer][:K]),
                                                                (theirs_big, big(peer).cpu())))
 
@@ -328,7 +330,7 @@ def test_every_entry_point_on_cuda_tensors(monkeypatch):
     assert not problems, problems
     for r, out in enumerate(res):
         assert all(d == [0, 0, 0] for d in out["flat"].values()), (r, out["flat"])
-        assert out["all_to_all_and_point_to_point"] == (0, 0, 0, 0), (r, out["all_to_all_and_point_to_point"])
+        assert out["all_to_all_and_point_to_point"] == (0, 0, 0, 0, 0), (r, out["all_to_all_and_point_to_point"])
         assert all(d == [0, 0, 0] for d in out["hierarchical"].values()), (r, out["hierarchical"])
         for name in ("fsdp2_dropin", "fsdp2_zipccl_comms"):
             assert out[name] < 1e-5, (r, name, out[name])

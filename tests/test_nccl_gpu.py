@@ -350,6 +350,14 @@ def _stream_rules(rank: int, n: int, port: int, results) -> None:
     out = {}
     try:
         t = NcclTransport.of(None)
+        # NCCL connects two ranks on a channel at their first send or receive, inside the host's
+        # group call, which returns once the peer has posted its side: a first packet that one rank
+        # posts alone holds its host until then (zipccl's calls post both sides). Connect first.
+        first = [torch.zeros(1, dtype=torch.uint8, device="cuda"), torch.zeros(1, dtype=torch.int64)]
+        with t.grouped():
+            hello = [w for x in first for w in (t.isend(x, 1 - rank), t.irecv(x.clone(), 1 - rank))]
+        for w in hello:
+            t.wait(w, timeout=20)
         packet = torch.full((256 << 20,), 7 if rank == 0 else 0, dtype=torch.uint8, device="cuda")
         mine, theirs = torch.tensor([100 + rank]), torch.zeros(1, dtype=torch.int64)
         if rank == 0:

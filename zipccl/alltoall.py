@@ -33,7 +33,7 @@ from .executor import run as _run
 from .failure import Fate
 from .format import DTYPE_CODES
 from .stats import record_native
-from .transport import transport_for
+from .transport import TorchTransport, transport_for
 from .transport.torch_dist import ALL_TO_ALL, as_they_are, direct_group, options, underneath
 
 __all__ = ["all_to_all_single", "all_to_all", "ALGORITHMS", "AUTO_PLANS"]
@@ -167,28 +167,32 @@ def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: b
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r}: use one of {ALGORITHMS}")
     first = next((x for x in tensors if isinstance(x, torch.Tensor)), None)
-    t = transport_for(group, first.device if first is not None else None)
-    n, error, sends, recvs = t.size, None, None, None
+    own = TorchTransport.of(group)  # the checks and the backend's call: no communicator of zipccl's
+    n, error, sends, recvs = own.size, None, None, None
     dtype = first.dtype if first is not None else None
     try:
-        sends, recvs = make_parts(t)
+        sends, recvs = make_parts(own)
         levels = None if codec == "auto" else _fixed_levels(codec, algorithm, dtype)
     except Exception as e:  # noqa: BLE001 - a local error still joins the exchange, so that no rank hangs
         error, levels = e, None
 
     def run():
-        acc, fate = new_acc(), Fate.of(_NAME, t)
+        acc = new_acc()
         if codec == "native" or codec is NATIVE:  # the backend's call alone, with its own checks
             if error is not None:
                 raise error
-            return _native(native, acc, fate, t)
+            return _native(native, acc, Fate.of(_NAME, own), own)
         # the nodes, found on the group's first call (a collective: before any rank's error exchange)
-        topo = topology.topology(group) if t.size > 1 else None
+        topo = topology.topology(group) if n > 1 else None
         nodes = len(topo.nodes) if topo is not None else 1
         if codec == "auto" and (nodes == 1 or dtype not in DTYPE_CODES):
             if error is not None:  # the other ranks make the backend's call: fail as it does, here alone
                 raise error
-            return _native(native, acc, fate, t)  # one node: every link outruns the codec
+            return _native(native, acc, Fate.of(_NAME, own), own)  # one node: every link outruns the codec
+        # zipccl's packets (or auto's choice among them and the backend's call): on CUDA tensors
+        # NCCL's communicators, made here, in the same call on every rank
+        t = transport_for(group, first.device if first is not None else None)
+        fate = Fate.of(_NAME, t)
         row = counts_row(sends, recvs) if error is None else [0] * (2 * n)
         if error is not None:
             Call(_NAME, dtype, 0, None, None).exchange(t, row, error, fate)
