@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 import zipccl
-from zipccl import api, auto, backend, config, hierarchical, lossy, topology
+from zipccl import api, auto, backend, config, hierarchical, lossy, p2p, topology
 from zipccl import collectives as C
 from zipccl.codecs import Raw
 from zipccl.collectives import autoplan, metadata, sparse_reduce, validation
+from zipccl.collectives.links import PLAIN
+from zipccl.collectives.resolve import NATIVE
 from zipccl.errors import RankFailure, UnsupportedError, ZipcclError
 from zipccl.failure import Fate
 from zipccl.transport import NcclTransport, TorchTransport, cupy_nccl, select, torch_dist
@@ -321,6 +323,31 @@ def test_auto_over_a_slower_link_makes_the_communicator_for_its_compressing_plan
     with pytest.raises(_Made):
         zipccl.all_reduce(big, group=group)  # its second: lossless
     assert seen[-1] == "communicator"
+
+
+@pytest.mark.parametrize("backend, extra, codec, want", [
+    ("gloo", True, "auto", "plain"),          # gloo cannot carry it: the bytes framed on zipccl's NCCL pair
+    ("gloo", True, "raw", "plain"),
+    ("gloo", True, "native", "refused"),
+    ("gloo", False, "auto", "refused"),       # and without the GPU extra nothing can
+    ("gloo", True, {"intra": "native", "inter": "lossless"}, "refused"),
+    ("nccl", True, "auto", "native"),         # NCCL's own send and receive
+    ("nccl", False, "native", "native"),
+])
+def test_point_to_point_of_cuda_tensors_never_goes_to_gloo(monkeypatch, backend, extra, codec, want):
+    """A send or receive of a CUDA tensor on a gloo group is never gloo's own (which would read
+    device memory as the host's): "auto" frames its bytes on zipccl's NCCL transport, "native"
+    is refused with a clear error; on an NCCL group "auto" is NCCL's own (same node, 2 MiB)."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(select.nccl_stack, "extra_installed", lambda: extra)
+    monkeypatch.setattr(config, "TRANSPORT", "auto")
+    monkeypatch.setattr(topology, "same_node", lambda group, peer: True)
+    x = _on_gpu(1 << 20)
+    if want == "refused":
+        with pytest.raises(UnsupportedError, match=r"cannot send or receive tensors on cuda:0|NCCL transport"):
+            p2p._decide(codec, x, None, 1)
+    else:
+        assert p2p._decide(codec, x, None, 1) is {"plain": PLAIN, "native": NATIVE}[want]
 
 
 # ---- no CPU tensor on an NCCL group ----------------------------------------------------------------------------

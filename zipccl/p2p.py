@@ -118,18 +118,41 @@ class _Op:
         return self.t
 
 
+def _backend_takes(group, device: torch.device) -> bool:
+    """Whether the backend's own send and receive take tensors on ``device``: gloo's would send a
+    CUDA tensor's device memory as if it were the host's (EFAULT, or a crash at the receiver)."""
+    if device.type != "cuda":
+        return True
+    inner = underneath(group, device)
+    return (type(inner).__name__ != "ProcessGroupGloo") if inner is not None else dist.get_backend(group) != "gloo"
+
+
+def _no_native(group, device: torch.device) -> UnsupportedError:
+    return UnsupportedError(f"the group's backend ({dist.get_backend(group)}) cannot send or receive tensors on "
+                            f"{device}: use codec 'auto' or 'raw' (zipccl's NCCL transport), or a group of "
+                            "backend nccl")
+
+
 def _decide(codec, x: torch.Tensor, group, peer: int):
     """NATIVE (the backend's send/recv) or the codec that frames the message, from what both ends
-    know alike (module docstring)."""
+    know alike (module docstring). "auto" frames the plain bytes (PLAIN) where the backend cannot
+    carry the tensor (CUDA on gloo)."""
     if isinstance(codec, Mapping):
         if set(codec) != {"intra", "inter"}:
             raise ValueError(f"a per-link codec maps both of ('intra', 'inter') (got {sorted(codec)})")
         codec = codec["intra" if topology.same_node(group, peer) else "inter"]
     if codec == "native" or codec is NATIVE:
+        if not _backend_takes(group, x.device):
+            raise _no_native(group, x.device)
         return NATIVE
     nbytes = x.numel() * x.element_size()
     if codec == "auto":
-        if x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer) \
+        if not _backend_takes(group, x.device):
+            if not frames_messages(group, x.device):
+                raise framing_refused()
+            if x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer):
+                return PLAIN
+        elif x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer) \
                 or not frames_messages(group, x.device):
             return NATIVE
         return resolve_codec("lossless" if config.AUTO_LEARN else "auto", x.dtype, nbytes)
@@ -430,6 +453,8 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     if src is None and group_src is None:
         if codec not in ("auto", "native"):
             raise UnsupportedError("a receive from any source is the backend's own: codec 'auto' or 'native'")
+        if not _backend_takes(group, tensor.device):
+            raise _no_native(group, tensor.device)
         return after_queued(lambda: dist.irecv(tensor, group=group, tag=tag), tensor)
     return _post_receive(_Op("recv", tensor, src, group, tag, group_src, codec), True)
 
