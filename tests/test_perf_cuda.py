@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from zipccl import config
-from zipccl.bench import all_gather, common, cuda, reduce_scatter
+from zipccl.bench import all_gather, common, cuda, perf, reduce_scatter
 from zipccl.bench.netlab import NetLab
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +110,16 @@ def test_nccl_baseline_first():
         [("torch", None, "nccl"), ("raw", "raw", "world"), ("auto", "auto", "world")]
     assert cuda.with_baseline([("torch", None, "world"), ("lossless", "lossless", "world")], "torch") == \
         [("torch", None, "nccl"), ("lossless", "lossless", "world")]
+
+
+def test_on_cuda_every_table_runs_on_the_nccl_group():
+    """zipccl's tables on CUDA run on the group the baseline uses, so that auto's native plan is
+    that group's own NCCL collective (on the gloo world it would be gloo's, staged through the host)."""
+    args = argparse.Namespace(datatype="bfloat16", op="sum", backend="gloo", codec="all", baseline=False)
+    _, _, on_cuda = perf._plan(argparse.Namespace(**vars(args), device="cuda"))
+    assert on_cuda == [("torch", None, "nccl")] + [(c, c, "nccl") for c in common.CODECS], on_cuda
+    _, _, on_cpu = perf._plan(argparse.Namespace(**vars(args), device="cpu"))
+    assert on_cpu == [(c, c, "world") for c in common.CODECS], on_cpu
 
 
 def test_cpu_clock_times_the_host():

@@ -3,9 +3,11 @@
     zipccl-perf --device cuda --share-gpu --nranks 4 -b 64K -e 256M -d bfloat16   # the one-GPU lab
     zipccl-perf --device cuda --transport nccl ...                                # one GPU per rank
 
-The ranks' world stays gloo (barriers, times, #wrong counts: CPU tensors); zipccl's CUDA
-tensors go through its NCCL transport (``--transport``, ZIPCCL_TRANSPORT: nccl by default on
-CUDA), and the baseline table is NCCL's own collective, torch's "nccl" group on the same ranks.
+The ranks' world stays gloo (barriers, times, #wrong counts: CPU tensors). The baseline table
+is NCCL's own collective on torch's "nccl" group of the same ranks, and zipccl's tables run on
+that group too, as a user's calls would: auto's native plan is the group's own NCCL collective,
+and zipccl's packets go through its NCCL transport (``--transport``, ZIPCCL_TRANSPORT: nccl by
+default on CUDA).
 Times come from CUDA events around each call on the caller's stream, so a call that returns
 before its work is done (NCCL's, queued) is timed to the device's end of it. Without CUDA the
 options stop the run before any rank starts: one line naming CUDA, exit code 2.
@@ -100,8 +102,8 @@ def table_lines(args, nranks: int) -> list[str]:
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
     where = (f"cuda:0 shared by {nranks} ranks, each its own NCCL host, NCCL's socket transport on "
              f"{os.environ.get('NCCL_SOCKET_IFNAME', 'lo')}" if args.share_gpu else "one GPU per rank")
-    return [f"# zipccl-perf on CUDA: {where}; NCCL {nccl}; zipccl transport {config.TRANSPORT}; "
-            "times from CUDA events on the caller's stream"]
+    return [f"# zipccl-perf on CUDA: {where}; NCCL {nccl}; every table on torch's nccl group; zipccl transport "
+            f"{config.TRANSPORT}; times from CUDA events on the caller's stream"]
 
 
 class Clock:

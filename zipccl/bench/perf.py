@@ -45,7 +45,9 @@ def _plan(args):
     ops = list(OPS.values()) if args.op == "all" else [OPS[args.op]]
     if args.backend == "zipccl":
         return dtypes, ops, [(GLOO, None, "gloo"), (DROPIN, None, "world")]
-    variants = [(c, c, "world") for c in (list(CODECS) if args.codec == "all" else [args.codec])]
+    # on CUDA zipccl runs on the NCCL group, as a user's would: "native" is that group's own NCCL
+    where = cuda.NCCL_GROUP if args.device == "cuda" else "world"
+    variants = [(c, c, where) for c in (list(CODECS) if args.codec == "all" else [args.codec])]
     if args.baseline:
         variants = [(BASELINE, None, "world")] + variants
     if args.device == "cuda":
@@ -138,7 +140,7 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
             row = measure(spec, args, numel_in, numel_out, dtype, op, variant, inp, ref, rank, nranks, group, label)
             rows.append(row)
             say(report.row_line(row, args.per_iter_timing), flush=True)
-        for line in report.footer_lines(rows, name) + zipccl_lines(rows, notes, variant == "auto"):
+        for line in report.footer_lines(rows, name) + zipccl_lines(rows, notes, variant == "auto", group):
             say(line, flush=True)
         versus = None
         if tables and tables[0]["codec"] in (BASELINE, GLOO):  # each later table against the first
@@ -151,8 +153,9 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
             extra = dict(version=__version__, format=f"nccl-tests {report.FORMAT_VERSION}", collective=spec.name,
                          nranks=nranks, launcher=how, backend=dist.get_backend(), torch=torch.__version__,
                          algorithm=args.algorithm, data=str(args.data) if args.data else None,
-                         topology=str(topology.topology()),
-                         auto_plans=auto_policy().explain() if any(v == "auto" for _, v, _ in variants) else [])
+                         topology=str(topology.topology(group)),
+                         auto_plans=next((auto_policy(groups.get(w)).explain() for _, v, w in variants
+                                          if v == "auto"), []))
             report.write_json(report.document(start, argv if argv is not None else sys.argv, cfg, devs, tables, extra,
                                               cuda.nccl_version()), args.output_file)
     rows = [r for t in tables for r in t["rows"]]
@@ -169,7 +172,7 @@ def _groups(variants) -> dict:
     return {where: dist.new_group(backend=where) for where in sorted(wanted)}
 
 
-def zipccl_lines(rows: list[dict], notes: list[str], auto: bool) -> list[str]:
+def zipccl_lines(rows: list[dict], notes: list[str], auto: bool, group=None) -> list[str]:
     """zipccl's figures for one table, after its footer: per row, rank 0's wire bytes per call,
     the ratio to the raw bytes and the plan that ran last; then the topology and auto's plans."""
     lines = []
@@ -181,7 +184,7 @@ def zipccl_lines(rows: list[dict], notes: list[str], auto: bool) -> list[str]:
             lines.append(f"# zipccl {r['size']:12d}  {r['type']:>8s}  {r['redop']:>6s}  {z['wire_bytes']:12d}  "
                          f"{ratio:>6s}  {z['plan']}")
     lines += [f"# zipccl note: {n}" for n in notes]
-    return lines + learning_lines(rows) + plan_lines(auto)
+    return lines + learning_lines(rows) + plan_lines(auto, group)
 
 
 def learning_lines(rows: list[dict]) -> list[str]:
@@ -202,11 +205,11 @@ def learning_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def plan_lines(auto: bool) -> list[str]:
+def plan_lines(auto: bool, group=None) -> list[str]:
     """The group's topology, and what codec="auto" measured on it per size class (the better of
     each plan's last two times, slowest rank) and what it runs now."""
-    lines = [f"# topology: {topology.topology()}"]
-    explained = auto_policy().explain() if auto else []
+    lines = [f"# topology: {topology.topology(group)}"]
+    explained = auto_policy(group).explain() if auto else []
     if explained:
         lines.append("# auto plans (per size class: each plan's time, the better of its last two, slowest rank):")
         lines += [f"#   {line}" for line in explained]
