@@ -9,7 +9,7 @@ STAMP := .setup.stamp
 IMAGE_TRITON := 3.6.0
 IMAGE_TRITON_DIR := build/triton-$(IMAGE_TRITON)
 
-.PHONY: setup bench codec-bench test test-long coverage gpu-data clean
+.PHONY: setup bench codec-bench test test-long coverage gpu-data gpu-tools clean
 
 $(STAMP): pyproject.toml Makefile
 	@# Open MPI for the mpirun tests and launcher, iproute2 for the network lab (Debian/Ubuntu, as
@@ -68,6 +68,11 @@ gpu-data:
 	mkdir -p data
 	cp -u $(GPU_DATA)/*.npy data/
 	ls -l data
+
+# iproute2 for the shaped lab, into gpu_tools/ (ignored by git), for a GPU machine without it
+# (bench/gpu_check.sh uses it where `ip` is missing): Debian's packages, unpacked, not installed.
+gpu-tools:
+	bash bench/gpu_tools.sh gpu_tools
 
 clean:
 	rm -f $(STAMP)

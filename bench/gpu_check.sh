@@ -6,10 +6,12 @@
 # background meanwhile, for phase 2); every entry point on CUDA tensors on 4 ranks of the one-GPU
 # lab; a rank killed mid-call; the lab's all-reduce table under MPS against torch's NCCL, 64 KiB
 # to 256 MiB. Phase 2, at most 4 more: the host waits per pipeline piece, the 2- and 4-rank
-# collectives against plain torch, the codec's checks (its gpu tests; bytes, bits and GB/s at 1,
-# 8 and 64 MiB of each dtype: after the two others, so that numba's kernels, which it compares
-# with, have compiled where phase 2 runs alone on a fresh machine), and (as root) the lab shaped to 10 Gbit/s per rank (zipccl-netlab: one network namespace per
-# rank, NCCL's sockets on its veth) against torch's NCCL on the same ranks, under MPS.
+# collectives against plain torch, (as root) the lab shaped to 10 Gbit/s per rank
+# (zipccl-netlab: one network namespace per rank, NCCL's sockets on its veth; iproute2 from
+# gpu_tools/, `make gpu-tools`, where the machine has none) against torch's NCCL on the same
+# ranks under MPS, and the codec's checks last (its gpu tests, memcheck, then bytes, bits and
+# GB/s at 1, 8 and 64 MiB of each dtype: numba's kernels, which it compares with, have compiled
+# by then where phase 2 runs alone on a fresh machine).
 #
 # Every step is bounded by `timeout` (its limit: NAME_S, e.g. ENTRY_S=90) and by what is left of
 # its phase (232 s each, PHASE_S, so that both end within 8 minutes); the run goes on after a
@@ -50,6 +52,8 @@ py=${PYTHON:-python3}
 phase_s=${PHASE_S:-232}
 default_skip=${DEFAULT_SKIP-lab_reduce_scatter lab_all_gather shaped_reduce_scatter shaped_all_gather transport}
 skip=" $default_skip ${SKIP-} "
+# iproute2 for the shaped lab where the machine has none: the carried gpu_tools/ (bench/gpu_tools.sh)
+if ! command -v ip > /dev/null && [[ -x $PWD/gpu_tools/bin/ip ]]; then export PATH=$PWD/gpu_tools/bin:$PATH; fi
 data=
 for d in ${ZIPCCL_DATA:-} "$PWD/data" "$PWD/../shared/data"; do
     if [[ -f $d/grads_step050_bucket0_fp32.npy ]]; then data=$d/grads_step050_bucket0_fp32.npy; break; fi
@@ -67,15 +71,15 @@ export ZIPCCL_COMMIT=$commit
 # The steps: name, phase, limit (seconds), what runs (a function below). Phase 1's limits add up
 # to at most 4 minutes, phase 2's too, with room for MPS and the lab to start and stop.
 steps=(
-    "env 1 ${ENV_S:-15} run_env"
-    "compile 1 ${COMPILE_S:-35} run_compile"
-    "entry 1 ${ENTRY_S:-70} run_entry"
-    "killed 1 ${KILLED_S:-40} run_killed"
+    "env 1 ${ENV_S:-10} run_env"
+    "compile 1 ${COMPILE_S:-30} run_compile"
+    "entry 1 ${ENTRY_S:-85} run_entry"
+    "killed 1 ${KILLED_S:-47} run_killed"
     "lab_all_reduce_mps 1 ${LAB_MPS_S:-60} mps run_lab all_reduce _mps"
-    "syncs 2 ${SYNCS_S:-40} run_syncs"
-    "collectives 2 ${COLLECTIVES_S:-65} run_collectives"
-    "codec 2 ${CODEC_S:-55} run_codec"
+    "syncs 2 ${SYNCS_S:-35} run_syncs"
+    "collectives 2 ${COLLECTIVES_S:-55} run_collectives"
     "shaped_all_reduce 2 ${SHAPED_S:-60} mps run_shaped all_reduce"
+    "codec 2 ${CODEC_S:-82} run_codec"
     "shaped_reduce_scatter 2 ${SHAPED_S:-60} mps run_shaped reduce_scatter"
     "shaped_all_gather 2 ${SHAPED_S:-60} mps run_shaped all_gather"
     "lab_reduce_scatter 2 ${LAB_S:-40} run_lab reduce_scatter"
@@ -249,20 +253,21 @@ run_killed() { $gpu_suite -s tests/test_gpu_lab.py -k killed; }
 run_lab() { perf --collective "$1" -J "$out/lab_$1${2:-}.json"; }
 
 # The codec's checks: the gpu suite's codec tests (a cold first call under sync-debug "error", a
-# CUDA graph's round trip, no synchronising call), then bench/gpu_ab.py: bytes against the numba
-# encoder, bits back, wall and kernel time of encode and decode at 1, 8 and 64 MiB of bf16, fp16
-# and fp32 real gradients in Triton's 4096-element blocks, and at 8 MiB of bf16 in blocks of 256
-# and 1024 too (a lane walks a 256-symbol sub-stream at every size; the sizes of the programs and
-# of the index differ);
-# then the device operations and wall time of one 8 MiB call (bench/gpu_stages.py), and memcheck
-# (below). The cases
-# that matter most go first: each prints its line as it ends, so a step out of time keeps them.
+# CUDA graph's round trip, no synchronising call), memcheck (below), then bench/gpu_ab.py: bytes
+# against the numba encoder, bits back, wall and kernel time of encode and decode at 1, 8 and 64
+# MiB of bf16, fp16 and fp32 real gradients in Triton's 4096-element blocks, and at 8 MiB of bf16
+# in blocks of 256 and 1024 too (a lane walks a 256-symbol sub-stream at every size; the sizes of
+# the programs and of the index differ); then the device operations and wall time of one 8 MiB
+# call (bench/gpu_stages.py). The cases that matter most go first: each prints its line as it
+# ends, so a step out of time keeps them.
 AB_GRID=33554432:bf16,4194304:bf16,4194304:bf16:256,4194304:bf16:1024,33554432:fp16,4194304:fp16
 AB_GRID+=,16777216:fp32,2097152:fp32,524288:bf16,524288:fp16,262144:fp32
 run_codec() {
     wait_numba
     $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
     local rc=$?
+    run_memcheck
+    local rc3=$?
     ((dry)) && echo "# dry run: two small cases on CPU; on a GPU: --cases ${AB_CASES:-$AB_GRID}"
     $py bench/gpu_ab.py ${data:+--data "$data"} --label "$ZIPCCL_COMMIT" \
         --json "$out/codec_ab.json" \
@@ -270,8 +275,7 @@ run_codec() {
     local rc2=$?
     # Device operations per encode_into and decode_into, and each call's wall time (8 MiB of bf16).
     ((dry)) || timeout 20 $py bench/gpu_stages.py --numel 4194304 --repeat 3 ${data:+--data "$data"} | head -12
-    run_memcheck
-    return $((rc || rc2 || $?))
+    return $((rc || rc2 || rc3))
 }
 
 # compute-sanitizer's memcheck over the Triton decoder's decode_into of hostile packets (seeded

@@ -6,6 +6,7 @@ clock and zipccl-perf's lab. Skipped, with the reason, where CUDA is unavailable
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -458,6 +459,8 @@ def _killed(rank: int, n: int, port: int, results) -> None:
     start = time.perf_counter()
     if rank == VICTIM:
         threading.Timer(KILL_AFTER, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    else:  # a survivor still in the loop well after it should have raised: where each thread is
+        faulthandler.dump_traceback_later(KILL_AFTER + TIMEOUT + 6)
     try:
         while time.perf_counter() - start < 120:
             zipccl.all_reduce(x.clone(), codec="lossless")
@@ -465,6 +468,7 @@ def _killed(rank: int, n: int, port: int, results) -> None:
         outcome = ("ok", None, "")
     except Exception as e:  # noqa: BLE001 - reported to the test
         outcome = (type(e).__name__, getattr(e, "rank", None), str(e))
+    faulthandler.cancel_dump_traceback_later()
     results.put((rank, (*outcome, time.perf_counter() - start - KILL_AFTER)))
     results.close()
     results.join_thread()  # delivered before the hard exit below
