@@ -474,3 +474,54 @@ def test_the_status_round_leaves_after_the_calls_packets(monkeypatch):
     assert t.mail_stream.waited == ["bulk", "bulk", "the nodes' level's bulk"]
     t.abort()
     assert _Comm.aborted and t.comm is None and t.mail_comm is None
+
+
+class _Held:
+    """A communicator whose ncclCommAbort frees device memory: CUDA's free waits for every kernel
+    of the process, so its abort returns only once each communicator of ``kernels`` (whose kernels
+    wait on a dead peer) has had its own abort called, which ends them; else, after 3 s, it
+    reports the wait that would have lasted for good."""
+
+    def __init__(self, name: str, called: dict, kernels: tuple = ()):
+        self.name, self.called, self.kernels = name, called, kernels
+        called[name] = threading.Event()
+
+    def abort(self):
+        self.called[self.name].set()
+        if not all(self.called[k].wait(3) for k in self.kernels):
+            self.called.setdefault("held", []).append(self.name)
+
+
+class _Queue:
+    def __init__(self, idle: bool):
+        self.idle = idle
+
+    def query(self):
+        return self.idle
+
+
+def test_a_failed_call_aborts_every_busy_communicator_at_once(monkeypatch):
+    """A call that fails aborts its transport's two communicators and those of every other
+    transport with work on its streams (a hierarchical call's other level, here) all at once:
+    the bulk channel's abort frees memory, which waits for the kernels of its mail channel and of
+    the other level's channels, pending on the dead peer until their own aborts; one after another
+    it would wait for good. A transport with nothing pending is left alone."""
+    from zipccl.transport import cupy_nccl
+    from zipccl.transport.cupy_nccl import NcclTransport
+    monkeypatch.setattr(cupy_nccl, "_live", __import__("weakref").WeakSet())
+    called = {}
+
+    def transport(name: str, idle: bool, kernels: tuple = ()):
+        t = object.__new__(NcclTransport)
+        t.comm, t.mail_comm = _Held(f"{name} bulk", called, kernels), _Held(f"{name} mail", called)
+        t.stream, t.mail_stream = _Queue(idle), _Queue(True)
+        cupy_nccl._live.add(t)
+        return t
+
+    failing = transport("world", False, kernels=("world mail", "level mail", "level bulk"))
+    level, idle = transport("level", False), transport("idle", True)
+    start = time.monotonic()
+    failing.abort()
+    assert "held" not in called and time.monotonic() - start < 2, called
+    assert failing.comm is failing.mail_comm is level.comm is level.mail_comm is None
+    assert idle.comm is not None and not called["idle bulk"].is_set() and list(cupy_nccl._live) == [idle]

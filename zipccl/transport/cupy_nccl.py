@@ -31,10 +31,12 @@ these communicators exist only for the packets of plans that compress (zipccl.tr
 GPU-only beyond construction: what runs without a GPU (the bootstrap, its agreed error, the type
 and op tables) is tested in CI (tests/test_nccl.py); the rest is covered by the ``gpu`` suite
 (tests/test_nccl_gpu.py, tests/test_gpu_lab.py, docs/GPU.md), which needs a CUDA device: its
-collectives passed on 1, 2 and 4 ranks of one H100 (2026-11-26), several ranks sharing the GPU
-in the one-GPU lab (zipccl.launch.spawn(..., share_gpu=True), docs/GPU.md) on one channel; its
-killed-rank test hung there before the bounded device waits below. The mail channel has not run on
-a GPU yet (bench/gpu_check.sh runs it: tests/test_nccl_gpu.py::test_nccl_transport_mail_and_async_stream_rules).
+collectives passed on 1, 2 and 4 ranks of one H100 (2026-11-26) and, with the mail channel, of
+one H200 (2026-11-30), several ranks sharing the GPU in the one-GPU lab
+(zipccl.launch.spawn(..., share_gpu=True), docs/GPU.md). NCCL connects two ranks on a channel at
+their first send or receive, inside the host's group call, which returns once the peer has
+posted its side: zipccl's calls post both sides in one group. The killed-rank test's survivors
+gave no answer there (2026-11-30); aborts have run all at once (``_abort_all``) since.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import contextlib
 import json
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -77,12 +80,33 @@ class NcclError(ZipcclError, RuntimeError):
     anonymous = True
 
 
+#: How long an abort waits for NCCL's ncclCommAbort calls before it goes on without them.
+ABORT_S = 30.0
+
+#: The transports whose communicators are made and not aborted: one that fails aborts, with its
+#: own, those of every other whose streams still have work (``_abort``).
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
 def _abort_all(comms) -> None:
-    """ncclCommAbort on each communicator of ``comms`` (None: none made), whatever NCCL says."""
-    for comm in comms:
-        if comm is not None:
-            with contextlib.suppress(Exception):
-                comm.abort()
+    """ncclCommAbort on each communicator of ``comms`` (None: none made), whatever NCCL says, all
+    at once, one thread each, waiting at most ABORT_S for them. One after another could wait for
+    good: NCCL frees a communicator's device memory as it aborts it, CUDA's free waits for every
+    kernel of the process on the device, and a kernel of a communicator not yet aborted that
+    waits on a dead peer never ends; each abort sets its own communicator's flag, which ends its
+    kernels, before it frees."""
+    threads = [threading.Thread(target=_abort_one, args=(comm,), name="zipccl-nccl-abort", daemon=True)
+               for comm in comms if comm is not None]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + ABORT_S
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _abort_one(comm) -> None:
+    with contextlib.suppress(Exception):
+        comm.abort()
 
 
 def _made_word(error: Exception | None = None, lost: RankFailure | None = None) -> str:
@@ -234,6 +258,7 @@ class NcclTransport(Transport):
             self.comm, self.mail_comm = self._made(self.device, bulk, mail)
             self.stream = torch.cuda.Stream(self.device)
             self.mail_stream = torch.cuda.Stream(self.device)
+            _live.add(self)
         except RankFailure:
             raise
         except Exception as e:  # noqa: BLE001 - NcclError, CUDARuntimeError: every rank must hear of it
@@ -330,12 +355,28 @@ class NcclTransport(Transport):
             raise NcclError(f"zipccl: no NCCL communicator for this group of {self.size} ranks: rank(s) {failed} "
                             f"failed; rank {failed[0]}: {first} ({nccl_stack.detect()})")
 
-    def _abort(self) -> None:
-        comms, self.comm, self.mail_comm = (self.comm, self.mail_comm), None, None
+    def _abort(self, broken: bool = False) -> None:
+        """Abort this transport's communicators; where a call on them failed (``broken``: a rank
+        died or hung, and every group with it is broken), those of every other live transport
+        whose streams still have work too, all at once (``_abort_all``): a kernel of theirs pending
+        on a dead peer would hold this abort's frees for good. Their next use raises NcclError,
+        as this one's does. A making that failed has nothing pending: its own alone."""
+        _live.discard(self)
+        comms, self.comm, self.mail_comm = [self.comm, self.mail_comm], None, None
+        for other in list(_live) if broken else ():
+            if other.busy():
+                _live.discard(other)
+                comms += [other.comm, other.mail_comm]
+                other.comm, other.mail_comm = None, None
         _abort_all(comms)
 
+    def busy(self) -> bool:
+        """Whether this transport's streams hold work not yet done (queried, never waited for)."""
+        return any(not stream.query() for stream in (getattr(self, "stream", None), getattr(self, "mail_stream", None))
+                   if stream is not None)
+
     def _fail(self, e: Exception) -> NcclError:
-        self._abort()
+        self._abort(broken=True)
         return NcclError(f"NCCL failed on rank {self.global_rank(self.rank)}: {e}; the communicator is aborted")
 
     # ---- Transport --------------------------------------------------------------------------------------------
@@ -535,7 +576,7 @@ class NcclTransport(Transport):
     def abort(self) -> None:
         """End the communicators (ncclCommAbort): after a failure that broke the group, no operation
         of the call stays pending on the device."""
-        self._abort()
+        self._abort(broken=True)
 
     def all_to_all(self, send, send_splits, recv_splits):
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
