@@ -311,6 +311,25 @@ def test_all_to_all_on_cuda_is_checked_on_the_group_and_compresses_on_a_communic
     assert seen[-1] == "communicator"
 
 
+def test_all_to_all_auto_where_nothing_carries_packets_is_the_backends(gpu_group, monkeypatch):
+    """Across nodes, auto on CUDA tensors of a gloo group without the GPU extra (nothing can
+    carry zipccl's packets) is the backend's all-to-all, as auto's collectives are; an explicit
+    codec raises the install hint."""
+    group, seen = gpu_group
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(select.nccl_stack, "extra_installed", lambda: False)
+    monkeypatch.setattr(topology, "topology", lambda group=None: topology.Topology(((0, 1), (2, 3)), "test", "pcie"))
+    monkeypatch.setattr(zipccl.alltoall, "underneath", lambda group, device: None)
+    monkeypatch.setattr(zipccl.alltoall, "direct_group", lambda group: None)
+    monkeypatch.setattr(dist, "all_to_all_single", lambda out, inp, out_splits=None, in_splits=None, group=None,
+                        async_op=False: seen.append(("all_to_all", group, inp, None)) or _Work())
+    out, x = _on_gpu(1 << 20), _on_gpu(1 << 20)
+    zipccl.all_to_all_single(out, x, group=group)
+    assert [s[0] for s in seen] == ["all_to_all"] and seen[0][2] is x, seen
+    with pytest.raises(UnsupportedError, match=r"pip install 'zipccl\[cuda12\]'"):
+        zipccl.all_to_all_single(out, x, group=group, codec="lossless")
+
+
 def test_auto_over_a_slower_link_makes_the_communicator_for_its_compressing_plan(gpu_group, monkeypatch):
     """Where auto may compress (PCIe: native and lossless), its native plan makes nothing; the
     communicator comes with the first lossless plan, in the call that runs it."""
@@ -348,6 +367,36 @@ def test_point_to_point_of_cuda_tensors_never_goes_to_gloo(monkeypatch, backend,
             p2p._decide(codec, x, None, 1)
     else:
         assert p2p._decide(codec, x, None, 1) is {"plain": PLAIN, "native": NATIVE}[want]
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo", "zipccl"])
+def test_a_batchs_native_messages_go_to_the_backend_in_one_batch(monkeypatch, backend):
+    """Issued one by one on NCCL, a rank's receive and send to one peer queue on one stream, and
+    two ranks that each receive first wait for each other for good: a batch's native messages go
+    in one ``dist.batch_isend_irecv`` (NCCL's group call), each handle the batch's work (NCCL's
+    coalesced one); on the drop-in's group, whose batch would come back to zipccl, one by one."""
+    group, calls = object(), []
+    work = types.SimpleNamespace(wait=lambda timeout=None: True, is_completed=lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_group_rank", lambda group, rank: rank)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(topology, "publish_node", lambda: None)
+    monkeypatch.setattr(topology, "same_node", lambda group, peer: True)
+    monkeypatch.setattr(p2p, "underneath", lambda group, device: None)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, group=None, tag=0, group_peer=None: types.SimpleNamespace(
+        op=op, group=group, group_peer=group_peer))  # torch's checks the group is registered
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: calls.append(
+        [("send" if o.op is dist.isend else "recv", o.group is group, o.group_peer) for o in ops]) or [work])
+    monkeypatch.setattr(p2p, "_native_send", lambda op: calls.append(("send", op.peer)) or work)
+    monkeypatch.setattr(p2p, "_native_recv", lambda op: calls.append(("recv", op.peer)) or work)
+    handles = zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, torch.zeros(4), 1, group=group),
+                                        zipccl.P2POp(zipccl.isend, torch.ones(4), 1, group=group)])
+    if backend == "zipccl":
+        assert calls == [("recv", 1), ("send", 1)], calls
+    else:
+        assert calls == [[("recv", True, 1), ("send", True, 1)]], calls
+    assert all(h is work for h in handles)
 
 
 # ---- no CPU tensor on an NCCL group ----------------------------------------------------------------------------

@@ -3,11 +3,15 @@
 Shaped like torch.distributed's, plus ``codec``. Each message either goes to the backend's own
 send and receive ("native"), or is framed by zipccl (zipccl.collectives.p2p: a header with the
 sender's signature, then pipelined packets, the receiver's verdict back through the job's
-store). Both ends decide alike, from what both know: the codec argument, the dtype, the size
-and the link (zipccl.topology.same_node). codec="auto" is native for small messages (below
+store). Both ends decide alike, from what both know: the codec argument, the dtype, the size,
+the kind of device (both ends' tensors on CPU, or both on CUDA) and the link
+(zipccl.topology.same_node). codec="auto" is native for small messages (below
 zipccl.auto.PROBE_MIN_BYTES), for types no codec takes and inside a node, and lossless across
 nodes: a send cannot learn from its times as the collectives do, since its two ends would have
-to agree on them without talking (see docs/USAGE.md).
+to agree on them without talking (see docs/USAGE.md). Where the backend cannot carry the tensor
+(CUDA on gloo, whose send would read device memory as the host's), auto frames the plain bytes
+on zipccl's NCCL transport instead of going native (and needs the GPU extra, as any framing of
+CUDA tensors does).
 
 Order and progress, as NCCL's: a rank's messages to a peer match the peer's receives in issue
 order. A receive runs on zipccl's async thread, in issue order with zipccl's collectives, and
@@ -129,8 +133,8 @@ def _backend_takes(group, device: torch.device) -> bool:
 
 def _no_native(group, device: torch.device) -> UnsupportedError:
     return UnsupportedError(f"the group's backend ({dist.get_backend(group)}) cannot send or receive tensors on "
-                            f"{device}: use codec 'auto' or 'raw' (zipccl's NCCL transport), or a group of "
-                            "backend nccl")
+                            f"{device}: use a group of backend nccl, or codec 'auto' or 'raw' from a given peer "
+                            "(zipccl's NCCL transport, with the GPU extra installed)")
 
 
 def _decide(codec, x: torch.Tensor, group, peer: int):
@@ -495,10 +499,28 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
     for s in ops:  # a send from memory that a receive of the batch lands in sends what it held at the call
         if s.kind == "send" and any(overlaps(s.tensor, r.landing()) for r in receives):
             s.tensor = s.tensor.clone()
+    handles = _native_batch(ops)
     # the receives first: queued, they wait on the async thread while this thread encodes and posts
     # the sends (which never wait for them), so that this rank's decoding overlaps its encoding
-    handles = {id(op): _post_receive(op, True) for op in receives}
+    handles.update({id(op): _post_receive(op, True) for op in receives if id(op) not in handles})
     if len(handles) < len(ops):
         after_collectives()
-    handles.update({id(op): _send(op) for op in ops if op.kind == "send"})
+    handles.update({id(op): _send(op) for op in ops if op.kind == "send" and id(op) not in handles})
     return [handles[id(op)] for op in ops]
+
+
+def _native_batch(ops: list[_Op]) -> dict:
+    """The batch's messages that go to the backend's own send and receive, issued in one
+    ``dist.batch_isend_irecv`` (on NCCL one group call) where nothing is queued before them and
+    they share one group that is not the drop-in's (whose own batch comes back here): {id(op):
+    its work}; else none. Issued one by one on NCCL, a rank's receive and send to one peer queue
+    on one stream, and two ranks that each receive before they send wait for each other for good."""
+    native = [op for op in ops if op.plan is NATIVE]
+    if len(native) < 2 or not executor.idle() or any(op.group is not native[0].group for op in native) \
+            or dist.get_backend(native[0].group) == "zipccl":
+        return {}
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor,
+                                               group=op.group, tag=op.tag, group_peer=op.peer) for op in native])
+    if len(works) != len(native):  # NCCL's coalesced batch: one work for all of them
+        works = [works[0]] * len(native)
+    return {id(op): work for op, work in zip(native, works)}
