@@ -27,7 +27,7 @@ from .collectives.links import PLAIN, Links, per_peer
 from .collectives.metadata import Call, timed
 from .collectives.pipeline import plain
 from .collectives.resolve import AUTO, NATIVE, resolve_codec
-from .collectives.validation import _check_device, _check_tensor, finish, new_acc, overlaps
+from .collectives.validation import _check_device, _check_tensor, check_carrier, finish, new_acc, overlaps
 from .errors import UnsupportedError
 from .executor import run as _run
 from .failure import Fate
@@ -185,7 +185,7 @@ def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: b
         # the nodes, found on the group's first call (a collective: before any rank's error exchange)
         topo = topology.topology(group) if n > 1 else None
         nodes = len(topo.nodes) if topo is not None else 1
-        if codec == "auto" and (nodes == 1 or dtype not in DTYPE_CODES):
+        if codec == "auto" and (nodes == 1 or dtype not in DTYPE_CODES or not _carried(group, first)):
             if error is not None:  # the other ranks make the backend's call: fail as it does, here alone
                 raise error
             return _native(native, acc, Fate.of(_NAME, own), own)  # one node: every link outruns the codec
@@ -226,6 +226,18 @@ def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: b
         return finish(_NAME, out[0], acc)
 
     return _run(run, async_op, tensors)
+
+
+def _carried(group, first) -> bool:
+    """Whether a transport can carry zipccl's packets of the call's tensors (not CUDA tensors on
+    gloo without the GPU extra): the same on every rank. Where none can, auto is the backend's."""
+    if first is None:  # no tensor: the call's own checks raise
+        return True
+    try:
+        check_carrier(group, first.device)
+    except UnsupportedError:
+        return False
+    return True
 
 
 def _native(native, acc: dict, fate: Fate, t, record_it: bool = True):
