@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in two phases, on one GPU machine (docs/GPU.md, "How to run the GPU suite"):
-#   ZIPCCL_COMMIT=<commit> bash bench/gpu_check.sh [--phase 1|2|all] [--dry-run] [OUTDIR]    # OUTDIR: gpu_out
+#   ZIPCCL_COMMIT=<commit> bash bench/gpu_check.sh [--phase 1|2|all] [--dry-run|--plan] [OUTDIR]    # OUTDIR: gpu_out
 # Phase 1, at most 4 minutes: the stack's versions; Triton's kernels compiled (so that no rank
 # pays a cold compile inside a step's limit; numba's CPU kernels, minutes cold, compile in the
 # background meanwhile, for phase 2); every entry point on CUDA tensors on 4 ranks of the one-GPU
@@ -27,13 +27,15 @@
 # --dry-run: the same steps, bookkeeping, limits and files without CUDA: the pytest steps run
 # (every gpu test skips, naming CUDA; a selection that matches no test fails), the tables run on
 # 2 CPU ranks over gloo at 64 KiB, the shaped lab on gloo ranks (as root), no MPS daemon starts.
+# --plan: OUTDIR/plan.txt alone (the steps, their limits and each phase's sum), nothing run.
 set -u
-phase=all dry=0 out=
+phase=all dry=0 out= plan_only=0
 while (($#)); do
     case $1 in
         --phase) phase=$2; shift 2 ;;
         --phase=*) phase=${1#*=}; shift ;;
         --dry-run) dry=1; shift ;;
+        --plan) plan_only=1; shift ;;
         -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 0 ;;
         -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
         *) out=$1; shift ;;
@@ -68,18 +70,19 @@ fi
 export ZIPCCL_COMMIT=$commit
 : > "$out/steps.txt"
 
-# The steps: name, phase, limit (seconds), what runs (a function below). Phase 1's limits add up
-# to at most 4 minutes, phase 2's too, with room for MPS and the lab to start and stop.
+# The steps: name, phase, limit (seconds), what runs (a function below). Each phase's limits add
+# up to 220 s of its 232, leaving 12 for an MPS step's daemon to start and stop and the kills'
+# grace, so that every step gets its whole limit even where each one before it runs out.
 steps=(
     "env 1 ${ENV_S:-10} run_env"
-    "compile 1 ${COMPILE_S:-30} run_compile"
-    "entry 1 ${ENTRY_S:-85} run_entry"
+    "compile 1 ${COMPILE_S:-33} run_compile"
+    "entry 1 ${ENTRY_S:-80} run_entry"
     "killed 1 ${KILLED_S:-47} run_killed"
-    "lab_all_reduce_mps 1 ${LAB_MPS_S:-60} mps run_lab all_reduce _mps"
-    "syncs 2 ${SYNCS_S:-35} run_syncs"
-    "collectives 2 ${COLLECTIVES_S:-55} run_collectives"
+    "lab_all_reduce_mps 1 ${LAB_MPS_S:-50} mps run_lab all_reduce _mps"
+    "syncs 2 ${SYNCS_S:-30} run_syncs"
+    "collectives 2 ${COLLECTIVES_S:-52} run_collectives"
     "shaped_all_reduce 2 ${SHAPED_S:-60} mps run_shaped all_reduce"
-    "codec 2 ${CODEC_S:-82} run_codec"
+    "codec 2 ${CODEC_S:-78} run_codec"
     "shaped_reduce_scatter 2 ${SHAPED_S:-60} mps run_shaped reduce_scatter"
     "shaped_all_gather 2 ${SHAPED_S:-60} mps run_shaped all_gather"
     "lab_reduce_scatter 2 ${LAB_S:-40} run_lab reduce_scatter"
@@ -91,7 +94,7 @@ steps=(
 # whole suite, not for these picks, so CI is unset in them.
 # -v: each test's name and outcome as it ends, so that a step cut short still says which passed
 gpu_suite="env -u CI $py -m pytest -m gpu -v -rfEsxX -p no:cacheprovider"
-lab_sizes=(-b 64K -e 256M -f 4 -n 3 -w 1)
+lab_sizes=(-b 64K -e 256M -f "${LAB_FACTOR:-16}" -n 3 -w 1)  # 64 KiB, 1, 16 and 256 MiB (LAB_FACTOR=4: seven sizes)
 ((dry)) && lab_sizes=(-b 64K -e 64K -n 1 -w 0)
 
 # The one-GPU lab's zipccl-perf (4 ranks on cuda:0, each its own NCCL host; torch's NCCL table
@@ -359,6 +362,7 @@ declare -A spent=([1]=0 [2]=0)
         echo "# phase $p: limits add up to ${spent[$p]} s of its $phase_s s$over"
     done
 } | tee "$out/plan.txt"
+((plan_only)) && exit 0
 
 # step NAME PHASE LIMIT [mps] FUNCTION ARGS...: FUNCTION within LIMIT and what is left of the
 # phase, its output to OUTDIR/NAME.txt (and here) as it goes, its exit code and seconds to

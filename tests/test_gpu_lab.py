@@ -193,7 +193,8 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
 
     def all_to_all_and_point_to_point():
         """zipccl.all_to_all_single (equal splits; auto, then lossless) against the blocks each rank sends, then
-        zipccl.send / zipccl.recv between rank pairs (0-1, 2-3), auto (native here, one node)
+        zipccl.send / zipccl.recv between rank pairs (0-1, 2-3), auto (inside a node on this gloo
+        world: the plain bytes framed on zipccl's NCCL pair, never gloo's send of CUDA memory)
         and lossless both ways in one batch (each direction on the NcclPair of its two ranks
         alone), then 32 MiB both ways as a separate irecv and isend (more than NCCL buffers: on
         one stream for both directions the two ranks would block each other), bits differing."""
@@ -460,7 +461,7 @@ def _killed(rank: int, n: int, port: int, results) -> None:
     if rank == VICTIM:
         threading.Timer(KILL_AFTER, os.kill, (os.getpid(), signal.SIGKILL)).start()
     else:  # a survivor still in the loop well after it should have raised: where each thread is
-        faulthandler.dump_traceback_later(KILL_AFTER + TIMEOUT + 6)
+        faulthandler.dump_traceback_later(KILL_AFTER + TIMEOUT + 5.5)
     try:
         while time.perf_counter() - start < 120:
             zipccl.all_reduce(x.clone(), codec="lossless")
