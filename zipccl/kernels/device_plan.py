@@ -22,6 +22,8 @@ its one read at the end, instead of 8 bytes per block crossing to the host.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -181,16 +183,24 @@ class Scratch(NamedTuple):
 def scratch(nb: int, device: torch.device, parts: int = 1) -> Scratch:
     """One allocation (the caching allocator's: no device operation) carved into a Scratch for
     ``parts`` tensors of nb blocks each, the parts' rows one after the other."""
+    total, views = _carving(nb, parts)
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    return Scratch(*(buf[at:at + nbytes].view(dtype).view(shape) for at, nbytes, dtype, shape in views))
+
+
+@functools.lru_cache(maxsize=256)
+def _carving(nb: int, parts: int) -> tuple[int, tuple]:
+    """A Scratch's bytes in all and each view's (offset, bytes, dtype, shape), 8-byte aligned:
+    computed once per shape (a small call's host time is mostly bookkeeping)."""
     m = parts * nb
     shapes = [((m,), torch.int32), ((m, 2, NSYM), torch.int16), ((m, 4), torch.int16), ((m, 4), torch.int64),
               ((parts, 2, nb), torch.int64), ((parts, 2), torch.int64), ((parts,), torch.int64)]
-    sizes = [-(-int(np.prod(shape)) * dtype.itemsize // 8) * 8 for shape, dtype in shapes]  # 8-byte aligned views
-    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     views, at = [], 0
-    for (shape, dtype), size in zip(shapes, sizes):
-        views.append(buf[at:at + int(np.prod(shape)) * dtype.itemsize].view(dtype).view(shape))
-        at += size
-    return Scratch(*views)
+    for shape, dtype in shapes:
+        nbytes = math.prod(shape) * dtype.itemsize
+        views.append((at, nbytes, dtype, shape))
+        at += -(-nbytes // 8) * 8
+    return at, tuple(views)
 
 
 @dataclass
