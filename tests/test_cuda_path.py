@@ -369,12 +369,16 @@ def test_point_to_point_of_cuda_tensors_never_goes_to_gloo(monkeypatch, backend,
         assert p2p._decide(codec, x, None, 1) is {"plain": PLAIN, "native": NATIVE}[want]
 
 
-@pytest.mark.parametrize("backend", ["nccl", "gloo", "zipccl"])
-def test_a_batchs_native_messages_go_to_the_backend_in_one_batch(monkeypatch, backend):
-    """Issued one by one on NCCL, a rank's receive and send to one peer queue on one stream, and
-    two ranks that each receive first wait for each other for good: a batch's native messages go
-    in one ``dist.batch_isend_irecv`` (NCCL's group call), each handle the batch's work (NCCL's
-    coalesced one); on the drop-in's group, whose batch would come back to zipccl, one by one."""
+@pytest.mark.parametrize("backend, batches, ops", [
+    ("nccl", True, ("recv", "send")), ("nccl", True, ("send",)), ("gloo", False, ("recv", "send")),
+    ("zipccl", True, ("recv", "send"))])
+def test_a_batchs_native_messages_are_one_batch_where_the_backend_batches(monkeypatch, backend, batches, ops):
+    """Issued one by one on NCCL, a rank's receive and send to one peer queue on one stream (two
+    ranks that each receive first wait for good), and a message issued alone never matches one
+    batched by the peer (torch runs them on different communicators): where the backend batches,
+    a batch's native messages, even one, go in one ``dist.batch_isend_irecv``, each handle the
+    batch's work (NCCL's coalesced one); on gloo, and on the drop-in's group (whose batch would
+    come back to zipccl), one by one, receives first."""
     group, calls = object(), []
     work = types.SimpleNamespace(wait=lambda timeout=None: True, is_completed=lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
@@ -384,19 +388,21 @@ def test_a_batchs_native_messages_go_to_the_backend_in_one_batch(monkeypatch, ba
     monkeypatch.setattr(topology, "publish_node", lambda: None)
     monkeypatch.setattr(topology, "same_node", lambda group, peer: True)
     monkeypatch.setattr(p2p, "underneath", lambda group, device: None)
+    monkeypatch.setattr(p2p, "_batches", lambda group, device: batches)
     monkeypatch.setattr(dist, "P2POp", lambda op, tensor, group=None, tag=0, group_peer=None: types.SimpleNamespace(
         op=op, group=group, group_peer=group_peer))  # torch's checks the group is registered
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: calls.append(
         [("send" if o.op is dist.isend else "recv", o.group is group, o.group_peer) for o in ops]) or [work])
     monkeypatch.setattr(p2p, "_native_send", lambda op: calls.append(("send", op.peer)) or work)
     monkeypatch.setattr(p2p, "_native_recv", lambda op: calls.append(("recv", op.peer)) or work)
-    handles = zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, torch.zeros(4), 1, group=group),
-                                        zipccl.P2POp(zipccl.isend, torch.ones(4), 1, group=group)])
-    if backend == "zipccl":
-        assert calls == [("recv", 1), ("send", 1)], calls
+    make = {"recv": lambda: zipccl.P2POp(zipccl.irecv, torch.zeros(4), 1, group=group),
+            "send": lambda: zipccl.P2POp(zipccl.isend, torch.ones(4), 1, group=group)}
+    handles = zipccl.batch_isend_irecv([make[kind]() for kind in ops])
+    if backend == "nccl":
+        assert calls == [[(kind, True, 1) for kind in ops]], calls
     else:
-        assert calls == [[("recv", True, 1), ("send", True, 1)]], calls
-    assert all(h is work for h in handles)
+        assert calls == [(kind, 1) for kind in ops], calls
+    assert len(handles) == len(ops) and all(h is work for h in handles)
 
 
 # ---- no CPU tensor on an NCCL group ----------------------------------------------------------------------------

@@ -18,11 +18,13 @@ order. A receive runs on zipccl's async thread, in issue order with zipccl's col
 holds that queue until its message has come; a send never waits for its peer: it is encoded and
 posted on its direction's lane (a thread of its own, zipccl.executor.on_lane), after the
 collectives issued before it and the direction's earlier sends, and completes in ``wait()``.
-So ranks that send to each other never block each other, whether in one
-``batch_isend_irecv`` (whatever the list's order) or as separate isend and irecv calls. What
-does block: a blocking ``recv`` before the send its peer waits for (on any backend), and a
-collective issued between a receive and the send its peer waits for, on both ranks (the
-collective waits for the receive; docs/USAGE.md).
+So framed messages between ranks that send to each other never block each other, whether in
+one ``batch_isend_irecv`` (whatever the list's order) or as separate isend and irecv calls. The
+backend's own messages follow the backend's rules: on NCCL a batch's go in one batch of
+torch's (``batch_isend_irecv``), while separate isend and irecv calls to one peer share torch's
+NCCL stream, as with torch alone. What does block: a blocking ``recv`` before the send its peer
+waits for (on any backend), and a collective issued between a receive and the send its peer
+waits for, on both ranks (the collective waits for the receive; docs/USAGE.md).
 
 A framed message's transport is its direction's (``transport_for(..., pair=...)``), made by
 its two ranks alone with the first message in that direction, on the threads that issue it (the
@@ -484,7 +486,9 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
 def batch_isend_irecv(p2p_op_list: list) -> list:
     """Like ``dist.batch_isend_irecv``: the receives are queued, the sends posted on this thread,
     so the list's order never blocks it (two ranks may send to each other in one batch). Takes
-    zipccl's or torch's P2POp; returns one handle per operation."""
+    zipccl's or torch's P2POp; returns one handle per operation. On a backend that batches
+    (NCCL), the messages that go to it are one batch of torch's, as torch's call would make them,
+    issued once zipccl's calls before them have ended (``_coalesced``)."""
     if not p2p_op_list:
         raise ValueError("batch_isend_irecv needs at least one operation")
     ops = []
@@ -499,28 +503,43 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
     for s in ops:  # a send from memory that a receive of the batch lands in sends what it held at the call
         if s.kind == "send" and any(overlaps(s.tensor, r.landing()) for r in receives):
             s.tensor = s.tensor.clone()
-    handles = _native_batch(ops)
+    together = _coalesced(ops)
     # the receives first: queued, they wait on the async thread while this thread encodes and posts
     # the sends (which never wait for them), so that this rank's decoding overlaps its encoding
-    handles.update({id(op): _post_receive(op, True) for op in receives if id(op) not in handles})
+    handles = {id(op): _post_receive(op, True) for op in receives if op not in together}
     if len(handles) < len(ops):
         after_collectives()
-    handles.update({id(op): _send(op) for op in ops if op.kind == "send" and id(op) not in handles})
+    handles.update({id(op): _send(op) for op in ops if op.kind == "send" and op not in together})
+    if together:  # after the framed sends: a framed receive queued before them may wait for a peer's
+        executor.drain()  # zipccl's calls issued before these, in their order
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor,
+                                                   group=op.group, tag=op.tag, group_peer=op.peer) for op in together])
+        if len(works) != len(together):  # a coalesced batch: one work for all of them
+            works = [works[0]] * len(together)
+        handles.update({id(op): work for op, work in zip(together, works)})
     return [handles[id(op)] for op in ops]
 
 
-def _native_batch(ops: list[_Op]) -> dict:
-    """The batch's messages that go to the backend's own send and receive, issued in one
-    ``dist.batch_isend_irecv`` (on NCCL one group call) where nothing is queued before them and
-    they share one group that is not the drop-in's (whose own batch comes back here): {id(op):
-    its work}; else none. Issued one by one on NCCL, a rank's receive and send to one peer queue
-    on one stream, and two ranks that each receive before they send wait for each other for good."""
+def _coalesced(ops: list[_Op]) -> list[_Op]:
+    """The batch's messages that go to the backend's own send and receive, where its backend
+    batches them as one (NCCL's group call: ``batch_isend_irecv``'s coalescing) and they share
+    one group and device, as torch's would batch them: on one rank and its peers alike, whatever
+    the batch's length or zipccl's queue. Issued one by one instead, a rank's receive and send to
+    one peer would queue on one NCCL stream, where two ranks that each receive first wait for
+    good; and a batched message never matches one issued alone (torch runs them on different
+    communicators). None on the drop-in's group (its batch would come back here) or on gloo."""
     native = [op for op in ops if op.plan is NATIVE]
-    if len(native) < 2 or not executor.idle() or any(op.group is not native[0].group for op in native) \
-            or dist.get_backend(native[0].group) == "zipccl":
-        return {}
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor,
-                                               group=op.group, tag=op.tag, group_peer=op.peer) for op in native])
-    if len(works) != len(native):  # NCCL's coalesced batch: one work for all of them
-        works = [works[0]] * len(native)
-    return {id(op): work for op, work in zip(native, works)}
+    if not native or any(op.group is not native[0].group or op.tensor.device != native[0].tensor.device
+                         for op in native) or dist.get_backend(native[0].group) == "zipccl" \
+            or not _batches(native[0].group, native[0].tensor.device):
+        return []
+    return native
+
+
+def _batches(group, device: torch.device) -> bool:
+    """Whether the group's backend for ``device`` batches point-to-point messages (NCCL does)."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return type(pg) is dist.ProcessGroup and bool(pg._get_backend(device).supports_coalescing)
+    except (AttributeError, RuntimeError):  # no backend for that device
+        return False
