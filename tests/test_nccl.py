@@ -492,36 +492,27 @@ class _Held:
             self.called.setdefault("held", []).append(self.name)
 
 
-class _Queue:
-    def __init__(self, idle: bool):
-        self.idle = idle
-
-    def query(self):
-        return self.idle
-
-
-def test_a_failed_call_aborts_every_busy_communicator_at_once(monkeypatch):
-    """A call that fails aborts its transport's two communicators and those of every other
-    transport with work on its streams (a hierarchical call's other level, here) all at once:
-    the bulk channel's abort frees memory, which waits for the kernels of its mail channel and of
-    the other level's channels, pending on the dead peer until their own aborts; one after another
-    it would wait for good. A transport with nothing pending is left alone."""
+def test_a_broken_calls_communicators_are_aborted_at_once(monkeypatch):
+    """ncclCommAbort frees device memory, which waits for the kernels of every communicator not
+    yet aborted, and one pending on a dead peer ends only at its own abort: a transport that
+    fails aborts its two communicators at once, not one after another (here its bulk channel's
+    abort waits for the mail channel's kernels); a broken call aborts its levels' together, and
+    a level of another kind (gloo's) through its own abort()."""
     from zipccl.transport import cupy_nccl
     from zipccl.transport.cupy_nccl import NcclTransport
-    monkeypatch.setattr(cupy_nccl, "_live", __import__("weakref").WeakSet())
     called = {}
 
-    def transport(name: str, idle: bool, kernels: tuple = ()):
+    def transport(name: str, kernels: tuple = ()):
         t = object.__new__(NcclTransport)
         t.comm, t.mail_comm = _Held(f"{name} bulk", called, kernels), _Held(f"{name} mail", called)
-        t.stream, t.mail_stream = _Queue(idle), _Queue(True)
-        cupy_nccl._live.add(t)
         return t
 
-    failing = transport("world", False, kernels=("world mail", "level mail", "level bulk"))
-    level, idle = transport("level", False), transport("idle", True)
+    world = transport("world", kernels=("world mail",))
     start = time.monotonic()
-    failing.abort()
-    assert "held" not in called and time.monotonic() - start < 2, called
-    assert failing.comm is failing.mail_comm is level.comm is level.mail_comm is None
-    assert idle.comm is not None and not called["idle bulk"].is_set() and list(cupy_nccl._live) == [idle]
+    world.abort()
+    assert "held" not in called and time.monotonic() - start < 2 and world.comm is world.mail_comm is None, called
+    nodes, gloo = transport("nodes", kernels=("local bulk", "local mail")), types.SimpleNamespace(aborted=False)
+    gloo.abort = lambda: setattr(gloo, "aborted", True)
+    local = transport("local")
+    cupy_nccl.abort_together((nodes, gloo, local))
+    assert "held" not in called and gloo.aborted and nodes.comm is local.mail_comm is None, called

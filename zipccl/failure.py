@@ -38,6 +38,7 @@ from . import config
 from .errors import FormatError, RankFailure
 from .reference.packet import read_all
 from .transport import heartbeat
+from .transport.cupy_nccl import abort_together
 
 __all__ = ["Fate", "CORRUPT", "ENCODE", "DECODE", "SIZE", "REDUCE", "LOST", "MEMORY", "describe"]
 
@@ -314,8 +315,7 @@ class Fate:
             for value in heard:
                 self.heard(value)
         if self.first is not None and (self.lost or self.first[1] == LOST):
-            for u in (t, *others):  # the group is broken: no operation of the call stays pending (NCCL)
-                u.abort()
+            abort_together((t, *others))  # the group is broken: no operation of the call stays pending (NCCL)
         self.check()
 
     def check(self) -> None:

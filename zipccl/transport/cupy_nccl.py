@@ -46,7 +46,6 @@ import contextlib
 import json
 import threading
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,7 @@ from . import heartbeat, nccl_stack, store
 from .base import DeviceMail, Transport, wait_limit
 from .torch_dist import TorchTransport
 
-__all__ = ["NcclTransport", "NcclError"]
+__all__ = ["NcclTransport", "NcclError", "abort_together"]
 
 _transports: dict = {}
 atexit.register(_transports.clear)
@@ -83,11 +82,6 @@ class NcclError(ZipcclError, RuntimeError):
 #: How long an abort waits for NCCL's ncclCommAbort calls before it goes on without them.
 ABORT_S = 30.0
 
-#: The transports whose communicators are made and not aborted: one that fails aborts, with its
-#: own, those of every other whose streams still have work (``_abort``).
-_live: weakref.WeakSet = weakref.WeakSet()
-
-
 def _abort_all(comms) -> None:
     """ncclCommAbort on each communicator of ``comms`` (None: none made), whatever NCCL says, all
     at once, one thread each, waiting at most ABORT_S for them. One after another could wait for
@@ -107,6 +101,19 @@ def _abort_all(comms) -> None:
 def _abort_one(comm) -> None:
     with contextlib.suppress(Exception):
         comm.abort()
+
+
+def abort_together(transports) -> None:
+    """Abort the communicators of every NcclTransport of ``transports`` (a call's levels) in one
+    ``_abort_all``, and the others' ``abort()``: a level's kernels pending on a dead peer end only
+    when its own communicator is aborted, which one level after another would never reach."""
+    comms = []
+    for t in transports:
+        if isinstance(t, NcclTransport):
+            comms += t._detach()
+        else:
+            t.abort()
+    _abort_all(comms)
 
 
 def _made_word(error: Exception | None = None, lost: RankFailure | None = None) -> str:
@@ -258,7 +265,6 @@ class NcclTransport(Transport):
             self.comm, self.mail_comm = self._made(self.device, bulk, mail)
             self.stream = torch.cuda.Stream(self.device)
             self.mail_stream = torch.cuda.Stream(self.device)
-            _live.add(self)
         except RankFailure:
             raise
         except Exception as e:  # noqa: BLE001 - NcclError, CUDARuntimeError: every rank must hear of it
@@ -355,28 +361,16 @@ class NcclTransport(Transport):
             raise NcclError(f"zipccl: no NCCL communicator for this group of {self.size} ranks: rank(s) {failed} "
                             f"failed; rank {failed[0]}: {first} ({nccl_stack.detect()})")
 
-    def _abort(self, broken: bool = False) -> None:
-        """Abort this transport's communicators; where a call on them failed (``broken``: a rank
-        died or hung, and every group with it is broken), those of every other live transport
-        whose streams still have work too, all at once (``_abort_all``): a kernel of theirs pending
-        on a dead peer would hold this abort's frees for good. Their next use raises NcclError,
-        as this one's does. A making that failed has nothing pending: its own alone."""
-        _live.discard(self)
-        comms, self.comm, self.mail_comm = [self.comm, self.mail_comm], None, None
-        for other in list(_live) if broken else ():
-            if other.busy():
-                _live.discard(other)
-                comms += [other.comm, other.mail_comm]
-                other.comm, other.mail_comm = None, None
-        _abort_all(comms)
+    def _abort(self) -> None:
+        _abort_all(self._detach())
 
-    def busy(self) -> bool:
-        """Whether this transport's streams hold work not yet done (queried, never waited for)."""
-        return any(not stream.query() for stream in (getattr(self, "stream", None), getattr(self, "mail_stream", None))
-                   if stream is not None)
+    def _detach(self) -> list:
+        """This transport's communicators, taken off it (its next use raises NcclError)."""
+        comms, self.comm, self.mail_comm = [self.comm, self.mail_comm], None, None
+        return comms
 
     def _fail(self, e: Exception) -> NcclError:
-        self._abort(broken=True)
+        self._abort()
         return NcclError(f"NCCL failed on rank {self.global_rank(self.rank)}: {e}; the communicator is aborted")
 
     # ---- Transport --------------------------------------------------------------------------------------------
@@ -576,7 +570,7 @@ class NcclTransport(Transport):
     def abort(self) -> None:
         """End the communicators (ncclCommAbort): after a failure that broke the group, no operation
         of the call stays pending on the device."""
-        self._abort(broken=True)
+        self._abort()
 
     def all_to_all(self, send, send_splits, recv_splits):
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
