@@ -71,8 +71,9 @@ export ZIPCCL_COMMIT=$commit
 : > "$out/steps.txt"
 
 # The steps: name, phase, limit (seconds), what runs (a function below). Each phase's limits add
-# up to 220 s of its 232, leaving 12 for an MPS step's daemon to start and stop and the kills'
-# grace, so that every step gets its whole limit even where each one before it runs out.
+# up to 220 s of its 232, leaving 12 for an MPS step's daemon to start and stop, so that a step
+# gets its whole limit where the ones before it end within theirs (one killed at its limit takes
+# up to 2 s more).
 steps=(
     "env 1 ${ENV_S:-10} run_env"
     "compile 1 ${COMPILE_S:-33} run_compile"

@@ -5,7 +5,7 @@
 # bench/gpu_check.sh puts gpu_tools/bin on its PATH where `ip` is missing. Nothing is installed,
 # here or there. The wrappers give the loader the libraries' folders for `ip` and `tc` alone
 # (ld.so --library-path, not LD_LIBRARY_PATH), so that what `ip netns exec` starts (the lab's
-# ranks) loads the machine's own.
+# ranks) loads the machine's own. x86-64 (amd64) machines: the packages' and the loader's.
 #   bash bench/gpu_tools.sh [DIR]    # DIR: gpu_tools
 set -eu
 dir=$(realpath -m "${1:-gpu_tools}")

@@ -92,10 +92,11 @@ def test_dry_run_of_both_phases(tmp_path):
         assert (out / "shaped_all_reduce.json").exists()
 
 
-def test_the_default_plan_leaves_every_step_its_whole_limit(tmp_path):
+def test_the_default_plan_leaves_room_for_the_mps_daemon(tmp_path):
     """--plan writes the plan alone: each phase's default limits add up to at most 220 s of its
-    232, the 12 s left for an MPS step's daemon and the kills' grace, so that no step is cut short
-    by the ones before it running out; nothing runs (no steps.txt line, no step's file)."""
+    232, the 12 s left for an MPS step's daemon to start and stop, so that a step gets its whole
+    limit where the ones before it end within theirs; nothing runs (no steps.txt line, no step's
+    file)."""
     out = tmp_path / "plan"
     r = subprocess.run(["bash", "bench/gpu_check.sh", "--plan", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=60, env={k: v for k, v in os.environ.items() if not k.endswith("_S")})
