@@ -370,16 +370,16 @@ def test_point_to_point_of_cuda_tensors_never_goes_to_gloo(monkeypatch, backend,
 
 
 @pytest.mark.parametrize("backend, batches, ops", [
-    ("nccl", True, ("recv", "send")), ("nccl", True, ("send",)), ("gloo", False, ("recv", "send")),
-    ("zipccl", True, ("recv", "send"))])
+    ("nccl", True, ("recv", "send")), ("nccl", True, ("send",)), ("nccl", True, ("recv", "send", "other send")),
+    ("gloo", False, ("recv", "send")), ("zipccl", True, ("recv", "send"))])
 def test_a_batchs_native_messages_are_one_batch_where_the_backend_batches(monkeypatch, backend, batches, ops):
     """Issued one by one on NCCL, a rank's receive and send to one peer queue on one stream (two
     ranks that each receive first wait for good), and a message issued alone never matches one
     batched by the peer (torch runs them on different communicators): where the backend batches,
-    a batch's native messages, even one, go in one ``dist.batch_isend_irecv``, each handle the
-    batch's work (NCCL's coalesced one); on gloo, and on the drop-in's group (whose batch would
-    come back to zipccl), one by one, receives first."""
-    group, calls = object(), []
+    a batch's native messages, even one, go in one ``dist.batch_isend_irecv`` per group, each
+    handle its batch's work (NCCL's coalesced one); on gloo, and on the drop-in's group (whose
+    batch would come back to zipccl), one by one, receives first."""
+    group, other, calls = object(), object(), []
     work = types.SimpleNamespace(wait=lambda timeout=None: True, is_completed=lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_group_rank", lambda group, rank: rank)
@@ -396,10 +396,12 @@ def test_a_batchs_native_messages_are_one_batch_where_the_backend_batches(monkey
     monkeypatch.setattr(p2p, "_native_send", lambda op: calls.append(("send", op.peer)) or work)
     monkeypatch.setattr(p2p, "_native_recv", lambda op: calls.append(("recv", op.peer)) or work)
     make = {"recv": lambda: zipccl.P2POp(zipccl.irecv, torch.zeros(4), 1, group=group),
-            "send": lambda: zipccl.P2POp(zipccl.isend, torch.ones(4), 1, group=group)}
+            "send": lambda: zipccl.P2POp(zipccl.isend, torch.ones(4), 1, group=group),
+            "other send": lambda: zipccl.P2POp(zipccl.isend, torch.ones(4), 1, group=other)}
     handles = zipccl.batch_isend_irecv([make[kind]() for kind in ops])
     if backend == "nccl":
-        assert calls == [[(kind, True, 1) for kind in ops]], calls
+        mine = [(kind, True, 1) for kind in ops if kind != "other send"]
+        assert calls == [mine] + [[("send", False, 1)]] * ("other send" in ops), calls
     else:
         assert calls == [(kind, 1) for kind in ops], calls
     assert len(handles) == len(ops) and all(h is work for h in handles)

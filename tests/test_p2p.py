@@ -260,6 +260,38 @@ def test_a_directions_transport_is_made_on_the_thread_that_issues_it(pool):
     assert res[1] == (True, [(0, 1, "zipccl-async"), (1, 0, "zipccl-lane")]), res
 
 
+def _batched_beside_framed(rank, groups):
+    """Rank 0 batches a framed receive from rank 1 with a message for rank 1 that goes to the
+    backend as one batch of torch's (as on NCCL; here gloo's, made to batch); rank 1 takes that
+    message first, then sends the framed one. The batch of torch's is issued without waiting for
+    the batch's own framed receive, which waits for rank 1, which waits for it."""
+    from zipccl import p2p
+    real, p2p._batches = p2p._batches, lambda group, device: True
+    try:
+        if rank > 1:
+            return None
+        x = torch.arange(1000, dtype=torch.float32)
+        if rank == 0:
+            got = torch.empty_like(x)
+            handles = zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, got, 1, codec="raw"),
+                                                zipccl.P2POp(zipccl.isend, x, 1, codec="native")])
+            for h in handles:
+                h.wait()
+            return "ok" if torch.equal(got, x * 2) else "wrong values"
+        got = torch.empty_like(x)
+        for h in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, got, 0, codec="native")]):
+            h.wait()
+        zipccl.send(got * 2, 0, codec="raw")
+        return "ok" if torch.equal(got, x) else "wrong values"
+    finally:
+        p2p._batches = real
+
+
+def test_a_batch_of_torchs_never_waits_for_the_batchs_framed_receives(pool):
+    res = pool.run(_batched_beside_framed, timeout=60)
+    assert res == ["ok", "ok", None, None], res
+
+
 def test_an_isend_before_an_irecv_on_both_ends_completes(pool):
     """Two ranks that each isend, then irecv: the sends' transports are made off the caller's
     thread, so neither waits in its isend for the other's irecv."""

@@ -192,7 +192,10 @@ def _group_name(group) -> str:
 def after_collectives() -> None:
     """Wait for the async calls queued before now, except receives: a send may pass those
     (they only post receives, so no peer's order of messages changes), never a collective; nor
-    may a collective that the drop-in passes to the backend underneath (zipccl.backend)."""
+    may a collective that the drop-in passes to the backend underneath (zipccl.backend). At once
+    on zipccl's own threads, which run the queue in order (waiting there would wait for itself)."""
+    if executor.ours():
+        return
     h = executor.last()
     while h is not None and not h.is_completed():
         before = _receives.get(h, _receives)
@@ -488,7 +491,7 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
     so the list's order never blocks it (two ranks may send to each other in one batch). Takes
     zipccl's or torch's P2POp; returns one handle per operation. On a backend that batches
     (NCCL), the messages that go to it are one batch of torch's, as torch's call would make them,
-    issued once zipccl's calls before them have ended (``_coalesced``)."""
+    issued once zipccl's collectives before them have ended (``_coalesced``)."""
     if not p2p_op_list:
         raise ValueError("batch_isend_irecv needs at least one operation")
     ops = []
@@ -504,36 +507,37 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
         if s.kind == "send" and any(overlaps(s.tensor, r.landing()) for r in receives):
             s.tensor = s.tensor.clone()
     together = _coalesced(ops)
+    batched = {id(op) for batch in together for op in batch}
     # the receives first: queued, they wait on the async thread while this thread encodes and posts
     # the sends (which never wait for them), so that this rank's decoding overlaps its encoding
-    handles = {id(op): _post_receive(op, True) for op in receives if op not in together}
+    handles = {id(op): _post_receive(op, True) for op in receives if id(op) not in batched}
     if len(handles) < len(ops):
         after_collectives()
-    handles.update({id(op): _send(op) for op in ops if op.kind == "send" and op not in together})
-    if together:  # after the framed sends: a framed receive queued before them may wait for a peer's
-        executor.drain()  # zipccl's calls issued before these, in their order
+    handles.update({id(op): _send(op) for op in ops if op.kind == "send" and id(op) not in batched})
+    for batch in together:  # after the collectives queued before (after_collectives), as the sends
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor,
-                                                   group=op.group, tag=op.tag, group_peer=op.peer) for op in together])
-        if len(works) != len(together):  # a coalesced batch: one work for all of them
-            works = [works[0]] * len(together)
-        handles.update({id(op): work for op, work in zip(together, works)})
+                                                   group=op.group, tag=op.tag, group_peer=op.peer) for op in batch])
+        if len(works) != len(batch):  # a coalesced batch: one work for all of them
+            works = [works[0]] * len(batch)
+        handles.update({id(op): work for op, work in zip(batch, works)})
     return [handles[id(op)] for op in ops]
 
 
-def _coalesced(ops: list[_Op]) -> list[_Op]:
-    """The batch's messages that go to the backend's own send and receive, where its backend
-    batches them as one (NCCL's group call: ``batch_isend_irecv``'s coalescing) and they share
-    one group and device, as torch's would batch them: on one rank and its peers alike, whatever
-    the batch's length or zipccl's queue. Issued one by one instead, a rank's receive and send to
-    one peer would queue on one NCCL stream, where two ranks that each receive first wait for
-    good; and a batched message never matches one issued alone (torch runs them on different
-    communicators). None on the drop-in's group (its batch would come back here) or on gloo."""
-    native = [op for op in ops if op.plan is NATIVE]
-    if not native or any(op.group is not native[0].group or op.tensor.device != native[0].tensor.device
-                         for op in native) or dist.get_backend(native[0].group) == "zipccl" \
-            or not _batches(native[0].group, native[0].tensor.device):
-        return []
-    return native
+def _coalesced(ops: list[_Op]) -> list[list[_Op]]:
+    """The batch's messages that go to the backend's own send and receive where its backend
+    batches them (NCCL's group call: ``batch_isend_irecv``'s coalescing), one batch of torch's
+    per group and device, as torch's call would batch them: decided per message, on its two ends
+    alike, whatever else the batch holds or zipccl's queue. Issued one by one instead, a rank's
+    receive and send to one peer would queue on one NCCL stream, where two ranks that each
+    receive first wait for good; and a batched message never matches one issued alone (torch
+    runs them on different communicators). None on the drop-in's group (its batch would come
+    back here) or on gloo."""
+    batches: dict = {}
+    for op in ops:
+        if op.plan is NATIVE and dist.get_backend(op.group) != "zipccl" and _batches(op.group, op.tensor.device):
+            key = (op.group if op.group is not None else dist.group.WORLD, op.tensor.device)
+            batches.setdefault(key, []).append(op)
+    return list(batches.values())
 
 
 def _batches(group, device: torch.device) -> bool:
