@@ -516,3 +516,28 @@ def test_a_broken_calls_communicators_are_aborted_at_once(monkeypatch):
     local = transport("local")
     cupy_nccl.abort_together((nodes, gloo, local))
     assert "held" not in called and gloo.aborted and nodes.comm is local.mail_comm is None, called
+
+
+def test_a_status_round_that_gives_up_aborts_the_levels_it_waited_for():
+    """The status round's mails wait for the call's levels (``fence``): where a mail never comes,
+    the transport aborts those levels with itself, at once, since its abort waits for their
+    kernels pending on the dead peer; a later call's round (no levels) aborts itself alone."""
+    from zipccl.transport.cupy_nccl import NcclError, NcclTransport
+    called, made = {}, []
+
+    def transport(name: str, kernels: tuple = ()):
+        t = object.__new__(NcclTransport)
+        t.comm, t.mail_comm = _Held(f"{name} bulk", called, kernels), _Held(f"{name} mail", called)
+        t.rank, t._ranks, t.stream = 0, [0, 1], f"{name}'s stream"
+        t.mail_stream = types.SimpleNamespace(wait_stream=lambda stream: None)
+        made.append(t)
+        return t
+
+    group, level = transport("group", kernels=("level bulk",)), transport("level")
+    group.fence(group, level)
+    assert isinstance(group._fail(TimeoutError("no progress")), NcclError)
+    assert "held" not in called and group.comm is level.comm is level.mail_comm is None, called
+    alone, other = transport("alone"), transport("other")
+    alone.fence()
+    alone._fail(TimeoutError("no progress"))
+    assert alone.comm is None and other.comm is not None

@@ -154,6 +154,7 @@ class NcclTransport(Transport):
     loose_receives = False
     tags = False
     _without_ids = "rank 0 could not load NCCL"  # why the shared ids are zeros
+    _fenced: tuple = ()  # the other transports the call's status round waits for (``fence``)
 
     @classmethod
     def of(cls, group=None) -> "NcclTransport":
@@ -370,7 +371,7 @@ class NcclTransport(Transport):
         return comms
 
     def _fail(self, e: Exception) -> NcclError:
-        self._abort()
+        abort_together((self, *self._fenced))  # with the levels its mails wait for (``fence``)
         return NcclError(f"NCCL failed on rank {self.global_rank(self.rank)}: {e}; the communicator is aborted")
 
     # ---- Transport --------------------------------------------------------------------------------------------
@@ -559,7 +560,10 @@ class NcclTransport(Transport):
     def fence(self, *others) -> None:
         """The mail stream waits for the bulk stream's operations so far, and for those of the
         ``others`` that have streams (a hierarchical call's levels): the status round's mails leave
-        after the call's packets (a peer that has this rank's status has its packets)."""
+        after the call's packets (a peer that has this rank's status has its packets). A mail that
+        never comes then aborts those levels with this transport (``_fail``): a level's kernel
+        pending on a dead peer would hold this one's abort for good."""
+        self._fenced = tuple(other for other in others if other is not self)
         if self.comm is not None:
             self.mail_stream.wait_stream(self.stream)
             for other in others:
