@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -519,6 +520,24 @@ def _late_receiver(rank, groups):
 def test_a_sends_wait_honours_its_timeout(pool):
     res = pool.run(_late_receiver, timeout=60)
     assert res[1] is True and res[0][1] is True and isinstance(res[0][0], float) and 0.3 <= res[0][0] < 1.2, res
+
+
+def test_a_send_waits_for_queued_collectives_on_a_lane_and_not_on_the_queues_own_thread():
+    """after_collectives (before a send, or a batch's messages for the backend): on a lane (a
+    callback chained on a send's future, say) it waits for the collective queued before, which
+    the ranks must issue in one order; on the thread that runs the queue it returns at once
+    (waiting there would wait for itself)."""
+    from zipccl import executor, p2p
+    release = threading.Event()
+    collective = executor.submit(lambda: release.wait(10))
+    on_lane = executor.on_lane(("test", "after_collectives"), p2p.after_collectives)
+    time.sleep(0.3)
+    assert not on_lane.is_completed()  # behind the collective
+    release.set()
+    on_lane.wait(timeout=10)
+    assert collective.is_completed()
+    queued = executor.submit(lambda: p2p.after_collectives() or "returned")
+    assert queued.wait(timeout=10) and queued.get_future().value() == "returned"
 
 
 def test_a_timed_wait_never_waits_on_the_send_completing_behind_it(monkeypatch):

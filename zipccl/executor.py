@@ -165,8 +165,13 @@ def drain() -> None:
     handles): the collectives underneath must run in the order of issue. At once on the worker
     thread, which runs them."""
     last = _last
-    if last is not None and threading.current_thread() is not _worker_thread:
+    if last is not None and not running_queue():
         last._done.wait()
+
+
+def running_queue() -> bool:
+    """Whether this thread is the one that runs the async calls in order (not a lane's)."""
+    return threading.current_thread() is _worker_thread
 
 
 def idle() -> bool:

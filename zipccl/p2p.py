@@ -193,8 +193,8 @@ def after_collectives() -> None:
     """Wait for the async calls queued before now, except receives: a send may pass those
     (they only post receives, so no peer's order of messages changes), never a collective; nor
     may a collective that the drop-in passes to the backend underneath (zipccl.backend). At once
-    on zipccl's own threads, which run the queue in order (waiting there would wait for itself)."""
-    if executor.ours():
+    on the thread that runs the async calls in order (waiting there would wait for itself)."""
+    if executor.running_queue():
         return
     h = executor.last()
     while h is not None and not h.is_completed():
