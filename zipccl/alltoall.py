@@ -178,17 +178,15 @@ def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: b
 
     def run():
         acc = new_acc()
-        if codec == "native" or codec is NATIVE:  # the backend's call alone, with its own checks
-            if error is not None:
-                raise error
-            return _native(native, acc, Fate.of(_NAME, own), own)
+        alone = codec == "native" or codec is NATIVE  # the backend's call alone, with its own checks
         # the nodes, found on the group's first call (a collective: before any rank's error exchange)
-        topo = topology.topology(group) if n > 1 else None
+        topo = topology.topology(group) if n > 1 and not alone else None
         nodes = len(topo.nodes) if topo is not None else 1
-        if codec == "auto" and (nodes == 1 or dtype not in DTYPE_CODES or not _carried(group, first)):
+        # auto on one node: every link outruns the codec
+        if alone or (codec == "auto" and (nodes == 1 or dtype not in DTYPE_CODES or not _carried(group, first))):
             if error is not None:  # the other ranks make the backend's call: fail as it does, here alone
                 raise error
-            return _native(native, acc, Fate.of(_NAME, own), own)  # one node: every link outruns the codec
+            return _native(native, acc, Fate.of(_NAME, own), own)
         # zipccl's packets (or auto's choice among them and the backend's call): on CUDA tensors
         # NCCL's communicators, made here, in the same call on every rank
         t = transport_for(group, first.device if first is not None else None)
