@@ -278,7 +278,7 @@ run_codec() {
         $( ((dry)) && echo --device cpu --cases 512:bf16,512:bf16:256 --repeat 1 || echo --cases "${AB_CASES:-$AB_GRID}")
     local rc2=$?
     # Device operations per encode_into and decode_into, and each call's wall time (8 MiB of bf16).
-    ((dry)) || timeout 20 $py bench/gpu_stages.py --numel 4194304 --repeat 3 ${data:+--data "$data"} | head -12
+    ((dry)) || timeout 20 $py bench/gpu_stages.py --numel 4194304 --repeat 3 ${data:+--data "$data"} | head -90
     return $((rc || rc2 || rc3))
 }
 

@@ -3,16 +3,21 @@ gradient tensor, kernels against host work (planning, the histogram read, launch
 
     python bench/gpu_stages.py [--numel N] [--dtype bf16] [--data FILE]
 
-Prints the card, the wall time per call, the wall time of the bookkeeping steps (the packet plan
-and the packet's validation: torch operations, small reads and host code
-between kernels, timed by wrapping them) and the profiler's
-table (device time per kernel and copy, host time per operator), sorted by device time. Needs a
-CUDA device.
+Prints the card; the device operations per ``encode_into`` and ``decode_into``; the host's
+time per call of each, unsynchronised and without a profiler (what a pipeline pays to issue a
+call while the device works on the one before), and the host functions that take it
+(cProfile's own time per call); the wall time per synchronised call; the wall time of the
+bookkeeping steps (the packet plan and the packet's validation, timed by wrapping them) per call
+that makes them; and the profiler's table (device time per kernel and copy, host time per
+operator), sorted by device time. Needs a CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 from pathlib import Path
 
@@ -28,8 +33,34 @@ from zipccl.codecs import Lossless
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def _host_time(fn, calls: int = 200) -> float:
+    """Seconds of host time per call of ``fn``, issued back to back without a synchronisation
+    (the device queue drained first and after; the caching allocator's blocks reused)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    spent = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return spent / calls
+
+
+def _host_profile(fn, calls: int = 200, rows: int = 14) -> str:
+    """cProfile's table of the host functions under ``fn``, by their own time (tottime)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(rows)
+    return f"# cProfile over {calls} calls (seconds in all):\n" + text.getvalue().split("\n", 4)[-1]
+
+
 def _timed_host_steps() -> dict:
-    """Wrap the GPU codec's host steps so that each call's time adds up per step."""
+    """Wrap the GPU codec's host steps so that each call's time and calls add up per step."""
     spent = {}
 
     def wrap(module, name):
@@ -41,7 +72,8 @@ def _timed_host_steps() -> dict:
                 return fn(*args, **kwargs)
             finally:
                 key = f"{module.__name__}.{name}"
-                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
+                total, calls = spent.get(key, (0.0, 0))
+                spent[key] = (total + time.perf_counter() - t, calls + 1)
         setattr(module, name, timed)
 
     for module, name in ((device_plan, "plan"), (codecs, "parse_lossless")):
@@ -77,6 +109,9 @@ def main() -> None:
     packet = buf[:int(size)]
     print(f"# device operations per call: encode_into {_device_operations(lambda: z.encode_into(x, buf))}, "
           f"decode_into {_device_operations(lambda: z.decode_into(packet, out))}")
+    for name, fn in (("encode_into", lambda: z.encode_into(x, buf)), ("decode_into", lambda: z.decode_into(packet, out))):
+        print(f"# host time per {name}, unsynchronised, no profiler: {_host_time(fn) * 1e6:.0f} us")
+        print(_host_profile(fn))
     spent = _timed_host_steps()
     walls = {"encode": [], "decode": [], "encode_into": [], "decode_into": []}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -104,8 +139,8 @@ def main() -> None:
     for k, v in walls.items():
         m = float(np.median(v))
         print(f"# {k}: median {m * 1e3:.3f} ms per call, {nbytes / m / 1e9:.1f} GB/s of input")
-    for k, v in spent.items():
-        print(f"# step {k}: {v / args.repeat * 1e3:.3f} ms per call (wall)")
+    for k, (total, calls) in spent.items():
+        print(f"# step {k}: {total / calls * 1e3:.3f} ms per call (wall, under the profiler; {calls} calls)")
     for key in ("self_device_time_total", "self_cuda_time_total"):
         try:
             print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=48))

@@ -444,7 +444,7 @@ def test_a_pending_mail_times_out_within_the_bound(monkeypatch, setting):
     start = time.monotonic()
     with pytest.raises(NcclError, match="no progress within 0.3 s") as e:
         t.wait(work)
-    assert 0.3 <= time.monotonic() - start < 3
+    assert 0.3 <= time.monotonic() - start < 10  # 0.31 s alone; 3.1 s once on a 2-core host under the suite
     assert e.value.timed_out and e.value.anonymous and _Comm.aborted and t.comm is None and not stream.waited
 
 

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from ..bank import BANK, BANK_SIZE
-from ..format import HEADER_SIZE, INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, SYM_ZERO, FloatLayout, prefix_sizes
+from ..format import (HEADER_SIZE, INDEX_ENTRY, LAYOUTS, NSYM, RAW_BLOCK, SYM_ZERO, FloatLayout, num_blocks,
+                      prefix_sizes)
 from ..reference import tables as T
 from ..reference.packet import to_device, to_host
 from ..reference.plan import _encoder_codes
@@ -233,7 +234,7 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
     work = scratch(nb, dev, parts) if work is None else work
     entries, index_stride = (work.entries, 4 * nb) if index is None else (index, slot // 2)
     if nb:
-        _choose[(triton.cdiv(nb, TILE), parts)](
+        _choose[(num_blocks(nb, TILE), parts)](
             sampled, exact, sampled.stride(0), ref, bits, entries, index_stride, work.blocks, work.lens, nb, numel,
             BS=block_size, NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=layout.rest_bytes,
             SIDE_BITS=layout.side_bits, ITEMSIZE=layout.itemsize, TILE=TILE)

@@ -720,7 +720,7 @@ def _span(nb: int, bs: int) -> int:
     per element, at most DECODE_SCRATCH elements' worth at a time, so that a large packet does
     not need a second output's memory. A multiple of a program's blocks."""
     per = lanes(bs)[1]
-    return min(per * max(1, DECODE_SCRATCH // (bs * per)), triton.cdiv(nb, per) * per)
+    return min(per * max(1, DECODE_SCRATCH // (bs * per)), num_blocks(nb, per) * per)
 
 
 def _scratch_words(nb: int, bs: int) -> int:
@@ -759,7 +759,7 @@ def _decode_blocks(stream: torch.Tensor, packet: torch.Tensor, ix: device_plan.I
     counts = scratch[codes // 4:].view(torch.int32)[:count * span * max(1, substreams(bs)) * COUNT_ROWS]
     for first in range(0, nb, span):
         coded = ix.order[first:first + span]
-        programs = triton.cdiv(len(coded), per)
+        programs = num_blocks(len(coded), per)
         _decode_symbols[(programs, count)](
             words, nwords, packet, symbols, counts, coded, ix.meta, first, span, n, ix.rows, stride, luts, err, table,
             part_words, err_stride, BS=bs, LANES=width, CHUNK=JOIN_CHUNK, EBITS=layout.ebits,
