@@ -52,7 +52,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TRITON_INTERPRET=$dry  # compiled on the GPU; the dry run's Triton codec on CPU tensors, interpreted
 py=${PYTHON:-python3}
 phase_s=${PHASE_S:-232}
-default_skip=${DEFAULT_SKIP-lab_reduce_scatter lab_all_gather shaped_reduce_scatter shaped_all_gather transport}
+default_skip=${DEFAULT_SKIP-lab_reduce_scatter lab_all_gather shaped_reduce_scatter shaped_all_gather transport call_profile}
 skip=" $default_skip ${SKIP-} "
 # iproute2 for the shaped lab where the machine has none: the carried gpu_tools/ (bench/gpu_tools.sh)
 if ! command -v ip > /dev/null && [[ -x $PWD/gpu_tools/bin/ip ]]; then export PATH=$PWD/gpu_tools/bin:$PATH; fi
@@ -89,6 +89,7 @@ steps=(
     "lab_reduce_scatter 2 ${LAB_S:-40} run_lab reduce_scatter"
     "lab_all_gather 2 ${LAB_S:-40} run_lab all_gather"
     "transport 2 ${TRANSPORT_S:-60} run_transport"
+    "call_profile 2 ${CALL_PROFILE_S:-45} mps run_call_profile"
 )
 
 # The steps pick their tests (-m gpu, -k): CI's rule that nothing is deselected is for the
@@ -317,6 +318,19 @@ run_memcheck() {
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${MEMCHECK_S:-25}" "$tool" --tool memcheck --error-exitcode 9 \
             $py -c "$hostile_py" 40 cuda
     fi
+}
+
+# Where a small call's host time goes (bench/call_profile.py): 64 KiB lossless and raw all-reduce
+# on the 4 ranks of the one-GPU lab, each rank's median and rank 0's cProfile; a dry run: 2 gloo ranks.
+run_call_profile() {
+    if ((dry)); then
+        $py bench/call_profile.py --nranks 2 --calls 3 --rows 10
+        return
+    fi
+    local codec
+    for codec in lossless raw; do
+        $py bench/call_profile.py --device cuda --nranks 4 --codec $codec --calls 20 --rows 30 || return
+    done
 }
 
 run_syncs() { $gpu_suite -s tests/test_gpu_lab.py tests/test_nccl_gpu.py -k "host_wait or mail"; }
