@@ -1,10 +1,10 @@
-"""bench/soak.py at small counts: memory and open files stay flat over many collectives and DDP steps.
+"""bench/soak.py: its verdict on made-up samples, and the script itself at a smoke's counts.
 
-The full soak (2,000 calls, 1,000 steps per hook, target under 1 MiB per 1,000) is a recorded
-benchmark (docs/bench/2026-11-25-reliability/soak.json). Here the counts are small, so the bound is
-looser than the target but far below a real leak: a 64 KiB tensor kept per all-reduce reads
-+72-76 MiB per 1,000 calls in the collectives phase and more in DDP (one all-reduce per bucket,
-four buckets per step: about 200), while clean runs read between -8 and +0.5 MiB per 1,000.
+The full soak (2,000 calls, 1,000 steps per hook, target under 1 MiB per 1,000) runs in `make
+test-long`, a recorded benchmark (docs/bench/2026-11-25-reliability/soak.json): a 64 KiB tensor
+kept per all-reduce reads +72-76 MiB per 1,000 calls in the collectives phase and more in DDP
+(one all-reduce per bucket, four buckets per step: about 200), while clean runs read between -8
+and +0.5 MiB per 1,000.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BOUND = 16 << 20  # bytes per 1,000 calls (steps) after warm-up
+BOUND = 16 << 20  # bytes per 1,000 calls (steps) after warm-up: the bound the verdict test applies
 
 
 def _soak():
@@ -29,30 +29,28 @@ def _soak():
     return module
 
 
-@pytest.mark.timeout(400)
-def test_soak_small(tmp_path):
-    """Two ranks (the full soak runs four), three rounds of the collectives' schedule after the
-    unsampled one (315 calls) and 150 DDP steps per hook, fitted past the first half of each
-    phase (the collectives' last two rounds; the lossless decoder's caches fill during the first
-    50-70 DDP steps): fds flat, memory slope under BOUND on every rank, every rank's results
-    bit-identical. With 64 KiB kept per all-reduce (--leak 65536) every phase fails on both ranks
-    (+80 MiB per 1,000 in the collectives, +200 in DDP)."""
+@pytest.mark.timeout(300)
+def test_soak_smoke(tmp_path):
+    """bench/soak.py at a smoke's counts: two ranks (the full soak runs four), 105 calls of the
+    collectives' schedule and 30 DDP steps per hook. Open files stay flat after the warm-up on
+    every rank (sampled every 5), every rank's results are bit-identical, and the report has every phase; memory is
+    not judged here (at these counts the caches are still filling: +10 to +105 MiB per 1,000
+    read), but in the full soak, which `make test-long` runs before each release (its slopes
+    recorded in docs/PERFORMANCE.md "Soak"). It took 51 s of the suite's CPU at 315 calls and
+    150 steps, the counts a memory slope needs."""
     out = tmp_path / "soak.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--nranks", "2", "--calls", "315", "--steps", "150",
-                          "--warmup", "0.5", "--max-slope", str(BOUND), "--json", str(out)],
-                         capture_output=True, text=True, env=env, timeout=380)
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--nranks", "2", "--calls", "105",
+                          "--steps", "30", "--every", "5", "--warmup", "0.5", "--json", str(out)],
+                         capture_output=True, text=True, env=env, timeout=280)
     assert out.exists(), res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["nranks"] == 2 and list(report["phases"]) == ["collectives", "ddp-lossless", "ddp-entropy"]
     for name, phase in report["phases"].items():
-        assert len(set(phase["hashes"])) == 1, (name, phase["hashes"])
+        assert len(phase["hashes"]) == 2 and len(set(phase["hashes"])) == 1, (name, phase["hashes"])
         for rank, s in enumerate(phase["ranks"]):
-            assert s["fitted"] >= 7, (name, rank, s)
+            assert s["fitted"] >= 3, (name, rank, s)
             assert s["fd_min"] == s["fd_max"], f"{name} rank {rank}: fds {s['fd_min']}..{s['fd_max']}"
-            assert s["slope_bytes_per_1000"] < BOUND, \
-                f"{name} rank {rank}: {s['slope_bytes_per_1000'] / 2**20:.1f} MiB per 1,000 after warm-up"
-    assert res.returncode == 0 and report["ok"], res.stdout[-3000:] + res.stderr[-3000:]
 
 
 def test_verdict_catches_a_leak():
