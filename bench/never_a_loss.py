@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import zipccl
-from zipccl import topology
+from zipccl import launch, topology
 from zipccl.bench import alltoall, sendrecv
 from zipccl.bench.common import DEFAULT_DATA, load_data, parse_size, real
 from zipccl.bench.netlab import NetLab
@@ -158,7 +158,8 @@ def _time(run, out, src, reps: int) -> float:
 
 def rank_main(args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # a lab's rank, from its launcher's variables
+        dist.init_process_group("gloo")
     data = load_data(Path(args.data))
     if dist.get_rank() == 0:
         print(f"# {args.collective}, lab {args.lab}, 4 ranks, topology {topology.topology()}, {args.rounds} rounds; "
@@ -220,6 +221,8 @@ def main() -> int:
         return 0
     if not os.path.exists(args.data):
         ap.error(f"no data file {args.data}")
+    if args.lab == "loopback":
+        return _loopback(args)
     argv = [sys.executable, os.path.abspath(__file__), "--rank", "--lab", args.lab, "--collective", args.collective,
             "--sizes", ",".join(str(s) for s in args.sizes), "--rounds", str(args.rounds),
             "--min-seconds", str(args.min_seconds), "--data", os.path.abspath(args.data)]
@@ -227,29 +230,22 @@ def main() -> int:
     argv += ["--json", os.path.abspath(args.json)] if args.json else []
     argv += ["--plot", os.path.abspath(args.plot)] if args.plot else []
     timeout = 600 + 60 * len(args.sizes) * args.rounds
-    if args.lab == "loopback":
-        return _loopback(argv, timeout)
     nodes = 4 if args.lab == "4" else 2
     with NetLab(4, "1gbit", nodes=nodes) as lab:
         codes = lab.run_ranks(argv, timeout=timeout)
     return max(codes, key=abs)
 
 
-def _loopback(argv: list[str], timeout: float) -> int:
-    """Four local ranks over 127.0.0.1, each with torchrun's variables (one node)."""
-    import subprocess
-    from zipccl.launch import free_port
-    port = str(free_port())
-    procs = [subprocess.Popen(argv, env=dict(os.environ, RANK=str(r), WORLD_SIZE="4", LOCAL_RANK=str(r),
-                                             GROUP_RANK="0", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
-                                             MASTER_PORT=port, OMP_NUM_THREADS="1"),
-                              stdout=None if r == 0 else subprocess.DEVNULL) for r in range(4)]
-    try:
-        return max((p.wait(timeout=timeout) for p in procs), key=abs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+def _loopback(args) -> int:
+    """Four local ranks over 127.0.0.1, one node, forked from a fork server that imported torch
+    once (zipccl.launch.spawn)."""
+    os.environ.update(GROUP_RANK="0", LOCAL_WORLD_SIZE="4")
+    launch.spawn(_spawned, 4, args)
+    return 0
+
+
+def _spawned(rank: int, nranks: int, args) -> None:
+    rank_main(args)
 
 
 if __name__ == "__main__":
