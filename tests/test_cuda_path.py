@@ -8,6 +8,7 @@ than the CPU and no data; the expected values are written out."""
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 
@@ -369,18 +370,9 @@ def test_point_to_point_of_cuda_tensors_never_goes_to_gloo(monkeypatch, backend,
         assert p2p._decide(codec, x, None, 1) is {"plain": PLAIN, "native": NATIVE}[want]
 
 
-@pytest.mark.parametrize("backend, batches, ops", [
-    ("nccl", True, ("recv", "send")), ("nccl", True, ("send",)), ("nccl", True, ("recv", "send", "other send")),
-    ("gloo", False, ("recv", "send")), ("zipccl", True, ("recv", "send"))])
-def test_a_batchs_native_messages_are_one_batch_where_the_backend_batches(monkeypatch, backend, batches, ops):
-    """Issued one by one on NCCL, a rank's receive and send to one peer queue on one stream (two
-    ranks that each receive first wait for good), and a message issued alone never matches one
-    batched by the peer (torch runs them on different communicators): where the backend batches,
-    a batch's native messages, even one, go in one ``dist.batch_isend_irecv`` per group, each
-    handle its batch's work (NCCL's coalesced one); on gloo, and on the drop-in's group (whose
-    batch would come back to zipccl), one by one, receives first."""
-    group, other, calls = object(), object(), []
-    work = types.SimpleNamespace(wait=lambda timeout=None: True, is_completed=lambda: True)
+def _batch_stand_ins(monkeypatch, backend: str, batches: bool):
+    """torch.distributed's ranks, groups and P2POp for a batch of rank 0's with peer 1, the
+    backend ``backend`` (batching where ``batches``); the work every post returns."""
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_group_rank", lambda group, rank: rank)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
@@ -391,6 +383,23 @@ def test_a_batchs_native_messages_are_one_batch_where_the_backend_batches(monkey
     monkeypatch.setattr(p2p, "_batches", lambda group, device: batches)
     monkeypatch.setattr(dist, "P2POp", lambda op, tensor, group=None, tag=0, group_peer=None: types.SimpleNamespace(
         op=op, group=group, group_peer=group_peer))  # torch's checks the group is registered
+    return types.SimpleNamespace(wait=lambda timeout=None: True, is_completed=lambda: True)
+
+
+@pytest.mark.parametrize("backend, batches, ops", [
+    ("nccl", True, ("recv", "send")), ("nccl", True, ("send",)), ("nccl", True, ("recv", "send", "other send")),
+    ("nccl", True, ("other send", "recv", "send")), ("gloo", False, ("recv", "send")),
+    ("zipccl", True, ("recv", "send"))])
+def test_a_batchs_native_messages_are_one_batch_where_the_backend_batches(monkeypatch, backend, batches, ops):
+    """Issued one by one on NCCL, a rank's receive and send to one peer queue on one stream (two
+    ranks that each receive first wait for good), and a message issued alone never matches one
+    batched by the peer (torch runs them on different communicators): where the backend batches,
+    a batch's native messages, even one, go in one ``dist.batch_isend_irecv`` per group, each
+    handle its batch's work (NCCL's coalesced one), the groups' batches in the order of their
+    names, which every rank shares, not the list's; on gloo, and on the drop-in's group (whose
+    batch would come back to zipccl), one by one, receives first."""
+    group, other, calls = types.SimpleNamespace(group_name="1"), types.SimpleNamespace(group_name="2"), []
+    work = _batch_stand_ins(monkeypatch, backend, batches)
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: calls.append(
         [("send" if o.op is dist.isend else "recv", o.group is group, o.group_peer) for o in ops]) or [work])
     monkeypatch.setattr(p2p, "_native_send", lambda op: calls.append(("send", op.peer)) or work)
@@ -405,6 +414,32 @@ def test_a_batchs_native_messages_are_one_batch_where_the_backend_batches(monkey
     else:
         assert calls == [(kind, 1) for kind in ops], calls
     assert len(handles) == len(ops) and all(h is work for h in handles)
+
+
+def test_no_native_post_joins_a_batchs_coalescing_window(monkeypatch):
+    """torch's coalescing window (``dist.batch_isend_irecv`` on NCCL) is its process group's, not
+    its thread's: a native receive that zipccl's async thread posted to the group meanwhile would
+    join the batch, on this rank alone. Such a post waits until the batch is issued."""
+    group = types.SimpleNamespace(group_name="1")
+    work = _batch_stand_ins(monkeypatch, "nccl", True)
+    window, posted = [], []
+
+    def batch(ops):
+        start = time.monotonic()
+        time.sleep(0.3)
+        window.append((start, time.monotonic()))
+        return [work]
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch)
+    monkeypatch.setattr(dist, "irecv", lambda tensor, group=None, group_src=None, tag=0: posted.append(
+        time.monotonic()) or work)
+    receive = types.SimpleNamespace(group=group, tensor=torch.zeros(4), peer=1, tag=0)
+    thread = threading.Thread(target=lambda: (time.sleep(0.1), p2p._native_recv(receive)))
+    thread.start()
+    zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.isend, torch.ones(4), 1, group=group, codec="native")])
+    thread.join(5)
+    (start, end), (at,) = window[0], posted
+    assert not start <= at < end, (start, at, end)
 
 
 # ---- no CPU tensor on an NCCL group ----------------------------------------------------------------------------

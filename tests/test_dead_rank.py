@@ -245,6 +245,7 @@ class _Round:
 
     def __init__(self, rank: int, statuses: dict):
         self.rank, self.size, self.statuses, self.log = rank, N, statuses, []
+        self.fenced = False
 
     def grouped(self):
         return contextlib.nullcontext()
@@ -254,6 +255,10 @@ class _Round:
 
     def fence(self, *others) -> None:
         self.log.append(" ".join(["fence", *(o.name for o in others)]))
+        self.fenced = True
+
+    def unfence(self) -> None:
+        self.fenced = False
 
     def abort(self) -> None:
         self.log.append("abort")
@@ -401,6 +406,7 @@ def test_the_round_is_fenced_and_a_broken_group_aborted():
     with pytest.raises(RankFailure) as e:
         failure.Fate("all_reduce", 0).settle(t)
     assert not e.value.broken and t.log[0] == "fence" and t.log[1:] == ["send 1", "send 2", "send 3"], t.log
+    assert not t.fenced  # over with the round: a later call's failure aborts no level of this one
     t = _Round(0, {1: 0, 2: 0, 3: 0})
     fate = failure.Fate("all_reduce", 0)
     fate.lose(t, 3, RuntimeError("Connection closed by peer 3"))

@@ -518,10 +518,51 @@ def test_a_broken_calls_communicators_are_aborted_at_once(monkeypatch):
     assert "held" not in called and gloo.aborted and nodes.comm is local.mail_comm is None, called
 
 
+def test_a_send_that_fails_inside_its_group_is_aborted_once_the_group_has_ended(monkeypatch):
+    """NCCL's open group is the opening thread's and lists the communicators posted to; an abort on
+    another thread (``_abort_all``'s) would free one under it, and the group's end would then read
+    freed memory. A send that fails inside the group marks the transport failed (the group's later
+    posts raise at once), and its communicators are aborted only after the group has ended, the
+    error raised from ``grouped()`` naming the abort."""
+    from zipccl.transport.cupy_nccl import NcclError, NcclTransport
+    events = []
+
+    class Comm:
+        def __init__(self, name):
+            self.name = name
+
+        def send(self, *args):
+            events.append(f"{self.name} send")
+            raise RuntimeError("NCCL error: remote process exited or there was a network error")
+
+        def abort(self):
+            events.append(f"{self.name} abort")
+
+    t = object.__new__(NcclTransport)
+    t.rank, t.size, t._ranks, t._open, t.device = 0, 2, [0, 1], None, 0
+    t.comm, t.mail_comm = Comm("bulk"), Comm("mail")
+    t.stream = types.SimpleNamespace(wait_stream=lambda stream: None, cuda_stream=0)
+    t.nccl = types.SimpleNamespace(groupStart=lambda: events.append("group start"), NCCL_UINT8=1,
+                                   groupEnd=lambda: events.append("group end"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    x = torch.empty(8, device="meta")  # a device tensor that NCCL's stand-in never reads
+    with pytest.raises(NcclError, match="the communicator is aborted$"):
+        with t.grouped():
+            with pytest.raises(NcclError, match="aborted at the end of its group"):
+                t.isend(x, 1)
+            with pytest.raises(NcclError, match="aborted after an earlier failure"):
+                t.isend(x, 1)
+            events.append("body ends")
+    assert events[:4] == ["group start", "bulk send", "body ends", "group end"], events
+    assert sorted(events[4:]) == ["bulk abort", "mail abort"] and t.comm is t.mail_comm is None, events
+    assert t._failed_in_group is None  # the next group starts clean (and raises: aborted)
+
+
 def test_a_status_round_that_gives_up_aborts_the_levels_it_waited_for():
     """The status round's mails wait for the call's levels (``fence``): where a mail never comes,
     the transport aborts those levels with itself, at once, since its abort waits for their
-    kernels pending on the dead peer; a later call's round (no levels) aborts itself alone."""
+    kernels pending on the dead peer; once the round is over (``unfence``), a later failure
+    aborts the transport alone."""
     from zipccl.transport.cupy_nccl import NcclError, NcclTransport
     called, made = {}, []
 
@@ -538,6 +579,7 @@ def test_a_status_round_that_gives_up_aborts_the_levels_it_waited_for():
     assert isinstance(group._fail(TimeoutError("no progress")), NcclError)
     assert "held" not in called and group.comm is level.comm is level.mail_comm is None, called
     alone, other = transport("alone"), transport("other")
-    alone.fence()
+    alone.fence(alone, other)
+    alone.unfence()  # that call's round is over (zipccl.failure.Fate.settle)
     alone._fail(TimeoutError("no progress"))
     assert alone.comm is None and other.comm is not None

@@ -303,12 +303,15 @@ class Fate:
             got = torch.zeros(t.size, dtype=torch.int64)
             peers = [j for j in range(t.size) if j != t.rank and self.alive(t, j)]
             t.fence(*others)
-            with t.grouped():
-                sends = [(j, self.send(t, mine, j, TAG_STATUS)) for j in peers]
-                recvs = [(j, self.recv(t, got[j:j + 1], j, TAG_STATUS)) for j in peers]
-            heard = [int(got[j]) for j, w in recvs if self.wait(t, w, j) and int(got[j])]
-            for j, w in sends:
-                self.wait(t, w, j)
+            try:
+                with t.grouped():
+                    sends = [(j, self.send(t, mine, j, TAG_STATUS)) for j in peers]
+                    recvs = [(j, self.recv(t, got[j:j + 1], j, TAG_STATUS)) for j in peers]
+                heard = [int(got[j]) for j, w in recvs if self.wait(t, w, j) and int(got[j])]
+                for j, w in sends:
+                    self.wait(t, w, j)
+            finally:
+                t.unfence()  # the round is over: a later failure on t aborts no level of this call
             lost_here = known is None and self.first is not None and self.first[1] == LOST
             if lost_here and not (self.gave_up or timed_out(self.error)):
                 self.first, self.error, self.evidence = None, None, ""  # lost in the round: see above (self.lost keeps it)

@@ -205,18 +205,31 @@ def after_collectives() -> None:
         h = before
 
 
+#: Held while a native message or a coalesced batch is posted to a backend that batches (NCCL):
+#: a batch opens a coalescing window on its process group, whose state is the group's, not the
+#: thread's, and a native receive that zipccl's async thread posted to that group inside the
+#: window would join it, on one rank only. Only posts are serialised, never waits.
+_POSTING = threading.Lock()
+
+
+def _posting(op: _Op):
+    return _POSTING if _batches(op.group, op.tensor.device) else contextlib.nullcontext()
+
+
 def _native_send(op: _Op):
     inner = underneath(op.group, op.tensor.device)
     if inner is not None:
         return inner.send([op.tensor], op.peer, op.tag)
-    return dist.isend(op.tensor, group=op.group, group_dst=op.peer, tag=op.tag)
+    with _posting(op):
+        return dist.isend(op.tensor, group=op.group, group_dst=op.peer, tag=op.tag)
 
 
 def _native_recv(op: _Op):
     inner = underneath(op.group, op.tensor.device)
     if inner is not None:
         return inner.recv([op.tensor], op.peer, op.tag)
-    return dist.irecv(op.tensor, group=op.group, group_src=op.peer, tag=op.tag)
+    with _posting(op):
+        return dist.irecv(op.tensor, group=op.group, group_src=op.peer, tag=op.tag)
 
 
 # ---- handles --------------------------------------------------------------------------------------------------
@@ -515,8 +528,10 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
         after_collectives()
     handles.update({id(op): _send(op) for op in ops if op.kind == "send" and id(op) not in batched})
     for batch in together:  # after the collectives queued before (after_collectives), as the sends
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor,
-                                                   group=op.group, tag=op.tag, group_peer=op.peer) for op in batch])
+        with _POSTING:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor,
+                                                       group=op.group, tag=op.tag, group_peer=op.peer)
+                                            for op in batch])
         if len(works) != len(batch):  # a coalesced batch: one work for all of them
             works = [works[0]] * len(batch)
         handles.update({id(op): work for op, work in zip(batch, works)})
@@ -531,13 +546,15 @@ def _coalesced(ops: list[_Op]) -> list[list[_Op]]:
     receive and send to one peer would queue on one NCCL stream, where two ranks that each
     receive first wait for good; and a batched message never matches one issued alone (torch
     runs them on different communicators). None on the drop-in's group (its batch would come
-    back here) or on gloo."""
+    back here) or on gloo. In an order every rank shares (group name, device), not the list's:
+    two ranks that list two groups' messages in different orders would each wait in a different
+    group's first use, whose making needs every rank."""
     batches: dict = {}
     for op in ops:
         if op.plan is NATIVE and dist.get_backend(op.group) != "zipccl" and _batches(op.group, op.tensor.device):
-            key = (op.group if op.group is not None else dist.group.WORLD, op.tensor.device)
+            key = (_group_name(op.group), op.tensor.device.type, op.tensor.device.index or 0)
             batches.setdefault(key, []).append(op)
-    return list(batches.values())
+    return [batches[key] for key in sorted(batches)]
 
 
 def _batches(group, device: torch.device) -> bool:

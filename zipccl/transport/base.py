@@ -76,6 +76,10 @@ class Transport(ABC):
         round (zipccl.failure.Fate.settle) then tells a peer that this rank's messages have all
         left and arrived. A no-op where messages already go in issue order (gloo)."""
 
+    def unfence(self) -> None:
+        """End ``fence``'s tie to the call's other transports once the status round is over, so
+        that a failure in a later call on this transport concerns this transport alone."""
+
     def abort(self) -> None:
         """End this group's connections after a failure that broke it, so that no operation stays
         pending (NCCL: ncclCommAbort). A no-op where a failed operation ends by itself (gloo)."""

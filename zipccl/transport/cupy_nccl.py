@@ -98,6 +98,9 @@ def _abort_all(comms) -> None:
         thread.join(max(0.0, deadline - time.monotonic()))
 
 
+_DETACH = threading.Lock()  # NcclTransport._detach's
+
+
 def _abort_one(comm) -> None:
     with contextlib.suppress(Exception):
         comm.abort()
@@ -155,6 +158,7 @@ class NcclTransport(Transport):
     tags = False
     _without_ids = "rank 0 could not load NCCL"  # why the shared ids are zeros
     _fenced: tuple = ()  # the other transports the call's status round waits for (``fence``)
+    _failed_in_group: Exception | None = None  # an operation that failed inside the open group (``_p2p``)
 
     @classmethod
     def of(cls, group=None) -> "NcclTransport":
@@ -366,8 +370,10 @@ class NcclTransport(Transport):
         _abort_all(self._detach())
 
     def _detach(self) -> list:
-        """This transport's communicators, taken off it (its next use raises NcclError)."""
-        comms, self.comm, self.mail_comm = [self.comm, self.mail_comm], None, None
+        """This transport's communicators, taken off it (its next use raises NcclError); once: two
+        threads that fail at once (an NcclPair's send lane and its completion's) abort them once."""
+        with _DETACH:
+            comms, self.comm, self.mail_comm = [self.comm, self.mail_comm], None, None
         return comms
 
     def _fail(self, e: Exception) -> NcclError:
@@ -410,10 +416,13 @@ class NcclTransport(Transport):
             yield
         finally:
             works, self._open = self._open, None
+            failed, self._failed_in_group = self._failed_in_group, None
             try:
                 self.nccl.groupEnd()
             except Exception as e:  # noqa: BLE001
                 raise self._fail(e) from e
+            if failed is not None:
+                raise self._fail(failed) from failed
             self._landed(works)
 
     def _landed(self, works: list) -> None:
@@ -440,7 +449,7 @@ class NcclTransport(Transport):
         torch's current stream has made it; a device tensor on the bulk channel."""
         if self._open is None:
             raise ZipcclError("NcclTransport: sends and receives are issued inside grouped() (NCCL's group call)")
-        if self.comm is None:
+        if self.comm is None or self._failed_in_group is not None:
             raise _aborted()
         on = (tensor.tensor if isinstance(tensor, DeviceMail) else tensor).device
         if on.type == "cuda" and on.index != self.device:
@@ -468,7 +477,12 @@ class NcclTransport(Transport):
             else:
                 comm.recv(flat.data_ptr(), flat.numel(), getattr(self.nccl, name), peer, stream.cuda_stream)
         except Exception as e:  # noqa: BLE001
-            raise self._fail(e) from e
+            # Aborted at the group's end (``grouped``), not now: NCCL's open group is this thread's
+            # and lists the communicator, which an abort on another thread (``_abort_all``) would
+            # free under it; the group's end then returns this error without launching anything.
+            self._failed_in_group = e
+            raise NcclError(f"NCCL failed on rank {self.global_rank(self.rank)}: {e}; the communicator is aborted "
+                            "at the end of its group") from e
         work = _Work((tensor, keep), None if send else host, None if send else tensor, mail=mail)
         self._open.append(work)
         return work
@@ -570,6 +584,9 @@ class NcclTransport(Transport):
                 stream = getattr(other, "stream", None)
                 if other is not self and stream is not None:
                     self.mail_stream.wait_stream(stream)
+
+    def unfence(self) -> None:
+        self._fenced = ()
 
     def abort(self) -> None:
         """End the communicators (ncclCommAbort): after a failure that broke the group, no operation
