@@ -364,6 +364,42 @@ def test_a_rank_that_never_joins_the_communicators_is_named_within_the_bound(lea
                 assert "on rank 2:" in message, second
 
 
+def test_a_making_given_up_aborts_each_communicator_once(monkeypatch):
+    """Where this rank gives up on NCCL's making (its thread left blocked), it aborts the
+    communicators made so far, and the thread aborts those it makes later: each exactly once
+    (ncclCommAbort twice on one communicator frees it twice)."""
+    from zipccl.errors import RankFailure
+    from zipccl.transport import heartbeat
+    from zipccl.transport.cupy_nccl import NcclTransport
+    aborts = []
+
+    class Comm:
+        def __init__(self, name):
+            self.name = name
+
+        def abort(self):
+            aborts.append(self.name)
+
+    def making(size, uid, rank):
+        if uid == b"second":
+            time.sleep(0.6)  # the second channel's making outlasts the bound
+        return Comm(uid.decode())
+
+    t = object.__new__(NcclTransport)
+    t.rank, t.size, t._ranks, t._members = 0, 2, [0, 1], [0, 1]
+    t.nccl = types.SimpleNamespace(NcclCommunicator=making)
+    monkeypatch.setattr(NcclTransport, "_bound", staticmethod(lambda: 0.2))
+    monkeypatch.setattr(NcclTransport, "_say_lost", lambda self, failure: None)
+    monkeypatch.setattr(heartbeat, "board", lambda: None)
+    with pytest.raises(RankFailure, match="did not join"):
+        t._made(None, b"first", b"second")
+    deadline = time.monotonic() + 5
+    while len(aborts) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # a second abort of "first" would come now
+    assert sorted(aborts) == ["first", "second"], aborts
+
+
 def test_nvml_link():
     """pynvml (nvidia-ml-py) is installed. Without a CUDA device there is no driver: NVML cannot
     start, and the topology says "unknown". With one, NVML starts and names the link of its GPUs

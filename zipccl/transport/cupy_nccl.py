@@ -310,7 +310,9 @@ class NcclTransport(Transport):
         with lock:
             if why is not None and not state.get("done"):
                 state["abandoned"] = True
-                _abort_all(made)  # those made already; NCCL's thread aborts any it makes later
+                taken = made[:]  # those made already; NCCL's thread aborts any it makes later, not these again
+                del made[:len(taken)]
+                _abort_all(taken)
                 failure = self._not_joined(why, since)
                 self._say_lost(failure)
                 raise failure
