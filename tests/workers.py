@@ -109,9 +109,9 @@ def spawn(target, n: int, args: tuple, answers: int | None = None, seconds: floa
     ({rank: value}, the processes): a rank that hung is missing. The processes fork from a
     fork server that has torch imported (zipccl.launch.fork_server). Inside a step of
     bench/gpu_check.sh (ZIPCCL_STEP_END: when the step is killed, in seconds since the epoch) the
-    collecting ends 15 s before that and the joins 5 s before, so that the test still says which
-    ranks answered."""
-    end = float(os.environ.get("ZIPCCL_STEP_END") or "inf") - time.time() + time.monotonic() - 5
+    collecting ends 7 s before that and the joins 3 s before, so that the test still says which
+    ranks answered (pytest's report takes about a second)."""
+    end = float(os.environ.get("ZIPCCL_STEP_END") or "inf") - time.time() + time.monotonic() - 3
     with fork_server(target) as method:
         return _run(mp.get_context(method), target, n, args, answers, seconds, stop_on_crash, end)
 
@@ -122,7 +122,7 @@ def _run(ctx, target, n, args, answers, seconds, stop_on_crash, end=float("inf")
     procs = [ctx.Process(target=target, args=(r, *args, results)) for r in range(n)]
     for p in procs:
         p.start()
-    got, deadline = {}, min(time.monotonic() + seconds, end - 10)
+    got, deadline = {}, min(time.monotonic() + seconds, end - 4)
     try:
         while len(got) < (n if answers is None else answers) and time.monotonic() < deadline:
             try:
@@ -150,13 +150,19 @@ def _run(ctx, target, n, args, answers, seconds, stop_on_crash, end=float("inf")
 def join_gpu_world(rank: int, n: int, port: int, timeout: float = 120.0) -> int:
     """For a process of ``spawn``: this rank's GPU (cuda:rank where the machine has n GPUs, else
     the one-GPU lab's cuda:0, each rank its own NCCL host: zipccl.launch.use_gpu), then a gloo
-    world of n on ``port``. Returns the device index."""
+    world of n on ``port``. Returns the device index. The ranks share the machine's cores (each
+    computes plain torch's reference on the CPU too). Inside a step of bench/gpu_check.sh, a rank
+    still running 9 s before the step ends prints every thread's stack (a hang says where)."""
     import datetime
+    import faulthandler
 
     import torch
     import torch.distributed as dist
 
     from zipccl import launch
+    if step_end := os.environ.get("ZIPCCL_STEP_END"):
+        faulthandler.dump_traceback_later(max(1.0, float(step_end) - time.time() - 9), exit=False)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
     os.environ["TRITON_INTERPRET"] = "0"  # the compiled kernels: the interpreter is the test process's, for CPU tensors
     device = launch.use_gpu(rank, rank, share_gpu=torch.cuda.device_count() < n)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
