@@ -100,6 +100,7 @@ def test_collectives_match_plain_torch_on_every_rank(n, monkeypatch):
     the same all-reduce and all-gather bits, a rank's reduce-scatter is its slice of the
     all-reduce, and lossless gives raw's bits."""
     monkeypatch.setenv("ZIPCCL_TRANSPORT", "nccl")  # the spawned ranks inherit it
+    monkeypatch.setenv("ZIPCCL_TIMEOUT", "20")  # a rank that fails leaves its peers raising, not hanging
     got, _ = spawn(_collectives, n, (n, free_port()), seconds=500)
     assert sorted(got) == list(range(n)), got
     res = [got[r] for r in range(n)]
@@ -323,6 +324,7 @@ def test_every_entry_point_on_cuda_tensors(monkeypatch):
     every rank still ends with the same bits."""
     monkeypatch.setenv("ZIPCCL_TRANSPORT", "nccl")
     monkeypatch.setenv("ZIPCCL_TOPOLOGY", "2x2")
+    monkeypatch.setenv("ZIPCCL_TIMEOUT", "20")  # a rank that fails leaves its peers raising, not hanging
     n = 4
     got, _ = spawn(_entry_points, n, (n, free_port()), seconds=300)
     assert sorted(got) == list(range(n)), got
