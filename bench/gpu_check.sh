@@ -120,7 +120,10 @@ mps_start() {
     if ((dry)); then echo "# dry run: the MPS daemon is not started"; return; fi
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/zipccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/zipccl-mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    timeout 5 nvidia-cuda-mps-control -d || echo "# the MPS daemon did not start: the step runs time-sliced"
+    if ! timeout 5 nvidia-cuda-mps-control -d; then
+        echo "# the MPS daemon did not start: the step runs time-sliced"
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY  # the tables' JSON (env) then names no MPS
+    fi
 }
 mps_stop() {
     ((dry)) && return

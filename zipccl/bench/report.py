@@ -24,7 +24,9 @@ from pathlib import Path
 PLACEMENTS = ("out_of_place", "in_place")
 FORMAT_VERSION = "2.19"  # the nccl-tests release whose output this follows
 JSON_FILE_VERSION = 2    # nccl-tests' JSON_FILE_VERSION
-_ENV_PREFIXES = ("ZIPCCL_", "NCCL_", "OMPI_COMM_WORLD_", "MASTER_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GLOO_")
+# CUDA_MPS_: a table run under NVIDIA's MPS daemon says so (bench/gpu_check.sh sets them only once it started)
+_ENV_PREFIXES = ("ZIPCCL_", "NCCL_", "OMPI_COMM_WORLD_", "MASTER_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GLOO_",
+                 "CUDA_MPS_")
 
 
 def float_str(value: float, width: int) -> str:
