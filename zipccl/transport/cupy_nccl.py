@@ -423,8 +423,8 @@ class NcclTransport(Transport):
                 self.nccl.groupEnd()
             except Exception as e:  # noqa: BLE001
                 raise self._fail(e) from e
-            if failed is not None:
-                raise self._fail(failed) from failed
+            if failed is not None:  # its post raised to its caller, who counts that peer lost: abort now
+                self._fail(failed)
             self._landed(works)
 
     def _landed(self, works: list) -> None:
