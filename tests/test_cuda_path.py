@@ -353,11 +353,21 @@ def test_auto_over_a_slower_link_makes_the_communicator_for_its_compressing_plan
     ("gloo", True, {"intra": "native", "inter": "lossless"}, "refused"),
     ("nccl", True, "auto", "native"),         # NCCL's own send and receive
     ("nccl", False, "native", "native"),
+    ("zipccl", True, "auto", "plain"),        # the drop-in's: torch hands it a batch's messages one at a time
+    ("zipccl", False, "auto", "native"),      # nothing else can carry them (USAGE.md: the drop-in's limits)
+    ("zipccl", True, "native", "native"),
 ])
 def test_point_to_point_of_cuda_tensors_never_goes_to_gloo(monkeypatch, backend, extra, codec, want):
     """A send or receive of a CUDA tensor on a gloo group is never gloo's own (which would read
     device memory as the host's): "auto" frames its bytes on zipccl's NCCL transport, "native"
-    is refused with a clear error; on an NCCL group "auto" is NCCL's own (same node, 2 MiB)."""
+    is refused with a clear error; on an NCCL group "auto" is NCCL's own (same node, 2 MiB). On
+    the drop-in's group (NCCL underneath for CUDA), whose batch torch hands over a message at a
+    time, "auto" frames them too, where it can: issued singly on NCCL, two ranks that each
+    receive before they send would wait for good."""
+    class ProcessGroupNCCL:  # what the drop-in's group has underneath for CUDA tensors
+        supports_coalescing = True
+
+    group = types.SimpleNamespace(_get_backend=lambda device: ProcessGroupNCCL()) if backend == "zipccl" else None
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(select.nccl_stack, "extra_installed", lambda: extra)
     monkeypatch.setattr(config, "TRANSPORT", "auto")
@@ -365,9 +375,9 @@ def test_point_to_point_of_cuda_tensors_never_goes_to_gloo(monkeypatch, backend,
     x = _on_gpu(1 << 20)
     if want == "refused":
         with pytest.raises(UnsupportedError, match=r"cannot send or receive tensors on cuda:0|NCCL transport"):
-            p2p._decide(codec, x, None, 1)
+            p2p._decide(codec, x, group, 1)
     else:
-        assert p2p._decide(codec, x, None, 1) is {"plain": PLAIN, "native": NATIVE}[want]
+        assert p2p._decide(codec, x, group, 1) is {"plain": PLAIN, "native": NATIVE}[want]
 
 
 def _batch_stand_ins(monkeypatch, backend: str, batches: bool):

@@ -133,6 +133,26 @@ def _backend_takes(group, device: torch.device) -> bool:
     return (type(inner).__name__ != "ProcessGroupGloo") if inner is not None else dist.get_backend(group) != "gloo"
 
 
+def _one_by_one(group, device: torch.device) -> bool:
+    """Whether the backend's own messages of ``device`` would reach a backend that batches them
+    (NCCL) one at a time: the drop-in's group, whose ``dist.batch_isend_irecv`` torch hands to
+    zipccl a message at a time (it batches for its own ProcessGroup class only). Issued singly
+    on NCCL, a receive and a send to one peer queue on one stream, and two ranks that each
+    receive first wait for good."""
+    if device.type != "cuda":
+        return False
+    inner = underneath(group, device)
+    return inner is not None and bool(getattr(inner, "supports_coalescing", False))
+
+
+def _can_frame(group, device: torch.device) -> bool:
+    """``frames_messages``, False where no transport could (its error is for a call that must)."""
+    try:
+        return frames_messages(group, device)
+    except UnsupportedError:
+        return False
+
+
 def _no_native(group, device: torch.device) -> UnsupportedError:
     return UnsupportedError(f"the group's backend ({dist.get_backend(group)}) cannot send or receive tensors on "
                             f"{device}: use a group of backend nccl, or codec 'auto' or 'raw' from a given peer "
@@ -142,7 +162,8 @@ def _no_native(group, device: torch.device) -> UnsupportedError:
 def _decide(codec, x: torch.Tensor, group, peer: int):
     """NATIVE (the backend's send/recv) or the codec that frames the message, from what both ends
     know alike (module docstring). "auto" frames the plain bytes (PLAIN) where the backend cannot
-    carry the tensor (CUDA on gloo)."""
+    carry the tensor (CUDA on gloo), and where its messages would reach NCCL one at a time (the
+    drop-in's group: ``_one_by_one``) and zipccl's NCCL pair can frame them."""
     if isinstance(codec, Mapping):
         if set(codec) != {"intra", "inter"}:
             raise ValueError(f"a per-link codec maps both of ('intra', 'inter') (got {sorted(codec)})")
@@ -153,7 +174,7 @@ def _decide(codec, x: torch.Tensor, group, peer: int):
         return NATIVE
     nbytes = x.numel() * x.element_size()
     if codec == "auto":
-        if not _backend_takes(group, x.device):
+        if not _backend_takes(group, x.device) or (_one_by_one(group, x.device) and _can_frame(group, x.device)):
             if not frames_messages(group, x.device):
                 raise framing_refused()
             if x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer):
