@@ -241,6 +241,19 @@ def test_never_a_loss_smoke(tmp_path, collective):
     assert rows[0]["auto_plan"] == "native" and all(r["auto_vs_torch"] > 0 for r in rows)
 
 
+def test_call_profile_smoke():
+    """bench/call_profile.py on 2 gloo ranks, a few calls: each rank's median and rank 0's
+    cProfile tables, which reach zipccl's all-reduce."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "call_profile.py"), "--nranks", "2", "--calls", "3",
+                          "--rows", "40"], capture_output=True, text=True, env=env, timeout=280)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    assert "all_reduce of 64K bf16, codec lossless, 2 ranks (CPU, gloo)" in out, out
+    assert all(f"# rank {r}: median " in out for r in (0, 1)), out
+    assert "by cumulative" in out and "by tottime" in out and "zipccl/api.py" in out, out
+
+
 def test_native_overhead_smoke(tmp_path):
     """bench/native_overhead.py on 2 ranks, a few calls: a row per collective and variant, each
     with both medians and the extra host time, and the run's facts in the JSON."""
