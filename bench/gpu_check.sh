@@ -127,7 +127,9 @@ mps_start() {
 }
 mps_stop() {
     ((dry)) && return
-    echo quit | timeout 5 nvidia-cuda-mps-control || echo "# the MPS daemon did not stop within 5 s"
+    # its own pipe, named: a start that timed out may have left the daemon up with the variables unset
+    echo quit | CUDA_MPS_PIPE_DIRECTORY=/tmp/zipccl-mps timeout 5 nvidia-cuda-mps-control \
+        || echo "# the MPS daemon did not stop within 5 s"
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
@@ -320,7 +322,8 @@ run_memcheck() {
     else
         # without torch's caching allocator, which carves small tensors out of larger blocks that
         # memcheck sees as one: an overrun into a neighbour would go unseen
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(( ${MEMCHECK_S:-30} - 4 ))" "$tool" --tool memcheck \
+        local left=$(( ${ZIPCCL_STEP_END:-$(( $(date +%s) + ${MEMCHECK_S:-30} ))} - $(date +%s) - 4 ))
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(( left > 1 ? left : 1 ))" "$tool" --tool memcheck \
             --error-exitcode 9 $py -c "$hostile_py" 40 cuda
         local rc=$?
         ((rc == 124)) && echo "# memcheck ran out of time: not run to the end (no finding either way)"

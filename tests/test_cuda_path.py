@@ -432,10 +432,11 @@ def test_no_native_post_joins_a_batchs_coalescing_window(monkeypatch):
     join the batch, on this rank alone. Such a post waits until the batch is issued."""
     group = types.SimpleNamespace(group_name="1")
     work = _batch_stand_ins(monkeypatch, "nccl", True)
-    window, posted = [], []
+    window, posted, opened = [], [], threading.Event()
 
     def batch(ops):
         start = time.monotonic()
+        opened.set()
         time.sleep(0.3)
         window.append((start, time.monotonic()))
         return [work]
@@ -444,12 +445,24 @@ def test_no_native_post_joins_a_batchs_coalescing_window(monkeypatch):
     monkeypatch.setattr(dist, "irecv", lambda tensor, group=None, group_src=None, tag=0: posted.append(
         time.monotonic()) or work)
     receive = types.SimpleNamespace(group=group, tensor=torch.zeros(4), peer=1, tag=0)
-    thread = threading.Thread(target=lambda: (time.sleep(0.1), p2p._native_recv(receive)))
+    thread = threading.Thread(target=lambda: (opened.wait(5), p2p._native_recv(receive)))  # inside the window
     thread.start()
     zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.isend, torch.ones(4), 1, group=group, codec="native")])
     thread.join(5)
     (start, end), (at,) = window[0], posted
     assert not start <= at < end, (start, at, end)
+
+
+def test_a_post_waits_for_another_at_most_a_bound(monkeypatch):
+    """A post waits for another thread's only while that one posts (microseconds); a first use, in
+    which NCCL makes a communicator and waits for the peers, holds the others at most POSTING_S,
+    so that two first uses never wait for each other through zipccl."""
+    monkeypatch.setattr(p2p, "POSTING_S", 0.2)
+    with p2p._posting_window():  # another thread's post, held in NCCL's making
+        start = time.monotonic()
+        with p2p._posting_window():
+            waited = time.monotonic() - start
+    assert 0.2 <= waited < 2, waited
 
 
 # ---- no CPU tensor on an NCCL group ----------------------------------------------------------------------------

@@ -559,7 +559,9 @@ def test_a_send_that_fails_inside_its_group_is_aborted_once_the_group_has_ended(
     another thread (``_abort_all``'s) would free one under it, and the group's end would then read
     freed memory. A send that fails inside the group marks the transport failed (the group's later
     posts raise at once, and zipccl.failure counts their peers lost), and its communicators are
-    aborted only after the group has ended."""
+    aborted only after the group has ended, which NCCL ends with the post's error, launching
+    nothing: that error is not raised again, and the group's other operations, which never ran,
+    raise when waited for."""
     from zipccl.transport.cupy_nccl import NcclError, NcclTransport
     events = []
 
@@ -578,18 +580,26 @@ def test_a_send_that_fails_inside_its_group_is_aborted_once_the_group_has_ended(
     t.rank, t.size, t._ranks, t._open, t.device = 0, 2, [0, 1], None, 0
     t.comm, t.mail_comm = Comm("bulk"), Comm("mail")
     t.stream = types.SimpleNamespace(wait_stream=lambda stream: None, cuda_stream=0)
-    t.nccl = types.SimpleNamespace(groupStart=lambda: events.append("group start"), NCCL_UINT8=1,
-                                   groupEnd=lambda: events.append("group end"))
+    def group_end():  # as NCCL's: a group in which a post failed ends with that error, launching nothing
+        events.append("group end")
+        raise RuntimeError("NCCL error: remote process exited or there was a network error")
+
+    t.nccl = types.SimpleNamespace(groupStart=lambda: events.append("group start"), NCCL_UINT8=1, groupEnd=group_end)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     x = torch.empty(8, device="meta")  # a device tensor that NCCL's stand-in never reads
+    t.comm.send = lambda *args: events.append("bulk posted")  # the first post goes in
     with t.grouped():
+        posted = t.isend(x, 1)
+        t.comm.send = Comm.send.__get__(t.comm)  # the second fails
         with pytest.raises(NcclError, match="aborted at the end of its group"):
             t.isend(x, 1)
-        with pytest.raises(NcclError, match="aborted after an earlier failure"):
+        with pytest.raises(NcclError, match="an earlier post of this NCCL group failed"):
             t.isend(x, 1)
         events.append("body ends")
-    assert events[:4] == ["group start", "bulk send", "body ends", "group end"], events
-    assert sorted(events[4:]) == ["bulk abort", "mail abort"] and t.comm is t.mail_comm is None, events
+    assert events[:5] == ["group start", "bulk posted", "bulk send", "body ends", "group end"], events
+    assert sorted(events[5:]) == ["bulk abort", "mail abort"] and t.comm is t.mail_comm is None, events
+    with pytest.raises(NcclError, match="aborted"):  # the posted one never ran: its wait raises, as a lost peer's
+        t.wait(posted)
     assert t._failed_in_group is None  # the next group starts clean (and raises: aborted)
 
 

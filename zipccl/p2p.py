@@ -229,12 +229,26 @@ def after_collectives() -> None:
 #: Held while a native message or a coalesced batch is posted to a backend that batches (NCCL):
 #: a batch opens a coalescing window on its process group, whose state is the group's, not the
 #: thread's, and a native receive that zipccl's async thread posted to that group inside the
-#: window would join it, on one rank only. Only posts are serialised, never waits.
+#: window would join it, on one rank only. A post takes microseconds, except a pair's or a
+#: group's first, in which NCCL makes a communicator and waits for the peers: one post waits
+#: for another at most POSTING_S, then goes on (as before this lock), so that two such first
+#: uses never wait for each other through it.
 _POSTING = threading.Lock()
+POSTING_S = 1.0
+
+
+@contextlib.contextmanager
+def _posting_window():
+    held = _POSTING.acquire(timeout=POSTING_S)
+    try:
+        yield
+    finally:
+        if held:
+            _POSTING.release()
 
 
 def _posting(op: _Op):
-    return _POSTING if _batches(op.group, op.tensor.device) else contextlib.nullcontext()
+    return _posting_window() if _batches(op.group, op.tensor.device) else contextlib.nullcontext()
 
 
 def _native_send(op: _Op):
@@ -549,7 +563,7 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
         after_collectives()
     handles.update({id(op): _send(op) for op in ops if op.kind == "send" and id(op) not in batched})
     for batch in together:  # after the collectives queued before (after_collectives), as the sends
-        with _POSTING:
+        with _posting_window():
             works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor,
                                                        group=op.group, tag=op.tag, group_peer=op.peer)
                                             for op in batch])

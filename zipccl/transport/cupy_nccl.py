@@ -142,12 +142,13 @@ def _aborted() -> NcclError:
 class _Work:
     """An operation issued in a group: done when the event recorded after the group's end on its
     channel's stream has passed. ``host``: a CPU tensor to fill from ``staged`` once done (a
-    received size), ``pinned`` the host copy of ``staged`` that the mail stream makes."""
-    __slots__ = ("event", "keep", "host", "staged", "pinned", "mail")
+    received size), ``pinned`` the host copy of ``staged`` that the mail stream makes; ``broken``:
+    its group never ran (a post in it failed), so waiting for it raises."""
+    __slots__ = ("event", "keep", "host", "staged", "pinned", "mail", "broken")
 
     def __init__(self, keep, host=None, staged=None, mail=False):
         self.event, self.keep, self.host, self.staged, self.mail = None, keep, host, staged, mail
-        self.pinned = None
+        self.pinned, self.broken = None, False
 
 
 class NcclTransport(Transport):
@@ -420,12 +421,16 @@ class NcclTransport(Transport):
             works, self._open = self._open, None
             failed, self._failed_in_group = self._failed_in_group, None
             try:
-                self.nccl.groupEnd()
+                self.nccl.groupEnd()  # after a failed post NCCL ends the group with its error, launching nothing
             except Exception as e:  # noqa: BLE001
-                raise self._fail(e) from e
-            if failed is not None:  # its post raised to its caller, who counts that peer lost: abort now
+                if failed is None:
+                    raise self._fail(e) from e
+            if failed is not None:  # its post raised to its caller, who counted that peer lost
                 self._fail(failed)
-            self._landed(works)
+                for w in works:  # never ran: their waits raise, as a lost peer's do (zipccl.failure)
+                    w.broken = True
+            else:
+                self._landed(works)
 
     def _landed(self, works: list) -> None:
         """After a group's end: each work's event, on its channel's stream; the mail channel's
@@ -451,8 +456,11 @@ class NcclTransport(Transport):
         torch's current stream has made it; a device tensor on the bulk channel."""
         if self._open is None:
             raise ZipcclError("NcclTransport: sends and receives are issued inside grouped() (NCCL's group call)")
-        if self.comm is None or self._failed_in_group is not None:
+        if self.comm is None:
             raise _aborted()
+        if self._failed_in_group is not None:
+            raise NcclError("an earlier post of this NCCL group failed: the communicator is aborted at the end of "
+                            "its group")
         on = (tensor.tensor if isinstance(tensor, DeviceMail) else tensor).device
         if on.type == "cuda" and on.index != self.device:
             raise UnsupportedError(f"NcclTransport: a tensor on {on}, but this group's communicators are on "
@@ -517,6 +525,8 @@ class NcclTransport(Transport):
         lasted ``heartbeat.stale_after()``, the group's heartbeats; a timeout, an error or a
         silent rank aborts the communicator (ncclCommAbort), and the error of a timeout says so
         (``timed_out``, as for TorchTransport)."""
+        if work.broken:
+            raise _aborted()
         if work.event is None:
             raise ZipcclError("NcclTransport: an operation waited for inside its group, before NCCL issued it")
         if not work.mail:
