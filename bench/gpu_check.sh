@@ -322,7 +322,7 @@ run_memcheck() {
     else
         # without torch's caching allocator, which carves small tensors out of larger blocks that
         # memcheck sees as one: an overrun into a neighbour would go unseen
-        local left=$(( ${ZIPCCL_STEP_END:-$(( $(date +%s) + ${MEMCHECK_S:-30} ))} - $(date +%s) - 4 ))
+        local left=$((ZIPCCL_STEP_END - $(date +%s) - 4))  # the step's end: its limit may have been cut
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(( left > 1 ? left : 1 ))" "$tool" --tool memcheck \
             --error-exitcode 9 $py -c "$hostile_py" 40 cuda
         local rc=$?

@@ -174,11 +174,13 @@ def _decide(codec, x: torch.Tensor, group, peer: int):
         return NATIVE
     nbytes = x.numel() * x.element_size()
     if codec == "auto":
-        # the drop-in takes float tensors alone: others pass to its backend, natively at both ends
-        framed = x.dtype in DTYPE_CODES and _one_by_one(group, x.device) and _can_frame(group, x.device)
-        if not _backend_takes(group, x.device) or framed:
+        if not _backend_takes(group, x.device):
             if not frames_messages(group, x.device):
                 raise framing_refused()
+            framed = True
+        else:  # the drop-in takes float tensors alone: others pass to its backend, natively at both ends
+            framed = x.dtype in DTYPE_CODES and _one_by_one(group, x.device) and _can_frame(group, x.device)
+        if framed:
             if x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer):
                 return PLAIN
         elif x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer) \
