@@ -61,7 +61,7 @@ coverage: setup
 	$(PYTHON) -m coverage json -q -o coverage.json
 	$(PYTHON) .ci/coverage_below.py coverage.json 80
 
-# The real gradients into data/ (ignored by git), which travels with the checkout to a GPU machine
+# The real gradients into data/ (ignored by git), copied with the checkout to a GPU machine
 # (bench/gpu_check.sh, the tests and the benchmarks look there): from ZIPCCL_DATA or ../shared/data.
 GPU_DATA ?= $(or $(ZIPCCL_DATA),../shared/data)
 gpu-data:

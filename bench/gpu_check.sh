@@ -15,13 +15,14 @@
 # it right after phase 1 on the same machine, or its first steps' ranks compile cold.
 # Left out by default, for a second call: memcheck, the call profile, the other collectives' labs.
 #
-# Every step is bounded by `timeout` (its limit: NAME_S, e.g. ENTRY_S=90) and by what is left of
-# its phase (232 s each, PHASE_S, so that both end within 8 minutes); the run goes on after a
-# failed step. OUTDIR/plan.txt lists the steps first; each step writes OUTDIR/NAME.txt as it runs
+# Every step is bounded by `timeout` (its limit: the variable its line in `steps` below names,
+# e.g. ENTRY_S=90) and by what is left of its phase (232 s each, PHASE_S, so that both end
+# within 8 minutes); the run goes on after a failed step. OUTDIR/plan.txt lists the steps
+# first; each step writes OUTDIR/NAME.txt as it runs
 # and a line to OUTDIR/steps.txt as it ends (exit code, 124: its time ran out; seconds; limit).
 # SKIP="name ..." adds steps to leave out to DEFAULT_SKIP (what does not fit the 8 minutes; set
 # DEFAULT_SKIP= to run it). The real gradients are read from ZIPCCL_DATA, else data/ in this
-# checkout (`make gpu-data` copies them there: an ignored folder that travels with the checkout),
+# checkout (`make gpu-data` copies them there: an ignored folder, copied with the checkout),
 # else ../shared/data; without them the steps use synthetic values and say so. ZIPCCL_COMMIT
 # names the commit in every record where the checkout has no .git (a warning if none is known).
 # BUNDLE (default: $OUT/gpu_check.tgz where OUT is set) gets the output folder as one archive,
