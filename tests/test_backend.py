@@ -845,3 +845,57 @@ def test_moe_and_pipeline_examples_train_bit_identically_to_gloo(zpool, example)
         sent = runs["lossless"][0]["moved"]["send"]
         assert sent["calls"] > 0 and sent["wire_bytes"] < 0.8 * sent["raw_bytes"], sent
         assert runs["gloo"][0]["moved"] == {}
+
+
+def test_variables_set_after_import_take_effect_when_a_drop_in_group_is_made(monkeypatch):
+    """ZIPCCL_CODEC set after zipccl's import: the next drop-in group takes it (as torch reads
+    its own variables when a group is made); a setting assigned in code stays while its
+    variable is unchanged; a bad value raises, naming the variable."""
+    from datetime import timedelta
+
+    from zipccl import config
+    from zipccl.backend import ProcessGroupZipccl
+
+    monkeypatch.setattr(config, "_SETTINGS", dict(config._SETTINGS))  # what refresh saw, restored after
+    for name in config._SETTINGS:
+        monkeypatch.setattr(config, name, getattr(config, name))
+
+    def made() -> ProcessGroupZipccl:
+        return ProcessGroupZipccl(dist.HashStore(), 0, 1, timedelta(seconds=30))
+
+    monkeypatch.setenv("ZIPCCL_CODEC", "lossless")
+    assert made().codec == "lossless"
+    config.CODEC = "raw"  # assigned in code; the variable unchanged
+    assert made().codec == "raw"
+    monkeypatch.setenv("ZIPCCL_CODEC", "fast")
+    with pytest.raises(ValueError, match="ZIPCCL_CODEC='fast' must be one of"):
+        made()
+
+
+def test_refresh_reads_what_an_import_reads(monkeypatch):
+    """Every setting, its variable changed after import: ``refresh`` sets what a fresh import of
+    zipccl/config.py under that environment sets, and names each variable it read again."""
+    import importlib.util
+    import os
+
+    from zipccl import config
+    changed = {"ZIPCCL_AUTO_MIN_BYTES": "1234", "ZIPCCL_AUTO_LEARN": "0", "ZIPCCL_REDUCE_SCATTER": "ring",
+               "ZIPCCL_SPLIT_DIRECTIONS": "0", "ZIPCCL_TOPOLOGY": "2x2", "ZIPCCL_CHECK_NATIVE": "1", "ZIPCCL_SHM": "0",
+               "ZIPCCL_TIMEOUT": "7.5", "ZIPCCL_CODEC": "raw", "ZIPCCL_STRICT_TRANSPORT": "0",
+               "ZIPCCL_TRANSPORT": "torch", "ZIPCCL_DATA": "some/folder"}
+    monkeypatch.setattr(config, "_SETTINGS", dict(config._SETTINGS))
+    for name in config._SETTINGS:
+        monkeypatch.setattr(config, name, getattr(config, name))
+    assert sorted(v for _, v, _, _ in config._SETTINGS.values()) == sorted(changed)
+    expected = {v for v, value in changed.items() if os.environ.get(v) != value}
+    for variable, value in changed.items():
+        monkeypatch.setenv(variable, value)
+    names = config.refresh()
+    spec = importlib.util.spec_from_file_location("fresh_config", config.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    got = {a: getattr(config, a) for a in config._SETTINGS}
+    assert got == {a: getattr(fresh, a) for a in config._SETTINGS}, got
+    assert config.TIMEOUT == 7.5 and config.AUTO_LEARN is False and config.TOPOLOGY == "2x2"
+    assert set(names) == expected and len(expected) >= 11, names
+    assert config.refresh() == []  # nothing changed since

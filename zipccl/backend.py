@@ -250,6 +250,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout, options: Options | None = None,
                  global_ranks=None, group_name: str = ""):
         super().__init__(rank, size)
+        config.refresh()  # ZIPCCL_* set after zipccl's import take effect here, as torch's own at a group's making
         self.options = options or Options()
         self.codec = self.options.codec or config.CODEC
         gloo = dist.ProcessGroupGloo(store, rank, size, timeout)

@@ -1,8 +1,33 @@
-"""Settings read from ZIPCCL_* environment variables: parsed here and nowhere else."""
+"""Settings read from ZIPCCL_* environment variables: parsed here and nowhere else, when zipccl
+is imported, and again (those whose variable changed since) by ``refresh``, which every group
+the drop-in backend makes calls, as torch reads its own variables when a group is made."""
 
 from __future__ import annotations
 
 import os
+import sys
+
+_SETTINGS: dict = {}  # attribute -> (reader, variable, the reader's other arguments, the variable's value read)
+
+
+def _setting(attribute: str, reader, variable: str, *args):
+    """``reader(variable, *args)``, remembered for ``refresh`` under ``attribute``."""
+    _SETTINGS[attribute] = (reader, variable, args, os.environ.get(variable))
+    return reader(variable, *args)
+
+
+def refresh() -> list[str]:
+    """Read again each variable whose value in the environment changed since it was last read,
+    and return their names; a setting assigned in code (tests) stays while its variable does not
+    change. A bad value raises ValueError naming the variable, as at import."""
+    changed = []
+    for attribute, (reader, variable, args, seen) in list(_SETTINGS.items()):
+        now = os.environ.get(variable)
+        if now != seen:
+            setattr(sys.modules[__name__], attribute, reader(variable, *args))
+            _SETTINGS[attribute] = (reader, variable, args, now)
+            changed.append(variable)
+    return changed
 
 
 def _bytes(name: str, default: int) -> int:
@@ -22,7 +47,7 @@ def _bytes(name: str, default: int) -> int:
 #: lossless (bytes of the input): the measured break-even of lossless vs raw all-reduce at 1 Gbit/s
 #: per rank, 4 ranks on 2 cores (docs/bench/netlab_1gbit_sweep_all_reduce.json). By default
 #: "auto" instead measures its plans, the backend's own collective among them (zipccl.auto).
-AUTO_MIN_BYTES = _bytes("ZIPCCL_AUTO_MIN_BYTES", 8 << 20)
+AUTO_MIN_BYTES = _setting("AUTO_MIN_BYTES", _bytes, "ZIPCCL_AUTO_MIN_BYTES", 8 << 20)
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -32,10 +57,18 @@ def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _flag(name: str, default: str) -> bool:
+    return _choice(name, default, ("0", "1")) == "1"
+
+
+def _text(name: str) -> str | None:
+    return os.environ.get(name) or None
+
+
 #: "1": codec="auto" measures its plans (native, raw, lossless, hierarchical ones) per group and
 #: size class and runs the fastest (zipccl.auto); "0": the fixed AUTO_MIN_BYTES threshold between
 #: raw and lossless. The same on every rank.
-AUTO_LEARN = _choice("ZIPCCL_AUTO_LEARN", "1", ("0", "1")) == "1"
+AUTO_LEARN = _setting("AUTO_LEARN", _flag, "ZIPCCL_AUTO_LEARN", "1")
 
 
 #: Reduce-scatter algorithm (every rank must use the same; the metadata exchange checks it):
@@ -43,7 +76,7 @@ AUTO_LEARN = _choice("ZIPCCL_AUTO_LEARN", "1", ("0", "1")) == "1"
 #: reduces them in rank order with fp32 accumulation, rounded once (DESIGN.md invariant 3);
 #: "ring" passes re-encoded partial sums around a ring, rounding each hop to the dtype as NCCL
 #: does: one flow per link and one direction per pair of ranks, for n-1 encodes per chunk instead of 1.
-REDUCE_SCATTER = _choice("ZIPCCL_REDUCE_SCATTER", "direct", ("direct", "ring"))
+REDUCE_SCATTER = _setting("REDUCE_SCATTER", _choice, "ZIPCCL_REDUCE_SCATTER", "direct", ("direct", "ring"))
 
 
 #: Gloo point-to-point payloads travel on two connections per pair of ranks, one per direction
@@ -52,13 +85,13 @@ REDUCE_SCATTER = _choice("ZIPCCL_REDUCE_SCATTER", "direct", ("direct", "ring"))
 #: waits behind whatever payload the receiver is itself sending on the shared connection; the
 #: 64 MiB all-reduce in the 1 Gbit/s lab: raw 1.17-1.33 s -> 0.88-0.93 s (docs/PERFORMANCE.md).
 #: "0" keeps one connection per pair (the group's own).
-SPLIT_DIRECTIONS = _choice("ZIPCCL_SPLIT_DIRECTIONS", "1", ("0", "1")) == "1"
+SPLIT_DIRECTIONS = _setting("SPLIT_DIRECTIONS", _flag, "ZIPCCL_SPLIT_DIRECTIONS", "1")
 
 
 #: "NxM": the process group is N nodes of M consecutive ranks (zipccl.topology), instead of what
 #: the launcher or the host names say: for an emulated cluster (zipccl-netlab up NxM) or a user
 #: who knows better. The same on every rank (checked). Unset: found from the launcher.
-TOPOLOGY = os.environ.get("ZIPCCL_TOPOLOGY") or None
+TOPOLOGY = _setting("TOPOLOGY", _text, "ZIPCCL_TOPOLOGY")
 
 
 #: "1": calls that go to the backend's own collective (codec "native", or the plan "auto"
@@ -66,13 +99,13 @@ TOPOLOGY = os.environ.get("ZIPCCL_TOPOLOGY") or None
 #: raise on every rank instead of hanging; costs one small all-gather per call (4-6 ms on 4
 #: loopback ranks sharing 2 cores, as much as a small all-reduce). "0" (default): such calls
 #: are the backend's collective alone, with torch.distributed's checks and failure modes.
-CHECK_NATIVE = _choice("ZIPCCL_CHECK_NATIVE", "0", ("0", "1")) == "1"
+CHECK_NATIVE = _setting("CHECK_NATIVE", _flag, "ZIPCCL_CHECK_NATIVE", "0")
 
 
 #: "1": the hierarchical collectives move data between the ranks of one node through shared
 #: memory (/dev/shm) where all of them can map it (checked when the levels are made); "0": the
 #: backend (gloo over TCP loopback) or zipccl's pipeline, as the level's codec says.
-SHM = _choice("ZIPCCL_SHM", "1", ("0", "1")) == "1"
+SHM = _setting("SHM", _flag, "ZIPCCL_SHM", "1")
 
 
 def _seconds(name: str) -> float | None:
@@ -93,7 +126,7 @@ def _seconds(name: str) -> float | None:
 #: (zipccl.failure): every rank then raises RankFailure and the group must be rebuilt.
 #: Unset (None): zipccl's own waits take DEFAULT_TIMEOUT (the group's timeout where that is
 #: shorter), and the backend's own collectives keep torch.distributed's semantics.
-TIMEOUT = _seconds("ZIPCCL_TIMEOUT")
+TIMEOUT = _setting("TIMEOUT", _seconds, "ZIPCCL_TIMEOUT")
 
 #: The bound of each of zipccl's own waits where ZIPCCL_TIMEOUT is unset, so that no zipccl call
 #: blocks for ever (a dead peer on CuPy's NCCL leaves a receive pending for good): 10 minutes,
@@ -110,7 +143,7 @@ def wait_bound() -> float:
 #: ``zipccl.backend.Options(codec=...)`` takes precedence): "auto" (default: the backend's own
 #: collective wherever compression cannot pay), or "raw", "lossless", "native" for every float
 #: tensor it takes, however small (a test suite can force lossless everywhere).
-CODEC = _choice("ZIPCCL_CODEC", "auto", ("auto", "native", "raw", "lossless"))
+CODEC = _setting("CODEC", _choice, "ZIPCCL_CODEC", "auto", ("auto", "native", "raw", "lossless"))
 
 
 #: "1": strict transport mode (zipccl.transport.strict): gloo keeps NCCL's rules (exact-size
@@ -119,7 +152,7 @@ CODEC = _choice("ZIPCCL_CODEC", "auto", ("auto", "native", "raw", "lossless"))
 #: violation raises TransportRuleError, as does a message on another device than the group's (a
 #: CPU tensor on nccl). For tests (tests/conftest.py turns it on): it adds a small message per
 #: payload, and gloo loses its early receives at the codec's bound.
-STRICT_TRANSPORT = _choice("ZIPCCL_STRICT_TRANSPORT", "0", ("0", "1")) == "1"
+STRICT_TRANSPORT = _setting("STRICT_TRANSPORT", _flag, "ZIPCCL_STRICT_TRANSPORT", "0")
 
 
 #: Which transport carries CUDA tensors' bytes (zipccl.transport.select, whose table says all):
@@ -127,8 +160,8 @@ STRICT_TRANSPORT = _choice("ZIPCCL_STRICT_TRANSPORT", "0", ("0", "1")) == "1"
 #: without the extra or where the communicator cannot be made), "nccl" (CuPy's NCCL, its errors
 #: raised), or "torch" (torch.distributed: CUDA tensors on nccl groups only). CPU tensors always
 #: go through torch.distributed.
-TRANSPORT = _choice("ZIPCCL_TRANSPORT", "auto", ("auto", "torch", "nccl"))
+TRANSPORT = _setting("TRANSPORT", _choice, "ZIPCCL_TRANSPORT", "auto", ("auto", "torch", "nccl"))
 
 #: ZIPCCL_DATA: the folder of the real gradient bucket that the benchmarks (and the test suite)
 #: read; None: ``shared/data`` beside the checkout.
-DATA = os.environ.get("ZIPCCL_DATA") or None
+DATA = _setting("DATA", _text, "ZIPCCL_DATA")
