@@ -7,7 +7,9 @@ Written for format A/Bs (v1 against an unmerged v2 prototype): it uses only
 card. Per case (the real bucket tiled to N elements): the Triton packet must equal the numba
 encoder's bytes (the CPU path, itself tested byte for byte against the reference) and decode to
 the same bits; then the profiler's device time per kernel, summed per call, and the wall time per
-call. One JSON line per case on stdout; `--json` appends them to a file.
+call. One JSON line per case on stdout; `--json` appends them to a file. `--ncu-window`: after
+the checks, one encode and one decode inside the CUDA profiler's window (``cudaProfilerStart``
+and ``Stop``), for ``ncu --profile-from-start off`` (bench/gpu_check.sh's ``ncu`` step), untimed.
 """
 
 from __future__ import annotations
@@ -91,8 +93,19 @@ def join_sweep(settings: str, gpu: Lossless, packet: torch.Tensor, x: torch.Tens
     return rows
 
 
+def _profiler_window(fn, device: str) -> None:
+    """``fn()`` alone inside the CUDA profiler's window (what ``ncu --profile-from-start off`` sees)."""
+    _sync(device)
+    if device == "cuda":
+        torch.cuda.profiler.start()
+    fn()
+    _sync(device)
+    if device == "cuda":
+        torch.cuda.profiler.stop()
+
+
 def case(base: torch.Tensor, numel: int, dtype: str, block: int, repeat: int, device: str = "cuda",
-         join: str = "") -> dict:
+         join: str = "", ncu_window: bool = False) -> dict:
     x = base.repeat(-(-numel // base.numel()))[:numel].to(DTYPES[dtype]).contiguous()
     xc = x.to(device)
     gpu = Lossless("triton", block_size=block)
@@ -102,9 +115,13 @@ def case(base: torch.Tensor, numel: int, dtype: str, block: int, repeat: int, de
     gpu.decode(packet, out)
     ints = INT[x.element_size()]
     same_bits = torch.equal(out.cpu().view(ints), x.view(ints))
+    nbytes = x.numel() * x.element_size()
+    if ncu_window:
+        _profiler_window(lambda: gpu.decode(gpu.encode(xc), out), device)
+        return {"numel": numel, "dtype": dtype, "block": block, "ratio": round(packet.numel() / nbytes, 5),
+                "same_bytes": same_bytes, "same_bits": same_bits, "profiled": "one encode, one decode"}
     timed = {"encode": _profiled(lambda: gpu.encode(xc), repeat, device),
              "decode": _profiled(lambda: gpu.decode(packet, out), repeat, device)}
-    nbytes = x.numel() * x.element_size()
     row = {"card": torch.cuda.get_device_name() if device == "cuda" else device, "zipccl": zipccl.__file__,
            "numel": numel, "dtype": dtype, "block": block, "ratio": round(packet.numel() / nbytes, 5),
            "same_bytes": same_bytes, "same_bits": same_bits}
@@ -134,6 +151,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--join", default="", help="CHUNKxWARPS,...: also decode under these _decode_join settings")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script under TRITON_INTERPRET=1")
+    ap.add_argument("--ncu-window", action="store_true",
+                    help="after each case's checks, one encode and one decode inside the CUDA profiler's window "
+                         "(for ncu --profile-from-start off), untimed")
     args = ap.parse_args()
     if args.data.exists():
         base = torch.from_numpy(np.load(args.data))
@@ -144,7 +164,7 @@ def main() -> None:
     for spec in args.cases.split(","):
         n, dt, *block = spec.split(":")
         row = {"label": args.label, **case(base, int(n), dt, int(block[0]) if block else args.block, args.repeat,
-                                             args.device, args.join)}
+                                             args.device, args.join, args.ncu_window)}
         line = json.dumps(row)
         print(line, flush=True)
         if args.json:

@@ -13,7 +13,7 @@
 # and 64 MiB of each dtype: numba's kernels, which it compares with, have compiled by then where
 # phase 2 runs alone on a fresh machine). Phase 2 expects phase 1's Triton cache (~/.triton): run
 # it right after phase 1 on the same machine, or its first steps' ranks compile cold.
-# Left out by default, for a second call: memcheck, the call profile, the other collectives' labs.
+# Left out by default, for a second call: memcheck, ncu, the call profile, the other collectives' labs.
 #
 # Every step is bounded by `timeout` (its limit: the variable its line in `steps` below names,
 # e.g. ENTRY_S=90) and by what is left of its phase (232 s each, PHASE_S, so that both end
@@ -55,7 +55,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TRITON_INTERPRET=$dry  # compiled on the GPU; the dry run's Triton codec on CPU tensors, interpreted
 py=${PYTHON:-python3}
 phase_s=${PHASE_S:-232}
-default_skip=${DEFAULT_SKIP-lab_reduce_scatter lab_all_gather shaped_reduce_scatter shaped_all_gather transport call_profile memcheck}
+default_skip=${DEFAULT_SKIP-lab_reduce_scatter lab_all_gather shaped_reduce_scatter shaped_all_gather transport call_profile memcheck ncu}
 skip=" $default_skip ${SKIP-} "
 # iproute2 for the shaped lab where the machine has none: the carried gpu_tools/ (bench/gpu_tools.sh)
 if ! command -v ip > /dev/null && [[ -x $PWD/gpu_tools/bin/ip ]]; then export PATH=$PWD/gpu_tools/bin:$PATH; fi
@@ -94,6 +94,7 @@ steps=(
     "transport 2 ${TRANSPORT_S:-60} run_transport"
     "call_profile 2 ${CALL_PROFILE_S:-45} mps run_call_profile"
     "memcheck 2 ${MEMCHECK_S:-30} run_memcheck"
+    "ncu 2 ${NCU_S:-60} run_ncu"
 )
 
 # The steps pick their tests (-m gpu, -k): CI's rule that nothing is deselected is for the
@@ -185,6 +186,14 @@ def link():
     return nvml_link()
 
 
+def cuda_tools():
+    import glob
+    import shutil
+    found = {t: shutil.which(t) or next(iter(sorted(glob.glob(f"/usr/local/cuda*/bin/{t}"))), None)
+             for t in ("ncu", "compute-sanitizer", "nsys")}
+    return ", ".join(f"{t} {p or 'not found'}" for t, p in found.items())
+
+
 def run(*argv):
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=5)
@@ -200,7 +209,8 @@ print("nvidia-smi:", run("nvidia-smi", "--query-gpu=name,driver_version,clocks.m
 print("python", sys.version.split()[0], "| cores", os.cpu_count())
 print("real gradients:", os.environ.get("ZIPCCL_DATA") or "not found (synthetic values instead)")
 for what, get in [("torch", torch_version), ("GPU", gpu), ("torch's NCCL", torch_nccl), ("triton", triton_version),
-                  ("numpy, numba", numpy_numba), ("CuPy", cupy_nccl), ("zipccl's GPU stack", stack), ("NVML link between local GPUs", link)]:
+                  ("numpy, numba", numpy_numba), ("CuPy", cupy_nccl), ("zipccl's GPU stack", stack), ("NVML link between local GPUs", link),
+                  ("CUDA tools", cuda_tools)]:
     try:
         print(f"{what}: {get()}")
     except Exception as e:  # the next line still prints
@@ -330,6 +340,34 @@ run_memcheck() {
         ((rc == 124)) && echo "# memcheck ran out of time: not run to the end (no finding either way)"
         return $rc
     fi
+}
+
+# Nsight Compute on the codec's kernels (a step of its own, left out by default): one encode and
+# one decode of 64 MiB of bf16 real gradients inside the CUDA profiler's window (bench/gpu_ab.py
+# --ncu-window, after its byte and bit checks), each launch's speed-of-light, memory, occupancy
+# and launch sections into OUTDIR/ncu.csv, then bench/ncu_table.py's table of them; where ncu is
+# installed (PATH, /usr/local/cuda*/bin) and may read the counters. A dry run: the window on CPU.
+run_ncu() {
+    local tool
+    tool=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    wait_numba
+    if ((dry)); then
+        echo "# dry run: the window's workload on CPU, no ncu"
+        $py bench/gpu_ab.py --device cpu --cases 512:bf16 --ncu-window ${data:+--data "$data"}
+        return
+    elif [[ -z $tool ]]; then
+        echo "# ncu not found (PATH, /usr/local/cuda*/bin): no kernel profile"
+        return 3
+    fi
+    local left=$((ZIPCCL_STEP_END - $(date +%s) - 6))  # the step's end: its limit may have been cut
+    timeout "$(( left > 1 ? left : 1 ))" "$tool" --profile-from-start off --csv --page details \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --log-file "$out/ncu.csv" $py bench/gpu_ab.py --cases "${NCU_CASES:-33554432:bf16}" --ncu-window \
+        ${data:+--data "$data"}
+    local rc=$?
+    ((rc == 124)) && echo "# ncu ran out of time: the table holds the launches profiled by then"
+    $py bench/ncu_table.py "$out/ncu.csv"
+    return $rc
 }
 
 # Where a small call's host time goes (bench/call_profile.py): 64 KiB lossless and raw all-reduce

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parents[1]
 PHASE1 = ["env", "compile", "entry", "killed", "lab_all_reduce_mps"]
 PHASE2 = ["syncs", "collectives", "shaped_all_reduce", "codec", "shaped_reduce_scatter", "shaped_all_gather",
-          "lab_reduce_scatter", "lab_all_gather", "transport", "call_profile", "memcheck"]
+          "lab_reduce_scatter", "lab_all_gather", "transport", "call_profile", "memcheck", "ncu"]
 DEFAULT_SKIP = {"lab_reduce_scatter", "lab_all_gather", "shaped_reduce_scatter", "shaped_all_gather", "transport",
-                "call_profile", "memcheck"}
+                "call_profile", "memcheck", "ncu"}
 
 
 def _run(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -57,7 +57,7 @@ def test_dry_run_of_both_phases(tmp_path):
     out, bundle = tmp_path / "out", tmp_path / "all.tgz"
     # a 2-core host imports the stack slower than a GPU machine, numba compiling beside it
     r = _run(out, BUNDLE=str(bundle), ZIPCCL_COMMIT="c0ffee1", ENV_S="25", COMPILE_S="45",
-             DEFAULT_SKIP=" ".join(sorted(DEFAULT_SKIP - {"memcheck"})))  # memcheck's dry run too: 3 packets
+             DEFAULT_SKIP=" ".join(sorted(DEFAULT_SKIP - {"memcheck", "ncu"})))  # their dry runs too: a few packets
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = _steps(out)
     assert list(steps) == PHASE1 + PHASE2, steps
@@ -70,7 +70,7 @@ def test_dry_run_of_both_phases(tmp_path):
     assert planned == PHASE1 + PHASE2, planned
     for name, (phase, rc, limit) in steps.items():
         assert phase == (1 if name in PHASE1 else 2), name
-        if name in DEFAULT_SKIP - {"memcheck"}:
+        if name in DEFAULT_SKIP - {"memcheck", "ncu"}:
             assert rc == "skip", name
             continue
         text = (out / f"{name}.txt").read_text()
@@ -87,6 +87,8 @@ def test_dry_run_of_both_phases(tmp_path):
     codec = (out / "codec.txt").read_text()  # what the step would run on a GPU reached its shell
     assert "on a GPU: --cases 33554432:bf16,4194304:bf16," in codec
     assert "3 hostile packets into decode_into on cpu" in (out / "memcheck.txt").read_text()
+    ncu = (out / "ncu.txt").read_text()  # the profiler's window around a checked encode and decode
+    assert "# dry run: the window's workload on CPU, no ncu" in ncu and '"same_bits": true' in ncu, ncu
     table = json.loads((out / "lab_all_reduce_mps.json").read_text())
     assert table["results"] and all(row["out_of_place"]["nwrong"] == 0 for row in table["results"])
     assert "dry run: the MPS daemon is not started" in (out / "lab_all_reduce_mps.txt").read_text()
@@ -150,3 +152,42 @@ def test_spawned_ranks_give_up_before_the_step_ends(monkeypatch):
     got, procs = spawn(_never_answers, 2, (), seconds=300)
     assert got == {} and not any(p.is_alive() for p in procs)
     assert 8 <= time.monotonic() - t0 < 14, time.monotonic() - t0
+
+
+# ncu's --csv --page details, as Nsight Compute 2025 writes it (its lines and the program's around it).
+_NCU_CSV = """==PROF== Connected to process 4242 (/usr/bin/python3.12)
+==PROF== Profiling "_analyse": 0%....50%....100% - 9 passes
+{"numel": 33554432, "dtype": "bf16", "same_bits": true}
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3.12","127.0.0.1","_analyse","1","7","(128, 1, 1)","(8192, 1, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","61.32"
+"0","4242","python3.12","127.0.0.1","_analyse","1","7","(128, 1, 1)","(8192, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","usecond","263.10"
+"0","4242","python3.12","127.0.0.1","_analyse","1","7","(128, 1, 1)","(8192, 1, 1)","0","9.0","Occupancy","Achieved Occupancy","%","88.5"
+"1","4242","python3.12","127.0.0.1","_decode_join(int, int)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","usecond","240.00"
+"1","4242","python3.12","127.0.0.1","_decode_join(int, int)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Memory Workload Analysis","L1/TEX Hit Rate","%","12.5"
+"1","4242","python3.12","127.0.0.1","_decode_join(int, int)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","40"
+==PROF== Disconnected from process 4242
+"""
+
+
+def test_ncu_table_reads_ncus_csv_among_other_lines(tmp_path, capsys):
+    """bench/ncu_table.py: one row per launch in the order of IDs, each metric in its column with
+    its unit, "-" where a section did not report it; ncu's lines and the program's skipped."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import ncu_table
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    lines = ncu_table.table(_NCU_CSV).splitlines()
+    assert lines[0].startswith("| kernel | time | DRAM |") and len(lines) == 4, lines
+    columns = [c for c, _ in ncu_table.METRICS]
+    analyse = dict(zip(columns, [c.strip() for c in lines[2].split("|")[2:-1]]))
+    join = dict(zip(columns, [c.strip() for c in lines[3].split("|")[2:-1]]))
+    assert lines[2].startswith("| _analyse |") and lines[3].startswith("| _decode_join |"), lines
+    assert analyse == {"time": "263.10 us", "DRAM": "61.32%", "memory": "-", "SM": "-", "L1 hit": "-", "L2 hit": "-",
+                       "occupancy": "88.5%", "registers": "-", "grid": "-", "block": "-"}, analyse
+    assert join["time"] == "240.00 us" and join["L1 hit"] == "12.5%" and join["registers"] == "40 register/thread", join
+    path = tmp_path / "ncu.csv"
+    path.write_text("==PROF== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance Counters\n")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "ncu_table.py"), str(path)], capture_output=True, text=True)
+    assert r.returncode == 1 and "no ncu CSV header" in r.stderr, r.stderr
