@@ -364,3 +364,43 @@ def test_packets_coded_into_one_buffer_as_on_cuda(pool):
     """The all-to-all takes encode_all's batched packets (CUDA's Lossless: one buffer, sizes on the
     device), here forced on CPU."""
     assert pool.run(_batched) == [(True, True)] * 4
+
+
+def _edges(rank, groups):
+    """Empty split lists (torch's even splits), a group of this rank alone with a per-link and a
+    hierarchical codec, and a small auto call on a new group while only rank 0's async queue is
+    busy: each against torch's result on the same inputs."""
+    import time
+    g, n = groups[4], 4
+    alone = [dist.new_group([r]) for r in range(n)][rank]  # every rank makes every group
+    fresh = dist.new_group(list(range(n)))  # its topology not yet known
+    x = activations(4 * 1024, seed=rank).to(torch.bfloat16).reshape(-1, 8)
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x, [], [], group=g)
+    got = {}
+    for codec in ("lossless", "auto", "raw"):
+        y = torch.full_like(x, float("nan"))
+        zipccl.all_to_all_single(y, x, [], [], group=g, codec=codec)
+        got[f"empty splits {codec}"] = torch.equal(bits(y), bits(want))
+    for label, codec, algorithm in (("links", {"intra": "native", "inter": "lossless"}, "auto"),
+                                    ("hierarchical", "lossless", "hierarchical")):
+        y = torch.full_like(x, float("nan"))
+        zipccl.all_to_all_single(y, x, group=alone, codec=codec, algorithm=algorithm)
+        got[f"alone {label}"] = torch.equal(bits(y), bits(x))
+    small = x[:64]
+    want = torch.empty_like(small)
+    dist.all_to_all_single(want, small, group=g)
+    handle = zipccl.collectives.submit(lambda: time.sleep(1.0)) if rank == 0 else None
+    y = torch.full_like(small, float("nan"))
+    zipccl.all_to_all_single(y, small, group=fresh, codec="auto")
+    got["behind a busy queue"] = torch.equal(bits(y), bits(want)) and (handle is None or handle.is_completed())
+    return got
+
+
+def test_empty_splits_a_group_of_one_and_a_busy_queue(pool):
+    """torch's [] splits are even splits; a group of one rank under a per-link or hierarchical
+    codec hands the input back; a call that one rank issues behind its own async work takes the
+    same path as its peers' (the backend's call, after that work), not a path of its own."""
+    for rank, res in enumerate(pool.run(_edges, timeout=90)):
+        assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
+        assert all(res.values()), (rank, res)

@@ -898,4 +898,12 @@ def test_refresh_reads_what_an_import_reads(monkeypatch):
     assert got == {a: getattr(fresh, a) for a in config._SETTINGS}, got
     assert config.TIMEOUT == 7.5 and config.AUTO_LEARN is False and config.TOPOLOGY == "2x2"
     assert set(names) == expected and len(expected) >= 11, names
-    assert config.refresh() == []  # nothing changed since
+    assert config.refresh() == [] and config.changed() == []  # nothing changed since
+    from zipccl.collectives.resolve import resolve_codec
+    assert resolve_codec("auto", torch.float32, 2000).name == "lossless"  # over the new floor of 1234 bytes
+    monkeypatch.setenv("ZIPCCL_AUTO_MIN_BYTES", "4096")
+    monkeypatch.setenv("ZIPCCL_SHM", "maybe")
+    assert config.changed() == ["ZIPCCL_AUTO_MIN_BYTES", "ZIPCCL_SHM"]
+    with pytest.raises(ValueError, match="ZIPCCL_SHM='maybe'"):
+        config.refresh()
+    assert config.AUTO_MIN_BYTES == 1234 and resolve_codec("auto", torch.float32, 2000).name == "lossless"  # nothing

@@ -119,8 +119,8 @@ def _even(x: torch.Tensor, n: int, label: str) -> list[int]:
 
 
 def _rows(x: torch.Tensor, splits, n: int, label: str) -> list[torch.Tensor]:
-    """``x`` cut along dim 0 by ``splits`` (None: evenly), each part flat."""
-    splits = _even(x, n, label) if splits is None else [int(s) for s in splits]
+    """``x`` cut along dim 0 by ``splits`` (None or empty: evenly, as torch), each part flat."""
+    splits = [int(s) for s in splits] if splits else _even(x, n, label)
     if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != (x.shape[0] if x.dim() else 1):
         raise ValueError(f"{label} split sizes {splits} must be {n} counts >= 0 that add up to its "
                          f"{x.shape[0] if x.dim() else 1} rows")
@@ -137,15 +137,16 @@ def goes_native(output, input, splits, codec, algorithm: str) -> bool:
     exchange and with checks that cost next to nothing: codec "native" on tensors the backend
     takes as they are, or the common small call that codec "auto" always hands to it (even
     splits below the policy's probe floor, on CPU: rank-consistent without an exchange). The
-    caller then makes the backend's call directly (False: zipccl's own path, checks included).
-    Never while zipccl's queue holds an async call: the call must run after it."""
-    if not executor.idle() or not (isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)) \
+    caller then makes the backend's call directly (False: zipccl's own path, checks included),
+    after the async calls queued before it (``executor.drain``): a rank's own queue must not
+    send it down another path than its peers'."""
+    if not (isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)) \
             or config.CHECK_NATIVE \
             or output.dtype != input.dtype or not (input.is_contiguous() and output.is_contiguous()):
         return False
     if codec == "native" or codec is NATIVE:
         return True
-    return (codec == "auto" and algorithm == "auto" and splits == (None, None) and input.dtype in DTYPE_CODES
+    return (codec == "auto" and algorithm == "auto" and not any(splits) and input.dtype in DTYPE_CODES
             and input.device.type == "cpu" and output.device.type == "cpu" and config.AUTO_LEARN
             and input.numel() * input.element_size() < auto.PROBE_MIN_BYTES)
 
@@ -195,8 +196,9 @@ def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: b
         if error is not None:
             Call(_NAME, dtype, 0, None, None).exchange(t, row, error, fate)
         if levels is not None:
-            codecs = [levels[1]] * n if levels[0] is levels[1] else per_peer(topo.nodes, t.rank, *levels)
-            plan = levels[1] if levels[0] is levels[1] else Links(*levels)
+            one = levels[0] is levels[1] or topo is None  # a group of one rank: no link but its own
+            codecs = [levels[1]] * n if one else per_peer(topo.nodes, t.rank, *levels)
+            plan = levels[1] if one else Links(*levels)
             matrix = exchange_counts(t, Call(_NAME, dtype, 0, None, plan), row, None, fate, acc)
             return _pipeline(t, sends, recvs, codecs, matrix, plan, acc, fate)
         matrix = exchange_counts(t, Call(_NAME, dtype, 0, None, AUTO), row, None, fate, acc)
@@ -274,6 +276,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     output, input = _outside_autograd(output), _outside_autograd(input)
     splits = (output_split_sizes, input_split_sizes)
     if not async_op and goes_native(output, input, splits, codec, algorithm):
+        executor.drain()
         _native_single(group, output, input, output_split_sizes, input_split_sizes)
         record_native(_NAME)
         return None

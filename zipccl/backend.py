@@ -250,7 +250,9 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout, options: Options | None = None,
                  global_ranks=None, group_name: str = ""):
         super().__init__(rank, size)
-        config.refresh()  # ZIPCCL_* set after zipccl's import take effect here, as torch's own at a group's making
+        if config.changed():  # ZIPCCL_* set after zipccl's import take effect here, as torch's own at a group's making,
+            executor.drain()  # after the calls issued before, which keep the settings they were issued under
+            config.refresh()
         self.options = options or Options()
         self.codec = self.options.codec or config.CODEC
         gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -501,7 +503,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                                                         _options(dist.AllToAllOptions, opts))
         out, src = _data([output, input])
         outs, ins = (list(s) if s else None for s in (output_split_sizes, input_split_sizes))
-        if self._compressor is None and \
+        if self._compressor is None and executor.idle() and \
                 alltoall.goes_native(out, src, (outs, ins), self.codec, self.options.algorithm):
             record_native("all_to_all")  # the backend's own, directly, as _own hands the collectives
             return self._passed(input).alltoall_base(output, input, list(output_split_sizes or []),

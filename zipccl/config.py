@@ -16,18 +16,24 @@ def _setting(attribute: str, reader, variable: str, *args):
     return reader(variable, *args)
 
 
+def changed() -> list[str]:
+    """The variables whose value in the environment changed since they were last read."""
+    return [variable for reader, variable, args, seen in _SETTINGS.values() if os.environ.get(variable) != seen]
+
+
 def refresh() -> list[str]:
     """Read again each variable whose value in the environment changed since it was last read,
     and return their names; a setting assigned in code (tests) stays while its variable does not
-    change. A bad value raises ValueError naming the variable, as at import."""
-    changed = []
-    for attribute, (reader, variable, args, seen) in list(_SETTINGS.items()):
+    change. A bad value raises ValueError naming the variable, as at import, and changes nothing."""
+    new = {}
+    for attribute, (reader, variable, args, seen) in _SETTINGS.items():
         now = os.environ.get(variable)
         if now != seen:
-            setattr(sys.modules[__name__], attribute, reader(variable, *args))
-            _SETTINGS[attribute] = (reader, variable, args, now)
-            changed.append(variable)
-    return changed
+            new[attribute] = reader(variable, *args), (reader, variable, args, now)
+    for attribute, (value, setting) in new.items():
+        setattr(sys.modules[__name__], attribute, value)
+        _SETTINGS[attribute] = setting
+    return [setting[1] for _, setting in new.values()]
 
 
 def _bytes(name: str, default: int) -> int:

@@ -53,9 +53,9 @@ from .autoplan import FLAT_PLANS, auto_policy, planned, plans_for
 from .flat import all_gather, all_reduce, flat_collective, reduce_scatter, run_flat
 from .metadata import Call, timed
 from .pipeline import pieces
-from .resolve import AUTO, AUTO_MIN_BYTES, NATIVE, PLAN_CODECS, check_op, resolve_codec
+from .resolve import AUTO, NATIVE, PLAN_CODECS, check_op, resolve_codec
 from .sparse_reduce import _sum_pairs, sparse_algorithm
 from .validation import carrier, check_carrier, check_shapes, finish, input_size, new_acc, prepare, refuse
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "auto_policy", "sparse_algorithm",
-           "submit", "AUTO_MIN_BYTES", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned"]
+           "submit", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned"]

@@ -13,8 +13,6 @@ from ..codecs import Lossless, Raw, TopK
 from ..errors import UnsupportedError
 
 
-AUTO_MIN_BYTES = config.AUTO_MIN_BYTES
-
 _OPS = {dist.ReduceOp.SUM: 1, dist.ReduceOp.AVG: 2, dist.ReduceOp.MAX: 3, dist.ReduceOp.MIN: 4}
 
 _RAW, _LOSSLESS = Raw(), Lossless()
@@ -52,7 +50,7 @@ def resolve_codec(codec, dtype: torch.dtype, nbytes: int):
             if codec == "lossless":
                 raise UnsupportedError(f"codec 'lossless' takes {F.SUPPORTED}, not {dtype}")
             return NATIVE if codec == "auto" else None
-        if codec == "raw" or (codec == "auto" and nbytes < AUTO_MIN_BYTES):
+        if codec == "raw" or (codec == "auto" and nbytes < config.AUTO_MIN_BYTES):
             return _RAW
         return _LOSSLESS
     if isinstance(codec, _Native):
