@@ -86,7 +86,8 @@ def _plain_torch(g, residual, density, sampled, value_dtype, residual_dtype):
     sent = torch.zeros(n)
     sent[idx] = value[idx].float()
     reduced = (torch.zeros(n) + sent).to(value_dtype).to(g.dtype)  # +0.0 + -0.0 is +0.0
-    return idx.to(torch.int32), value[idx], (compensated - sent).to(residual_dtype), reduced
+    residual = (compensated - sent).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # what is not finite is not carried
+    return idx.to(torch.int32), value[idx], residual.to(residual_dtype), reduced
 
 
 def _assert_same(got, want):
@@ -155,7 +156,27 @@ def test_nan_is_never_selected_before_numbers(one_rank, monkeypatch, kernels):
     g = _gradient(1000, torch.float32, 4)
     g[10:20] = float("nan")
     idx, values, residual, _ = _reduce(monkeypatch, g, None, 0.05, False, torch.float32, torch.float32, kernels)
-    assert idx.numel() == 50 and not bool(values.isnan().any()) and bool(residual[10:20].isnan().all())
+    assert idx.numel() == 50 and not bool(values.isnan().any())
+    assert torch.equal(residual[10:20], torch.zeros(10)) and bool(residual.isfinite().all())
+
+
+@pytest.mark.parametrize("kernels,bad,value_dtype", [
+    *((k, bad, torch.float32) for k in (True, False) for bad in (float("inf"), float("-inf"), float("nan"))),
+    (False, 1e5, torch.float16)])  # float16 values (the torch path alone): 1e5 overflows to Inf
+def test_an_overflowed_step_is_not_carried_into_later_steps(one_rank, monkeypatch, kernels, bad, value_dtype):
+    """A step whose gradient holds Inf or NaN (or overflows where sent as float16) leaves a finite
+    residual, 0 there, so that the next steps send that coordinate again: GradScaler skips the
+    overflowed step, but a NaN kept in the residual (Inf - Inf) would cut the coordinate out for
+    good."""
+    g = _gradient(1000, torch.float32, 6)
+    g[7] = bad
+    idx, values, residual, _ = _reduce(monkeypatch, g, None, 0.05, False, value_dtype, torch.float32, kernels)
+    assert residual[7] == 0.0 and bool(residual.isfinite().all()), residual[7]
+    for step in (1, 2):
+        g = _gradient(1000, torch.float32, 6 + step)
+        g[7] = 1.0  # the largest from now on
+        idx, values, residual, _ = _reduce(monkeypatch, g, residual, 0.05, False, value_dtype, torch.float32, kernels)
+        assert 7 in idx.tolist() and bool(residual.isfinite().all()), (step, residual[7])
 
 
 def _packets(n, numel, k, dtype, seed):

@@ -36,8 +36,11 @@ class Residuals:
         return out
 
     def update(self, key, compensated: torch.Tensor, sent: torch.Tensor) -> None:
-        """Keep ``compensated - sent`` (``sent`` dense: zeros where nothing was sent)."""
-        self.store[key] = (compensated - sent.reshape(-1).float()).to(self.dtype)
+        """Keep ``compensated - sent`` (``sent`` dense: zeros where nothing was sent), 0 where that
+        is not finite: an overflowed step's value (which GradScaler skips) is not carried, or it
+        would stay NaN for good (Inf - Inf)."""
+        residual = compensated - sent.reshape(-1).float()
+        self.store[key] = residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).to(self.dtype)
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.store.values())

@@ -169,6 +169,17 @@ def _refine(cand, prefix, need):
     return prefix, above
 
 
+@njit(inline="always")
+def _subtract_sent(c, w, take, k):
+    """c -= the value sent where taken: the residual. A value that is not finite (an overflowed
+    step's, which GradScaler skips) is not carried: 0, or it would stay NaN for good (Inf - Inf)."""
+    cf, wf = c.view(np.float32), w.view(np.float32)
+    for i in range(k):
+        cf[i] -= wf[i] if take[i] else np.float32(0.0)  # c - 0.0 is c, -0.0 included
+        if (c[i] & np.uint32(0x7F800000)) == np.uint32(0x7F800000):
+            c[i] = np.uint32(0)
+
+
 def _kth_key(g, res, has_res: bool, bf16_values: bool, k: int) -> tuple[int, int]:
     """(key of the k-th largest value, how many keys exceed it), by an exact radix selection:
     a histogram of the keys' top 11 bits over the whole tensor, then the keys of the bin that
@@ -210,9 +221,7 @@ def _select(grad, res, has_res, bf16_values, threshold, ties, idx, values, out):
                 idx[j] = lo + i
                 values[j] = w[i] >> np.uint32(16) if values.itemsize == 2 else w[i]
                 j += 1
-        cf, wf = c.view(np.float32), w.view(np.float32)
-        for i in range(k):
-            cf[i] -= wf[i] if take[i] else np.float32(0.0)  # c - 0.0 is c, -0.0 included
+        _subtract_sent(c, w, take, k)
         if out.itemsize == 2:
             for i in range(k):
                 out[lo + i] = _round_bf16(c[i])
@@ -257,9 +266,7 @@ def _select_at_least(grad, res, has_res, bf16_values, threshold, idx, values, ke
                 values[j] = w[i] >> np.uint32(16) if values.itemsize == 2 else w[i]
                 kept[j] = c[i]
                 j += 1
-        cf, wf = c.view(np.float32), w.view(np.float32)
-        for i in range(k):
-            cf[i] -= wf[i] if take[i] else np.float32(0.0)  # c - 0.0 is c, -0.0 included
+        _subtract_sent(c, w, take, k)
         for i in range(k):
             o[lo + i] = c[i]
     return j
