@@ -142,6 +142,109 @@ def test_layer_rules_keep_small_tensors_exact(pool, with_rules):
     assert all(torch.equal(res[0]["topk"][n], res[1]["topk"][n]) for n in torch_grads)
 
 
+class _TwoLinear(torch.nn.Module):
+    """One bucket whose order DDP's rebuild changes: registered b, a but applied a then b, and a
+    bias's gradient ready before its weight's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.b = torch.nn.Linear(64, 64)
+        self.a = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _after_rebuild(rank, groups):
+    """Three backward passes of the same input under the top-k hook with rules that keep the
+    biases exact: each step's gradients, the bucket's order each step, the residuals kept; and
+    this rank's own gradients by plain torch (no optimizer: the same every step)."""
+    if rank >= 2:
+        return None
+    g = groups[2]
+    model = _TwoLinear()
+    ddp = DDP(model, process_group=g, bucket_cap_mb=25)
+    state = zipccl.ddp.State(group=g, codec="topk", density=0.05, model=model,
+                             rules=zipccl.rules.LayerRules(min_numel=0))
+    names = {id(p): n for n, p in model.named_parameters()}
+    orders = []
+
+    def spy(s, bucket):
+        orders.append([names[id(p)] for p in bucket.parameters()])
+        return zipccl.ddp.hook(s, bucket)
+
+    ddp.register_comm_hook(state, spy)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+    steps = []
+    for _ in range(3):
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+        steps.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    local = _TwoLinear()
+    local(x).square().mean().backward()
+    return dict(steps=steps, orders=orders, residual_keys=len(state.residuals.store),
+                residual_numel=sum(r.numel() for r in state.residuals.store.values()),
+                local={n: p.grad.clone() for n, p in local.named_parameters()})
+
+
+def test_rules_and_residuals_follow_ddps_rebuilt_bucket(pool):
+    """DDP reorders the bucket after the first step (a bias before its weight, the numel the
+    same): the biases still get the exact average at every step (plain torch's gradients of the
+    two ranks: (a + b) / 2), the weights only what top-k sent, and the residuals of the bucket
+    as it was are dropped (one bucket's worth kept, not two)."""
+    res = pool.run(_after_rebuild, timeout=120)[:2]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    assert res[0]["orders"][0] != res[0]["orders"][-1], res[0]["orders"]  # the rebuild this guards
+    for step in range(3):
+        for name in ("a.bias", "b.bias"):
+            want = (res[0]["local"][name] + res[1]["local"][name]) / 2
+            assert torch.equal(res[0]["steps"][step][name], want), (step, name)
+        for name in ("a.weight", "b.weight"):
+            assert 0 < int(res[0]["steps"][step][name].count_nonzero()) < 0.2 * 4096, (step, name)
+    assert res[0]["residual_keys"] == 1 and res[0]["residual_numel"] == 2 * 4096, res[0]
+
+
+def _entropy_with_an_exact_first_bucket(rank, groups):
+    """Buckets of about one parameter each, the first (the last layer's) a LayerNorm that the
+    rules keep exact: the entropy rate still decides, from the step's first lossy bucket."""
+    if rank >= 2:
+        return None
+    g = groups[2]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 128), torch.nn.LayerNorm(128))
+    ddp = DDP(model, process_group=g, bucket_cap_mb=0.001)
+    state = zipccl.ddp.State(group=g, codec="entropy", model=model, rate=EntropyRate(warmup=2, every=1))
+    ddp.register_comm_hook(state, zipccl.ddp.hook)
+    for step in range(6):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+    return state.stats()
+
+
+def test_the_entropy_rate_decides_where_the_first_bucket_is_exact(pool):
+    res = pool.run(_entropy_with_an_exact_first_bucket, timeout=120)[:2]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    densities = res[0]["densities"]
+    assert densities[:2] == [None, None] and all(d is not None for d in densities[2:]), densities
+    assert len(res[0]["decisions"]) >= 3 and res[0]["ratio"] < 0.5, res[0]
+    assert res[0]["densities"] == res[1]["densities"]
+
+
+def test_a_bucket_of_the_same_shapes_but_other_parameters_starts_afresh():
+    """Two weights of one shape swapped in a bucket keep its key (shapes in order), but not its
+    residual or layout, which belong to the parameters that were there."""
+    state = zipccl.ddp.State(codec="topk", density=0.1)
+    w1, w2, bias = (torch.nn.Parameter(torch.zeros(s)) for s in ((4, 4), (4, 4), (4,)))
+    key = zipccl.ddp._key(state, 0, [w1, w2, bias])
+    state.residuals.store[key], state.layouts[key] = torch.ones(36), ([(0, 32)], [(32, 36)])
+    assert zipccl.ddp._key(state, 0, [w1, w2, bias]) == key and key in state.residuals.store  # the same bucket
+    assert zipccl.ddp._key(state, 0, [w2, w1, bias]) == key
+    assert key not in state.residuals.store and key not in state.layouts
+    assert zipccl.ddp._key(state, 0, [bias, w1, w2]) != key  # another order of shapes: another key
+
+
 def test_segments_of_a_bucket():
     rules = zipccl.rules.LayerRules(min_numel=10)
     params = [torch.nn.Parameter(torch.zeros(4, 5)), torch.nn.Parameter(torch.zeros(3)),

@@ -300,6 +300,10 @@ def _feedback(rank, groups, n, split):
             res = comms.state_dict()["mlp"]["residuals"]["fc"]
             padded = sum(p.numel() for p in model.fc.parameters())
             info["residual"] = (res.numel(), padded, int((res == 0).sum()))
+            kept = res.clone()
+        if step == 1:  # a state dict is a snapshot: the next step does not write into it
+            info["snapshot_kept"] = torch.equal(res, kept) and not torch.equal(
+                comms.state_dict()["mlp"]["residuals"]["fc"], kept)
         opt.step()
         opt.zero_grad()
     info["digest"] = _digest(model)[0]
@@ -314,6 +318,7 @@ def test_error_feedback_across_steps_and_checkpoints(pool):
         assert all(not isinstance(r, BaseException) for r in res), (s, res)
         assert res[0]["digest"] == res[1]["digest"], s
     whole = runs[None][0]
+    assert whole["snapshot_kept"] is True
     numel, padded, zeros = whole["residual"]
     assert numel >= padded  # this rank's whole (padded) contribution to the module
     k = round(0.05 * numel)

@@ -54,7 +54,8 @@ class State:
     """
 
     __slots__ = ("group", "codec", "algorithm", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds",
-                 "density", "compressor", "rate", "residuals", "densities", "rules", "names", "layouts")
+                 "density", "compressor", "rate", "residuals", "densities", "rules", "names", "layouts", "members",
+                 "used", "first_lossy")
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, codec="lossless", density: float = 0.01,
                  rate: Optional[EntropyRate] = None, residual_dtype: torch.dtype = torch.float32,
@@ -84,6 +85,9 @@ class State:
         self.rules = rules
         self.names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self.layouts: dict = {}  # bucket key -> (lossy index, exact index) or None
+        self.members: dict = {}  # bucket key -> the ids of its parameters, in order (this process's)
+        self.used: set = set()  # the keys of this step's buckets so far
+        self.first_lossy = -1  # the step whose first bucket with a lossy part has been seen
         self.iterations = 0
         self.raw_bytes = self.wire_bytes = 0
         self.codec_seconds = self.comm_seconds = 0.0
@@ -110,10 +114,11 @@ class State:
         return out
 
     def __getstate__(self):  # parameter ids and bucket layouts belong to this process: rebuilt on use
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ("group", "names", "layouts")}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ("group", "names", "layouts", "members", "used")}
 
     def __setstate__(self, state):
         self.group, self.names, self.layouts, self.algorithm = None, {}, {}, "auto"  # older checkpoints: no algorithm
+        self.members, self.used, self.first_lossy = {}, set(), -1
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -129,12 +134,24 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     if bucket.is_last():
         state.iterations += 1
     if state.lossy:
-        key = (index, buffer.numel())  # DDP rebuilds buckets after the first step: a new numel starts fresh
+        key = _key(state, index, bucket.parameters())
         if state.rules is not None and key not in state.layouts:
             state.layouts[key] = segments(state.rules, bucket.parameters(), state.names, buffer.numel())
         layout = state.layouts.get(key)
+        # the entropy rate decides on the step's first bucket with a lossy part (the same on every
+        # rank: the same model, the same layouts), not on bucket 0, which the rules may keep exact
+        first = (layout is None or bool(layout[0])) and state.first_lossy != step
+        if first:
+            state.first_lossy = step
+        state.used.add(key)
+        used = None
+        if bucket.is_last():  # the keys of buckets before DDP's rebuild go, with their residuals
+            used, state.used = state.used, set()
+            for k in [k for k in state.members if k not in used]:
+                state.members.pop(k, None)
+                state.layouts.pop(k, None)
         api.make_groups(state.group, "lossless", "flat")  # what _split's flat collectives make, made here
-        handle = collectives.submit(lambda: _split(state, step, key, buffer, layout))
+        handle = collectives.submit(lambda: _split(state, step, key, buffer, layout, first, used))
     else:
         handle = api.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, async_op=True,
                                 codec=state.codec, algorithm=state.algorithm)
@@ -147,12 +164,37 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     return handle.get_future().then(done)
 
 
-def _split(state: State, step: int, key, buffer: torch.Tensor, layout) -> dict:
+def _key(state: State, index: int, params: list) -> tuple:
+    """A bucket's key for its layout and residual: its index and its parameters' shapes in order,
+    which DDP's rebuild after the first step changes (the order in which gradients became ready:
+    a bias before its weight), so that neither is applied at another parameter's positions, and
+    which a checkpoint's residuals keep. Where the same shapes now hold other parameters (this
+    process's ids), the key's layout and residual start afresh."""
+    key = (index, tuple(tuple(p.shape) for p in params))
+    members = tuple(id(p) for p in params)
+    if state.members.get(key, members) != members:
+        state.layouts.pop(key, None)
+        state.residuals.store.pop(key, None)
+    state.members[key] = members
+    return key
+
+
+def _split(state: State, step: int, key, buffer: torch.Tensor, layout, first: bool, used: set | None) -> dict:
     """On zipccl's thread (so the entropy estimate's small all-reduces cannot race the traffic):
     the lossy ranges of the bucket through top-k, the exact ones lossless (in the same packet
-    where zipccl.lossy can: one collective per bucket instead of two), counters summed."""
+    where zipccl.lossy can: one collective per bucket instead of two), counters summed. After
+    the step's last bucket (``used``: the step's keys), the residuals of other keys are dropped."""
+    try:
+        return _split_one(state, step, key, buffer, layout, first)
+    finally:
+        if used is not None:
+            for k in [k for k in state.residuals.store if k not in used]:
+                del state.residuals.store[k]
+
+
+def _split_one(state: State, step: int, key, buffer: torch.Tensor, layout, first: bool) -> dict:
     if layout is None:
-        return _lossy(state, step, key, buffer)
+        return _lossy(state, step, key, buffer, first)
     lossy_ranges, exact_ranges = layout
     if not lossy_ranges:  # the same model on every rank: the same parts are empty everywhere
         return _exact(state, buffer)
@@ -160,7 +202,7 @@ def _split(state: State, step: int, key, buffer: torch.Tensor, layout) -> dict:
     # gathering by an index tensor cost several ms per bucket).
     one = len(lossy_ranges) == 1
     lossy = buffer[lossy_ranges[0][0]:lossy_ranges[0][1]] if one else _gather(buffer, lossy_ranges)
-    call = state.compressor.reduce(lossy.view(-1), key, step, key[0] == 0, state.group,
+    call = state.compressor.reduce(lossy.view(-1), key, step, first, state.group,
                                    exact=(buffer, lossy_ranges, exact_ranges) if exact_ranges else None)
     if call is not None and exact_ranges:  # the whole bucket is reduced
         return call
@@ -194,9 +236,9 @@ def _exact(state: State, part: torch.Tensor) -> dict:
     return _snapshot()["last"]
 
 
-def _lossy(state: State, step: int, key, buffer: torch.Tensor) -> dict:
-    """Top-k with error feedback; the first bucket of a step decides the density."""
-    return state.compressor.reduce(buffer.view(-1), key, step, key[0] == 0, state.group)
+def _lossy(state: State, step: int, key, buffer: torch.Tensor, first: bool) -> dict:
+    """Top-k with error feedback; the step's first lossy bucket decides the density."""
+    return state.compressor.reduce(buffer.view(-1), key, step, first, state.group)
 
 
 def bf16_hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

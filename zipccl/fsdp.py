@@ -20,6 +20,7 @@ FSDP1: ``model.register_comm_hook(zipccl.fsdp.State1(group), zipccl.fsdp.hook1)`
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import partial
 
@@ -286,8 +287,10 @@ class Comms:
         return out
 
     def state_dict(self) -> dict:
-        return {g: dict(residuals=dict(s.compressor.residuals.store), step=s.compressor.step,
-                        anchor=s.compressor.anchor, densities=list(s.compressor.densities), rate=s.compressor.rate)
+        """A snapshot: copies of the residuals and the entropy rate, which later steps update in place."""
+        return {g: dict(residuals={k: v.clone() for k, v in s.compressor.residuals.store.items()},
+                        step=s.compressor.step, anchor=s.compressor.anchor, densities=list(s.compressor.densities),
+                        rate=copy.deepcopy(s.compressor.rate))
                 for g, s in self.lossy.items()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -296,7 +299,7 @@ class Comms:
         for g, s in state.items():
             c = self.lossy[g].compressor
             c.residuals.store = {k: v.clone() for k, v in s["residuals"].items()}
-            c.step, c.anchor, c.densities, c.rate = s["step"], s["anchor"], list(s["densities"]), s["rate"]
+            c.step, c.anchor, c.densities, c.rate = s["step"], s["anchor"], list(s["densities"]), copy.deepcopy(s["rate"])
 
 
 def compress(model: torch.nn.Module, *, codec="auto", lossy: str | None = None, rules=TAGC_RULES,
