@@ -338,7 +338,10 @@ def _sgd_steps(model, rank: int, steps: int = 10) -> None:
         opt.zero_grad()
 
 
-def _hsdp(rank, groups, comm):
+def _hsdp(rank, groups, comm, how="default", steps=10):
+    """HSDP on a 2 x 2 mesh: torch's own, or FSDP on the shard dimension with zipccl's replicate
+    hook; ``how``: a divide factor equal to the shard size (2: the reduce-scatter then averages),
+    or forced sums with a factor of 8."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -349,7 +352,11 @@ def _hsdp(rank, groups, comm):
     fully_shard(model, mesh=fsdp_mesh)
     if comm != "torch":
         zipccl.fsdp.compress(model, codec=comm, replicate_group=mesh["replicate"].get_group())
-    _sgd_steps(model, rank)
+    for m in model.modules():  # after compress: the hook reads the factor at each call
+        if how != "default" and hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(2.0 if how == "factor" else 8.0)
+            m.set_force_sum_reduction_for_comms(how == "force_sum")
+    _sgd_steps(model, rank, steps)
     return _digest(model)
 
 
@@ -359,6 +366,16 @@ def test_hsdp_replicate_all_reduce_through_zipccl(pool):
         assert all(not isinstance(r, BaseException) for r in res), (c, res)
         assert len({r[0] for r in res}) == 1, c
     assert runs["raw"][0][0] == runs["lossless"][0][0]
+    torch.testing.assert_close(runs["raw"][0][1], runs["torch"][0][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["factor", "force_sum"])
+def test_hsdp_replicate_all_reduce_keeps_the_divide_factor(pool, how):
+    """With a divide factor the replicate group sums (the factor is the whole division), as
+    torch's own HSDP: the same parameters after two steps."""
+    runs = {c: pool.run(_hsdp, c, how, 2, timeout=300) for c in ("torch", "raw")}
+    for c, res in runs.items():
+        assert all(not isinstance(r, BaseException) for r in res), (c, res)
     torch.testing.assert_close(runs["raw"][0][1], runs["torch"][0][1], rtol=1e-5, atol=1e-6)
 
 

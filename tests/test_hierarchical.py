@@ -5,6 +5,7 @@ torch on the gathered inputs; lossless equals raw; auto's choices agree on every
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -288,3 +289,62 @@ def test_the_arrangement_index_is_made_on_the_tensors_device():
     index = _arrangement(levels, torch.device("meta"))
     assert index.device.type == "meta" and index.shape == (4,)
     assert _arrangement(levels, torch.device("cpu")).tolist() == [0, 2, 1, 3]
+
+
+_FULL_SHM = """
+import os, sys
+import torch
+import torch.distributed as dist
+from zipccl.transport import shm
+shm._DIR = sys.argv[1]
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+memory = shm.NodeMemory.available(dist.group.WORLD, 0, 1, agree=lambda ok: ok)
+print("mapped:", memory is not None)
+try:
+    memory.stage(torch.ones(1 << 20))  # 4 MiB a half-slot, in a file system of 1 MiB
+except OSError as e:
+    print("refused:", e)
+print("left:", os.listdir(sys.argv[1]))
+"""
+
+
+def test_a_full_dev_shm_raises_instead_of_killing_the_ranks(tmp_path):
+    """/dev/shm too small for the area (a container's 64 MiB; here a tmpfs of 1 MiB in a mount
+    namespace of the test's own): the growth is refused with OSError, as the collectives expect,
+    and no file is left; not SIGBUS at the first write into pages tmpfs cannot back."""
+    import subprocess
+    import sys
+    d = tmp_path / "shm"
+    d.mkdir()
+    r = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=1M zipccl-test "$0" && exec "$1" -c "$2" "$0"',
+                        str(d), sys.executable, _FULL_SHM], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "mapped: True" in r.stdout and "refused: the node's shared memory could not grow" in r.stdout, r.stdout
+    assert "left: []" in r.stdout, r.stdout
+
+
+def test_an_area_is_unlinked_where_a_barrier_breaks(tmp_path, monkeypatch):
+    """A peer lost while the area grows (the barrier after the mapping raises): local rank 0
+    still unlinks the file, so nothing is left in /dev/shm."""
+    import torch.distributed as dist
+    from zipccl.transport import shm
+    monkeypatch.setattr(shm, "_DIR", str(tmp_path))
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        memory = shm.NodeMemory(dist.group.WORLD, 0, 2, "zipccl-test")
+        calls = []
+
+        def barrier():
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("a peer is gone")
+
+        monkeypatch.setattr(memory, "_barrier", barrier)
+        with pytest.raises(RuntimeError, match="a peer is gone"):
+            memory._map(4096)
+        assert len(calls) == 2 and os.listdir(tmp_path) == []
+    finally:
+        if created:
+            dist.destroy_process_group()

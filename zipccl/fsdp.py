@@ -219,14 +219,12 @@ class ReduceScatter(_ReduceScatterABC):
         if codec not in EXACT_CODECS:
             raise ValueError(f"reduce-scatter codec must be one of {EXACT_CODECS}, got {codec!r}")
         self.codec, self.name, self.lossy, self.counters = codec, name, lossy, _Counters()
-        self.last_op = None  # the plain op of the last call: the HSDP hook matches it
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> dist.Work | None:
         plain, factor = _plain_op(op)
-        self.last_op = (plain, factor)
         n = dist.get_world_size(group)
         raw = _ring_bytes(output_tensor.numel(), n, output_tensor.element_size())
 
@@ -248,12 +246,15 @@ class ReduceScatter(_ReduceScatterABC):
         return None
 
 
-def _replicate(rs: ReduceScatter, group, codec, output: torch.Tensor) -> None:
-    """HSDP's replicate all-reduce, as FSDP's all-reduce hook of a 1-D FSDP on the shard group.
-    Native HSDP reduces the replicate group with AVG after an AVG reduce-scatter, with SUM after
-    PREMUL_SUM; after a SUM (fp16, forced sums) FSDP divides by the shard size only, so the
-    replicate group averages."""
-    plain, factor = rs.last_op if rs.last_op is not None else (dist.ReduceOp.AVG, None)
+def _replicate(module: FSDPModule, group, codec, output: torch.Tensor) -> None:
+    """HSDP's replicate all-reduce, as FSDP's all-reduce hook of a 1-D FSDP on the shard group,
+    which divides by the shard size alone (or by the module's divide factor). Native HSDP sums
+    the replicate group where a divide factor is set (the factor is then the whole division,
+    whatever the reduce-scatter's op: AVG where it equals the shard size, PREMUL_SUM, or SUM with
+    forced sums or fp16), and averages it otherwise; so does this hook, reading the module's
+    factor at each call (``set_gradient_divide_factor`` may come after ``compress``)."""
+    state = module._get_fsdp_state()  # torch 2.13: where FSDPModule.set_gradient_divide_factor writes
+    factor = getattr(getattr(state, "_fsdp_param_group", None), "gradient_divide_factor", None)
     op = dist.ReduceOp.SUM if factor is not None else dist.ReduceOp.AVG
     api.all_reduce(output, op=op, group=group, codec=_exact_codec(codec, output.dtype))
 
@@ -340,7 +341,7 @@ def compress(model: torch.nn.Module, *, codec="auto", lossy: str | None = None, 
         module.set_custom_all_gather(ag)
         module.set_custom_reduce_scatter(rs)
         if replicate_group is not None:
-            module.set_all_reduce_hook(partial(_replicate, rs, replicate_group, codec))
+            module.set_all_reduce_hook(partial(_replicate, module, replicate_group, codec))
         installed[name] = (group, ag, rs)
     return Comms(installed, groups)
 

@@ -10,12 +10,16 @@ Each rank owns one slot of the node's area, in two halves used by alternate phas
 writes its half, waits on the node's group (one barrier), then reads; the next phase writes the
 other half, so a rank never overwrites data that a peer may still be reading (that peer has
 since passed the next phase's barrier). The area grows by re-mapping, identically on every
-rank (sizes come from the call, the same on every rank). Files are unlinked as soon as every
-rank has mapped them: nothing is left behind, even after a crash.
+rank (sizes come from the call, the same on every rank). Local rank 0 allocates a file's pages
+before any rank maps it, so that a full /dev/shm (a container's 64 MiB) fails there, on every
+rank alike, instead of killing the ranks with SIGBUS at their first write into pages that tmpfs
+cannot back. Files are unlinked as soon as every rank has mapped them, or failed to: nothing is
+left behind where a peer dies meanwhile, nor after a crash that follows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 
@@ -32,6 +36,16 @@ _MAGIC_BYTES = 8
 
 def _round_up(n: int) -> int:
     return max(_ALIGN, 1 << (max(1, n) - 1).bit_length())
+
+
+def _allocate(path: str, size: int) -> None:
+    """``path``, ``size`` bytes whose pages are allocated now (OSError where the file system
+    cannot hold them: ENOSPC on a full tmpfs)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
 
 
 class NodeMemory:
@@ -63,27 +77,31 @@ class NodeMemory:
         With ``check``, local rank 0 writes a token that every other rank must read back."""
         path, size = self._path(), 2 * capacity * self.local_size
         ok, area = True, None
-        if self.local_rank == 0:
-            try:
-                area = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-                if check:
-                    area[:_MAGIC_BYTES] = torch.frombuffer(bytearray(self.name[-_MAGIC_BYTES:].encode()),
-                                                           dtype=torch.uint8)
-            except (OSError, RuntimeError):
-                ok = False  # still at both barriers below, or the node's other ranks would wait forever
-        self._barrier()
-        if self.local_rank != 0:
-            try:
-                if not os.path.exists(path) or os.path.getsize(path) != size:
-                    raise OSError(f"{path} is not this node's area")
-                area = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-                if check:
-                    ok = bytes(area[:_MAGIC_BYTES].tolist()) == self.name[-_MAGIC_BYTES:].encode()
-            except (OSError, RuntimeError):
-                ok, area = False, None
-        self._barrier()
-        if self.local_rank == 0 and area is not None:
-            os.unlink(path)  # every rank has it mapped (or has failed): the memory lives until unmapped
+        try:
+            if self.local_rank == 0:
+                try:
+                    _allocate(path, size)
+                    area = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                    if check:
+                        area[:_MAGIC_BYTES] = torch.frombuffer(bytearray(self.name[-_MAGIC_BYTES:].encode()),
+                                                               dtype=torch.uint8)
+                except (OSError, RuntimeError):
+                    ok = False  # still at both barriers below, or the node's other ranks would wait forever
+            self._barrier()
+            if self.local_rank != 0:
+                try:
+                    if not os.path.exists(path) or os.path.getsize(path) != size:
+                        raise OSError(f"{path} is not this node's area")
+                    area = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                    if check:
+                        ok = bytes(area[:_MAGIC_BYTES].tolist()) == self.name[-_MAGIC_BYTES:].encode()
+                except (OSError, RuntimeError):
+                    ok, area = False, None
+            self._barrier()
+        finally:  # every rank has it mapped, or has failed, or a barrier broke: the memory lives until unmapped
+            if self.local_rank == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         if not check:  # the node's ranks agree, so that all of them fail alike, or none
             flag = torch.tensor([int(ok)], dtype=torch.int64)
             TorchTransport.of(self.group).wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group,
