@@ -183,16 +183,24 @@ def _after_rebuild(rank, groups):
         steps.append({n: p.grad.clone() for n, p in model.named_parameters()})
     local = _TwoLinear()
     local(x).square().mean().backward()
+    saved = pickle.dumps(state)  # a checkpoint, restored into a new DDP (its buckets as before the rebuild)
+    back = pickle.loads(saved)
+    back.group = g
+    ddp = DDP(_TwoLinear(), process_group=g, bucket_cap_mb=25)
+    ddp.register_comm_hook(back, zipccl.ddp.hook)
+    ddp(x).square().mean().backward()
     return dict(steps=steps, orders=orders, residual_keys=len(state.residuals.store),
                 residual_numel=sum(r.numel() for r in state.residuals.store.values()),
-                local={n: p.grad.clone() for n, p in local.named_parameters()})
+                local={n: p.grad.clone() for n, p in local.named_parameters()},
+                restored_kept=set(state.residuals.store) <= set(back.residuals.store))
 
 
 def test_rules_and_residuals_follow_ddps_rebuilt_bucket(pool):
     """DDP reorders the bucket after the first step (a bias before its weight, the numel the
     same): the biases still get the exact average at every step (plain torch's gradients of the
     two ranks: (a + b) / 2), the weights only what top-k sent, and the residuals of the bucket
-    as it was are dropped (one bucket's worth kept, not two)."""
+    as it was are dropped (one bucket's worth kept, not two); a checkpoint's residuals outlive a
+    restored job's first step, whose buckets are those before the rebuild."""
     res = pool.run(_after_rebuild, timeout=120)[:2]
     assert all(not isinstance(r, BaseException) for r in res), res
     assert res[0]["orders"][0] != res[0]["orders"][-1], res[0]["orders"]  # the rebuild this guards
@@ -203,6 +211,7 @@ def test_rules_and_residuals_follow_ddps_rebuilt_bucket(pool):
         for name in ("a.weight", "b.weight"):
             assert 0 < int(res[0]["steps"][step][name].count_nonzero()) < 0.2 * 4096, (step, name)
     assert res[0]["residual_keys"] == 1 and res[0]["residual_numel"] == 2 * 4096, res[0]
+    assert res[0]["restored_kept"] is True
 
 
 def _entropy_with_an_exact_first_bucket(rank, groups):

@@ -144,14 +144,15 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         if first:
             state.first_lossy = step
         state.used.add(key)
-        used = None
-        if bucket.is_last():  # the keys of buckets before DDP's rebuild go, with their residuals
-            used, state.used = state.used, set()
-            for k in [k for k in state.members if k not in used]:
-                state.members.pop(k, None)
+        stale = []
+        if bucket.is_last():  # the keys of buckets before DDP's rebuild go, with their residuals; not
+            # a checkpoint's, kept for the buckets after the rebuild (this process has not seen them)
+            stale, state.used = [k for k in state.members if k not in state.used], set()
+            for k in stale:
+                del state.members[k]
                 state.layouts.pop(k, None)
         api.make_groups(state.group, "lossless", "flat")  # what _split's flat collectives make, made here
-        handle = collectives.submit(lambda: _split(state, step, key, buffer, layout, first, used))
+        handle = collectives.submit(lambda: _split(state, step, key, buffer, layout, first, stale))
     else:
         handle = api.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, async_op=True,
                                 codec=state.codec, algorithm=state.algorithm)
@@ -179,17 +180,16 @@ def _key(state: State, index: int, params: list) -> tuple:
     return key
 
 
-def _split(state: State, step: int, key, buffer: torch.Tensor, layout, first: bool, used: set | None) -> dict:
+def _split(state: State, step: int, key, buffer: torch.Tensor, layout, first: bool, stale: list) -> dict:
     """On zipccl's thread (so the entropy estimate's small all-reduces cannot race the traffic):
     the lossy ranges of the bucket through top-k, the exact ones lossless (in the same packet
-    where zipccl.lossy can: one collective per bucket instead of two), counters summed. After
-    the step's last bucket (``used``: the step's keys), the residuals of other keys are dropped."""
+    where zipccl.lossy can: one collective per bucket instead of two), counters summed; then the
+    residuals of ``stale`` keys (buckets the step no longer has) are dropped."""
     try:
         return _split_one(state, step, key, buffer, layout, first)
     finally:
-        if used is not None:
-            for k in [k for k in state.residuals.store if k not in used]:
-                del state.residuals.store[k]
+        for k in stale:
+            state.residuals.store.pop(k, None)
 
 
 def _split_one(state: State, step: int, key, buffer: torch.Tensor, layout, first: bool) -> dict:
