@@ -70,9 +70,13 @@ def _check(out: str, ranks: int) -> None:
 
 
 def test_detect(monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"):
         monkeypatch.delenv(k, raising=False)
     assert launch.detect() is None
+    monkeypatch.setenv("PMI_RANK", "3")  # MPICH's mpiexec
+    monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.setenv("MPI_LOCALRANKID", "1")
+    assert launch.detect() == launch.World(3, 4, 1, "mpirun")
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
@@ -94,6 +98,17 @@ def test_local_spawn():
 def _what_a_rank_sees(rank, nranks):
     import zipccl.config
     return os.environ.get("ZIPCCL_TOPOLOGY"), zipccl.config.TOPOLOGY, os.getpid()
+
+
+def _large_result(rank, nranks):
+    return bytes([rank]) * (1 << 20)
+
+
+@pytest.mark.timeout(120)
+def test_spawn_returns_results_larger_than_a_pipes_buffer():
+    """Ranks that each return 1 MiB: spawn reads the results while the ranks run (a pipe holds
+    64 KiB: a rank would block in its put while the launcher waited for it to exit)."""
+    assert launch.spawn(_large_result, 2) == [b"\x00" * (1 << 20), b"\x01" * (1 << 20)]
 
 
 @pytest.mark.timeout(180)

@@ -102,6 +102,8 @@ def test_sizes_and_verifiable_data():
     assert common.parse_size("64M") == 64 << 20 and common.parse_size("1K") == 1024
     assert common.sizes(1 << 20, 16 << 20, 4, 0) == [1 << 20, 4 << 20, 16 << 20]
     assert common.sizes(1, 3, 1, 1) == [1, 2, 3]
+    assert common.sizes(8, 16, 1.1, 0) == [8, 9, 10, 11, 12, 13, 14, 15, 16]  # a fraction never stalls the sweep
+    assert common.sizes(0, 8, 2, 0) == [0, 1, 2, 4, 8]  # nor a start at 0
     import torch
     for dtype in common.DTYPES.values():
         xs = [common.verifiable(10000, dtype, r, 8) for r in range(8)]

@@ -47,6 +47,8 @@ def detect() -> World | None:
     if "OMPI_COMM_WORLD_RANK" in env:
         return World(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
                      int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpirun")
+    if "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH's and Intel MPI's mpiexec (Hydra)
+        return World(int(env["PMI_RANK"]), int(env["PMI_SIZE"]), int(env.get("MPI_LOCALRANKID", 0)), "mpirun")
     return None
 
 
@@ -206,12 +208,18 @@ def spawn(fn, nranks: int, *args, backend: str = "gloo", timeout: float = 600.0,
     if share_gpu and not torch.cuda.is_available():
         raise UnsupportedError("spawn(share_gpu=True) runs every rank on the visible CUDA device, and torch finds "
                                "no CUDA device here (torch.cuda.is_available() is False)")
+    out = [None] * nranks
+
+    def collect():  # while the ranks run: a result larger than the pipe's buffer blocks its rank until read
+        while not results.empty():
+            rank, value = results.get()
+            out[rank] = value
+
     with fork_server(fn) as method:
         results = mp.get_context(method).SimpleQueue()
-        mp.start_processes(_child, args=(fn, nranks, free_port(), backend, timeout, results, args, share_gpu),
-                           nprocs=nranks, join=True, start_method=method)
-    out = [None] * nranks
-    while not results.empty():
-        rank, value = results.get()
-        out[rank] = value
+        ranks = mp.start_processes(_child, args=(fn, nranks, free_port(), backend, timeout, results, args, share_gpu),
+                                   nprocs=nranks, join=False, start_method=method)
+        while not ranks.join(timeout=0.05):
+            collect()
+    collect()
     return out

@@ -63,10 +63,12 @@ def parse_size(text: str) -> int:
 
 
 def sizes(min_bytes: int, max_bytes: int, factor: float, step: int) -> list[int]:
+    """min_bytes, then each times ``factor`` (where > 1, at least one byte more: a fraction or a
+    start at 0 must not end the sweep), else plus ``step``, up to max_bytes."""
     out, s = [], min_bytes
     while s <= max_bytes:
         out.append(s)
-        s = int(s * factor) if factor > 1 else s + step
+        s = max(s + 1, int(s * factor)) if factor > 1 else s + step
         if s == out[-1]:
             break
     return out
