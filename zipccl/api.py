@@ -169,14 +169,6 @@ def goes_native(name: str, group, output, input, op, codec, algorithm: str = "au
     return _route(name, group, output, input, op, codec, algorithm) is True
 
 
-def _native(name: str, group, output, input, op) -> None:
-    """The group's own collective (TorchTransport.native)."""
-    if name == "all_reduce":
-        TorchTransport.of(group).native(name, input, op=op)
-    else:
-        TorchTransport.of(group).native(name, _flat(output), _flat(input), op=op)
-
-
 def _direct(name: str, group, output, input, op, codec, algorithm: str):
     """The call's fast path, after the async calls issued before it (as every call): where it
     always runs the group's own collective, that collective and the statistics (True); where
@@ -194,17 +186,11 @@ def _direct(name: str, group, output, input, op, codec, algorithm: str):
         if plan != "native":
             return plan
         C.planned(group, name, input.dtype, route.nbytes, route.plans,
-                  lambda plan: _native(name, group, output, input, op), input.device, plan)
+                  lambda plan: C.native(name, group, output, input, op), input.device, plan)
     else:
-        _native(name, group, output, input, op)
+        C.native(name, group, output, input, op)
     record_native(name)
     return True
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """One dimension, as the backend's single-tensor calls take it; strided, as it is (the
-    backend's own checks then speak)."""
-    return x if x.dim() == 1 or not x.is_contiguous() else x.view(-1)
 
 
 def make_groups(group, codec="auto", algorithm: str = "auto") -> None:
@@ -272,9 +258,24 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         C.run_flat(name, C.carrier(group, device, codec), output, input, op, codec, acc)
         return codec
 
+    def auto_plans(levels) -> tuple[str, ...]:
+        plans = HIERARCHICAL_PLANS if algorithm == "hierarchical" else \
+            C.FLAT_PLANS + (HIERARCHICAL_PLANS if levels is not None else ())
+        topo = topology.topology(group)
+        return C.plans_for(plans, device.type, topo.link, len(topo.nodes))
+
     def run():
         if error is not None:
-            C.refuse(name, C.carrier(group, device, c), input, op, error)
+            def refusal():
+                C.refuse(name, C.carrier(group, device, c), input, op, error)
+            if chosen is None and not per_level and C.learns(codec, input) and dist.is_initialized():
+                # the auto policy's step, as its peers' valid calls take it (the fast path took it already)
+                as_they_are = C.only_layout(name, group, tensors, op, codec, numel, nbytes,
+                                            C.check_shapes(name, output, input))
+                C.refused(group, name, dtype, nbytes, auto_plans(topology.levels(group)), refusal,
+                          (lambda: C.native(name, group, output, input, op)) if as_they_are else None, device)
+                return C.finish(name, None, C.new_acc())
+            refusal()
         acc, used = C.new_acc(), [None]
         levels = topology.levels(group)  # made above
         if algorithm == "hierarchical" and levels is None:
@@ -290,10 +291,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             used[0] = hier(levels, (_intra(levels, device), c), acc) if algorithm == "hierarchical" \
                 else flat(c, acc)
         else:
-            plans = HIERARCHICAL_PLANS if algorithm == "hierarchical" else \
-                C.FLAT_PLANS + (HIERARCHICAL_PLANS if levels is not None else ())
-            topo = topology.topology(group)
-            plans = C.plans_for(plans, device.type, topo.link, len(topo.nodes))
+            plans = auto_plans(levels)
 
             def go(plan: str) -> None:
                 if plan.startswith("hierarchical/"):

@@ -157,5 +157,26 @@ def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], r
     auto.done(key, plan, time.perf_counter() - t0)
 
 
+def learns(codec, input) -> bool:
+    """Whether a call with ``codec`` on ``input`` takes a step of its group's auto policy where
+    it is valid (codec "auto" learning, a float tensor): so must an invalid one (``refused``)."""
+    from ..format import DTYPE_CODES
+    return codec == "auto" and config.AUTO_LEARN and isinstance(input, torch.Tensor) and input.dtype in DTYPE_CODES
+
+
+def refused(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], refuse, native,
+            device: torch.device) -> None:
+    """An invalid call where its peers' valid calls learn: the policy's step that theirs take (or
+    every later choice of the ranks would differ). Where that step's plan is zipccl's, ``refuse()``
+    (its peers wait in the plan's exchange: every rank raises); where it is the group's own
+    collective, which its peers run without an exchange, ``native()`` (given where the call is
+    refused for its layout alone), timed as theirs: the backend takes the tensors as they are
+    or refuses them, as torch's call does; else ``refuse()``."""
+    plan = _auto_group(group).policy.choose(Policy.key(name, dtype, nbytes), nbytes, candidates)
+    if plan != "native" or config.CHECK_NATIVE or native is None:
+        refuse()
+    planned(group, name, dtype, nbytes, candidates, lambda _: native(), device, plan)
+
+
 def _report_id(entry) -> int:
     return zlib.crc32(repr(entry).encode()) & 0x7FFFFFFF

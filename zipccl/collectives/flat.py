@@ -11,13 +11,14 @@ import torch.distributed as dist
 from .. import config
 from ..executor import run as _run
 from ..failure import REDUCE, Fate
+from ..transport.torch_dist import TorchTransport
 from .algorithms import _Gather, _reduce_scatter_chunks
-from .autoplan import FLAT_PLANS, planned, plans_for
+from .autoplan import FLAT_PLANS, learns, planned, plans_for, refused
 from .metadata import Call, timed
 from .pipeline import pieces, plain
 from .resolve import AUTO, NATIVE, PLAN_CODECS
 from .sparse_reduce import _sparse_all_reduce, _sparse_reduce_scatter
-from .validation import carrier, check_shapes, finish, input_size, new_acc, prepare, refuse
+from .validation import carrier, check_shapes, finish, input_size, new_acc, only_layout, prepare, refuse
 
 # ---- one flat collective with a decided codec ----------------------------------------------------------------
 
@@ -84,6 +85,20 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
         timed(acc, "comm_seconds", fate.settle, t)
 
 
+def native(name: str, group, output, input, op) -> None:
+    """The group's own collective (TorchTransport.native) on the call's tensors as they are:
+    a strided one too, which the backend then takes or refuses as torch's call does."""
+    if name == "all_reduce":
+        TorchTransport.of(group).native(name, input, op=op)
+    else:
+        TorchTransport.of(group).native(name, _flat(output), _flat(input), op=op)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """One dimension, as the backend's single-tensor calls take it; strided, as it is."""
+    return x if x.dim() == 1 or not x.is_contiguous() else x.view(-1)
+
+
 def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
     """One flat collective (the public all_reduce, reduce_scatter and all_gather of this module):
     validated, its codec decided ("auto": among FLAT_PLANS), run now or queued (async_op)."""
@@ -94,7 +109,15 @@ def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
 
     def run():
         if error is not None:
-            refuse(name, carrier(group, device, c), input, op, error)
+            def refusal():
+                refuse(name, carrier(group, device, c), input, op, error)
+            if learns(codec, input):  # the auto policy's step, as its peers' valid calls take it
+                tensors = (input,) if name == "all_reduce" else (output, input)
+                as_they_are = only_layout(name, group, tensors, op, codec, numel, nbytes, check_shapes(name, output, input))
+                refused(t.group, name, input.dtype, nbytes, plans_for(FLAT_PLANS, device.type), refusal,
+                        (lambda: native(name, group, output, input, op)) if as_they_are else None, device)
+                return finish(name, None, new_acc())
+            refusal()
         acc, used = new_acc(), [c]
         if c is AUTO:
             def go(plan):

@@ -122,6 +122,14 @@ def prepare(name, group, tensors, op, codec, numel, nbytes, check):
     return t, resolved, error
 
 
+def only_layout(name, group, tensors, op, codec, numel, nbytes, check) -> bool:
+    """Whether a call that ``prepare`` refused is refused for its layout alone (a strided tensor,
+    which the group's own collective takes as torch's call does): its contiguous copies pass."""
+    if not all(isinstance(x, torch.Tensor) for x in tensors) or all(x.is_contiguous() for x in tensors):
+        return False
+    return prepare(name, group, tuple(x.contiguous() for x in tensors), op, codec, numel, nbytes, check)[2] is None
+
+
 def refuse(name: str, t, input, op, error: Exception) -> None:
     """Raise ``error`` here, and MismatchError on the group's other ranks, whose calls are in
     their metadata exchange (an invalid call's only message)."""
