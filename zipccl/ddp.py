@@ -114,7 +114,8 @@ class State:
         return out
 
     def __getstate__(self):  # parameter ids and bucket layouts belong to this process: rebuilt on use
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ("group", "names", "layouts", "members", "used")}
+        local = ("group", "names", "layouts", "members", "used")
+        return {k: getattr(self, k) for k in self.__slots__ if k not in local}
 
     def __setstate__(self, state):
         self.group, self.names, self.layouts, self.algorithm = None, {}, {}, "auto"  # older checkpoints: no algorithm

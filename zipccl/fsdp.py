@@ -300,7 +300,8 @@ class Comms:
         for g, s in state.items():
             c = self.lossy[g].compressor
             c.residuals.store = {k: v.clone() for k, v in s["residuals"].items()}
-            c.step, c.anchor, c.densities, c.rate = s["step"], s["anchor"], list(s["densities"]), copy.deepcopy(s["rate"])
+            c.step, c.anchor, c.densities = s["step"], s["anchor"], list(s["densities"])
+            c.rate = copy.deepcopy(s["rate"])
 
 
 def compress(model: torch.nn.Module, *, codec="auto", lossy: str | None = None, rules=TAGC_RULES,

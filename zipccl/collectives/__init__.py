@@ -58,4 +58,5 @@ from .sparse_reduce import _sum_pairs, sparse_algorithm
 from .validation import carrier, check_carrier, check_shapes, finish, input_size, new_acc, only_layout, prepare, refuse
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "auto_policy", "sparse_algorithm",
-           "submit", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned", "learns", "refused", "native", "only_layout"]
+           "submit", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned", "learns", "refused", "native",
+           "only_layout"]

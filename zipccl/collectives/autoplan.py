@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..auto import Policy
+from ..format import DTYPE_CODES
 
 
 #: Plans that flat codec="auto" measures: the backend's own collective, zipccl's pipeline raw or lossless.
@@ -160,7 +161,6 @@ def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], r
 def learns(codec, input) -> bool:
     """Whether a call with ``codec`` on ``input`` takes a step of its group's auto policy where
     it is valid (codec "auto" learning, a float tensor): so must an invalid one (``refused``)."""
-    from ..format import DTYPE_CODES
     return codec == "auto" and config.AUTO_LEARN and isinstance(input, torch.Tensor) and input.dtype in DTYPE_CODES
 
 

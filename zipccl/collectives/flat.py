@@ -113,7 +113,8 @@ def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
                 refuse(name, carrier(group, device, c), input, op, error)
             if learns(codec, input):  # the auto policy's step, as its peers' valid calls take it
                 tensors = (input,) if name == "all_reduce" else (output, input)
-                as_they_are = only_layout(name, group, tensors, op, codec, numel, nbytes, check_shapes(name, output, input))
+                as_they_are = only_layout(name, group, tensors, op, codec, numel, nbytes,
+                                          check_shapes(name, output, input))
                 refused(t.group, name, input.dtype, nbytes, plans_for(FLAT_PLANS, device.type), refusal,
                         (lambda: native(name, group, output, input, op)) if as_they_are else None, device)
                 return finish(name, None, new_acc())
