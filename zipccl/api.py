@@ -268,13 +268,9 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         if error is not None:
             def refusal():
                 C.refuse(name, C.carrier(group, device, c), input, op, error)
-            if chosen is None and not per_level and C.learns(codec, input) and dist.is_initialized():
-                # the auto policy's step, as its peers' valid calls take it (the fast path took it already)
-                as_they_are = C.only_layout(name, group, tensors, op, codec, numel, nbytes,
-                                            C.check_shapes(name, output, input))
-                C.refused(group, name, dtype, nbytes, auto_plans(topology.levels(group)), refusal,
-                          (lambda: C.native(name, group, output, input, op)) if as_they_are else None, device)
-                return C.finish(name, None, C.new_acc())
+            if chosen is None and not per_level and dist.is_initialized():  # the fast path took the step already
+                return C.refuse_in_step(name, group, group, output, input, op, codec, numel, nbytes,
+                                        lambda: auto_plans(topology.levels(group)), refusal)
             refusal()
         acc, used = C.new_acc(), [None]
         levels = topology.levels(group)  # made above

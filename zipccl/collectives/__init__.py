@@ -49,14 +49,13 @@ One module per idea, imports pointing down this list:
 
 from ..executor import Handle, submit
 from .algorithms import reduce_in_rank_order
-from .autoplan import FLAT_PLANS, auto_policy, learns, planned, plans_for, refused
-from .flat import all_gather, all_reduce, flat_collective, native, reduce_scatter, run_flat
+from .autoplan import FLAT_PLANS, auto_policy, planned, plans_for
+from .flat import all_gather, all_reduce, flat_collective, native, reduce_scatter, refuse_in_step, run_flat
 from .metadata import Call, timed
 from .pipeline import pieces
 from .resolve import AUTO, NATIVE, PLAN_CODECS, check_op, resolve_codec
 from .sparse_reduce import _sum_pairs, sparse_algorithm
-from .validation import carrier, check_carrier, check_shapes, finish, input_size, new_acc, only_layout, prepare, refuse
+from .validation import carrier, check_carrier, check_shapes, finish, input_size, new_acc, prepare, refuse
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "auto_policy", "sparse_algorithm",
-           "submit", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned", "learns", "refused", "native",
-           "only_layout"]
+           "submit", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned", "native", "refuse_in_step"]

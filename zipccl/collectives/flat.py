@@ -99,6 +99,21 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 1 or not x.is_contiguous() else x.view(-1)
 
 
+def refuse_in_step(name: str, group, policy_group, output, input, op, codec, numel: int, nbytes: int, candidates,
+                   refusal) -> dict:
+    """An invalid call. Where its peers' valid calls take a step of ``policy_group``'s auto policy
+    (``learns``), the same step among ``candidates()`` (autoplan.refused: where that step is the
+    group's own collective, a call refused for its layout alone goes there, as on its peers, and
+    returns its counters); else ``refusal()``, which raises here and on every peer."""
+    if learns(codec, input):
+        tensors = (input,) if name == "all_reduce" else (output, input)
+        as_they_are = only_layout(name, group, tensors, op, codec, numel, nbytes, check_shapes(name, output, input))
+        refused(policy_group, name, input.dtype, nbytes, candidates(), refusal,
+                (lambda: native(name, group, output, input, op)) if as_they_are else None, input.device)
+        return finish(name, None, new_acc())
+    refusal()
+
+
 def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
     """One flat collective (the public all_reduce, reduce_scatter and all_gather of this module):
     validated, its codec decided ("auto": among FLAT_PLANS), run now or queued (async_op)."""
@@ -109,16 +124,9 @@ def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
 
     def run():
         if error is not None:
-            def refusal():
-                refuse(name, carrier(group, device, c), input, op, error)
-            if learns(codec, input):  # the auto policy's step, as its peers' valid calls take it
-                tensors = (input,) if name == "all_reduce" else (output, input)
-                as_they_are = only_layout(name, group, tensors, op, codec, numel, nbytes,
-                                          check_shapes(name, output, input))
-                refused(t.group, name, input.dtype, nbytes, plans_for(FLAT_PLANS, device.type), refusal,
-                        (lambda: native(name, group, output, input, op)) if as_they_are else None, device)
-                return finish(name, None, new_acc())
-            refusal()
+            return refuse_in_step(name, group, t.group, output, input, op, codec, numel, nbytes,
+                                  lambda: plans_for(FLAT_PLANS, device.type),
+                                  lambda: refuse(name, carrier(group, device, c), input, op, error))
         acc, used = new_acc(), [c]
         if c is AUTO:
             def go(plan):
