@@ -187,6 +187,29 @@ def test_auto_tries_hierarchical_plans_identically_on_every_rank(pool):
     assert any("hierarchical/lossless" in line for line in res[0][2])
 
 
+def _auto_on_new_nodes(rank, groups):
+    """The same call signature on one node, then, the nodes found anew, on two: auto's plans
+    follow the nodes found, not those of the signature's first call."""
+    x0 = verifiable(3 << 19, torch.float16, rank, 4)  # 3 MiB: above the probe floor, a class no other test uses
+    used = {}
+    for shape in ("1x4", "2x2"):
+        with emulated(shape):
+            used[shape] = set()
+            for _ in range(12):
+                x = x0.clone()
+                zipccl.all_reduce(x)
+                used[shape].add(zipccl.stats()["last"]["codec"])
+    return used
+
+
+def test_auto_follows_the_nodes_found_anew(pool):
+    res = pool.run(_auto_on_new_nodes, timeout=300)
+    for r in res:
+        assert not isinstance(r, BaseException), r
+        assert r["1x4"] and not any(p.startswith("hierarchical") for p in r["1x4"]), r
+        assert any(p.startswith("hierarchical") for p in r["2x2"]), r
+
+
 def _refusals(rank, groups, case):
     try:
         if case == "no_levels":  # one node (no override): nothing to be hierarchical over

@@ -84,6 +84,7 @@ def _intra(levels, device: torch.device) -> object:
 #: _Auto (auto chooses per call) or False (the full path). At most MAX_ROUTES, then forgotten.
 _routes: dict = {}
 MAX_ROUTES = 4096
+topology.on_forget(_routes.clear)
 
 
 class _Auto(NamedTuple):

@@ -39,7 +39,7 @@ from .transport.shm import NodeMemory
 from .transport.torch_dist import wire_device
 
 __all__ = ["Topology", "Levels", "topology", "levels", "known", "parse", "claim", "from_claims", "nvml_link",
-           "link_between", "forget", "LINKS", "agreed_link", "shares_memory", "same_node", "publish_node"]
+           "link_between", "forget", "on_forget", "LINKS", "agreed_link", "shares_memory", "same_node", "publish_node"]
 
 _SOURCES = ("ZIPCCL_TOPOLOGY", "torchrun", "mpirun", "slurm", "hostname")
 
@@ -368,11 +368,23 @@ def same_node(group, peer: int) -> bool:
     return known == _claim_text()
 
 
+#: Run by ``forget``: caches built on what was found (zipccl.api's routes), which would otherwise
+#: keep sending a group's calls where its old topology sent them.
+_on_forget: list = []
+
+
+def on_forget(callback) -> None:
+    """Call ``callback()`` whenever ``forget`` drops what was found."""
+    _on_forget.append(callback)
+
+
 def forget(group=None) -> None:
-    """Drop what was found for ``group`` (tests that change ZIPCCL_TOPOLOGY in live workers); the
-    groups already created stay alive."""
+    """Drop what was found for ``group`` (tests that change ZIPCCL_TOPOLOGY in live workers), and
+    the routes decided from it; the groups already created stay alive."""
     key = _group_key(group)
     with _lock:
         _found.pop(key, None)
         _levels.pop(key, None)
         _peer_nodes.clear()
+    for callback in _on_forget:
+        callback()
