@@ -377,6 +377,32 @@ def test_lossy_bad_input(pool):
                 assert r[0] == "MismatchError" and f"[{CULPRIT}]" in r[1] and r[2] < BUDGET, (rank, r)
 
 
+def _lossy_call_that_fails(rank, groups, collective, dtype):
+    """One rank's top-k encoder fails mid-call: on every rank the residual then holds the call's
+    whole gradient, what it was to send as well as the rest, for the next step (in a first call,
+    the gradient itself in fp32, bit for bit). float32 takes the numba kernels' selection, float16
+    torch's."""
+    from zipccl.lossy import Compressor
+    group, n = groups[4], 4
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    comp = Compressor(FaultyTopK("encode", 1) if rank == CULPRIT else FaultyTopK(), rules=None)
+    try:
+        if collective == "all_reduce":
+            comp.reduce(x.clone(), "w", 0, True, group, dist.ReduceOp.SUM)
+        else:
+            comp.reduce_scatter(x.clone(), torch.empty(100_000 // n, dtype=dtype), "w", 0, True, group)
+        return "no failure"
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        failure = type(e).__name__
+    return failure, torch.equal(comp.residuals.store["w"], x.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_a_failed_lossy_call_keeps_its_gradient_in_the_residual(pool, collective, dtype):
+    assert pool.run(_lossy_call_that_fails, collective, dtype) == [("RankFailure", True)] * 4
+
+
 # ---- hierarchical calls: a failure on one level, in one node, reaches every rank of the group ----------------
 
 def _hier_fault(rank, groups, collective, level, kind):

@@ -42,6 +42,13 @@ class Residuals:
         residual = compensated - sent.reshape(-1).float()
         self.store[key] = residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).to(self.dtype)
 
+    def restore(self, key, idx: torch.Tensor, values: torch.Tensor) -> None:
+        """Add back the values at ``idx`` that a failed call was to send (finite ones: as in
+        ``update``, an overflowed value is not carried)."""
+        residual = self.store[key]
+        residual.index_add_(0, idx.to(residual.device).long(),
+                            values.to(residual.device, residual.dtype).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0))
+
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.store.values())
 

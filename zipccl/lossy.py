@@ -87,8 +87,9 @@ class Compressor:
         if density is None:  # entropy warm-up: lossless (all of the bucket, if given)
             collectives.all_reduce(flat if exact is None else exact[0], op=op, group=group, codec="lossless")
             return _snapshot()["last"]
-        codec, wire, after = self._selected("all_reduce", flat, key, density, exact, group, op)
-        collectives.all_reduce(wire, op=op, group=group, codec=codec)
+        codec, wire, after, unsent = self._selected("all_reduce", flat, key, density, exact, group, op)
+        with unsent:
+            collectives.all_reduce(wire, op=op, group=group, codec=codec)
         return after()
 
     def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, key, step: int, first: bool, group,
@@ -101,15 +102,16 @@ class Compressor:
         if density is None:  # entropy warm-up: lossless
             collectives.reduce_scatter(out, flat, op=op, group=group, codec="lossless")
             return _snapshot()["last"]
-        codec, wire, _ = self._selected("reduce_scatter", flat, key, density, None, group, op)
+        codec, wire, _, unsent = self._selected("reduce_scatter", flat, key, density, None, group, op)
         result = out if wire.dtype == out.dtype else torch.empty_like(out, dtype=wire.dtype)
-        collectives.reduce_scatter(result, wire, op=op, group=group, codec=codec)
+        with unsent:
+            collectives.reduce_scatter(result, wire, op=op, group=group, codec=codec)
         if result is not out:
             out.copy_(result)
         return _snapshot()["last"]
 
     def _selected(self, name: str, flat, key, density: float, exact, group, op):
-        """(the top-k codec at ``density``, then ``_select``'s pair). A failure here is refused on
+        """(the top-k codec at ``density``, then ``_select``'s three). A failure here is refused on
         every rank of the collective ``name``: no message of the call has left, the peers wait in
         its exchange, on the transport that the call's tensors choose (NCCL's for CUDA tensors)."""
         codec = self.codec if isinstance(self.codec, TopK) else TopK(density, sampled=self.sampled)
@@ -120,7 +122,9 @@ class Compressor:
 
     def _select(self, flat, key, codec, exact):
         """Select with error feedback: (the tensor the top-k all-reduce sends, with the selection
-        remembered by ``codec``; what to do after it, which returns ``reduce``'s result)."""
+        remembered by ``codec``; what to do after it, which returns ``reduce``'s result; a context
+        for the collective that, if it fails, gives the residual back what the call was to send,
+        so that a failed step's gradient is kept for the next, as any unsent part is)."""
         value_dtype = self.value_dtype or flat.dtype
         wire = flat if value_dtype == flat.dtype else torch.empty_like(flat, dtype=value_dtype)
         fast = sparse.supports(flat, value_dtype, self.residuals.dtype)
@@ -130,11 +134,12 @@ class Compressor:
                 flat, self.residuals.get(key, flat.numel()), codec.k(flat.numel()), value_dtype,
                 self.residuals.dtype, codec.sample_positions(flat.numel()), codec.sample_k())
             self.residuals.store[key] = residual
+            unsent = _Unsent(self.residuals, key, idx, values)
             if exact is not None and value_dtype == exact[0].dtype:
                 bucket, lossy_ranges, exact_ranges = exact
                 idx, values = _with_exact_ranges(idx, values, bucket, lossy_ranges, exact_ranges)
                 codec.remember(bucket, idx, values)
-                return bucket, lambda: _snapshot()["last"]
+                return bucket, lambda: _snapshot()["last"], unsent
             codec.remember(wire, idx, values)  # the collective sends it
         else:
             compensated = self.residuals.compensate(key, flat)
@@ -143,12 +148,13 @@ class Compressor:
             sent = torch.zeros_like(compensated)
             sent[idx.long()] = values.float()
             self.residuals.update(key, compensated, sent)
+            unsent = _Unsent(self.residuals, key, idx, values)
 
         def after():
             if wire is not flat:
                 flat.copy_(wire)
             return None if exact is not None else _snapshot()["last"]
-        return wire, after
+        return wire, after, unsent
 
     def all_reduce(self, tensor: torch.Tensor, name: str, op=dist.ReduceOp.AVG, group=None) -> dict:
         """All-reduce one named tensor in place (same names, same order on every rank); returns the
@@ -170,6 +176,22 @@ class Compressor:
     def stats(self) -> dict:
         return dict(densities=list(self.densities), residual_bytes=self.residuals.memory_bytes(),
                     decisions=list(self.rate.decisions) if self.rate else [])
+
+
+class _Unsent:
+    """Around a lossy call's collective: if it raises, the selection (``idx``, ``values``) goes
+    back into ``key``'s residual, which then holds the call's whole compensated gradient."""
+
+    def __init__(self, residuals, key, idx: torch.Tensor, values: torch.Tensor):
+        self.residuals, self.key, self.idx, self.values = residuals, key, idx, values
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace) -> bool:
+        if kind is not None:
+            self.residuals.restore(self.key, self.idx, self.values)
+        return False
 
 
 def _with_exact_ranges(idx: torch.Tensor, values: torch.Tensor, bucket: torch.Tensor, lossy_ranges: list,
