@@ -184,15 +184,16 @@ def _after_rebuild(rank, groups):
     local = _TwoLinear()
     local(x).square().mean().backward()
     saved = pickle.dumps(state)  # a checkpoint, restored into a new DDP (its buckets as before the rebuild)
-    back = pickle.loads(saved)
-    back.group = g
-    ddp = DDP(_TwoLinear(), process_group=g, bucket_cap_mb=25)
+    restored = _TwoLinear()
+    back = pickle.loads(saved).attach(g, restored)
+    named = back.names == {id(p): n for n, p in restored.named_parameters()}
+    ddp = DDP(restored, process_group=g, bucket_cap_mb=25)
     ddp.register_comm_hook(back, zipccl.ddp.hook)
     ddp(x).square().mean().backward()
     return dict(steps=steps, orders=orders, residual_keys=len(state.residuals.store),
                 residual_numel=sum(r.numel() for r in state.residuals.store.values()),
                 local={n: p.grad.clone() for n, p in local.named_parameters()},
-                restored_kept=set(state.residuals.store) <= set(back.residuals.store))
+                restored_kept=set(state.residuals.store) <= set(back.residuals.store), named=named)
 
 
 def test_rules_and_residuals_follow_ddps_rebuilt_bucket(pool):
@@ -211,7 +212,7 @@ def test_rules_and_residuals_follow_ddps_rebuilt_bucket(pool):
         for name in ("a.weight", "b.weight"):
             assert 0 < int(res[0]["steps"][step][name].count_nonzero()) < 0.2 * 4096, (step, name)
     assert res[0]["residual_keys"] == 1 and res[0]["residual_numel"] == 2 * 4096, res[0]
-    assert res[0]["restored_kept"] is True
+    assert res[0]["restored_kept"] is True and res[0]["named"] is True
 
 
 def _entropy_with_an_exact_first_bucket(rank, groups):

@@ -49,8 +49,9 @@ class State:
     Gradients are averaged over the group, reduced in rank order with fp32
     accumulation for 16-bit buckets (per hop under ZIPCCL_REDUCE_SCATTER=ring),
     so every rank gets identical bits. The
-    state pickles for checkpoints: the group is dropped (None on load), the
-    counters are kept.
+    state pickles for checkpoints: the counters and residuals are kept, the group
+    and the parameter names dropped (they belong to the process: ``attach`` them
+    again after loading).
     """
 
     __slots__ = ("group", "codec", "algorithm", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds",
@@ -112,6 +113,17 @@ class State:
             out.update(densities=list(self.densities), residual_bytes=self.residuals.memory_bytes(),
                        decisions=list(self.rate.decisions) if self.rate else [])
         return out
+
+    def attach(self, group: Optional[dist.ProcessGroup] = None, model: Optional[torch.nn.Module] = None) -> "State":
+        """Give a state loaded from a checkpoint this process's group and ``model``'s parameter
+        names (the layer rules' names), which pickling drops; returns the state."""
+        if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
+            raise ValueError("this process is not a member of the given process group")
+        self.group = group
+        if model is not None:
+            self.names = {id(p): n for n, p in model.named_parameters()}
+            self.layouts, self.members = {}, {}
+        return self
 
     def __getstate__(self):  # parameter ids and bucket layouts belong to this process: rebuilt on use
         local = ("group", "names", "layouts", "members", "used")
