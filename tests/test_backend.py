@@ -367,6 +367,42 @@ def test_mismatches_raise_on_every_rank(zpool, what, async_op):
         assert value == [], f"rank {rank}: {value!r}"
 
 
+def _native_behind_a_receive(rank, groups):
+    """A new drop-in group (codec "auto", its nodes not found yet: ZIPCCL_TOPOLOGY=2x2): rank 0
+    has a framed receive from rank 2 queued (lossless, across the nodes) when every rank makes
+    small async calls that auto leaves to the backend (all-reduce, reduce-scatter, all-to-all). Rank 0 runs them behind its receive, its
+    peers at once: none of them makes groups or finds nodes for them (an all-gather there would
+    meet its peers' collectives), and the sums are gloo's."""
+    import time
+
+    import zipccl
+    old, zipccl.config.TOPOLOGY = zipccl.config.TOPOLOGY, "2x2"
+    zipccl.topology.forget()
+    g = dist.new_group(backend="zipccl")
+    try:
+        big = torch.full((1 << 18,), float(rank + 1))  # 1 MiB: framed across the nodes
+        message = dist.irecv(big, src=2, group=g) if rank == 0 else None
+        if rank == 2:
+            time.sleep(1.0)  # rank 0's receive is still queued when it makes its calls
+            message = dist.isend(big, dst=0, group=g)
+        small, scattered, exchanged = torch.full((8,), float(rank + 1)), torch.empty(2), torch.empty(4)
+        works = [dist.all_reduce(small, group=g, async_op=True),
+                 dist.reduce_scatter_tensor(scattered, torch.full((8,), float(rank + 1)), group=g, async_op=True),
+                 dist.all_to_all_single(exchanged, torch.full((4,), float(rank + 1)), group=g, async_op=True)]
+        for w in works + [message] * (message is not None):
+            w.wait()
+        return (bool((small == 10).all()) and bool((scattered == 10).all()) and exchanged.tolist() == [1, 2, 3, 4]
+                and (rank != 0 or bool((big == 3).all())))
+    finally:
+        dist.destroy_process_group(g)
+        zipccl.config.TOPOLOGY = old
+        zipccl.topology.forget()
+
+
+def test_a_native_call_behind_a_queued_receive_makes_no_groups(zpool):
+    assert zpool().run(_native_behind_a_receive, timeout=120) == [True] * 4
+
+
 def _old_names(rank, groups):
     """torch before 2.13 calls the drop-in's all-gather and reduce-scatter of one tensor by their
     old names, _allgather_base and _reduce_scatter_base: zipccl's, counted, with gloo's bits."""

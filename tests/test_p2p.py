@@ -887,6 +887,67 @@ def test_a_receive_from_any_source_never_passes_a_receive_issued_before_it(pool,
     assert pool.run(_any_source_after_queued, way, timeout=60) == [(True, True, 1), None, None, None]
 
 
+def _layouts_and_any_source(rank, groups):
+    """A drop-in group with codec "raw" (every float message framed): a contiguous send into a
+    channels-last receive lands element for element (both ends frame it, whatever their layout);
+    a receive from any source of a float tensor raises UnsupportedError at once, naming the peer
+    that would frame it; one of an int64 tensor (passed through at both ends) meets its send."""
+    from zipccl.backend import Options
+    g = dist.new_group([0, 1], backend="zipccl", pg_options=Options(codec="raw"))  # every rank makes it
+    if rank > 1:
+        return None
+    try:
+        x = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5)
+        if rank == 0:
+            dist.send(x, 1, group=g)
+            dist.send(torch.arange(6), 1, group=g)
+            return "sent"
+        y = torch.full_like(x, float("nan"), memory_format=torch.channels_last)
+        dist.recv(y, 0, group=g)
+        try:
+            dist.recv(torch.empty(10), group=g)
+            refused = None
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            refused = type(e).__name__, "rank 0" in str(e)
+        ints = torch.zeros(6, dtype=torch.int64)
+        source = dist.recv(ints, group=g)
+        return torch.equal(y, x), y.is_contiguous(), refused, ints.tolist(), source
+    finally:
+        dist.destroy_process_group(g)
+
+
+def test_drop_in_messages_in_any_layout_and_receives_from_any_source(pool):
+    res = pool.run(_layouts_and_any_source, timeout=60)
+    assert res == ["sent", (True, False, ("UnsupportedError", True), list(range(6)), 0), None, None], res
+
+
+def _any_source_across_nodes(rank, groups):
+    """codec "auto" on two emulated nodes: a receive from any source of 1 MiB of float32, which
+    the ranks of the other node would frame, raises at once, naming them; one of 1 KiB (the
+    backend's own from every peer) meets rank 1's send."""
+    g = groups[4]
+    if rank > 1:
+        return None
+    with nodes(g, "2x2"):
+        if rank == 1:
+            zipccl.send(torch.full((256,), 7.0), 0, group=g)
+            return "sent"
+        try:
+            zipccl.irecv(torch.empty(1 << 18), group=g)
+            refused = None
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            refused = type(e).__name__, str(e)
+        small = torch.zeros(256)
+        handle = zipccl.irecv(small, group=g)
+        handle.wait()
+    return refused[0], "ranks 2, 3 (codec 'auto')" in refused[1], bool((small == 7).all()), handle._source_rank()
+
+
+def test_a_receive_from_any_source_is_refused_where_a_peer_would_frame_it(pool):
+    res = pool.run(_any_source_across_nodes, timeout=60)
+    assert res == [("UnsupportedError", True, True, 1), "sent", None, None], res
+
+
 # ---- a killed peer: processes of their own --------------------------------------------------------------------
 
 TIMEOUT = 5.0

@@ -297,9 +297,11 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             p2p.after_collectives()
         return self._inner_for(tensor)
 
-    def _takes(self, tensors, op=None) -> bool:
+    def _takes(self, tensors, op=None, contiguous: bool = True) -> bool:
         """zipccl takes the call: not from inside zipccl, a codec other than native, dense float
-        tensors of one dtype on a device zipccl takes (``takes_device``), an op zipccl reduces with."""
+        tensors of one dtype on a device zipccl takes (``takes_device``), an op zipccl reduces with;
+        contiguous ones, but for a message (``contiguous=False``), which zipccl.p2p takes in any
+        layout: its two ends, whose layouts may differ, must decide alike."""
         if getattr(_inside, "on", False) or self.codec == "native":
             return False
         if op is not None and _red_type(op) not in _ZIPCCL_OPS:
@@ -307,34 +309,41 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         dtype = None
         for x in tensors:
             if not (isinstance(x, torch.Tensor) and x.layout == torch.strided and takes_device(x.device.type)
-                    and x.dtype in _FLOATS and x.is_contiguous()):
+                    and x.dtype in _FLOATS and (x.is_contiguous() or not contiguous)):
                 return False
             if dtype is not None and x.dtype != dtype:
                 return False
             dtype = x.dtype
         return True
 
-    def _own(self, name: str, output: torch.Tensor, input: torch.Tensor, op=None) -> bool:
-        """Whether zipccl would run this call as the group's own collective (api.goes_native,
-        decided once per signature), with no zipccl call queued before it: then the backend
-        underneath takes it here, directly, and its Work is the call's, as with torch's own
-        backend (through zipccl's queue and back into this group a call cost several times
-        what the backend's own took). Not lossy calls, nor PREMUL_SUM for gloo (which lacks it:
-        zipccl applies the factor)."""
-        if self._compressor is not None or not executor.idle() or \
+    def _own(self, name: str, output: torch.Tensor, input: torch.Tensor, op=None) -> bool | None:
+        """Whether zipccl runs this call as the group's own collective (api.goes_native, decided
+        once per signature, alike on every rank). True where no zipccl call is queued before it:
+        the backend underneath takes it here, directly, and its Work is the call's, as with
+        torch's own backend (through zipccl's queue and back into this group a call cost several
+        times what the backend's own took). None where calls are queued: it runs behind them,
+        still the backend's alone (no group made for it, as its idle peers make none). False:
+        zipccl's path; always for lossy calls and PREMUL_SUM for gloo (which lacks it: zipccl
+        applies the factor)."""
+        if self._compressor is not None or \
                 (op is not None and _red_type(op) == _RED.PREMUL_SUM and input.device.type != "cuda"):
             return False
-        own = api.goes_native(name, self, output, input, None if op is None else _ZIPCCL_OPS[_red_type(op)],
-                              self.codec, self.options.algorithm)
-        if own:
-            record_native(name)  # in zipccl.stats, as zipccl's own native calls are
-        return own
+        if not api.goes_native(name, self, output, input, None if op is None else _ZIPCCL_OPS[_red_type(op)],
+                               self.codec, self.options.algorithm):
+            return False
+        if not executor.idle():
+            return None
+        record_native(name)  # in zipccl.stats, as zipccl's own native calls are
+        return True
 
-    def _run(self, fn, result, async_op: bool, inputs=()) -> dist.Work:
+    def _run(self, fn, result, async_op: bool, inputs=(), groups: bool = True) -> dist.Work:
         """``fn()`` through zipccl's queue (after every async call issued before it), inside
         zipccl; a Work whose future's value is ``result`` (DDP reads its first tensor). An async
         call's tensors, ``inputs`` too, are recorded on the stream it runs on: the caller may drop
-        an input while the call still reads it."""
+        an input while the call still reads it. ``groups``: first make the groups the call may
+        need (api.make_groups); not for a call that is the backend's alone, whose peers with
+        nothing queued take it directly and make none (a topology's all-gather here would meet
+        their collective)."""
         def call():
             with _Inside():
                 fn()
@@ -346,7 +355,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             except Exception as e:  # raised by wait(), which torch calls at once
                 return _finished(error=e)
             return _finished(result)
-        api.make_groups(self, self.codec, self.options.algorithm)
+        if groups:
+            api.make_groups(self, self.codec, self.options.algorithm)
         return _Work(executor.run(call, True, [*result, *inputs]))
 
 
@@ -355,7 +365,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
-        if len(tensors) != 1 or not self._takes(tensors, op) or self._own("all_reduce", tensors[0], tensors[0], op):
+        if len(tensors) != 1 or not self._takes(tensors, op) or (own := self._own("all_reduce", tensors[0], tensors[0],
+                                                                                    op)):
             return self._passed(tensors[0]).allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
         zop, factor, x = _ZIPCCL_OPS[_red_type(op)], _factor(op), tensors[0].data
         lossy = self._lossy_name(x, zop)
@@ -367,7 +378,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                 self._compressor.all_reduce(x, lossy, op=zop, group=self)
             else:
                 api.all_reduce(x, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
-        return self._run(fn, tensors, async_op)
+        return self._run(fn, tensors, async_op, groups=own is False)
 
     def allreduce_coalesced(self, tensors, opts=None):
         tensors = list(tensors)
@@ -390,15 +401,16 @@ class ProcessGroupZipccl(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         async_op = getattr(opts, "asyncOp", True)
-        if not self._takes([output, input]) or self._own("all_gather", output, input):
+        if not self._takes([output, input]) or (own := self._own("all_gather", output, input)):
             return self._passed(input)._allgather_base(output, input, _options(AllgatherOptions, opts))
         out, src = _data([output, input])
         return self._run(lambda: api.all_gather(out, src, group=self, codec=self.codec,
-                                                algorithm=self.options.algorithm), [output], async_op, [input])
+                                                algorithm=self.options.algorithm), [output], async_op, [input],
+                         groups=own is False)
 
     def reduce_scatter_single(self, output, input, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
-        if not self._takes([output, input], op) or self._own("reduce_scatter", output, input, op):
+        if not self._takes([output, input], op) or (own := self._own("reduce_scatter", output, input, op)):
             return self._passed(input)._reduce_scatter_base(
                 output, input, _options(dist.ReduceScatterOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
@@ -407,7 +419,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         def fn():
             src = data if factor is None else data * factor
             api.reduce_scatter(out, src, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
-        return self._run(fn, [output], async_op, [input])
+        return self._run(fn, [output], async_op, [input], groups=own is False)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """The list form (``dist.all_gather``): zipccl where every rank's tensor has the input's
@@ -503,15 +515,16 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                                                         _options(dist.AllToAllOptions, opts))
         out, src = _data([output, input])
         outs, ins = (list(s) if s else None for s in (output_split_sizes, input_split_sizes))
-        if self._compressor is None and executor.idle() and \
-                alltoall.goes_native(out, src, (outs, ins), self.codec, self.options.algorithm):
+        native = self._compressor is None and alltoall.goes_native(out, src, (outs, ins), self.codec,
+                                                                    self.options.algorithm)
+        if native and executor.idle():
             record_native("all_to_all")  # the backend's own, directly, as _own hands the collectives
             return self._passed(input).alltoall_base(output, input, list(output_split_sizes or []),
                                                         list(input_split_sizes or []),
                                                         _options(dist.AllToAllOptions, opts))
         return self._run(lambda: alltoall.all_to_all_single(out, src, outs, ins, group=self, codec=self.codec,
                                                             algorithm=self.options.algorithm), [output], async_op,
-                         [input])
+                         [input], groups=not native)
 
     alltoall_base = all_to_all_single
     # torch before 2.13 calls these two by their old names (dist.all_gather_into_tensor, reduce_scatter_tensor)
@@ -534,17 +547,20 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def send(self, tensors, dst: int, tag: int = 0):
         """``dist.send``, ``isend`` and ``batch_isend_irecv``'s sends: zipccl's (zipccl.p2p) for a
         dense float tensor; its receiver's ``recv`` decides alike."""
-        if len(tensors) != 1 or not self._takes(tensors):
+        if len(tensors) != 1 or not self._takes(tensors, contiguous=False):
             return self._inner_for(_first(tensors)).send(tensors, dst, tag)
         return _p2p_work(p2p.isend(tensors[0], group=self, tag=tag, codec=self.codec, group_dst=dst), tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
-        if len(tensors) != 1 or not self._takes(tensors):
+        if len(tensors) != 1 or not self._takes(tensors, contiguous=False):
             return self._inner_for(_first(tensors)).recv(tensors, src, tag)
         return _p2p_work(p2p.irecv(tensors[0], group=self, tag=tag, codec=self.codec, group_src=src), tensors)
 
     def recv_anysource(self, tensors, tag: int = 0):
-        """The backend's own receive from any source, after the receives queued before it (zipccl.p2p)."""
+        """The backend's own receive from any source, after the receives queued before it
+        (zipccl.p2p); refused where a sender would frame the message (p2p.check_any_source)."""
+        if len(tensors) == 1 and self._takes(tensors, contiguous=False):
+            p2p.check_any_source(tensors[0], self, self.codec)
         inner = self._inner_for(_first(tensors))
         return _p2p_work(p2p.after_queued(lambda: inner.recv_anysource(tensors, tag), _first(tensors)), tensors)
 

@@ -500,7 +500,9 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     ``group``); a handle with ``wait()`` and ``is_completed()``. ``codec``: "auto" (default),
     "native", "raw", "lossless", a codec instance, or a mapping per link {"intra": ...,
     "inter": ...}; the receiver must pass the same. ``wait()`` raises where the receiver
-    disagrees (dtype, elements, codec, tag: MismatchError on both ends) or failed."""
+    disagrees (dtype, elements, codec, tag: MismatchError on both ends) or failed. Under "auto"
+    the two ends decide from their own dtype and size: ends that disagree there may not both
+    frame the message, and then fail (or wait) as the backend's own send and receive would."""
     op = _Op("send", tensor, dst, group, tag, group_dst, codec)
     after_collectives()  # at once where nothing is queued
     return _send(op)
@@ -516,8 +518,25 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
             raise UnsupportedError("a receive from any source is the backend's own: codec 'auto' or 'native'")
         if not _backend_takes(group, tensor.device):
             raise _no_native(group, tensor.device)
+        check_any_source(tensor, group, codec)
         return after_queued(lambda: dist.irecv(tensor, group=group, tag=tag), tensor)
     return _post_receive(_Op("recv", tensor, src, group, tag, group_src, codec), True)
+
+
+def check_any_source(tensor: torch.Tensor, group, codec) -> None:
+    """Raise where a receive from any source could not meet its message: the receive is the
+    backend's own, and a sender that frames its message (a float tensor of this size from a peer
+    across the nodes under "auto", or any peer under a codec that frames) would wait for a framed
+    receive that never comes, while this end waits for a message that never comes."""
+    pg = group if group is not None else dist.group.WORLD
+    me = dist.get_rank(pg)
+    framed = [dist.get_global_rank(pg, r) for r in range(dist.get_world_size(pg))
+              if r != me and _decide(codec, tensor, group, r) is not NATIVE]
+    if framed:
+        raise UnsupportedError(
+            f"a receive from any source is the backend's own, but zipccl frames a message of {tensor.numel()} "
+            f"{str(tensor.dtype).replace('torch.', '')} elements from rank{'s' * (len(framed) > 1)} "
+            f"{', '.join(map(str, framed))} (codec {codec!r}): name the sender, or use codec 'native'")
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, codec="auto",
