@@ -479,6 +479,8 @@ class NcclTransport(Transport):
                     keep = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
                     staged.copy_(keep, non_blocking=True)
                 tensor = staged
+        if host is None and tensor.is_cuda:  # the caller's memory: not handed out again before NCCL's use of
+            tensor.record_stream(stream)  # it ends, even where the caller drops it with a handle never waited for
         flat, peer = tensor.view(-1).view(torch.uint8), self._comm_rank(peer)
         name, _ = nccl_stack.DTYPES[torch.uint8]
         try:
