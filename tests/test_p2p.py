@@ -948,6 +948,40 @@ def test_a_receive_from_any_source_is_refused_where_a_peer_would_frame_it(pool):
     assert res == [("UnsupportedError", True, True, 1), "sent", None, None], res
 
 
+def _stuck_after_messages(rank, groups):
+    """Ranks 0 and 3 exchange two framed messages on a new group; then ranks 0-2 all-reduce on it
+    while rank 3, alive and beating, never comes (ZIPCCL_TIMEOUT=3). Every rank in the call names
+    rank 3: the messages count apart from the group's calls, so rank 3 is the one behind (counted
+    with them, its two messages put it ahead of rank 2, whom rank 0 then named)."""
+    from zipccl import config
+    g = dist.new_group(backend="gloo")
+    old, config.TIMEOUT = config.TIMEOUT, 3.0
+    try:
+        zipccl.all_reduce(torch.ones(8), group=g, codec="raw")  # the group's transport, made by all
+        if rank in (0, 3):
+            x = torch.arange(1000, dtype=torch.float32)
+            for _ in range(2):
+                if rank == 0:
+                    zipccl.send(x, 3, group=g, codec="raw")
+                else:
+                    zipccl.recv(torch.empty(1000), 0, group=g, codec="raw")
+        if rank == 3:
+            time.sleep(3 * config.TIMEOUT)  # beating all along
+            return None
+        try:
+            zipccl.all_reduce(torch.ones(1 << 16), group=g, codec="raw")
+            return "no failure"
+        except zipccl.RankFailure as e:
+            return e.rank
+    finally:
+        config.TIMEOUT = old
+        dist.destroy_process_group(g)
+
+
+def test_a_rank_stuck_before_a_call_is_named_whatever_messages_came_before(pool):
+    assert pool.run(_stuck_after_messages, timeout=120) == [3, 3, 3, None]
+
+
 # ---- a killed peer: processes of their own --------------------------------------------------------------------
 
 TIMEOUT = 5.0

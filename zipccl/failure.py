@@ -82,7 +82,8 @@ class Fate:
     """One call's outcome on this rank, shared by the phases and levels of the call. Ranks are
     the job's (as dist.get_rank()): the levels of a hierarchical call are other groups."""
 
-    __slots__ = ("name", "rank", "first", "error", "lost", "hurry", "gave_up", "verdicts", "began", "evidence")
+    __slots__ = ("name", "rank", "first", "error", "lost", "hurry", "gave_up", "verdicts", "began", "evidence",
+                 "members")
 
     def __init__(self, name: str, rank: int):
         """``rank``: this rank in the job."""
@@ -95,12 +96,18 @@ class Fate:
         self.verdicts: list = []                    # (job rank of the sender, Verdict) of packets decoded, unread
         self.began = time.time()                    # wall time: a peer's heartbeat after it has seen the call begin
         self.evidence = ""                          # why a lost rank is the one named (heartbeat.Board.culprit)
+        self.members = None                         # the job ranks of the call, where not its transport's group's
 
     @classmethod
-    def of(cls, name: str, t) -> "Fate":
-        """A call on transport ``t``'s group begins here (counted in this rank's heartbeat)."""
-        heartbeat.entered(t)
-        return cls(name, t.global_rank(t.rank))
+    def of(cls, name: str, t, members=None) -> "Fate":
+        """A call on transport ``t``'s group begins here (counted in this rank's heartbeat);
+        ``members``: the job ranks of a call that involves only them (a message: its two ends),
+        counted apart and alone asked about a loss, so that the other ranks of its group, which
+        never make it, are neither counted behind nor named for it."""
+        heartbeat.entered(t, members)
+        fate = cls(name, t.global_rank(t.rank))
+        fate.members = None if members is None else tuple(members)
+        return fate
 
     @property
     def failed(self) -> bool:
@@ -231,7 +238,7 @@ class Fate:
                 self.evidence = f"rank {named}, whose connection closed, had lost it first"
                 return first
         patience = 0.0 if known else heartbeat.stale_after() + heartbeat.period()
-        found = b.culprit(heartbeat.members(t), self.began, patience)
+        found = b.culprit(self.members if self.members is not None else heartbeat.members(t), self.began, patience)
         if found is None:
             if not known and named >= 0:
                 self.evidence = "the peer whose operation ran out: no heartbeat names another rank"

@@ -393,7 +393,7 @@ def _send(op: _Op):
     state = []  # (fate, acc, sends), kept here: a CUDA-aware future would pickle its value, and c10d's works cannot be
 
     def post() -> None:
-        fate, acc = Fate.of("send", op.transport()), new_acc()
+        fate, acc = Fate.of("send", op.transport(), (dist.get_rank(), op.peer_job)), new_acc()
         state.append((fate, acc, send_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)))
 
     posted = executor.on_lane(("send", _group_name(op.group), op.peer_job), post, (op.tensor,))
@@ -426,7 +426,7 @@ def _receive(op: _Op):
         work = _native_recv(op)
         work.wait()
         return None
-    fate, acc = Fate.of("recv", op.transport()), new_acc()
+    fate, acc = Fate.of("recv", op.transport(), (op.peer_job, dist.get_rank())), new_acc()
     me, peer = op.t.global_rank(op.t.rank), op.t.global_rank(op.peer)
     problem = receive_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)
     try:

@@ -244,10 +244,14 @@ def members(t) -> list[int]:
     return own() if own is not None else [t.global_rank(r) for r in range(t.size)]
 
 
-def entered(t) -> None:
-    """A zipccl call on transport ``t``'s group begins on this rank (starts the heartbeat)."""
+def entered(t, ranks=None) -> None:
+    """A zipccl call on transport ``t``'s group (``ranks``: of those job ranks alone, as a
+    message between two) begins on this rank (starts the heartbeat)."""
     b = start()
     if b is None:
+        return
+    if ranks is not None:
+        b.entered(tuple(ranks))
         return
     try:
         ranks = _keys.get(t)
