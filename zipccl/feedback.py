@@ -22,16 +22,21 @@ class Residuals:
         self.dtype = dtype
         self.store: dict = {}
 
-    def get(self, key, numel: int) -> torch.Tensor | None:
-        """The residual kept for ``key`` if it has ``numel`` elements, else None (start afresh)."""
+    def get(self, key, numel: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """The residual kept for ``key`` if it has ``numel`` elements, else None (start afresh);
+        moved to ``device`` once where it is elsewhere (a checkpoint loaded onto the CPU)."""
         old = self.store.get(key)
-        return old if old is not None and old.numel() == numel else None
+        if old is None or old.numel() != numel:
+            return None
+        if device is not None and old.device != device:
+            old = self.store[key] = old.to(device)
+        return old
 
     def compensate(self, key, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` in fp32 (a new tensor; ``grad`` is not modified)."""
         out = grad.reshape(-1).to(torch.float32, copy=True)
-        old = self.store.get(key)
-        if old is not None and old.numel() == out.numel():
+        old = self.get(key, out.numel(), out.device)
+        if old is not None:
             out += old.float()
         return out
 

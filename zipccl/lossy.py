@@ -131,7 +131,7 @@ class Compressor:
         if fast:
             # The same selection and residual as below, in a few passes instead of about fifteen.
             idx, values, residual = sparse.compensated_topk(
-                flat, self.residuals.get(key, flat.numel()), codec.k(flat.numel()), value_dtype,
+                flat, self.residuals.get(key, flat.numel(), flat.device), codec.k(flat.numel()), value_dtype,
                 self.residuals.dtype, codec.sample_positions(flat.numel()), codec.sample_k())
             self.residuals.store[key] = residual
             unsent = _Unsent(self.residuals, key, idx, values)
