@@ -527,11 +527,15 @@ def check_any_source(tensor: torch.Tensor, group, codec) -> None:
     """Raise where a receive from any source could not meet its message: the receive is the
     backend's own, and a sender that frames its message (a float tensor of this size from a peer
     across the nodes under "auto", or any peer under a codec that frames) would wait for a framed
-    receive that never comes, while this end waits for a message that never comes."""
+    receive that never comes, while this end waits for a message that never comes. Under "auto"
+    a peer whose node this rank cannot learn without waiting (it has sent no message yet) is not
+    counted."""
     pg = group if group is not None else dist.group.WORLD
     me = dist.get_rank(pg)
-    framed = [dist.get_global_rank(pg, r) for r in range(dist.get_world_size(pg))
-              if r != me and _decide(codec, tensor, group, r) is not NATIVE]
+    by_link = codec == "auto" or isinstance(codec, Mapping)  # its choice takes the peer's node: where that is
+    framed = [dist.get_global_rank(pg, r) for r in range(dist.get_world_size(pg))  # not known yet, the peer
+              if r != me and (not by_link or topology.same_node(group, r, wait=False) is not None)  # has framed
+              and _decide(codec, tensor, group, r) is not NATIVE]  # nothing yet (it tells its node first)
     if framed:
         raise UnsupportedError(
             f"a receive from any source is the backend's own, but zipccl frames a message of {tensor.numel()} "

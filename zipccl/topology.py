@@ -343,12 +343,13 @@ def publish_node() -> None:
         _published.append(True)
 
 
-def same_node(group, peer: int) -> bool:
+def same_node(group, peer: int, wait: bool = True) -> bool | None:
     """Whether ``peer`` (a rank of ``group``) runs on this rank's node, found without a collective
     call (a send has only two ranks): from the group's topology where it has been found, else
     from ZIPCCL_TOPOLOGY or torchrun's consecutive ranks per node, else from the claims (the
     launcher's, the host name) that each rank writes once into the job's store (publish_node);
-    two claims from different sources count as different nodes. Both ranks of a pair answer alike."""
+    two claims from different sources count as different nodes. Both ranks of a pair answer alike.
+    ``wait=False``: None where that takes a claim the peer has not written yet."""
     key = _group_key(group)
     with _lock:
         found = _found.get(key)
@@ -362,7 +363,10 @@ def same_node(group, peer: int) -> bool:
         known = _peer_nodes.get(other)
     if known is None:
         publish_node()
-        known = dist.distributed_c10d._get_default_store().get(f"zipccl/node/{other}").decode()
+        store = dist.distributed_c10d._get_default_store()
+        if not wait and not store.check([f"zipccl/node/{other}"]):
+            return None
+        known = store.get(f"zipccl/node/{other}").decode()
         with _lock:
             _peer_nodes[other] = known
     return known == _claim_text()
