@@ -316,13 +316,11 @@ def known(group=None) -> bool:
 
 def _node_of_rank(rank: int) -> int | None:
     """The node of the job's ``rank`` where the environment says it for every rank alike:
-    ZIPCCL_TOPOLOGY's N nodes of M consecutive ranks, or torchrun's LOCAL_WORLD_SIZE
-    consecutive ranks per node (where this rank's GROUP_RANK agrees); else None."""
+    ZIPCCL_TOPOLOGY's N nodes of M consecutive ranks; else None. (Not torchrun's
+    LOCAL_WORLD_SIZE: a rank knows only its own node's size, and where nodes differ in size,
+    ranks that counted with their own would answer a pair's question differently.)"""
     if config.TOPOLOGY is not None:
         return rank // parse(config.TOPOLOGY)[1]
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local and "GROUP_RANK" in os.environ and int(os.environ["GROUP_RANK"]) == dist.get_rank() // int(local):
-        return rank // int(local)
     return None
 
 
@@ -346,8 +344,8 @@ def publish_node() -> None:
 def same_node(group, peer: int, wait: bool = True) -> bool | None:
     """Whether ``peer`` (a rank of ``group``) runs on this rank's node, found without a collective
     call (a send has only two ranks): from the group's topology where it has been found, else
-    from ZIPCCL_TOPOLOGY or torchrun's consecutive ranks per node, else from the claims (the
-    launcher's, the host name) that each rank writes once into the job's store (publish_node);
+    from ZIPCCL_TOPOLOGY, else from the claims (the launcher's, the host name) that each rank
+    writes once into the job's store (publish_node);
     two claims from different sources count as different nodes. Both ranks of a pair answer alike.
     ``wait=False``: None where that takes a claim the peer has not written yet."""
     key = _group_key(group)
