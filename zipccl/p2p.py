@@ -532,10 +532,12 @@ def check_any_source(tensor: torch.Tensor, group, codec) -> None:
     counted."""
     pg = group if group is not None else dist.group.WORLD
     me = dist.get_rank(pg)
-    by_link = codec == "auto" or isinstance(codec, Mapping)  # its choice takes the peer's node: where that is
-    framed = [dist.get_global_rank(pg, r) for r in range(dist.get_world_size(pg))  # not known yet, the peer
-              if r != me and (not by_link or topology.same_node(group, r, wait=False) is not None)  # has framed
-              and _decide(codec, tensor, group, r) is not NATIVE]  # nothing yet (it tells its node first)
+    # auto (or a mapping per link) decides by the peer's node, which a peer tells before it frames
+    # anything: where it is not known yet, that peer has framed nothing yet
+    by_link = codec == "auto" or isinstance(codec, Mapping)
+    framed = [dist.get_global_rank(pg, r) for r in range(dist.get_world_size(pg))
+              if r != me and (not by_link or topology.same_node(group, r, wait=False) is not None)
+              and _decide(codec, tensor, group, r) is not NATIVE]
     if framed:
         raise UnsupportedError(
             f"a receive from any source is the backend's own, but zipccl frames a message of {tensor.numel()} "

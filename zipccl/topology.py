@@ -345,9 +345,9 @@ def same_node(group, peer: int, wait: bool = True) -> bool | None:
     """Whether ``peer`` (a rank of ``group``) runs on this rank's node, found without a collective
     call (a send has only two ranks): from the group's topology where it has been found, else
     from ZIPCCL_TOPOLOGY, else from the claims (the launcher's, the host name) that each rank
-    writes once into the job's store (publish_node);
-    two claims from different sources count as different nodes. Both ranks of a pair answer alike.
-    ``wait=False``: None where that takes a claim the peer has not written yet."""
+    writes once into the job's store (publish_node); two claims from different sources count as
+    different nodes. Both ranks of a pair answer alike. ``wait=False``: None where that takes a
+    claim the peer has not written yet."""
     key = _group_key(group)
     with _lock:
         found = _found.get(key)
