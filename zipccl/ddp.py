@@ -70,8 +70,7 @@ class State:
             pass  # checked by zipccl.api on the first bucket, the same way on every rank
         elif not all(hasattr(codec, m) for m in ("encode", "decode", "max_encoded_size")):
             raise ValueError(f"codec {codec!r} lacks encode/decode/max_encoded_size")
-        if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
-            raise ValueError("this process is not a member of the given process group")
+        _check_member(group)
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density}")
         if algorithm not in api.ALGORITHMS:
@@ -117,8 +116,7 @@ class State:
     def attach(self, group: Optional[dist.ProcessGroup] = None, model: Optional[torch.nn.Module] = None) -> "State":
         """Give a state loaded from a checkpoint this process's group and ``model``'s parameter
         names (the layer rules' names), which pickling drops; returns the state."""
-        if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
-            raise ValueError("this process is not a member of the given process group")
+        _check_member(group)
         self.group = group
         if model is not None:
             self.names = {id(p): n for n, p in model.named_parameters()}
@@ -134,6 +132,11 @@ class State:
         self.members, self.used, self.first_lossy = {}, set(), -1
         for k, v in state.items():
             setattr(self, k, v)
+
+
+def _check_member(group) -> None:
+    if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
+        raise ValueError("this process is not a member of the given process group")
 
 
 def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

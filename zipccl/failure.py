@@ -85,8 +85,8 @@ class Fate:
     __slots__ = ("name", "rank", "first", "error", "lost", "hurry", "gave_up", "verdicts", "began", "evidence",
                  "members")
 
-    def __init__(self, name: str, rank: int):
-        """``rank``: this rank in the job."""
+    def __init__(self, name: str, rank: int, members=None):
+        """``rank``: this rank in the job; ``members``: as in ``of``."""
         self.name, self.rank = name, rank
         self.first: tuple[int, int] | None = None  # (rank, kind) of the first failure known here
         self.error: BaseException | None = None    # this rank's own exception, if it failed
@@ -96,7 +96,7 @@ class Fate:
         self.verdicts: list = []                    # (job rank of the sender, Verdict) of packets decoded, unread
         self.began = time.time()                    # wall time: a peer's heartbeat after it has seen the call begin
         self.evidence = ""                          # why a lost rank is the one named (heartbeat.Board.culprit)
-        self.members = None                         # the job ranks of the call, where not its transport's group's
+        self.members = None if members is None else tuple(members)  # the call's job ranks, where not its group's
 
     @classmethod
     def of(cls, name: str, t, members=None) -> "Fate":
@@ -105,9 +105,7 @@ class Fate:
         counted apart and alone asked about a loss, so that the other ranks of its group, which
         never make it, are neither counted behind nor named for it."""
         heartbeat.entered(t, members)
-        fate = cls(name, t.global_rank(t.rank))
-        fate.members = None if members is None else tuple(members)
-        return fate
+        return cls(name, t.global_rank(t.rank), members)
 
     @property
     def failed(self) -> bool:

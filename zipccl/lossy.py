@@ -14,6 +14,8 @@ process-wide one per codec.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -134,7 +136,7 @@ class Compressor:
                 flat, self.residuals.get(key, flat.numel(), flat.device), codec.k(flat.numel()), value_dtype,
                 self.residuals.dtype, codec.sample_positions(flat.numel()), codec.sample_k())
             self.residuals.store[key] = residual
-            unsent = _Unsent(self.residuals, key, idx, values)
+            unsent = _unsent(self.residuals, key, idx, values)
             if exact is not None and value_dtype == exact[0].dtype:
                 bucket, lossy_ranges, exact_ranges = exact
                 idx, values = _with_exact_ranges(idx, values, bucket, lossy_ranges, exact_ranges)
@@ -148,7 +150,7 @@ class Compressor:
             sent = torch.zeros_like(compensated)
             sent[idx.long()] = values.float()
             self.residuals.update(key, compensated, sent)
-            unsent = _Unsent(self.residuals, key, idx, values)
+            unsent = _unsent(self.residuals, key, idx, values)
 
         def after():
             if wire is not flat:
@@ -178,20 +180,15 @@ class Compressor:
                     decisions=list(self.rate.decisions) if self.rate else [])
 
 
-class _Unsent:
+@contextlib.contextmanager
+def _unsent(residuals, key, idx: torch.Tensor, values: torch.Tensor):
     """Around a lossy call's collective: if it raises, the selection (``idx``, ``values``) goes
     back into ``key``'s residual, which then holds the call's whole compensated gradient."""
-
-    def __init__(self, residuals, key, idx: torch.Tensor, values: torch.Tensor):
-        self.residuals, self.key, self.idx, self.values = residuals, key, idx, values
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, trace) -> bool:
-        if kind is not None:
-            self.residuals.restore(self.key, self.idx, self.values)
-        return False
+    try:
+        yield
+    except BaseException:
+        residuals.restore(key, idx, values)
+        raise
 
 
 def _with_exact_ranges(idx: torch.Tensor, values: torch.Tensor, bucket: torch.Tensor, lossy_ranges: list,
