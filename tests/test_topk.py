@@ -276,6 +276,16 @@ def test_named_lossy_all_reduce_keeps_feedback_and_rules(pool):
         assert "name=" in r["errors"][0] and "unknown codec" in r["errors"][1]
 
 
+def test_a_step_counts_when_its_first_tensor_has_no_gradient():
+    """Lossy tensors a then b each step; a, the first to reduce, absent from the second step (a
+    frozen layer, a branch not taken): that step still counts, begun by b, so that the density
+    policy decides once per step on every rank."""
+    import zipccl.lossy
+    c = zipccl.lossy.Compressor("topk")
+    begun = [c.begin(name) for name in ("a", "b", "b", "a", "b")]
+    assert begun == [(0, True), (0, False), (1, True), (2, True), (2, False)]
+
+
 def test_remembered_selection_is_used_once_and_only_for_the_unmodified_tensor():
     c = TopK(0.1)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))

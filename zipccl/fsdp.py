@@ -183,28 +183,10 @@ def _plain_op(op):
     raise UnsupportedError(f"FSDP reduce op {op} is not supported: AVG, SUM or PREMUL_SUM")
 
 
-class _Lossy:
-    """A rule group's lossy state: its compressor (residuals, density policy) and step count.
-    The first module of the group to reduce in a step (the same on every rank: FSDP's backward
-    order is the model's) starts the step and decides the density."""
-    __slots__ = ("compressor",)
-
-    def __init__(self, compressor: Compressor):
-        self.compressor = compressor
-
-    def step_of(self, name: str) -> tuple[int, bool]:
-        c = self.compressor
-        if c.anchor is None:
-            c.anchor = name
-        if name == c.anchor:
-            c.step += 1
-        return c.step, name == c.anchor
-
-
 class ReduceScatter(_ReduceScatterABC):
     """FSDP2's gradient reduce-scatter through zipccl, for every op FSDP passes: AVG, SUM, and
     PREMUL_SUM(f) as f times the input, then SUM. Exact (``codec``: "auto", "native", "raw",
-    "lossless") unless ``lossy`` (a rule group's state, from ``compress``): then the module's
+    "lossless") unless ``lossy`` (a rule group's Compressor, from ``compress``): then the module's
     padded gradient goes through top-k with error feedback (zipccl.lossy.Compressor: a sparse
     reduce-scatter of this rank's residual-compensated gradient, each chunk's pairs to its
     owner). The residual covers this rank's whole contribution to the module (the unsharded
@@ -215,7 +197,7 @@ class ReduceScatter(_ReduceScatterABC):
     its reduce-scatter stream right after the call, so the call runs on the calling thread (on
     CUDA: its device work queued on that stream's order before it returns)."""
 
-    def __init__(self, codec="auto", name: str = "", lossy: _Lossy | None = None):
+    def __init__(self, codec="auto", name: str = "", lossy: Compressor | None = None):
         if codec not in EXACT_CODECS:
             raise ValueError(f"reduce-scatter codec must be one of {EXACT_CODECS}, got {codec!r}")
         self.codec, self.name, self.lossy, self.counters = codec, name, lossy, _Counters()
@@ -232,8 +214,8 @@ class ReduceScatter(_ReduceScatterABC):
             if factor is not None:
                 input_tensor.mul_(factor)  # FSDP's scratch copy of the gradients: ours to change
             if self.lossy is not None and input_tensor.dtype in DTYPE_CODES:
-                step, first = self.lossy.step_of(self.name)
-                call = self.lossy.compressor.reduce_scatter(input_tensor.view(-1), output_tensor.view(-1), self.name,
+                step, first = self.lossy.begin(self.name)  # FSDP's backward order: the same on every rank
+                call = self.lossy.reduce_scatter(input_tensor.view(-1), output_tensor.view(-1), self.name,
                                                             step, first, group, plain)
             else:
                 api.reduce_scatter(output_tensor, input_tensor, op=plain, group=group,
@@ -267,7 +249,7 @@ class Comms:
 
     def __init__(self, modules: dict, lossy: dict):
         self.modules = modules  # name -> (group, AllGather, ReduceScatter)
-        self.lossy = lossy      # group -> _Lossy
+        self.lossy = lossy      # group -> its Compressor
 
     def groups(self) -> dict:
         return {name: g for name, (g, _, _) in self.modules.items()}
@@ -283,24 +265,23 @@ class Comms:
             out[kind] = tot.as_dict()
         out["raw_bytes"] = sum(out[k]["raw_bytes"] for k in ("all_gather", "reduce_scatter"))
         out["wire_bytes"] = sum(out[k]["wire_bytes"] for k in ("all_gather", "reduce_scatter"))
-        out["densities"] = {g: list(s.compressor.densities) for g, s in self.lossy.items()}
-        out["residual_bytes"] = sum(s.compressor.residuals.memory_bytes() for s in self.lossy.values())
+        out["densities"] = {g: list(c.densities) for g, c in self.lossy.items()}
+        out["residual_bytes"] = sum(c.residuals.memory_bytes() for c in self.lossy.values())
         return out
 
     def state_dict(self) -> dict:
         """A snapshot: copies of the residuals and the entropy rate, which later steps update in place."""
-        return {g: dict(residuals={k: v.clone() for k, v in s.compressor.residuals.store.items()},
-                        step=s.compressor.step, anchor=s.compressor.anchor, densities=list(s.compressor.densities),
-                        rate=copy.deepcopy(s.compressor.rate))
-                for g, s in self.lossy.items()}
+        return {g: dict(residuals={k: v.clone() for k, v in c.residuals.store.items()}, step=c.step,
+                        order=dict(c.order), last=c.last, densities=list(c.densities), rate=copy.deepcopy(c.rate))
+                for g, c in self.lossy.items()}
 
     def load_state_dict(self, state: dict) -> None:
         if set(state) != set(self.lossy):
             raise ValueError(f"state has lossy groups {sorted(state)}, these comms {sorted(self.lossy)}")
         for g, s in state.items():
-            c = self.lossy[g].compressor
+            c = self.lossy[g]
             c.residuals.store = {k: v.clone() for k, v in s["residuals"].items()}
-            c.step, c.anchor, c.densities = s["step"], s["anchor"], list(s["densities"])
+            c.step, c.order, c.last, c.densities = s["step"], dict(s["order"]), s["last"], list(s["densities"])
             c.rate = copy.deepcopy(s["rate"])
 
 
@@ -335,8 +316,8 @@ def compress(model: torch.nn.Module, *, codec="auto", lossy: str | None = None, 
                 per_group = EntropyRate(**{k: getattr(rate, k) for k in (
                     "min_density", "max_density", "warmup", "every", "sample", "bins", "window", "max_step", "seed",
                     "start")}) if rate is not None else None
-                groups[group] = _Lossy(Compressor(lossy, density, per_group, residual_dtype, rules=None,
-                                                  sampled=sampled, value_dtype=value_dtype))
+                groups[group] = Compressor(lossy, density, per_group, residual_dtype, rules=None, sampled=sampled,
+                                           value_dtype=value_dtype)
             state = groups[group]
         ag, rs = AllGather(codec, name), ReduceScatter(codec, name, state)
         module.set_custom_all_gather(ag)

@@ -56,8 +56,21 @@ class Compressor:
         self.rate = rate if rate is not None else (EntropyRate() if codec == "entropy" else None)
         self.residuals = Residuals(residual_dtype)
         self.densities: list = []   # per step: the density used (None: lossless warm-up)
-        self.step = -1              # all_reduce's step counter (the DDP hook passes its own)
-        self.anchor = None          # the first lossy tensor's name: seeing it again starts a step
+        self.step = -1              # begin's step counter (the DDP hook passes its own)
+        self.order: dict = {}       # lossy tensor's name -> its place in a step, as first begun
+        self.last = -1              # the place of the tensor begun last
+
+    def begin(self, name) -> tuple[int, bool]:
+        """(the step of the lossy tensor ``name``, whether it is the step's first). Tensors come
+        in one order each step (the same on every rank); one that comes at or before the place
+        of the last begins the next step. So a step counts when the tensor that began the last
+        one has no gradient this time (a frozen layer, a branch not taken)."""
+        place = self.order.setdefault(name, len(self.order))
+        first = place <= self.last or self.step < 0
+        if first:
+            self.step += 1
+        self.last = place
+        return self.step, first
 
     def choose(self, step: int, first: bool, grad: torch.Tensor, group) -> float | None:
         """This step's density; the first tensor of a step decides (identically on every rank)."""
@@ -164,16 +177,13 @@ class Compressor:
         if self.rules is not None and not self.rules.lossy(name, tensor):
             collectives.all_reduce(tensor, op=op, group=group, codec="lossless")
             return _snapshot()["last"]
-        if self.anchor is None:
-            self.anchor = name
-        if name == self.anchor:
-            self.step += 1
+        step, first = self.begin(name)
         if not tensor.is_contiguous():  # reduced in a contiguous copy, then written back
             work = tensor.contiguous()
-            out = self.reduce(work.view(-1), name, self.step, name == self.anchor, group, op)
+            out = self.reduce(work.view(-1), name, step, first, group, op)
             tensor.copy_(work)
             return out
-        return self.reduce(tensor.view(-1), name, self.step, name == self.anchor, group, op)
+        return self.reduce(tensor.view(-1), name, step, first, group, op)
 
     def stats(self) -> dict:
         return dict(densities=list(self.densities), residual_bytes=self.residuals.memory_bytes(),
