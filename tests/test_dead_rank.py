@@ -724,6 +724,32 @@ def test_every_process_beats_in_the_store_and_stops_with_its_group():
 
 
 
+def test_beats_follow_a_period_that_shrinks(monkeypatch):
+    """The beating thread started on a long period (the default bound's); once the period
+    shrinks (ZIPCCL_TIMEOUT set after the first call), the next beat follows the new one
+    within heartbeat.WAKE s, not at the end of the old period, while peers read this rank by
+    the new bound."""
+    import torch.distributed as dist
+
+    from zipccl.transport import heartbeat
+    periods = [30.0]
+    monkeypatch.setattr(heartbeat, "period", lambda: periods[0])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        board = heartbeat.start()
+        first = board.read([0])[0]["t"]  # written at once
+        time.sleep(0.2)
+        periods[0] = 0.2
+        deadline = time.monotonic() + heartbeat.WAKE + 1.5
+        while board.read([0])[0]["t"] == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert board.read([0])[0]["t"] > first, "no beat since the period shrank"
+    finally:
+        dist.destroy_process_group()
+    board.thread.join(timeout=5)
+    assert not board.thread.is_alive()
+
+
 _BEATING_AT_EXIT = """
 import time
 import torch.distributed as dist

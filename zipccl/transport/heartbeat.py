@@ -42,6 +42,9 @@ KEY = "zipccl/heartbeat/{}"
 #: Where a rank writes down the rank it lost (``Board.report``).
 LOST_KEY = "zipccl/lost/{}"
 
+#: Seconds at most between two looks of the beating thread at its period.
+WAKE = 0.5
+
 #: Seconds a store operation of the heartbeat may take (the store's host may be the dead rank).
 STORE_TIMEOUT = 2.0
 
@@ -121,10 +124,16 @@ class Board:
         _threads.add(self.thread)
 
     def _run(self) -> None:
-        while not self.stop.wait(period()):
+        """Beat every ``period()``, read anew at least every ``WAKE`` s: where the bound shrinks
+        (ZIPCCL_TIMEOUT set after the first call), the next beat does not wait out the old period
+        while peers already read this rank by the new one."""
+        last = time.monotonic()
+        while not self.stop.wait(min(WAKE, period())):
             if dist.GroupMember.WORLD is not self.world:  # destroyed, or another init since
                 return
-            self.beat()
+            if time.monotonic() - last >= 0.9 * period():  # a wait may end a little early
+                self.beat()
+                last = time.monotonic()
 
     # ---- the group's ranks -----------------------------------------------------------------------------------------
 
