@@ -603,6 +603,76 @@ def test_a_send_that_fails_inside_its_group_is_aborted_once_the_group_has_ended(
     assert t._failed_in_group is None  # the next group starts clean (and raises: aborted)
 
 
+def test_an_abort_from_another_thread_waits_for_the_open_group_to_end(monkeypatch):
+    """NCCL's open group lists the communicators posted on, and its end uses them: an abort from
+    another thread (a wait that ran out) comes after the group call of this one has ended, or,
+    where that end itself waits on a dead peer, after GROUP_END_S, since only the abort ends it."""
+    from zipccl.transport import cupy_nccl
+    events, posted, leave, ending = [], threading.Event(), threading.Event(), threading.Event()
+
+    class Comm:
+        def __init__(self, name):
+            self.name = name
+
+        def send(self, *args):
+            events.append(f"{self.name} posted")
+
+        def abort(self):
+            events.append(f"{self.name} abort")
+
+    def transport(group_end):
+        t = object.__new__(cupy_nccl.NcclTransport)
+        t.rank, t.size, t._ranks, t._open, t.device = 0, 2, [0, 1], None, 0
+        t.comm, t.mail_comm = Comm("bulk"), Comm("mail")
+        t.stream = types.SimpleNamespace(wait_stream=lambda stream: None, cuda_stream=0)
+        t.nccl = types.SimpleNamespace(groupStart=lambda: events.append("group start"), NCCL_UINT8=1,
+                                       groupEnd=group_end)
+        return t
+
+    def group(t, body_waits: bool):
+        with t.grouped():
+            t.isend(torch.empty(8, device="meta"), 1)
+            posted.set()
+            if body_waits:
+                leave.wait(10)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(cupy_nccl.NcclTransport, "_landed", lambda self, works: None)
+    t = transport(lambda: events.append("group end"))
+    poster = threading.Thread(target=group, args=(t, True))
+    poster.start()
+    assert posted.wait(10)
+    aborter = threading.Thread(target=t._abort)
+    aborter.start()
+    time.sleep(0.5)
+    assert "bulk abort" not in events, events  # the group is still open
+    leave.set()
+    poster.join(10)
+    aborter.join(10)
+    assert events[:3] == ["group start", "bulk posted", "group end"], events
+    assert sorted(events[3:]) == ["bulk abort", "mail abort"] and t.comm is None, events
+
+    def stuck_end():  # as NCCL's, connecting to a dead peer: only the abort ends it
+        ending.set()
+        deadline = time.monotonic() + 10
+        while "bulk abort" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        events.append("group end")
+
+    monkeypatch.setattr(cupy_nccl, "GROUP_END_S", 0.3)
+    events.clear()
+    posted.clear()
+    t = transport(stuck_end)
+    poster = threading.Thread(target=group, args=(t, False))
+    poster.start()
+    assert ending.wait(10)
+    started = time.monotonic()
+    t._abort()
+    assert 0.25 < time.monotonic() - started < 5 and "bulk abort" in events, events
+    poster.join(10)
+    assert events[-1] == "group end" and not poster.is_alive(), events
+
+
 def test_a_status_round_that_gives_up_aborts_the_levels_it_waited_for():
     """The status round's mails wait for the call's levels (``fence``): where a mail never comes,
     the transport aborts those levels with itself, at once, since its abort waits for their

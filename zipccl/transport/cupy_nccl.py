@@ -100,6 +100,10 @@ def _abort_all(comms) -> None:
 
 _DETACH = threading.Lock()  # NcclTransport._detach's
 
+#: How long an abort from another thread waits for an open group call of the transport to end
+#: (``NcclTransport._detach``); a group's end that waits on a dead peer ends only by the abort.
+GROUP_END_S = 2.0
+
 
 def _abort_one(comm) -> None:
     with contextlib.suppress(Exception):
@@ -374,10 +378,26 @@ class NcclTransport(Transport):
 
     def _detach(self) -> list:
         """This transport's communicators, taken off it (its next use raises NcclError); once: two
-        threads that fail at once (an NcclPair's send lane and its completion's) abort them once."""
-        with _DETACH:
-            comms, self.comm, self.mail_comm = [self.comm, self.mail_comm], None, None
+        threads that fail at once (an NcclPair's send lane and its completion's) abort them once.
+        After the group call another thread has open on it, if that ends within GROUP_END_S: NCCL's
+        open group lists the communicator, and an abort frees it under the group's end."""
+        guard = self._guard()
+        held = guard.acquire(timeout=GROUP_END_S)
+        try:
+            with _DETACH:
+                comms, self.comm, self.mail_comm = [self.comm, self.mail_comm], None, None
+        finally:
+            if held:
+                guard.release()
         return comms
+
+    def _guard(self) -> threading.RLock:
+        """Held by a thread from its group call's start to its end (``grouped``), and by an abort."""
+        with _DETACH:
+            guard = self.__dict__.get("_group_guard")
+            if guard is None:
+                guard = self._group_guard = threading.RLock()
+        return guard
 
     def _fail(self, e: Exception) -> NcclError:
         abort_together((self, *self._fenced))  # with the levels its mails wait for (``fence``)
@@ -405,32 +425,33 @@ class NcclTransport(Transport):
         on this rank (the status round included) rather than in this transport's error."""
         if self._open is not None:
             raise ZipcclError("NcclTransport.grouped() inside another group")
-        if self.comm is None:
+        with self._guard():  # an abort on another thread waits for the group's end (``_detach``)
+            if self.comm is None:
+                self._open = []
+                try:
+                    yield
+                finally:
+                    self._open = None
+                return
+            self._ready()
             self._open = []
+            self.nccl.groupStart()
             try:
                 yield
             finally:
-                self._open = None
-            return
-        self._ready()
-        self._open = []
-        self.nccl.groupStart()
-        try:
-            yield
-        finally:
-            works, self._open = self._open, None
-            failed, self._failed_in_group = self._failed_in_group, None
-            try:
-                self.nccl.groupEnd()  # after a failed post NCCL ends the group with its error, launching nothing
-            except Exception as e:  # noqa: BLE001
-                if failed is None:
-                    raise self._fail(e) from e
-            if failed is not None:  # its post raised to its caller, who counted that peer lost
-                self._fail(failed)
-                for w in works:  # never ran: their waits raise, as a lost peer's do (zipccl.failure)
-                    w.broken = True
-            else:
-                self._landed(works)
+                works, self._open = self._open, None
+                failed, self._failed_in_group = self._failed_in_group, None
+                try:
+                    self.nccl.groupEnd()  # after a failed post NCCL ends the group with its error, launching nothing
+                except Exception as e:  # noqa: BLE001
+                    if failed is None:
+                        raise self._fail(e) from e
+                if failed is not None:  # its post raised to its caller, who counted that peer lost
+                    self._fail(failed)
+                    for w in works:  # never ran: their waits raise, as a lost peer's do (zipccl.failure)
+                        w.broken = True
+                else:
+                    self._landed(works)
 
     def _landed(self, works: list) -> None:
         """After a group's end: each work's event, on its channel's stream; the mail channel's
