@@ -378,8 +378,8 @@ def test_point_to_point_of_cuda_tensors_never_goes_to_gloo(monkeypatch, backend,
             p2p._decide(codec, x, group, 1)
     else:
         assert p2p._decide(codec, x, group, 1) is {"plain": PLAIN, "native": NATIVE}[want]
-    if backend == "zipccl":  # an integer tensor passes to the backend at both ends (the drop-in takes floats alone)
-        assert p2p._decide(codec, _on_gpu(1 << 19, torch.int32), group, 1) is NATIVE
+    if backend == "zipccl":  # an integer tensor (the drop-in's ``_message``: "auto") the same way
+        assert p2p._decide(codec, _on_gpu(1 << 19, torch.int32), group, 1) is {"plain": PLAIN, "native": NATIVE}[want]
 
 
 def _batch_stand_ins(monkeypatch, backend: str, batches: bool):
@@ -674,6 +674,34 @@ def test_drop_in_routing_asks_takes_device(monkeypatch):
     assert not takes(pg, [x.int()], dist.ReduceOp.SUM)  # still float tensors only
     pg.codec = "native"
     assert not takes(pg, [x], dist.ReduceOp.SUM)
+
+
+def test_drop_in_carries_messages_of_any_dense_cuda_tensor(monkeypatch):
+    """The drop-in's messages through zipccl.p2p (``_message``): a float tensor with the group's
+    codec; any other dense CUDA tensor (integer, bool) with "auto", which frames its bytes where
+    the NCCL underneath would get a batch's messages one at a time (above); torch's NCCL for
+    the rest: CPU tensors (gloo), sparse ones, every message under "native", and CUDA where the
+    drop-in does not take it (no GPU extra, ZIPCCL_TRANSPORT=torch)."""
+    cls = backend.ProcessGroupZipccl
+
+    class DropIn:  # the group's decisions without its store and ranks
+        codec = "lossless"
+        _takes, _message = cls._takes, cls._message
+
+    pg = DropIn()
+    cuda = {"float": _on_gpu(8), "int64": _on_gpu(8, torch.int64), "bool": _on_gpu(8, torch.bool)}
+    cpu = {"cpu float": torch.zeros(8), "cpu int64": torch.zeros(8, dtype=torch.int64),
+           "sparse": torch.zeros(8, dtype=torch.int64).to_sparse()}
+    monkeypatch.setattr(backend, "takes_device", lambda device: True)
+    assert {k: pg._message([x]) for k, x in {**cuda, **cpu}.items()} == {
+        "float": "lossless", "int64": "auto", "bool": "auto", "cpu float": "lossless", "cpu int64": None,
+        "sparse": None}
+    assert pg._message([cuda["int64"], cuda["int64"]]) is None  # one tensor a message
+    pg.codec = "native"
+    assert {k: pg._message([x]) for k, x in cuda.items()} == dict.fromkeys(cuda)
+    pg.codec = "lossless"
+    monkeypatch.setattr(backend, "takes_device", lambda device: device == "cpu")
+    assert {k: pg._message([x]) for k, x in cuda.items()} == dict.fromkeys(cuda)
 
 
 def test_drop_in_hands_its_native_calls_to_its_nccl_underneath(gpu_group, monkeypatch):

@@ -16,8 +16,10 @@ bf16/fp16/fp32 tensor (CUDA: over zipccl's NCCL transport where the GPU extra is
 AVG, MAX, MIN or PREMUL_SUM (the factor applied, then SUM). All-to-all (``all_to_all_single``,
 ``alltoall``: zipccl.alltoall) and point-to-point (``send``, ``recv``, which ``dist.isend``,
 ``dist.irecv`` and ``dist.batch_isend_irecv`` call: zipccl.p2p) take dense float tensors the
-same way. Everything else (integer, complex and sparse tensors, PRODUCT and bitwise ops, CUDA
-tensors with ZIPCCL_TRANSPORT=torch, a receive from any source, and broadcast, gather,
+same way, and point-to-point other dense CUDA tensors too (``_message``: their bytes framed
+where NCCL would get a batch's messages one at a time). Everything else (integer, complex and
+sparse tensors, PRODUCT and bitwise ops, CUDA tensors with ZIPCCL_TRANSPORT=torch, a receive
+from any source, and broadcast, gather,
 scatter, reduce, barrier) goes to the backend underneath through its own binding
 (``_inner_for`` says why not through ``super()``). zipccl's own traffic runs on the same
 group: its messages are uint8 and int64 tensors, which pass through, and the collectives it
@@ -545,22 +547,41 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         return self._forward("allgather_coalesced", _first(inputs), outputs, inputs, *args, **kwargs)
 
     def send(self, tensors, dst: int, tag: int = 0):
-        """``dist.send``, ``isend`` and ``batch_isend_irecv``'s sends: zipccl's (zipccl.p2p) for a
-        dense float tensor; its receiver's ``recv`` decides alike."""
-        if len(tensors) != 1 or not self._takes(tensors, contiguous=False):
+        """``dist.send``, ``isend`` and ``batch_isend_irecv``'s sends: zipccl's (zipccl.p2p) where
+        ``_message`` gives a codec; its receiver's ``recv`` decides alike."""
+        codec = self._message(tensors)
+        if codec is None:
             return self._inner_for(_first(tensors)).send(tensors, dst, tag)
-        return _p2p_work(p2p.isend(tensors[0], group=self, tag=tag, codec=self.codec, group_dst=dst), tensors)
+        return _p2p_work(p2p.isend(tensors[0], group=self, tag=tag, codec=codec, group_dst=dst), tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
-        if len(tensors) != 1 or not self._takes(tensors, contiguous=False):
+        codec = self._message(tensors)
+        if codec is None:
             return self._inner_for(_first(tensors)).recv(tensors, src, tag)
-        return _p2p_work(p2p.irecv(tensors[0], group=self, tag=tag, codec=self.codec, group_src=src), tensors)
+        return _p2p_work(p2p.irecv(tensors[0], group=self, tag=tag, codec=codec, group_src=src), tensors)
+
+    def _message(self, tensors) -> str | None:
+        """The codec zipccl.p2p carries a message with, or None where the backend underneath takes
+        it: a dense float tensor zipccl takes, with the group's codec; any other dense CUDA tensor
+        that zipccl takes the device of, with "auto" (but under ``codec="native"``), which frames
+        its plain bytes where the backend would get a batch's messages one at a time (NCCL, whose
+        single sends and receives to one peer queue on one stream) and otherwise hands them to it."""
+        if len(tensors) != 1:
+            return None
+        if self._takes(tensors, contiguous=False):
+            return self.codec
+        x = tensors[0]
+        if self.codec != "native" and not getattr(_inside, "on", False) and isinstance(x, torch.Tensor) \
+                and x.layout == torch.strided and x.device.type == "cuda" and takes_device("cuda"):
+            return "auto"
+        return None
 
     def recv_anysource(self, tensors, tag: int = 0):
         """The backend's own receive from any source, after the receives queued before it
         (zipccl.p2p); refused where a sender would frame the message (p2p.check_any_source)."""
-        if len(tensors) == 1 and self._takes(tensors, contiguous=False):
-            p2p.check_any_source(tensors[0], self, self.codec)
+        codec = self._message(tensors)
+        if codec is not None:
+            p2p.check_any_source(tensors[0], self, codec)
         inner = self._inner_for(_first(tensors))
         return _p2p_work(p2p.after_queued(lambda: inner.recv_anysource(tensors, tag), _first(tensors)), tensors)
 

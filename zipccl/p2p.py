@@ -178,8 +178,8 @@ def _decide(codec, x: torch.Tensor, group, peer: int):
             if not frames_messages(group, x.device):
                 raise framing_refused()
             framed = True
-        else:  # the drop-in takes float tensors alone: others pass to its backend, natively at both ends
-            framed = x.dtype in DTYPE_CODES and _one_by_one(group, x.device) and _can_frame(group, x.device)
+        else:
+            framed = _one_by_one(group, x.device) and _can_frame(group, x.device)
         if framed:
             if x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer):
                 return PLAIN
