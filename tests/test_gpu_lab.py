@@ -300,6 +300,22 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
         got = [p.grad.full_tensor() for p in model.parameters()]
         return max(float((g.double() - w).abs().max() / w.abs().max()) for g, w in zip(got, want))
 
+    def dropin_int_batch():
+        """``dist.batch_isend_irecv`` on a drop-in group, 32 MiB of int64 each way, each rank
+        receiving first: torch hands the drop-in its messages one at a time, which on the NCCL
+        underneath would queue on one stream and block both ranks; zipccl frames their bytes on
+        its NCCL pair. Elements differing."""
+        group = dist.new_group(list(range(n)), backend="zipccl")
+        peer = rank ^ 1
+
+        def ids(r):
+            return torch.randint(0, 2**40, (1 << 22,), generator=torch.Generator().manual_seed(900 + r))
+        got = torch.empty(1 << 22, dtype=torch.int64, device="cuda")
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, peer, group=group),
+                                            dist.P2POp(dist.isend, ids(rank).cuda(), peer, group=group)]):
+            work.wait()
+        return int((got.cpu() != ids(peer)).sum())
+
     check("flat", flat)
     check("all_to_all_and_point_to_point", all_to_all_and_point_to_point)
     check("hierarchical", hierarchical)
@@ -309,6 +325,7 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
     check("ddp_topk", lambda: ddp(Options(lossy="topk", lossy_min_numel=1000), 2))
     check("fsdp2_dropin", lambda: fsdp2(False))
     check("fsdp2_zipccl_comms", lambda: fsdp2(True))
+    check("dropin_int_batch", dropin_int_batch)  # last: a batch that blocks would hide no other check
     results.put((rank, out))
     dist.destroy_process_group()
 
@@ -321,7 +338,8 @@ def test_every_entry_point_on_cuda_tensors(monkeypatch):
     rank order; DDP and FSDP2 over the drop-in backend (DDP's default policy and lossless;
     FSDP2's own comms and zipccl.fsdp's) match plain torch's mean gradient to fp32 rounding, DDP
     the same bits on every rank; with the lossy top-k policy (error feedback in its second step)
-    every rank still ends with the same bits."""
+    every rank still ends with the same bits; the drop-in's batch of int64 messages, each rank
+    receiving first, moves the values."""
     monkeypatch.setenv("ZIPCCL_TRANSPORT", "nccl")
     monkeypatch.setenv("ZIPCCL_TOPOLOGY", "2x2")
     monkeypatch.setenv("ZIPCCL_TIMEOUT", "20")  # a rank that fails leaves its peers raising, not hanging
@@ -339,6 +357,7 @@ def test_every_entry_point_on_cuda_tensors(monkeypatch):
         for name in ("fsdp2_dropin", "fsdp2_zipccl_comms"):
             assert out[name] < 1e-5, (r, name, out[name])
         assert out["topk"][0] == 0, (r, out["topk"])
+        assert out["dropin_int_batch"] == 0, (r, out["dropin_int_batch"])
         for name in ("ddp_auto", "ddp_lossless"):
             assert out[name][0] < 1e-5, (r, name, out[name])
     for name in ("ddp_auto", "ddp_lossless", "ddp_topk"):
