@@ -404,3 +404,44 @@ def test_empty_splits_a_group_of_one_and_a_busy_queue(pool):
     for rank, res in enumerate(pool.run(_edges, timeout=90)):
         assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
         assert all(res.values()), (rank, res)
+
+
+def _rank_local_differences(rank, groups, shape):
+    """Calls that differ from rank to rank where torch lets them, on a new group (its first call
+    finds the nodes) and again once it is known: rank 0 asks for a handle (async_op), rank 1
+    passes its even splits, the others neither; then the list form where rank 0's tensors are all
+    one size and its peers' are not. Each rank's result, against the values it must receive."""
+    n = 4
+    g = dist.new_group(list(range(n)))
+
+    def count(i, j):  # rows rank i sends to rank j: rank 0 sends and receives 4 each
+        return 4 if 0 in (i, j) else 3 + i + 2 * j
+
+    got = []
+    with nodes(g, shape):
+        for _ in range(2):  # the group's first call, then one where its nodes are known
+            x = torch.arange(8 * n, dtype=torch.bfloat16) + 100 * rank
+            y = torch.full_like(x, float("nan"))
+            if rank == 0:
+                zipccl.all_to_all_single(y, x, group=g, async_op=True).wait()
+            elif rank == 1:
+                zipccl.all_to_all_single(y, x, [8] * n, [8] * n, group=g)
+            else:
+                zipccl.all_to_all_single(y, x, group=g)
+            want = torch.cat([torch.arange(8 * rank, 8 * rank + 8, dtype=torch.bfloat16) + 100 * j for j in range(n)])
+            got.append(torch.equal(y, want))
+            ins = [torch.full((count(rank, j),), 10.0 * rank + j, dtype=torch.bfloat16) for j in range(n)]
+            outs = [torch.full((count(j, rank),), float("nan"), dtype=torch.bfloat16) for j in range(n)]
+            zipccl.all_to_all(outs, ins, group=g)
+            got.append(all(torch.equal(o, torch.full_like(o, 10.0 * j + rank)) for j, o in enumerate(outs)))
+    return got
+
+
+@pytest.mark.parametrize("shape", [None, "2x2"], ids=["one node", "two nodes"])
+def test_calls_that_differ_only_where_torch_lets_them_take_one_path(pool, shape):
+    """Whether a call goes to the backend alone is decided from what every rank shares, never
+    from async_op, split sizes given or left even, or the list form's sizes: a rank that took
+    another path than its peers (zipccl's, which makes groups on its first call and exchanges
+    counts across nodes) would wait for good."""
+    res = pool.run(_rank_local_differences, shape, timeout=120)
+    assert res == [[True] * 4] * 4, res

@@ -8,7 +8,8 @@ peers inside this rank's node the plain bytes and the peers in other nodes ``cod
 ``codec="auto"`` learns, per group and class of calls (dtype, the bytes per rank), which of
 the backend's all-to-all, lossless on every link, or lossless across nodes only, is fastest
 (zipccl.auto). On one node "auto" is the backend's all-to-all, with nothing of zipccl's on the
-wire. Small calls with even splits go to the backend at once, as zipccl.api's do.
+wire; once a call has found the nodes, later calls there go to the backend at once, as
+zipccl.api's small ones do.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from . import auto, config, executor, topology
+from . import config, executor, topology
 from .api import _outside_autograd
 from .collectives.alltoall import counts_row, exchange_counts, run_all_to_all
 from .collectives.autoplan import planned
@@ -118,12 +119,18 @@ def _even(x: torch.Tensor, n: int, label: str) -> list[int]:
     return [x.shape[0] // n] * n
 
 
-def _rows(x: torch.Tensor, splits, n: int, label: str) -> list[torch.Tensor]:
-    """``x`` cut along dim 0 by ``splits`` (None or empty: evenly, as torch), each part flat."""
+def _split_sizes(x: torch.Tensor, splits, n: int, label: str) -> list[int]:
+    """``splits`` checked against ``x``'s rows (None or empty: even, as torch)."""
     splits = [int(s) for s in splits] if splits else _even(x, n, label)
     if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != (x.shape[0] if x.dim() else 1):
         raise ValueError(f"{label} split sizes {splits} must be {n} counts >= 0 that add up to its "
                          f"{x.shape[0] if x.dim() else 1} rows")
+    return splits
+
+
+def _rows(x: torch.Tensor, splits, n: int, label: str) -> list[torch.Tensor]:
+    """``x`` cut along dim 0 by ``splits`` (``_split_sizes``), each part flat."""
+    splits = _split_sizes(x, splits, n, label)
     per_row = math.prod(x.shape[1:])
     flat, out, at = x.reshape(-1), [], 0
     for s in splits:
@@ -132,34 +139,54 @@ def _rows(x: torch.Tensor, splits, n: int, label: str) -> list[torch.Tensor]:
     return out
 
 
-def goes_native(output, input, splits, codec, algorithm: str) -> bool:
-    """Whether an ``all_to_all_single`` goes to the backend's call alone, decided without an
-    exchange and with checks that cost next to nothing: codec "native" on tensors the backend
-    takes as they are, or the common small call that codec "auto" always hands to it (even
-    splits below the policy's probe floor, on CPU: rank-consistent without an exchange). The
-    caller then makes the backend's call directly (False: zipccl's own path, checks included),
-    after the async calls queued before it (``executor.drain``): a rank's own queue must not
-    send it down another path than its peers'."""
-    if not (isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)) \
-            or config.CHECK_NATIVE \
-            or output.dtype != input.dtype or not (input.is_contiguous() and output.is_contiguous()):
+def goes_native(group, tensors, codec, algorithm: str) -> bool:
+    """Whether an all-to-all goes to the backend's call alone, decided without an exchange from
+    what every rank of the group shares: codec "native", or codec and algorithm "auto" on a group
+    that an earlier call found to be one node, where auto always hands the call to the backend.
+    Never from the call's sizes, splits, layouts or ``async_op``, which differ from rank to rank:
+    a rank that took zipccl's path (whose first call makes groups) while its peers made the
+    backend's call would wait for good. The caller then makes the backend's call, with its own
+    checks, after the async calls queued before it (``executor.drain``)."""
+    if config.CHECK_NATIVE or not all(isinstance(x, torch.Tensor) for x in tensors):
         return False
     if codec == "native" or codec is NATIVE:
         return True
-    return (codec == "auto" and algorithm == "auto" and not any(splits) and input.dtype in DTYPE_CODES
-            and input.device.type == "cpu" and output.device.type == "cpu" and config.AUTO_LEARN
-            and input.numel() * input.element_size() < auto.PROBE_MIN_BYTES)
+    if codec != "auto" or algorithm != "auto":
+        return False
+    found = topology.found(group)
+    return found is not None and len(found.nodes) == 1
+
+
+def _natively(native, tensors, async_op: bool):
+    """The backend's all-to-all, ``native()``, for ``goes_native``: after the async calls queued
+    before it, here or (``async_op``) queued behind them."""
+    def call():
+        native()
+        record_native(_NAME)
+    return _run(call, async_op, tensors)
 
 
 def _validate(outputs, inputs, device_tensors, t):
     """The local checks of a call (types, layout, device, one dtype)."""
+    _tensors(outputs, inputs)
+    _check_device(t, *device_tensors)
+
+
+def _tensors(outputs, inputs) -> None:
+    """Tensors, contiguous, of one dtype. On the backend's path too: a check that fails inside the
+    backend's call would leave its group out of step (gloo's), so it is raised here first."""
     for label, x in (("output", outputs), ("input", inputs)):
         for y in x:
             _check_tensor(label, y)
-    _check_device(t, *device_tensors)
     dtypes = {y.dtype for y in outputs + inputs}
     if len(dtypes) > 1:
         raise ValueError(f"all-to-all tensors must have one dtype, got {sorted(map(str, dtypes))}")
+
+
+def _one_per_rank(outputs, inputs, n: int) -> None:
+    if len(outputs) != n or len(inputs) != n:
+        raise ValueError(f"all_to_all takes one tensor per rank ({n}), got {len(outputs)} outputs and "
+                         f"{len(inputs)} inputs")
 
 
 def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: bool):
@@ -274,12 +301,15 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     algorithm: "auto", "flat" (one codec on every link) or "hierarchical" (plain bytes inside
     the node, ``codec`` across nodes)."""
     output, input = _outside_autograd(output), _outside_autograd(input)
-    splits = (output_split_sizes, input_split_sizes)
-    if not async_op and goes_native(output, input, splits, codec, algorithm):
-        executor.drain()
+
+    def native():
         _native_single(group, output, input, output_split_sizes, input_split_sizes)
-        record_native(_NAME)
-        return None
+    if goes_native(group, (output, input), codec, algorithm):
+        n = dist.get_world_size(group)
+        _tensors([output], [input])
+        _split_sizes(input, input_split_sizes, n, "input")
+        _split_sizes(output, output_split_sizes, n, "output")
+        return _natively(native, (output, input), async_op)
 
     def parts(t):
         for label, x in (("output", output), ("input", input)):
@@ -288,8 +318,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         _validate([output], [input], (output, input), t)
         return _rows(input, input_split_sizes, t.size, "input"), _rows(output, output_split_sizes, t.size, "output")
 
-    return _call(group, parts, lambda: _native_single(group, output, input, output_split_sizes, input_split_sizes),
-                 (output, input), codec, algorithm, async_op)
+    return _call(group, parts, native, (output, input), codec, algorithm, async_op)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False, *, codec="auto",
@@ -300,12 +329,16 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     outputs = [_outside_autograd(x) for x in output_tensor_list]
     inputs = [_outside_autograd(x) for x in input_tensor_list]
 
+    def native():
+        _native_list(group, outputs, inputs)
+    if outputs and inputs and goes_native(group, outputs + inputs, codec, algorithm):
+        _one_per_rank(outputs, inputs, dist.get_world_size(group))
+        _tensors(outputs, inputs)
+        return _natively(native, tuple(outputs + inputs), async_op)
+
     def parts(t):
-        if len(outputs) != t.size or len(inputs) != t.size:
-            raise ValueError(f"all_to_all takes one tensor per rank ({t.size}), got {len(outputs)} outputs and "
-                             f"{len(inputs)} inputs")
+        _one_per_rank(outputs, inputs, t.size)
         _validate(outputs, inputs, outputs + inputs, t)
         return [x.reshape(-1) for x in inputs], [x.reshape(-1) for x in outputs]
 
-    return _call(group, parts, lambda: _native_list(group, outputs, inputs), tuple(outputs + inputs), codec,
-                 algorithm, async_op)
+    return _call(group, parts, native, tuple(outputs + inputs), codec, algorithm, async_op)

@@ -517,8 +517,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                                                         _options(dist.AllToAllOptions, opts))
         out, src = _data([output, input])
         outs, ins = (list(s) if s else None for s in (output_split_sizes, input_split_sizes))
-        native = self._compressor is None and alltoall.goes_native(out, src, (outs, ins), self.codec,
-                                                                    self.options.algorithm)
+        native = self._compressor is None and alltoall.goes_native(self, (out, src), self.codec, self.options.algorithm)
         if native and executor.idle():
             record_native("all_to_all")  # the backend's own, directly, as _own hands the collectives
             return self._passed(input).alltoall_base(output, input, list(output_split_sizes or []),

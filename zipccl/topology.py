@@ -308,6 +308,12 @@ def levels(group=None) -> Levels | None:
         return _levels.setdefault(key, made)
 
 
+def found(group=None) -> Topology | None:
+    """The nodes of ``group`` where ``topology`` has found them (no communication), else None."""
+    with _lock:
+        return _found.get(_group_key(group))
+
+
 def known(group=None) -> bool:
     """Whether ``levels(group)`` has been made (then calling it communicates no more)."""
     with _lock:
