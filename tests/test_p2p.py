@@ -245,6 +245,48 @@ def test_plain_messages_of_any_dtype_match_their_sends(pool):
     assert pool.run(_plain_bytes_of_any_dtype, timeout=60) == ["ok", "ok", None, None]
 
 
+class _UserCodec:
+    """A codec as the Codec protocol asks for (name, encode, decode, max_encoded_size), with no
+    repr of its own: Python's default names an address, another in every process."""
+    name = "user-plain"
+    exact = True
+
+    def __init__(self):
+        from zipccl.codecs import Raw
+        self.raw = Raw()
+
+    def encode(self, x):
+        return self.raw.encode(x)
+
+    def decode(self, packet, out=None):
+        return self.raw.decode(packet, out)
+
+    def max_encoded_size(self, numel, dtype):
+        return self.raw.max_encoded_size(numel, dtype)
+
+
+def _user_codec(rank, groups):
+    """A message in each direction with a codec instance of each rank's own, alone and in a
+    per-link mapping: the peer's bits."""
+    if rank > 1:
+        return None
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(5000, generator=gen).to(torch.bfloat16)
+    out = []
+    for codec in (_UserCodec(), {"intra": _UserCodec(), "inter": _UserCodec()}):
+        got = torch.empty_like(x)
+        for h in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, got, 1 - rank, codec=codec),
+                                           zipccl.P2POp(zipccl.isend, x, 1 - rank, codec=codec)]):
+            h.wait()
+        want = torch.randn(5000, generator=torch.Generator().manual_seed(1 - rank)).to(torch.bfloat16)
+        out.append(torch.equal(got, want))
+    return out
+
+
+def test_a_users_codec_instance_carries_messages(pool):
+    assert pool.run(_user_codec, timeout=60) == [[True, True], [True, True], None, None]
+
+
 def _made_where_issued(rank, groups, token, order):
     """Ranks 0 and 1 exchange framed messages both ways (``order``: in one batch, or as an isend
     then an irecv on each), with each direction's transport a stand-in for NcclPair, which the
@@ -442,14 +484,19 @@ def test_a_framed_message_between_two_ranks_needs_no_other_rank():
 
 
 def _mismatch(rank, groups, case):
-    """Rank 0 sends to rank 1, which disagrees in ``case``; both raise (others idle)."""
+    """Rank 0 sends to rank 1, which disagrees in ``case``; both raise (others idle). "integers":
+    32 MiB of int64 in two plain pieces into int32, whose 16 MiB would be one: rank 1 drains
+    the sender's pieces, as cut for the sender's type."""
     g = groups[4]
     if rank > 1:
         return None
     numel, dtype, codec, tag = 1000, torch.bfloat16, "lossless", 3
+    if case == "integers":
+        numel, dtype, codec = 1 << 22, torch.int64, "raw"
     if rank == 1:
         numel, dtype, codec, tag = {"numel": (1001, dtype, codec, tag), "dtype": (numel, torch.float32, codec, tag),
-                                    "codec": (numel, dtype, "raw", tag), "tag": (numel, dtype, codec, 4)}[case]
+                                    "codec": (numel, dtype, "raw", tag), "tag": (numel, dtype, codec, 4),
+                                    "integers": (numel, torch.int32, codec, tag)}[case]
     x = torch.ones(numel, dtype=dtype)
     try:
         if rank == 0:
@@ -473,13 +520,13 @@ def _healthy(rank, groups):
     return torch.equal(got, torch.arange(3000, dtype=torch.bfloat16) + (rank - 1) % 4)
 
 
-@pytest.mark.parametrize("case", ["numel", "dtype", "codec", "tag"])
+@pytest.mark.parametrize("case", ["numel", "dtype", "codec", "tag", "integers"])
 def test_a_mismatch_raises_on_both_ends(pool, case):
     res = pool.run(_mismatch, case, timeout=120)
     assert res[0][0] == res[1][0] == "MismatchError", res
     assert res[0][1] == res[1][1], res  # the same words on both ends, naming both ranks
-    assert res[0][1].startswith("zipccl send/recv: rank 0 sends 1000 x bfloat16 (codec lossless, tag 3), but rank 1 "
-                                "receives "), res
+    sent = "4194304 x int64 (codec raw" if case == "integers" else "1000 x bfloat16 (codec lossless"
+    assert res[0][1].startswith(f"zipccl send/recv: rank 0 sends {sent}, tag 3), but rank 1 receives "), res
     assert all(h is True for h in pool.run(_healthy, timeout=120))
 
 

@@ -23,6 +23,7 @@ and sends one-byte stand-ins, as the collectives do.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 
 import torch
 
@@ -34,6 +35,7 @@ from ..transport import store
 from .links import PLAIN
 from .metadata import _TAG_P2P, timed
 from .pipeline import decode_to, pieces
+from .resolve import _codec_id
 
 __all__ = ["Signature", "send_message", "receive_message", "Verdict"]
 
@@ -44,11 +46,13 @@ _CODEC_NAMES = ("auto", "native", "raw", "lossless")
 
 def codec_argument_id(codec) -> int:
     """A codec argument as a number both ends compute alike: the known names, else the codec's
-    own identity (collectives.resolve._codec_id of an instance or a per-link mapping)."""
+    own identity (an instance's name; a per-link mapping's links and theirs), never a repr that
+    may name an address of this process."""
     if isinstance(codec, str) and codec in _CODEC_NAMES:
         return _CODEC_NAMES.index(codec)
-    return 16 + zlib.crc32(repr(sorted(codec.items()) if isinstance(codec, dict) else
-                                getattr(codec, "name", repr(codec))).encode()) % 1_000_000
+    key = repr(sorted((k, codec_argument_id(v)) for k, v in codec.items())) if isinstance(codec, Mapping) else \
+        str(getattr(codec, "name", type(codec).__name__))
+    return 16 + zlib.crc32(key.encode()) % 1_000_000
 
 
 def _codec_text(value: int) -> str:
@@ -64,8 +68,7 @@ class Signature:
 
     @classmethod
     def of(cls, x: torch.Tensor, codec, tag: int) -> "Signature":
-        return cls(F.DTYPE_CODES.get(x.dtype, 100 + zlib.crc32(str(x.dtype).encode()) % 1000), x.numel(),
-                   codec_argument_id(codec), tag)
+        return cls(dtype_code(x.dtype), x.numel(), codec_argument_id(codec), tag)
 
     def values(self) -> list[int]:
         return [self.dtype, self.numel, self.codec, self.tag]
@@ -74,9 +77,30 @@ class Signature:
         return self.values() == other.values()
 
     def __str__(self) -> str:
-        dtype = next((str(d).replace("torch.", "") for d, c in F.DTYPE_CODES.items() if c == self.dtype),
+        dtype = next((str(d).replace("torch.", "") for d in _NAMED if dtype_code(d) == self.dtype),
                      f"dtype #{self.dtype}")
         return f"{self.numel} x {dtype} (codec {_codec_text(self.codec)}, tag {self.tag})"
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A dtype as a number: the format's code of a float type, else its element size in the
+    thousands (so that a receiver cuts the sender's pieces, to drain them, whatever the types)
+    and a checksum of its name below."""
+    code = F.DTYPE_CODES.get(dtype)
+    if code is not None:
+        return code
+    return 1000 * torch.empty(0, dtype=dtype).element_size() + zlib.crc32(str(dtype).encode()) % 1000
+
+
+#: The dtypes a mismatch's words name (others by their code).
+_NAMED = (*F.DTYPE_CODES, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+          torch.bool, torch.complex64, torch.complex128)
+
+
+def itemsize_of(code: int) -> int | None:
+    """The element size of a ``dtype_code``; None for a number no dtype gives."""
+    size = next((torch.empty(0, dtype=d).element_size() for d, c in F.DTYPE_CODES.items() if c == code), None)
+    return size if size is not None or code < 1000 else code // 1000
 
 
 def mismatch_text(src: int, dst: int, sent: Signature, expected: Signature) -> str:
@@ -85,7 +109,9 @@ def mismatch_text(src: int, dst: int, sent: Signature, expected: Signature) -> s
 
 
 def _codec_used_id(codec) -> int:
-    return 0 if codec is PLAIN else 1 + zlib.crc32(repr(codec).encode()) % 1_000_000
+    """The codec that encoded a message, as both ends compute it (resolve's identity of a codec,
+    from its attributes: a user's codec has no repr of its own, and its default names an address)."""
+    return 0 if codec is PLAIN else 1 + _codec_id(codec) % 1_000_000
 
 
 def _cuts(numel: int, itemsize: int, plain: bool) -> list[tuple[int, int]]:
@@ -148,8 +174,7 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
                                        "which this end's codec argument and link choose"), rank=t.global_rank(peer))
     codec = codec if problem is None else None
     itemsize = out.element_size()
-    cuts = _cuts(theirs.numel, next((torch.empty(0, dtype=d).element_size() for d, c in F.DTYPE_CODES.items()
-                                     if c == theirs.dtype), itemsize), used == _codec_used_id(PLAIN))
+    cuts = _cuts(theirs.numel, itemsize_of(theirs.dtype) or itemsize, used == _codec_used_id(PLAIN))
     if len(cuts) != count:
         fate.fail(OTHER, FormatError(f"rank {t.global_rank(peer)} announced {count} pieces for {theirs.numel} "
                                      f"elements, not {len(cuts)}"), rank=t.global_rank(peer))
