@@ -277,7 +277,7 @@ def test_rules_decide_per_fsdp_module(pool):
 
 def _feedback(rank, groups, n, split):
     """Lossy steps; with ``split`` the comms are rebuilt after 2 steps from a saved state dict
-    (or, split == "fresh", without it)."""
+    (or, split == "fresh", without it; "saved before marks": a state dict of the keys before 0c38f11)."""
     if rank >= n:
         return None
     model = _sharded(groups[n])
@@ -291,9 +291,14 @@ def _feedback(rank, groups, n, split):
             buf = io.BytesIO()
             torch.save(comms.state_dict(), buf)
             comms = make()
-            if split == "load":
+            if split in ("load", "saved before marks"):
                 buf.seek(0)
-                comms.load_state_dict(torch.load(buf, weights_only=False))
+                state = torch.load(buf, weights_only=False)
+                if split == "saved before marks":  # the keys of zipccl before 0c38f11
+                    for s in state.values():
+                        del s["order"], s["last"]
+                        s["anchor"] = "fc" if "fc" in s["residuals"] else "emb"
+                comms.load_state_dict(state)
         x, y = _inputs(rank, step)
         torch.nn.functional.mse_loss(model(x), y).backward()
         if step == 0:
@@ -313,7 +318,7 @@ def _feedback(rank, groups, n, split):
 
 
 def test_error_feedback_across_steps_and_checkpoints(pool):
-    runs = {s: pool.run(_feedback, 2, s, timeout=300)[:2] for s in (None, "load", "fresh")}
+    runs = {s: pool.run(_feedback, 2, s, timeout=300)[:2] for s in (None, "load", "fresh", "saved before marks")}
     for s, res in runs.items():
         assert all(not isinstance(r, BaseException) for r in res), (s, res)
         assert res[0]["digest"] == res[1]["digest"], s
@@ -325,6 +330,7 @@ def test_error_feedback_across_steps_and_checkpoints(pool):
     assert k <= zeros < k + numel // 100  # the sent entries are cleared, the rest kept
     assert whole["densities"] == {"mlp": [0.05] * 4, "embedding": [0.05] * 4} and whole["steps"] == 3
     assert runs["load"][0]["digest"] == whole["digest"]    # the checkpoint carried the residuals
+    assert runs["saved before marks"][0]["digest"] == whole["digest"]
     assert runs["fresh"][0]["digest"] != whole["digest"]   # and they matter
 
 

@@ -286,6 +286,31 @@ def test_a_step_counts_when_its_first_tensor_has_no_gradient():
     assert begun == [(0, True), (0, False), (1, True), (2, True), (2, False)]
 
 
+def test_marked_steps_follow_the_marks_whatever_the_order():
+    """Where the caller marks each step's start (zipccl.fsdp: the model's forward), a tensor that
+    comes out of its usual place (FSDP2 reduces a module whose inputs need no gradient in its
+    final callback, the root first) begins no step, and a step whose usual first tensor is
+    absent still counts once; a Compressor pickled before marks and places (its ``anchor``)
+    goes on counting."""
+    import zipccl.lossy
+    c = zipccl.lossy.Compressor("topk")
+    begun = []
+    for step in (("l2", "l1", "l0", "root"), ("l2", "root", "l1"), ("l1", "root"), ("l2", "l1", "l0", "root")):
+        c.mark()
+        begun.append([c.begin(name) for name in step])
+    assert begun == [[(0, True), (0, False), (0, False), (0, False)], [(1, True), (1, False), (1, False)],
+                     [(2, True), (2, False)], [(3, True), (3, False), (3, False), (3, False)]]
+    old = zipccl.lossy.Compressor("topk")
+    old.step = 4
+    state = old.__dict__.copy()
+    for key in ("order", "last", "marked"):
+        del state[key]
+    state["anchor"] = "w"
+    restored = zipccl.lossy.Compressor.__new__(zipccl.lossy.Compressor)
+    restored.__setstate__(state)
+    assert [restored.begin(name) for name in ("w", "b", "w")] == [(5, True), (5, False), (6, True)]
+
+
 def test_remembered_selection_is_used_once_and_only_for_the_unmodified_tensor():
     c = TopK(0.1)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))

@@ -247,9 +247,10 @@ class Comms:
     ``load_state_dict()`` carry the residuals, steps and density policies (rank-local: save one
     per rank)."""
 
-    def __init__(self, modules: dict, lossy: dict):
+    def __init__(self, modules: dict, lossy: dict, hook=None):
         self.modules = modules  # name -> (group, AllGather, ReduceScatter)
         self.lossy = lossy      # group -> its Compressor
+        self.hook = hook        # the model's forward pre-hook that marks each lossy step's start
 
     def groups(self) -> dict:
         return {name: g for name, (g, _, _) in self.modules.items()}
@@ -281,7 +282,9 @@ class Comms:
         for g, s in state.items():
             c = self.lossy[g]
             c.residuals.store = {k: v.clone() for k, v in s["residuals"].items()}
-            c.step, c.order, c.last, c.densities = s["step"], dict(s["order"]), s["last"], list(s["densities"])
+            c.step, c.densities = s["step"], list(s["densities"])
+            c.order = dict(s.get("order", {}))  # a state saved before the steps were marked has none
+            c.last = s.get("last", -1)
             c.rate = copy.deepcopy(s["rate"])
 
 
@@ -325,7 +328,14 @@ def compress(model: torch.nn.Module, *, codec="auto", lossy: str | None = None, 
         if replicate_group is not None:
             module.set_all_reduce_hook(partial(_replicate, module, replicate_group, codec))
         installed[name] = (group, ag, rs)
-    return Comms(installed, groups)
+    hook = None
+    if groups:  # each forward of the model starts a step: a group's first reduce-scatter after it decides its density
+        def mark_step(module, args) -> None:
+            for c in groups.values():
+                c.mark()
+        mark_step(model, ())
+        hook = model.register_forward_pre_hook(mark_step)
+    return Comms(installed, groups, hook)
 
 
 class State1:

@@ -59,16 +59,34 @@ class Compressor:
         self.step = -1              # begin's step counter (the DDP hook passes its own)
         self.order: dict = {}       # lossy tensor's name -> its place in a step, as first begun
         self.last = -1              # the place of the tensor begun last
+        self.marked = None          # ``mark``'s: the next tensor begins a step (None: never marked)
+
+    def __setstate__(self, state: dict) -> None:
+        """A Compressor pickled before ``begin`` (its step's first tensor named ``anchor``) goes on."""
+        anchor = state.pop("anchor", None)
+        state.setdefault("order", {} if anchor is None else {anchor: 0})
+        state.setdefault("last", len(state["order"]) - 1)
+        state.setdefault("marked", None)
+        self.__dict__.update(state)
+
+    def mark(self) -> None:
+        """The next tensor begins a step, wherever its place: for a caller that knows where steps
+        start (zipccl.fsdp: the model's forward ran). Once marked, steps follow the marks alone."""
+        self.marked = True
 
     def begin(self, name) -> tuple[int, bool]:
-        """(the step of the lossy tensor ``name``, whether it is the step's first). Tensors come
-        in one order each step (the same on every rank); one that comes at or before the place
-        of the last begins the next step. So a step counts when the tensor that began the last
-        one has no gradient this time (a frozen layer, a branch not taken)."""
+        """(the step of the lossy tensor ``name``, whether it is the step's first), the same on
+        every rank. Marked (``mark``): the first tensor after a mark. Else by place: tensors
+        come in one order each step, and one that comes at or before the place of the last
+        begins the next step, so that a step counts when the tensor that began the last one has
+        no gradient this time (a frozen layer, a branch not taken)."""
         place = self.order.setdefault(name, len(self.order))
-        first = place <= self.last or self.step < 0
+        first = bool(self.marked) if self.marked is not None else place <= self.last
+        first = first or self.step < 0
         if first:
             self.step += 1
+        if self.marked:
+            self.marked = False
         self.last = place
         return self.step, first
 
