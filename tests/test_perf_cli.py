@@ -67,6 +67,35 @@ def test_real_data_hierarchical_sums_node_by_node():
     assert [(r["redop"], r["wrong"]) for r in rows] == [("avg", ("0", "0"))]
 
 
+def test_a_checked_call_that_writes_nothing_counts_every_element_wrong():
+    """#wrong checks what the checked call wrote, not what the timed calls left in the buffer:
+    an all-gather that writes its output on the timed calls alone, one rank."""
+    import argparse
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from zipccl.bench.all_gather import SPEC
+    calls = []
+
+    def timed_only(out, inp, op, group, codec, algorithm="auto"):
+        calls.append(1)
+        if len(calls) <= 2:
+            out.copy_(inp)
+
+    spec = dataclasses.replace(SPEC, run=timed_only)
+    args = argparse.Namespace(iters=2, check=1, device="cpu", algorithm="auto", average=1, per_iter_timing=False)
+    data = torch.arange(64, dtype=torch.bfloat16)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        result = common.measure_placement(spec, args, False, 64, 64, torch.bfloat16, None, None, data, data.clone(),
+                                          0, 1)[0]
+    finally:
+        dist.destroy_process_group()
+    assert len(calls) == 3 and result["wrong"] == 64, result
+
+
 def test_rank_order_reduce_is_the_promised_order():
     import torch
     import torch.distributed as dist

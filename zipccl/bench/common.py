@@ -240,6 +240,11 @@ def _int_view(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).view(torch.int32 if x.element_size() == 4 else torch.int16)
 
 
+def _unwritten(out: torch.Tensor) -> None:
+    """``out`` filled with what no check expects: NaN, or an integer type's minimum."""
+    out.fill_(float("nan") if out.dtype.is_floating_point else torch.iinfo(out.dtype).min)
+
+
 def count_wrong(got: torch.Tensor, want: torch.Tensor, op) -> int:
     """Elements whose bits differ; for MAX and MIN +0.0 and -0.0 count as equal, because which
     of the two a maximum of both returns is the implementation's (gloo's and torch's differ)."""
@@ -292,7 +297,8 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     ran = plans_since(*auto, first) if auto else None
     wrong = 0
     for _ in range(args.check if reference is not None else 0):
-        inp.copy_(data)
+        _unwritten(out)  # what the call leaves unwritten counts as wrong, not as the last call's result
+        inp.copy_(data)  # in place, after: the input is (part of) the output
         spec.run(out, inp, op, group, codec, args.algorithm)
         wrong += count_wrong(out.cpu(), reference, op)
     wrong = sum_over_ranks(wrong) if reference is not None and args.check else None
