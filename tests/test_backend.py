@@ -263,6 +263,34 @@ def test_other_calls_pass_through_unchanged(zpool):
     assert out[0][0]["int_sum"] == [10 * i for i in range(12)]  # 1+2+3+4 times each element
 
 
+def _futures(rank, groups):
+    """Async all-reduces on a lossless group: the Work's future done, its value readable, once
+    ``wait()`` returns (200 calls: torch sets a ``then`` future after waking the waiters); then
+    torch's PowerSGD pattern, a future's callback that issues an async call and waits for it
+    (the callback runs on zipccl's async thread, behind which that call would be queued)."""
+    g = groups["lossless"]
+    x = _data(rank, 3000, torch.float32, 7)
+    want = _reference(_gathered(x, groups["gloo"]), "SUM")
+    unready = 0
+    for _ in range(200):
+        y = x.clone()
+        work = dist.all_reduce(y, group=g, async_op=True)
+        work.wait()
+        unready += not (work.is_completed() and work.get_future().done())
+        work.get_future().value()
+    inner = x.clone()
+
+    def then(future):
+        return dist.all_reduce(inner, group=g, async_op=True).get_future().wait()[0]
+    outer = x.clone()
+    got = dist.all_reduce(outer, group=g, async_op=True).get_future().then(then).wait()
+    return unready, torch.equal(y, want), torch.equal(outer, want), torch.equal(got, want) and got is inner
+
+
+def test_a_works_future_is_done_when_it_returns_and_its_callbacks_may_issue_calls(zpool):
+    assert zpool().run(_futures, timeout=120) == [(0, True, True, True)] * 4
+
+
 def _async(rank, groups):
     import zipccl
     g = groups["lossless"]

@@ -153,12 +153,16 @@ class _Work(dist.Work):
 
     def wait(self, timeout=None) -> bool:
         """Wait for the call and raise its error; ``timeout`` (a timedelta or seconds; zero or
-        None, as torch's C++ callers pass: none): zipccl.errors.TimeoutError past it."""
+        None, as torch's C++ callers pass: none): zipccl.errors.TimeoutError past it. Then for
+        ``get_future()``'s value too, which torch sets after waking the call's waiters."""
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-        return self._handle.wait(timeout if seconds and seconds > 0 else None)
+        self._handle.wait(timeout if seconds and seconds > 0 else None)
+        self._future.wait()
+        return True
 
     def is_completed(self) -> bool:
-        return self._handle.is_completed()
+        """Once ``get_future()`` is done too: its value is there to read."""
+        return self._future.done()
 
     def get_future(self) -> torch.futures.Future:
         return self._future

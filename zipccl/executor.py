@@ -205,6 +205,23 @@ def _task(fn, tensors) -> tuple:
     return fn, Handle(device=None if start is None else start[0]), start, tensors
 
 
+def _inline(fn) -> Handle:
+    """``fn()`` now, on the async calls' thread, as the call that is running there: its handle,
+    finished (its device work, if any, on this thread's current stream)."""
+    handle = Handle()
+    try:
+        result = fn()
+    except BaseException as e:  # surfaced by wait()
+        handle._future.set_exception(e)
+        return handle
+    if torch.cuda.is_initialized():
+        end = torch.cuda.Event()
+        end.record()
+        handle._device_end = torch.cuda.current_device(), end
+    handle._future.set_result(result)
+    return handle
+
+
 def run(fn, async_op: bool, tensors=()):
     """``fn()`` on this thread once the async calls issued before it have finished (returns
     None; their errors stay with their handles), or queued behind them (returns a Handle).
@@ -214,6 +231,8 @@ def run(fn, async_op: bool, tensors=()):
         drain()
         fn()
         return None
+    if running_queue():  # issued by a queued call (a future's callback, which torch runs on the thread that
+        return _inline(fn)  # finished the future): queued behind that call, a wait for it would wait for good
     task = _task(fn, tensors)
     with _queue_lock:
         if _queue is None:
