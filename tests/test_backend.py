@@ -534,6 +534,40 @@ def _lossy(rank, groups, lossy, n, steps):
     return out, reference.densities
 
 
+def _ddp_lossy(rank, groups, steps):
+    """DDP over the lossy top-k group, no ``step()`` calls: after its first step DDP rebuilds its
+    buckets, whose sizes then differ from the first step's. Per step the residuals' keys and the
+    compressor's step; the parameters' bits against every other rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    g = groups["topk"]
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]), process_group=g,
+                bucket_cap_mb=0.6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compressor = g._compressor
+    seen = []
+    for step in range(steps):
+        x = torch.randn(16, 256, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append((sorted(compressor.residuals.store), compressor.step))
+    return seen, _bits(torch.cat([p.detach().flatten() for p in model.parameters()]))
+
+
+def test_lossy_ddp_keeps_one_residual_per_bucket_across_its_rebuild(zpool):
+    """Each backward pass is a step: the rebuilt buckets keep their keys from the second step on,
+    one residual each (not new keys every step, which would leak a bucket's copy a step and drop
+    its error feedback), and the compressor counts every step."""
+    out = zpool().run(_ddp_lossy, 5, timeout=120)
+    seen, params = out[0]
+    assert all(torch.equal(params, other[1]) for other in out[1:])
+    keys = [set(k) for k, _ in seen]
+    assert [s for _, s in seen] == [0, 1, 2, 3, 4], seen
+    rebuilt = keys[2] - keys[0]
+    assert rebuilt and keys[2] == keys[3] == keys[4] and len(keys[4]) <= len(keys[0]) + len(rebuilt), seen
+
+
 @pytest.mark.parametrize("lossy,n,steps", [("topk", 100_000, 2), ("entropy", 20_000, 23)])
 def test_lossy_equals_zipccl_lossy_on_gloo(zpool, lossy, n, steps):
     """Only with the opt-in and only for large tensors; the result is zipccl.lossy's, bit for bit,

@@ -71,9 +71,10 @@ class Options:
     ``lossy``: None (never), or "topk"/"entropy" (zipccl.lossy, with error feedback) for
     all-reduces (SUM or AVG) of float tensors with at least ``lossy_min_numel`` elements. A
     residual belongs to a tensor's size, dtype and place among the step's tensors of that size:
-    a step ends at ``zipccl.backend.step(group)`` or, until the first such call, when the
-    step's first size comes again (DDP's buckets come in the same order every step). For
-    per-parameter rules, use zipccl.ddp's hook or zipccl.fsdp instead."""
+    a step ends at ``zipccl.backend.step(group)`` or, until the first such call, with each
+    backward pass (DDP's buckets, whose layout changes after its first step), and outside one
+    when the step's first size comes again. For per-parameter rules, use zipccl.ddp's hook or
+    zipccl.fsdp instead."""
     codec: str | None = None
     algorithm: str = "auto"
     lossy: str | None = None
@@ -276,7 +277,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         self._compressor = None if self.options.lossy is None else Compressor(self.options.lossy, rules=None)
         self._seen: dict = {}  # (numel, dtype) -> lossy calls this step
-        self._anchor, self._stepped = None, False
+        self._anchor, self._stepped, self._task = None, False, None
 
     # ---- what torch asks of a Python process group --------------------------------------------------------
 
@@ -609,20 +610,40 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                 or x.numel() < self.options.lossy_min_numel:
             return None
         sig = (x.numel(), str(x.dtype).replace("torch.", ""))
-        if not self._stepped:
-            if self._anchor is None:
-                self._anchor = sig
-            elif sig == self._anchor:  # the step's first tensor again: a new step
-                self._seen.clear()
+        if not self._stepped and self._begins(sig):
+            self._seen.clear()
+            self._compressor.mark()
         k = self._seen.get(sig, 0)
         self._seen[sig] = k + 1
         return f"{sig[0]}:{sig[1]}:{k}"
+
+    def _begins(self, sig) -> bool:
+        """Whether a lossy call of signature ``sig`` begins a step, where ``step()`` is not called:
+        inside autograd's backward (DDP's comm hook), the first call of each backward pass, so
+        that DDP's buckets, rebuilt after its first step, keep their keys; elsewhere, the step's
+        first signature again (the first call's)."""
+        task = _graph_task()
+        if task != -1:
+            begins, self._task = task != self._task, task
+            return begins
+        if self._anchor is None:
+            self._anchor = sig
+            return True
+        return sig == self._anchor
 
     def step(self) -> None:
         """A training step ended: the lossy calls' keys restart (zipccl.backend.step)."""
         self._stepped = True
         self._seen.clear()
+        if self._compressor is not None:
+            self._compressor.mark()
 
+
+
+def _graph_task() -> int:
+    """The backward pass that this thread runs now (autograd's graph task), or -1 outside one."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
 
 
 def _create(opts, pg_options) -> ProcessGroupZipccl:
