@@ -970,6 +970,21 @@ def test_variables_set_after_import_take_effect_when_a_drop_in_group_is_made(mon
         made()
 
 
+@pytest.mark.parametrize("variable,value", [("ZIPCCL_TIMEOUT", "nan"), ("ZIPCCL_TIMEOUT", "inf"),
+                                            ("ZIPCCL_TIMEOUT", "-1"), ("ZIPCCL_TIMEOUT", "soon"),
+                                            ("ZIPCCL_TOPOLOGY", "2x"), ("ZIPCCL_TOPOLOGY", "0x4")])
+def test_a_bad_setting_raises_naming_its_variable(monkeypatch, variable, value):
+    """As at import: a timeout no wait can take (NaN, infinity: a timedelta of either raised deep
+    in the first call, blamed on a peer), or a topology that is not NxM."""
+    from zipccl import config
+    monkeypatch.setattr(config, "_SETTINGS", dict(config._SETTINGS))
+    for name in config._SETTINGS:
+        monkeypatch.setattr(config, name, getattr(config, name))
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=variable):
+        config.refresh()
+
+
 def test_refresh_reads_what_an_import_reads(monkeypatch):
     """Every setting, its variable changed after import: ``refresh`` sets what a fresh import of
     zipccl/config.py under that environment sets, and names each variable it read again."""

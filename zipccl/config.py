@@ -4,7 +4,9 @@ the drop-in backend makes calls, as torch reads its own variables when a group i
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 
 _SETTINGS: dict = {}  # attribute -> (reader, variable, the reader's other arguments, the variable's value read)
@@ -97,7 +99,22 @@ SPLIT_DIRECTIONS = _setting("SPLIT_DIRECTIONS", _flag, "ZIPCCL_SPLIT_DIRECTIONS"
 #: "NxM": the process group is N nodes of M consecutive ranks (zipccl.topology), instead of what
 #: the launcher or the host names say: for an emulated cluster (zipccl-netlab up NxM) or a user
 #: who knows better. The same on every rank (checked). Unset: found from the launcher.
-TOPOLOGY = _setting("TOPOLOGY", _text, "ZIPCCL_TOPOLOGY")
+def nodes_of(text: str) -> tuple[int, int]:
+    """'2x4' -> (2, 4): N nodes of M consecutive ranks (ZIPCCL_TOPOLOGY's form)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"ZIPCCL_TOPOLOGY={text!r}: use NxM, e.g. 2x4 (2 nodes of 4 consecutive ranks)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _nodes(name: str) -> str | None:
+    text = _text(name)
+    if text is not None:
+        nodes_of(text)
+    return text
+
+
+TOPOLOGY = _setting("TOPOLOGY", _nodes, "ZIPCCL_TOPOLOGY")
 
 
 #: "1": calls that go to the backend's own collective (codec "native", or the plan "auto"
@@ -122,8 +139,8 @@ def _seconds(name: str) -> float | None:
         value = float(text)
     except ValueError:
         raise ValueError(f"{name}={text!r} must be a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+    if not 0 < value < math.inf:  # NaN, infinity: no bound a wait or a timedelta can take
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {text!r}")
     return value
 
 

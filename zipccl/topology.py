@@ -80,11 +80,8 @@ class Topology:
 
 
 def parse(text: str) -> tuple[int, int]:
-    """'2x4' -> (2, 4): N nodes of M consecutive ranks."""
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise ValueError(f"ZIPCCL_TOPOLOGY={text!r}: use NxM, e.g. 2x4 (2 nodes of 4 consecutive ranks)")
-    return int(m.group(1)), int(m.group(2))
+    """'2x4' -> (2, 4): N nodes of M consecutive ranks (config.nodes_of)."""
+    return config.nodes_of(text)
 
 
 def _key(text: str) -> int:
