@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if launch.detect():
         world = launch.init(backend=args.backend)
-        results = [train(world.rank, world.size, args.steps)]
+        mine = train(world.rank, world.size, args.steps)
+        results = [mine] if world.rank == 0 else []  # rank 0 alone prints and writes
         launch.shutdown()
     else:
         results = launch.spawn(_spawned, args.nranks, args, backend=args.backend)

@@ -113,7 +113,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if launch.detect():
         world = launch.init(backend=args.backend)
-        results = [train(world.rank, world.size, args.steps, dtype=args.dtype)]
+        mine = train(world.rank, world.size, args.steps, dtype=args.dtype)
+        every = [None] * world.size
+        dist.all_gather_object(every, mine)
+        results = every if world.rank == 0 else []  # rank 0 alone prints and writes, for ranks 0 and 1
         launch.shutdown()
     else:
         results = launch.spawn(_spawned, args.nranks, args, backend=args.backend)
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
         if r is not None:
             print(f"stage {r['stage']}: zipccl moved {r['moved'] or 'nothing (the backend carried it)'}; params "
                   f"sha256 {r['param_sha256'][:16]}", flush=True)
-    if args.json:
+    if args.json and results:
         Path(args.json).write_text(json.dumps(results[:2], indent=1))
     return 0
 
