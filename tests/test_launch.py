@@ -283,6 +283,23 @@ def _never_called(rank, nranks):
     raise AssertionError("spawn started ranks without CUDA")
 
 
+def _one_raises(rank, nranks):
+    import torch.distributed as dist
+    if rank == 1:
+        raise RuntimeError("rank 1's own error")
+    dist.barrier()  # the others fail once rank 1 has gone (gloo: connection closed or reset)
+
+
+def test_spawn_names_the_rank_that_raised_first():
+    """A rank that raises takes its group down with it; its peers fail of that, and torch names
+    the lowest rank that ended. spawn raises the first error, with its rank and traceback."""
+    import torch.multiprocessing as mp
+    with pytest.raises(mp.ProcessRaisedException) as e:
+        launch.spawn(_one_raises, 3, timeout=30)
+    assert "rank 1 raised first" in str(e.value) and "rank 1's own error" in str(e.value), str(e.value)
+    assert e.value.error_index == 1
+
+
 _ORPHAN_LAUNCHER = """
 import os, signal, sys, time
 from zipccl import launch

@@ -20,6 +20,7 @@ import datetime
 import os
 import signal
 import socket
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -163,9 +164,17 @@ def _child(rank, fn, nranks, port, backend, timeout, results, args, share_gpu=Fa
         out = fn(rank, nranks, *args)
         results.put((rank, out))
     except BaseException:
+        results.put((rank, _Raised(traceback.format_exc())))  # before its peers fail of its going
         dist.destroy_process_group()  # no barrier: the other ranks may never get there
         raise
     shutdown()
+
+
+class _Raised:
+    """A rank's exception as it raised it (its traceback's text), for ``spawn`` to report."""
+
+    def __init__(self, text: str):
+        self.text = text
 
 
 @contextlib.contextmanager
@@ -208,18 +217,29 @@ def spawn(fn, nranks: int, *args, backend: str = "gloo", timeout: float = 600.0,
     if share_gpu and not torch.cuda.is_available():
         raise UnsupportedError("spawn(share_gpu=True) runs every rank on the visible CUDA device, and torch finds "
                                "no CUDA device here (torch.cuda.is_available() is False)")
-    out = [None] * nranks
+    out, raised = [None] * nranks, []
 
     def collect():  # while the ranks run: a result larger than the pipe's buffer blocks its rank until read
         while not results.empty():
             rank, value = results.get()
-            out[rank] = value
+            if isinstance(value, _Raised):
+                raised.append((rank, value.text))
+            else:
+                out[rank] = value
 
     with fork_server(fn) as method:
         results = mp.get_context(method).SimpleQueue()
         ranks = mp.start_processes(_child, args=(fn, nranks, free_port(), backend, timeout, results, args, share_gpu),
                                    nprocs=nranks, join=False, start_method=method)
-        while not ranks.join(timeout=0.05):
-            collect()
+        try:
+            while not ranks.join(timeout=0.05):
+                collect()
+        except mp.ProcessRaisedException as e:  # torch names the lowest rank that ended, often a peer
+            collect()                           # that failed of the first one's going: name the first
+            if not raised:
+                raise
+            rank, text = raised[0]
+            first = ranks.processes[rank].pid
+            raise mp.ProcessRaisedException(f"rank {rank} raised first:\n\n{text}", rank, first) from e
     collect()
     return out
