@@ -70,11 +70,14 @@ def _check(out: str, ranks: int) -> None:
 
 
 def test_detect(monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"):
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "SLURM_LOCALID"):
         monkeypatch.delenv(k, raising=False)
     assert launch.detect() is None
-    monkeypatch.setenv("PMI_RANK", "3")  # MPICH's mpiexec
+    monkeypatch.setenv("PMI_RANK", "3")  # srun --mpi=pmi2: PMI's rank and size, the node's rank from Slurm
     monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert launch.detect() == launch.World(3, 4, 1, "mpirun")
+    monkeypatch.setenv("SLURM_LOCALID", "0")  # MPICH's mpiexec
     monkeypatch.setenv("MPI_LOCALRANKID", "1")
     assert launch.detect() == launch.World(3, 4, 1, "mpirun")
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")

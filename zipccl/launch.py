@@ -48,8 +48,9 @@ def detect() -> World | None:
     if "OMPI_COMM_WORLD_RANK" in env:
         return World(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
                      int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpirun")
-    if "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH's and Intel MPI's mpiexec (Hydra)
-        return World(int(env["PMI_RANK"]), int(env["PMI_SIZE"]), int(env.get("MPI_LOCALRANKID", 0)), "mpirun")
+    if "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH's and Intel MPI's mpiexec (Hydra); srun --mpi=pmi2,
+        local = env.get("MPI_LOCALRANKID", env.get("SLURM_LOCALID", 0))  # which gives no MPI_LOCALRANKID
+        return World(int(env["PMI_RANK"]), int(env["PMI_SIZE"]), int(local), "mpirun")
     return None
 
 
