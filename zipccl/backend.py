@@ -21,10 +21,11 @@ where NCCL would get a batch's messages one at a time). Everything else (integer
 sparse tensors, PRODUCT and bitwise ops, CUDA tensors with ZIPCCL_TRANSPORT=torch, a receive
 from any source, and broadcast, gather, scatter, reduce, barrier) goes to the backend
 underneath through its own binding (``_inner_for`` says why not through ``super()``).
-zipccl's own traffic runs on the same group: its messages are uint8 and int64 tensors, which pass through, and the collectives it
-issues from inside a call (the backend's collective chosen by the planner) are marked by a
-thread-local flag and go to the backend underneath, never back into zipccl (zipccl.alltoall
-and zipccl.p2p call the backend under a drop-in group directly).
+zipccl's own traffic runs on the same group: its messages are uint8 and int64 tensors, which
+pass through, and the collectives it issues from inside a call (the backend's collective
+chosen by the planner) are marked by a thread-local flag and go to the backend underneath,
+never back into zipccl (zipccl.alltoall and zipccl.p2p call the backend under a drop-in group
+directly).
 
 The codec policy: ``Options(codec=...)`` through ``pg_options``, else ``ZIPCCL_CODEC``
 (``auto``, the default: the backend's own collective wherever compression cannot pay, so the

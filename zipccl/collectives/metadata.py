@@ -51,13 +51,23 @@ def _peers(t) -> list[int]:
     return [(t.rank + s) % t.size for s in range(1, t.size)]
 
 
+def dtype_code(dtype: torch.dtype) -> int:
+    """A dtype as a number, the same on every rank: the format's code of a float type, else its
+    element size in the thousands (a message's receiver cuts the sender's pieces by it, to drain
+    them, whatever the types: collectives.p2p) and a checksum of its name below."""
+    code = F.DTYPE_CODES.get(dtype)
+    if code is not None:
+        return code
+    return 1000 * torch.empty(0, dtype=dtype).element_size() + zlib.crc32(str(dtype).encode()) % 1000
+
+
 class Call:
     """The signature of one phase of a call, checked against every rank's."""
 
     def __init__(self, name: str, dtype: torch.dtype, numel: int, op, codec):
         self.name = name
-        self.values = [_COLLECTIVES[name], F.DTYPE_CODES.get(dtype, 100 + zlib.crc32(str(dtype).encode()) % 1000),
-                       numel, _OPS.get(op, 0), _codec_id(codec), _ALGORITHMS[config.REDUCE_SCATTER]]
+        self.values = [_COLLECTIVES[name], dtype_code(dtype), numel, _OPS.get(op, 0), _codec_id(codec),
+                       _ALGORITHMS[config.REDUCE_SCATTER]]
 
     def exchange(self, t, sizes: list[int], error: Exception | None = None, fate: Fate | None = None) -> torch.Tensor:
         """Exchange [status, signature, auto reports, sizes] with every rank; raise the same way

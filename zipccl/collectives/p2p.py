@@ -33,7 +33,7 @@ from ..errors import FormatError, MismatchError
 from ..failure import ENCODE, OTHER, SIZE, Fate
 from ..transport import store
 from .links import PLAIN
-from .metadata import _TAG_P2P, timed
+from .metadata import _TAG_P2P, dtype_code, timed
 from .pipeline import decode_to, pieces
 from .resolve import _codec_id
 
@@ -80,16 +80,6 @@ class Signature:
         dtype = next((str(d).replace("torch.", "") for d in _NAMED if dtype_code(d) == self.dtype),
                      f"dtype #{self.dtype}")
         return f"{self.numel} x {dtype} (codec {_codec_text(self.codec)}, tag {self.tag})"
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """A dtype as a number: the format's code of a float type, else its element size in the
-    thousands (so that a receiver cuts the sender's pieces, to drain them, whatever the types)
-    and a checksum of its name below."""
-    code = F.DTYPE_CODES.get(dtype)
-    if code is not None:
-        return code
-    return 1000 * torch.empty(0, dtype=dtype).element_size() + zlib.crc32(str(dtype).encode()) % 1000
 
 
 #: The dtypes a mismatch's words name (others by their code).
