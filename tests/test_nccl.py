@@ -670,7 +670,8 @@ def test_an_abort_from_another_thread_waits_for_the_open_group_to_end(monkeypatc
     t._abort()
     assert 0.25 < time.monotonic() - started < 5 and "bulk abort" in events, events
     poster.join(10)
-    assert events[-1] == "group end" and not poster.is_alive(), events
+    # the abort's threads (bulk, mail) run at once: the group's end may come before the mail's abort
+    assert "group end" in events and not poster.is_alive(), events
 
 
 def test_a_status_round_that_gives_up_aborts_the_levels_it_waited_for():
