@@ -58,9 +58,9 @@ def to_host(t: torch.Tensor, bound: float | None = None) -> np.ndarray:
     if t.device.type != "cuda":
         return t.cpu().numpy()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+    host.copy_(t, non_blocking=True)  # on the current stream of t's device, which may not be the current device
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(t.device))
     passed(done, config.wait_bound() if bound is None else bound)
     return host.numpy()
 
