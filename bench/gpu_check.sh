@@ -71,7 +71,8 @@ if [[ -z $commit ]]; then
     echo "# WARNING: no commit known (no git here): run with ZIPCCL_COMMIT=<commit> so that the records name it" >&2
 fi
 export ZIPCCL_COMMIT=$commit
-: > "$out/steps.txt"
+# steps.txt keeps the other phase's lines: --phase 2 into phase 1's folder adds to its record
+if [[ $phase == all ]]; then : > "$out/steps.txt"; else touch "$out/steps.txt"; sed -i "/ phase=$phase /d" "$out/steps.txt"; fi
 
 # The steps: name, phase, limit (seconds), what runs (a function below). Each phase's limits add
 # up to 220 s of its 232, leaving 12 for an MPS step's daemon to start and stop, so that a step
@@ -291,6 +292,7 @@ run_codec() {
     $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
     local rc=$?
     ((dry)) && echo "# dry run: two small cases on CPU; on a GPU: --cases ${AB_CASES:-$AB_GRID}"
+    rm -f "$out/codec_ab.json"  # gpu_ab.py appends: a rerun into this folder starts it afresh
     $py bench/gpu_ab.py ${data:+--data "$data"} --label "$ZIPCCL_COMMIT" \
         --json "$out/codec_ab.json" \
         $( ((dry)) && echo --device cpu --cases 512:bf16,512:bf16:256 --repeat 1 || echo --cases "${AB_CASES:-$AB_GRID}")

@@ -113,7 +113,8 @@ def test_the_default_plan_leaves_room_for_the_mps_daemon(tmp_path):
 
 def test_phase_one_alone_and_skip_adds_to_the_defaults(tmp_path):
     """--phase 1 runs phase 1's steps only; SKIP adds to DEFAULT_SKIP (here it skips all of
-    phase 1 but the stack's versions); a phase's steps get no more than what is left of it."""
+    phase 1 but the stack's versions); a phase's steps get no more than what is left of it;
+    --phase 2 into phase 1's folder keeps phase 1's lines of steps.txt."""
     out, device_out = tmp_path / "out", tmp_path / "device_out"
     device_out.mkdir()
     r = _run(out, "--phase", "1", SKIP="compile entry killed lab_all_reduce_mps", OUT=str(device_out))
@@ -134,6 +135,9 @@ def test_phase_one_alone_and_skip_adds_to_the_defaults(tmp_path):
     _, rc, limit = steps["lab_reduce_scatter"]
     assert rc in (0, 124) and 8 <= limit <= 12 - 2, steps  # what is left of the phase, less the kill's grace
     assert all(v[1] == "late" or v[2] < 10 for n, v in steps.items() if n in PHASE2[7:]), steps
+    r = _run(out, "--phase", "2", DEFAULT_SKIP="", SKIP=" ".join(PHASE2))  # into phase 1's folder: added to its record
+    steps = _steps(out)
+    assert list(steps) == PHASE1 + PHASE2 and steps["env"][1] == 0 and steps["ncu"][1] == "skip", steps
 
 
 def _never_answers(rank: int, results) -> None:
