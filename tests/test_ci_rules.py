@@ -203,3 +203,14 @@ def test_hypothesis_derandomized_in_ci(tmp_path):
         assert out.returncode == 0, out.stdout + out.stderr
         draws.append((tmp_path / str(run) / "draws.txt").read_text().split())
     assert len(draws[0]) > 10 and draws[0] == draws[1]
+
+
+def test_ci_refuses_pytest_addopts_that_could_switch_its_rules_off(tmp_path):
+    """`-p no:ci_rules` in PYTEST_ADDOPTS would unload the plugin that objects to PYTEST_ADDOPTS:
+    .ci/run refuses the variable before it starts the suite (here a `make` that records its call)."""
+    (tmp_path / "make").write_text(f"#!/bin/sh\ntouch {tmp_path / 'made'}\n")
+    (tmp_path / "make").chmod(0o755)
+    env = dict(os.environ, PYTEST_ADDOPTS="-p no:ci_rules", PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(["bash", str(HERE.parent / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "PYTEST_ADDOPTS is set (-p no:ci_rules)" in out.stderr, out
+    assert not (tmp_path / "made").exists()
