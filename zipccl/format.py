@@ -44,6 +44,11 @@ assert _HEADER.size == HEADER_SIZE
 CODEC_RAW, CODEC_LOSSLESS, CODEC_TOPK = 0, 1, 2
 FLAG_CRC = 1
 
+#: Top-k's order (zipccl.topk, zipccl.kernels.sparse): the key of a value is its magnitude's float32
+#: bits, and NaN's is this one, above Inf's (0x7F800000): a NaN is sent first, as an Inf is, so
+#: that it reaches the sum and GradScaler skips the step, rather than dropped from it unseen.
+TOPK_NAN_KEY = 0x7F800001
+
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 SUPPORTED = "torch.float32, torch.float16 and torch.bfloat16"

@@ -2,8 +2,8 @@
 
 Packets use the common header (codec 2): section 2 holds the indices (int32,
 strictly ascending), section 3 the values in the tensor's dtype; sections 0 and
-1 are empty. Selection is deterministic: the k largest |x|, ties to the lower
-index, so every rank given the same tensor sends the same packet. Error feedback
+1 are empty. Selection is deterministic: the k largest |x| (NaN above Inf), ties to
+the lower index, so every rank given the same tensor sends the same packet. Error feedback
 (keeping what was not sent) lives in zipccl/feedback.py; collectives with a TopK
 codec all-gather the packets and add them in rank order (zipccl.collectives).
 """
@@ -23,6 +23,12 @@ __all__ = ["TopK"]
 
 SAMPLE = 65536  # entries a sampled selection estimates its threshold from
 MAX_NUMEL = 1 << 31  # indices are int32: larger tensors cannot be addressed
+
+
+def magnitude_keys(flat: torch.Tensor) -> torch.Tensor:
+    """Each value's rank key (format.TOPK_NAN_KEY): |x|'s float32 bits as int32, NaN above Inf."""
+    bits = flat.float().view(torch.int32) & 0x7FFFFFFF
+    return torch.where(bits > 0x7F800000, F.TOPK_NAN_KEY, bits)
 
 
 class TopK:
@@ -93,7 +99,7 @@ class TopK:
         if k == n:
             idx = torch.arange(n, device=flat.device)
             return idx.to(torch.int32), flat[idx]
-        mag = torch.nan_to_num(flat.float().abs(), nan=-1.0)  # NaN ranks last
+        mag = magnitude_keys(flat)
         pos = self.sample_positions(n)
         if pos is not None:
             kth = SAMPLE - self.sample_k() + 1

@@ -13,7 +13,7 @@ residual), the value sent (itself, or rounded to bfloat16) and its key are compu
 SPAN elements into small buffers that stay in L1, by loops simple enough to vectorize. (With
 the same arithmetic per element in one loop, some of these passes ran 3-5x slower, depending
 on which dtypes and branches LLVM saw.) A key is the magnitude's float32 bits as an integer,
-an order-preserving map of |v|, and -1 for NaN, which ranks below everything as in the torch
+an order-preserving map of |v|, and format.TOPK_NAN_KEY for NaN, above Inf, as in the torch
 path. Rounding to bfloat16 is to nearest even, as torch's scalar conversion (NaN: 0x7FC0)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from numba import njit
 
 from ..errors import FormatError
-from ..format import HEADER_SIZE
+from ..format import HEADER_SIZE, TOPK_NAN_KEY
 from .bits import load_u16 as _load_u16, load_u32 as _load_u32
 
 _NOGIL = dict(cache=True, nogil=True, boundscheck=False)
@@ -56,7 +56,7 @@ def _widen(src, lo, k, dst):
 @njit(inline="always")
 def _span(grad, res, has_res, bf16_values, lo, k, c, tmp, w, key):
     """For elements lo..lo+k: c = gradient + residual and w = the value sent (float32 bits in
-    uint32 buffers), key = the order-preserving key of |w| (NaN: -1)."""
+    uint32 buffers), key = the order-preserving key of |w| (NaN: TOPK_NAN_KEY, above Inf)."""
     _widen(grad, lo, k, c)
     if has_res:
         _widen(res, lo, k, tmp)
@@ -71,7 +71,7 @@ def _span(grad, res, has_res, bf16_values, lo, k, c, tmp, w, key):
             w[i] = c[i]
     for i in range(k):
         a = np.int64(w[i] & np.uint32(0x7FFFFFFF))
-        key[i] = -1 if a > 0x7F800000 else a
+        key[i] = TOPK_NAN_KEY if a > 0x7F800000 else a
 
 
 @njit(inline="always")
@@ -82,7 +82,7 @@ def _buffers():
 
 @njit(**_NOGIL)
 def _keys_at(grad, res, has_res, bf16_values, pos, out):
-    """out[j] = |value sent| at position pos[j], NaN as -1.0 (the sampled threshold's input)."""
+    """out[j] = the key of the value sent at position pos[j] (the sampled threshold's input)."""
     c, tmp, w, key = _buffers()
     g = np.empty(SPAN, grad.dtype)
     r = np.empty(SPAN, res.dtype)
@@ -92,9 +92,7 @@ def _keys_at(grad, res, has_res, bf16_values, pos, out):
             g[i] = grad[pos[lo + i]]
             r[i] = res[pos[lo + i]]
         _span(g, r, has_res, bf16_values, 0, k, c, tmp, w, key)
-        wf = w.view(np.float32)
-        for i in range(k):
-            out[lo + i] = np.float32(-1.0) if key[i] < 0 else abs(wf[i])
+        out[lo:lo + k] = key[:k]
 
 
 @njit(**_NOGIL)
@@ -113,7 +111,7 @@ def _count_from(grad, res, has_res, bf16_values, threshold):
 
 @njit(**_NOGIL)
 def _top_bins(grad, res, has_res, bf16_values, hist):
-    """hist[b] = how many keys have b as their top 11 bits (NaN keys not counted)."""
+    """hist[b] = how many keys have b as their top 11 bits."""
     c, tmp, w, key = _buffers()
     rows = np.zeros((4, 2048), np.int64)  # interleaved, so that equal bins don't wait on each other
     n = grad.shape[0]
@@ -121,7 +119,7 @@ def _top_bins(grad, res, has_res, bf16_values, hist):
         k = min(SPAN, n - lo)
         _span(grad, res, has_res, bf16_values, lo, k, c, tmp, w, key)
         for i in range(k):
-            rows[i & 3, max(key[i], 0) >> 20] += key[i] >= 0
+            rows[i & 3, key[i] >> 20] += 1
     for b in range(2048):
         hist[b] = rows[0, b] + rows[1, b] + rows[2, b] + rows[3, b]
 
@@ -136,7 +134,7 @@ def _collect(grad, res, has_res, bf16_values, top, out):
         k = min(SPAN, n - lo)
         _span(grad, res, has_res, bf16_values, lo, k, c, tmp, w, key)
         for i in range(k):
-            if key[i] >= 0 and key[i] >> 20 == top:
+            if key[i] >> 20 == top:
                 out[j] = key[i]
                 j += 1
 
@@ -183,13 +181,11 @@ def _subtract_sent(c, w, take, k):
 def _kth_key(g, res, has_res: bool, bf16_values: bool, k: int) -> tuple[int, int]:
     """(key of the k-th largest value, how many keys exceed it), by an exact radix selection:
     a histogram of the keys' top 11 bits over the whole tensor, then the keys of the bin that
-    holds the k-th largest are collected and their lower 20 bits histogrammed (NaN keys, -1,
-    rank below all others)."""
+    holds the k-th largest are collected and their lower 20 bits histogrammed (1 <= k <= the
+    tensor's elements)."""
     hist = np.zeros(2048, np.int64)
     _top_bins(g, res, has_res, bf16_values, hist)
     top, above = _find_bin(hist, k)
-    if top < 0:  # the k-th largest is a NaN: every NaN ties at key -1
-        return -1, int(above)
     cand = np.empty(hist[top], np.int64)
     _collect(g, res, has_res, bf16_values, top, cand)
     key, more = _refine(cand, np.int64(top), k - above)
@@ -299,10 +295,9 @@ def compensated_topk(grad: torch.Tensor, residual: torch.Tensor | None, k: int, 
     out = residual if has_res and residual.dtype == residual_dtype else torch.empty(n, dtype=residual_dtype)
     threshold = None
     if sample is not None:
-        mags = np.empty(sample.numel(), np.float32)
-        _keys_at(g, res, has_res, bf16_values, sample.numpy(), mags)
-        kth = float(torch.kthvalue(torch.from_numpy(mags), sample.numel() - sample_k + 1).values)
-        threshold = -1 if kth < 0 else int(np.array(kth, np.float32).view(np.uint32))
+        keys = np.empty(sample.numel(), np.int64)
+        _keys_at(g, res, has_res, bf16_values, sample.numpy(), keys)
+        threshold = int(torch.kthvalue(torch.from_numpy(keys), sample.numel() - sample_k + 1).values)
         if out.dtype == torch.float32:  # one pass; out can hold the compensated values if it misjudged
             cap = min(n, 2 * k)
             idx, values = np.empty(cap, np.int32), torch.empty(cap, dtype=value_dtype)
