@@ -748,6 +748,48 @@ def test_a_sends_future_completes_by_itself(pool):
     assert pool.run(_future_alone, timeout=120)[:2] == [True, True]
 
 
+def _callbacks_that_issue_messages(rank, groups):
+    """Calls issued from a future's callback. A send's: the callback runs on the send lane's
+    thread, and waits for a later send to the same peer, which completes there too. A
+    receive's, while a receive issued after the one whose future it follows still waits in the
+    queue: it would take that receive's message, so it raises, and the messages land in the
+    receives they were meant for."""
+    if rank > 1:
+        return None
+    g, n = groups[2], 1000
+    if rank == 0:
+        def then_send(_):
+            return zipccl.isend(torch.full((n,), 2.0), 1, group=g, codec="raw").get_future().wait()
+        chained = zipccl.isend(torch.full((n,), 1.0), 1, group=g, codec="raw").get_future().then(then_send)
+        deadline = time.monotonic() + 30
+        while not chained.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not chained.done():
+            return "a callback's send never completed"
+        time.sleep(1.0)  # the receiver's next receives are queued before its first completes
+        for v in (3.0, 4.0):
+            zipccl.send(torch.full((n,), v), 1, group=g, codec="raw")
+        return "sent"
+    firsts = [torch.zeros(n) for _ in range(2)]
+    for x in firsts:
+        zipccl.recv(x, 0, group=g, codec="raw")
+    x3, x4, late = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    h3 = zipccl.irecv(x3, 0, group=g, codec="raw")
+    chained = h3.get_future().then(lambda _: zipccl.irecv(late, 0, group=g, codec="raw").wait())
+    h4 = zipccl.irecv(x4, 0, group=g, codec="raw")
+    h3.wait(), h4.wait()
+    try:
+        chained.wait()
+        refused = False
+    except RuntimeError as e:
+        refused = "would take a message meant for one of them" in str(e)
+    return [float(x[0]) for x in (*firsts, x3, x4, late)], refused
+
+
+def test_a_futures_callback_may_send_and_may_not_take_a_queued_receives_message(pool):
+    assert pool.run(_callbacks_that_issue_messages, timeout=120)[:2] == ["sent", ([1.0, 2.0, 3.0, 4.0, 0.0], True)]
+
+
 def _background_completions(rank, groups, n):
     """n framed sends completed in the background (their futures): the threads that read the
     receiver's verdicts through the job's store, each its own connection there; every message

@@ -94,7 +94,7 @@ def _worker(q: queue.Queue, lane=None) -> None:
     """Run ``q``'s tasks in order, for good; a ``lane``'s (its key) ends once idle for ``LANE_IDLE``
     seconds, its key and streams dropped under the lock that posting takes, so that a task is
     never put on a queue whose thread has ended."""
-    _threads.ours = True
+    _threads.ours, _threads.lane = True, lane
     while True:
         try:
             fn, handle, start, tensors = q.get(timeout=None if lane is None else LANE_IDLE)
@@ -172,6 +172,18 @@ def drain() -> None:
 def running_queue() -> bool:
     """Whether this thread is the one that runs the async calls in order (not a lane's)."""
     return threading.current_thread() is _worker_thread
+
+
+def queued() -> bool:
+    """Whether async calls wait in the queue, issued after the one running: a call that a
+    future's callback issues on the worker thread runs before them (``run``)."""
+    q = _queue
+    return q is not None and not q.empty()
+
+
+def on_its_lane(key) -> bool:
+    """Whether this thread is lane ``key``'s: a task queued there now would wait for what runs."""
+    return getattr(_threads, "lane", None) == key
 
 
 def idle() -> bool:

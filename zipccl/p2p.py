@@ -355,6 +355,10 @@ class _SendHandle(executor.Handle):
     def _in_background(self) -> None:
         """Complete the send on its direction's completion lane (once), its device waits on the
         current stream."""
+        if executor.on_its_lane(self._lane):  # a callback of an earlier send's future, which the lane runs:
+            if not self._future.done():  # queued behind it, the send would wait for it, which may wait for the send
+                self._finish()
+            return
         with self._behind_lock:  # not _lock, which completing holds
             if not self._behind and not self._future.done():
                 stream = torch.cuda.current_stream(self._device) if self._device is not None else None
@@ -455,6 +459,13 @@ def _forget(receive: weakref.ref, _future=None) -> None:
 
 def _post_receive(op: _Op, async_op: bool):
     """``op``'s receive, queued in issue order (its handle), or run now (``async_op`` False)."""
+    if executor.running_queue() and executor.queued():
+        # a future's callback on the worker thread: run now (a wait for it queued would wait for
+        # good), it would take the message meant for a receive issued before it and still queued
+        raise UnsupportedError(
+            "zipccl: a receive issued from a callback of an async call's future, while calls issued after that "
+            "call still wait in zipccl's queue, would take a message meant for one of them; issue it outside "
+            "the callback, or once those calls have been waited for")
     if op.plan is not NATIVE:
         op.seq = _next_seq(op)
     elif async_op and executor.idle():
