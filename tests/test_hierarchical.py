@@ -267,6 +267,37 @@ def test_nodes_of_interleaved_ranks_have_levels_only_in_node_order(pool, nodes, 
     assert res == [(made, None if made else "UnsupportedError")] * 4, res
 
 
+_ACROSS: list = []  # this worker's group of ranks 1 and 3, made once by every rank
+
+
+def _groups_of_some_ranks(rank, groups):
+    """ZIPCCL_TOPOLOGY describes the job's ranks: a group of some of them (ranks 0 and 1, one
+    node; ranks 1 and 3, one on each) finds its nodes from their ranks in the job, and auto's
+    all-reduce of 2 MiB on it sums as plain torch does."""
+    if not _ACROSS:
+        _ACROSS.append(dist.new_group([1, 3]))
+    out = []
+    with emulated("2x2"):
+        for g, members in ((groups[2], [0, 1]), (_ACROSS[0], [1, 3])):
+            if rank not in members:
+                out.append(None)
+                continue
+            x = data(rank, 1 << 19, torch.float32)
+            want = data(members[0], 1 << 19, torch.float32) + data(members[1], 1 << 19, torch.float32)
+            try:
+                zipccl.all_reduce(x, group=g)
+            except Exception as e:
+                out.append(f"{type(e).__name__}: {e}")
+                continue
+            out.append((zipccl.topology.topology(g).nodes, torch.equal(x, want)))
+    return out
+
+
+def test_a_group_of_some_ranks_finds_its_nodes_from_their_ranks_in_the_job(pool):
+    one, across = (((0, 1),), True), (((0,), (1,)), True)
+    assert pool.run(_groups_of_some_ranks, timeout=120) == [[one, None], [one, across], [None, None], [None, across]]
+
+
 def _disagree(rank, groups):
     """Rank 3 believes in another topology: every rank raises MismatchError, none hangs."""
     with emulated("2x2" if rank != 3 else "1x4"):

@@ -58,8 +58,14 @@ def test_nodes_from_launcher_claims():
 def test_override_wins_and_must_fit():
     topo = from_claims(rows([("hostname", 7, -1, -1)] * 4, override=(2, 2)))
     assert topo.nodes == ((0, 1), (2, 3)) and topo.source == "ZIPCCL_TOPOLOGY"
-    with pytest.raises(MismatchError, match="describes 6 ranks"):
+    with pytest.raises(MismatchError, match="describes 6 ranks, the job has 4"):
         from_claims(rows([("hostname", 7, -1, -1)] * 4, override=(2, 3)))
+    # a group of some of the job's ranks: its nodes are those of its ranks in the job
+    two = rows([("hostname", 7, -1, -1)] * 2, override=(2, 2))
+    assert from_claims(two, ranks=[1, 3], world=4).nodes == ((0,), (1,))
+    assert from_claims(two, ranks=[2, 3], world=4).nodes == ((0, 1),)
+    with pytest.raises(MismatchError, match="describes 4 ranks, the job has 6"):
+        from_claims(two, ranks=[0, 1], world=6)
     assert parse("2x4") == (2, 4) and parse(" 1X8 ") == (1, 8)
     for bad in ("2", "2x0", "x4", "2*4"):
         with pytest.raises(ValueError):

@@ -105,20 +105,27 @@ def claim(env=None) -> tuple[str, int, int, int]:
     return "hostname", _key(socket.gethostname()), -1, -1
 
 
-def from_claims(rows: list[list[int]]) -> Topology:
+def from_claims(rows: list[list[int]], ranks: list[int] | None = None, world: int | None = None) -> Topology:
     """The topology from every rank's row [override N, override M, source, node key, local rank,
-    local size] (group rank order); raises MismatchError where the ranks disagree."""
+    local size] (group rank order); raises MismatchError where the ranks disagree. ``ranks``: the
+    group's ranks in the job (default: the job's first ones), ``world``: the job's size (default:
+    the group's), for ZIPCCL_TOPOLOGY, which describes the job's ranks, of which a group may hold
+    some."""
     n = len(rows)
+    ranks = list(range(n)) if ranks is None else list(ranks)
     overrides = {(r[0], r[1]) for r in rows}
     if len(overrides) > 1:
         raise MismatchError(f"ranks disagree on ZIPCCL_TOPOLOGY: {sorted(overrides)}")
     (nodes_n, local_m), = overrides
     if nodes_n > 0:
-        if nodes_n * local_m != n:
+        world = n if world is None else world
+        if nodes_n * local_m != world:
             raise MismatchError(f"ZIPCCL_TOPOLOGY={nodes_n}x{local_m} describes {nodes_n * local_m} ranks, "
-                                f"the group has {n}")
-        return Topology(tuple(tuple(range(i * local_m, (i + 1) * local_m)) for i in range(nodes_n)),
-                        "ZIPCCL_TOPOLOGY")
+                                f"the job has {world}")
+        by_node: dict[int, list[int]] = {}
+        for rank, job_rank in enumerate(ranks):
+            by_node.setdefault(job_rank // local_m, []).append(rank)
+        return Topology(tuple(tuple(by_node[k]) for k in sorted(by_node)), "ZIPCCL_TOPOLOGY")
     sources = {r[2] for r in rows}
     if len(sources) > 1:
         raise MismatchError(f"ranks found their node in different ways: {sorted(_SOURCES[s] for s in sources)} "
@@ -243,7 +250,7 @@ def topology(group=None) -> Topology:
     rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
     all_gather_single(rows, mine.to(device), group=group)
     claims = rows.view(size, -1).cpu().tolist()
-    found = from_claims([row[:-1] for row in claims])
+    found = from_claims([row[:-1] for row in claims], dist.get_process_group_ranks(key), dist.get_world_size())
     found = Topology(found.nodes, found.source, agreed_link([LINKS[row[-1]] for row in claims]))
     with _lock:
         return _found.setdefault(key, found)
