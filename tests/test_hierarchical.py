@@ -267,6 +267,31 @@ def test_nodes_of_interleaved_ranks_have_levels_only_in_node_order(pool, nodes, 
     assert res == [(made, None if made else "UnsupportedError")] * 4, res
 
 
+def _levels_of_one_node(rank, groups):
+    """A per-level codec on a group of one level: one node takes its "intra" codec ("shm": the
+    backend's own collective), nodes of one rank their "inter" one; the sums are plain torch's
+    (whole numbers: exact in any order)."""
+    def whole(r: int) -> torch.Tensor:
+        return torch.randint(-100, 100, (5000,), generator=torch.Generator().manual_seed(r)).float()
+    out = []
+    for shape, codec in (("1x4", {"intra": "shm", "inter": "raw"}), ("1x4", {"intra": "lossless", "inter": "raw"}),
+                         ("4x1", {"intra": "shm", "inter": "lossless"})):
+        with emulated(shape):
+            x = whole(rank)
+            try:
+                zipccl.all_reduce(x, codec=codec)
+            except Exception as e:
+                out.append(f"{type(e).__name__}: {e}")
+                continue
+            out.append((torch.equal(x, sum(whole(r) for r in range(4))), zipccl.stats()["last"]["codec"]))
+    return out
+
+
+def test_a_per_level_codec_on_a_group_of_one_level(pool):
+    want = [(True, "native"), (True, "lossless"), (True, "lossless")]
+    assert pool.run(_levels_of_one_node, timeout=120) == [want] * 4
+
+
 _ACROSS: list = []  # this worker's group of ranks 1 and 3, made once by every rank
 
 

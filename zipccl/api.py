@@ -282,8 +282,9 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         if fixed is not None:  # the caller's codecs: hierarchical where there are two levels
             if levels is not None:
                 used[0] = hier(levels, fixed, acc)
-            else:  # one level: a single node's codec is "intra", single-rank nodes' "inter"
-                used[0] = flat(fixed[0] if len(topology.topology(group).nodes) == 1 else fixed[1], acc)
+            else:  # one level: a single node's codec is "intra" ("shm": the backend's collective), single-rank
+                one = fixed[0] if len(topology.topology(group).nodes) == 1 else fixed[1]  # nodes' "inter"
+                used[0] = flat(C.NATIVE if one is hierarchical.SHM else one, acc)
         elif c is not C.AUTO:  # not a float type, or ZIPCCL_AUTO_LEARN=0: what "auto" resolved to
             used[0] = hier(levels, (_intra(levels, device), c), acc) if algorithm == "hierarchical" \
                 else flat(c, acc)
