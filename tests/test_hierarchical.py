@@ -338,6 +338,27 @@ def test_topology_disagreement_raises_on_every_rank(pool):
     assert all(r[0] == "MismatchError" and "ZIPCCL_TOPOLOGY" in r[1] for r in res), res
 
 
+def _shm_off_on_one_rank(rank, groups):
+    """Rank 3 has ZIPCCL_SHM=0: the ranks that allow shared memory would set it up with each
+    other, without rank 3, and wait for good; every rank raises when the nodes are found."""
+    old, zipccl.config.SHM = zipccl.config.SHM, rank != 3
+    try:
+        with emulated("2x2"):
+            try:
+                zipccl.all_reduce(torch.ones(64), codec="raw", algorithm="hierarchical")
+            except Exception as e:
+                return type(e).__name__, str(e)
+    finally:
+        zipccl.config.SHM = old
+    return "ok", ""
+
+
+def test_a_rank_without_shared_memory_makes_every_rank_raise(pool):
+    res = pool.run(_shm_off_on_one_rank, timeout=60)
+    assert all(r == ("MismatchError", "ranks disagree on ZIPCCL_SHM: ranks [3] have it off, the others on")
+               for r in res), res
+
+
 def _invalid_on_one_rank(rank, groups, inter):
     """Rank 0's tensor is not contiguous: with a zipccl level between nodes (or with
     ZIPCCL_CHECK_NATIVE=1) the whole group's exchange makes every rank raise, none hangs."""

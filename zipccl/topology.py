@@ -243,14 +243,18 @@ def topology(group=None) -> Topology:
             return _found[key]
     override = (-1, -1) if config.TOPOLOGY is None else parse(config.TOPOLOGY)
     source, node, local, local_size = claim()
-    mine = torch.tensor([*override, _SOURCES.index(source), node, local, local_size, LINKS.index(nvml_link())],
-                        dtype=torch.int64)
+    mine = torch.tensor([*override, _SOURCES.index(source), node, local, local_size, int(config.SHM),
+                         LINKS.index(nvml_link())], dtype=torch.int64)
     device = wire_device(dist.get_backend(group))
     size = dist.get_world_size(group)
     rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
     all_gather_single(rows, mine.to(device), group=group)
     claims = rows.view(size, -1).cpu().tolist()
-    found = from_claims([row[:-1] for row in claims], dist.get_process_group_ranks(key), dist.get_world_size())
+    found = from_claims([row[:-2] for row in claims], dist.get_process_group_ranks(key), dist.get_world_size())
+    shm = sorted({row[-2] for row in claims})
+    if len(shm) > 1:  # the levels' shared memory is set up by the ranks that allow it, with each other
+        raise MismatchError(f"ranks disagree on ZIPCCL_SHM: ranks {[r for r, row in enumerate(claims) if not row[-2]]} "
+                            "have it off, the others on")
     found = Topology(found.nodes, found.source, agreed_link([LINKS[row[-1]] for row in claims]))
     with _lock:
         return _found.setdefault(key, found)
