@@ -1,4 +1,4 @@
-"""A reader of nccl-tests' -J JSON (file version 2, nccl-tests 2.19's src/util.cu), written
+"""A reader of nccl-tests' -J JSON (file version 3, nccl-tests 2.19.6's src/util.cu), written
 from that schema and not from zipccl's writer: every key nccl-tests writes, at its place and
 of its type (booleans are the strings "true"/"false", "root" is the "%6i" string, "nwrong" a
 number or null), and the per-iteration block its analysis script (analyze_perf_json.py)
@@ -13,7 +13,8 @@ BOOL = ("true", "false")
 TIME = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 CONFIG = {"nthreads": int, "ngpus": int, "minimum_bytes": int, "maximum_bytes": int, "warmup_iters": int,
           "iterations": int, "aggregated_iterations": int, "validation": int, "graph": int,
-          "blocking_collectives": BOOL, "per_iter_timing": BOOL, "parallel_init": BOOL, "devices": list}
+          "blocking_collectives": BOOL, "per_iter_timing": BOOL, "per_iter_skip": int, "parallel_init": BOOL,
+          "devices": list}
 DEVICE = {"rank": int, "group": int, "pid": int, "hostname": str, "device": int, "device_hex": str,
           "device_info": str}
 PER_ITER = ("min_us", "max_us", "avg_us", "p50_us", "p95_us", "p99_us", "stdev_us", "cv_pct")
@@ -44,8 +45,8 @@ def read(doc: dict) -> dict:
     _check(doc, {"version": int, "start_time": str, "args": list, "env": list, "nccl_version": int,
                  "config": dict, "results": list, "out_of_bounds": dict, "average_bus_bandwidth": dict,
                  "errors": list, "end_time": str}, "document")
-    if doc["version"] != 2:
-        raise SchemaError(f"file version {doc['version']}, not 2")
+    if doc["version"] != 3:
+        raise SchemaError(f"file version {doc['version']}, not 3")
     for key in ("start_time", "end_time"):
         if not TIME.fullmatch(doc[key]):
             raise SchemaError(f"{key} {doc[key]!r} is not %Y-%m-%d %H:%M:%S")

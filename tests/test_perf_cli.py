@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import nccl_text
-from zipccl.bench import common
+from zipccl.bench import common, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,9 @@ def test_real_data_hierarchical_sums_node_by_node():
 
 def test_a_checked_call_that_writes_nothing_counts_every_element_wrong():
     """#wrong checks what the checked call wrote, not what the timed calls left in the buffer:
-    an all-gather that writes its output on the timed calls alone, one rank."""
+    an all-gather that writes its output on the timed calls alone, one rank. As in nccl-tests,
+    of -c 3 checks the first that finds a wrong element is reported (and ends the checks), and
+    "Out of bounds values" counts that failed check once."""
     import argparse
     import dataclasses
 
@@ -85,7 +87,7 @@ def test_a_checked_call_that_writes_nothing_counts_every_element_wrong():
             out.copy_(inp)
 
     spec = dataclasses.replace(SPEC, run=timed_only)
-    args = argparse.Namespace(iters=2, check=1, device="cpu", algorithm="auto", average=1, per_iter_timing=False)
+    args = argparse.Namespace(iters=2, check=3, device="cpu", algorithm="auto", average=1, per_iter_timing=False)
     data = torch.arange(64, dtype=torch.bfloat16)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -93,7 +95,9 @@ def test_a_checked_call_that_writes_nothing_counts_every_element_wrong():
                                           0, 1)[0]
     finally:
         dist.destroy_process_group()
-    assert len(calls) == 3 and result["wrong"] == 64, result
+    assert len(calls) == 3 and result["wrong"] == 64 and result["failed"] == 1, result
+    clean = dict(result, wrong=0, failed=0)
+    assert report.summary([{"out_of_place": result, "in_place": clean}])[0] == 1
 
 
 def test_rank_order_reduce_is_the_promised_order():

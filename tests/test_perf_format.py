@@ -83,7 +83,7 @@ def check_against_json(tables: list, doc: dict, collective: str, nranks: int) ->
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
 def test_every_placement_and_codec_parses(tmp_path, collective):
     out_json, png = tmp_path / "r.json", tmp_path / "r.png"
-    res = run_perf("-b", "8K", "-e", "32K", "-f", "4", "-n", "2", "-w", "1", "--nranks", "2", "--baseline",
+    res = run_perf("-b", "8200", "-e", "32800", "-f", "4", "-n", "2", "-w", "1", "--nranks", "2", "--baseline",
                    "--collective", collective, "-d", "all", "-g", "1", "-t", "1", "-J", str(out_json),
                    "--plot", str(png), timeout=580)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -93,6 +93,9 @@ def test_every_placement_and_codec_parses(tmp_path, collective):
         assert t.run["nthread"] == 1 and t.run["ngpus"] == 1 and t.run["iters"] == 2 and t.run["step"] == 4
         assert [d["rank"] for d in t.devices] == [0, 1] and all("CPU" in d["device_info"] for d in t.devices)
         assert len(t.rows) == 2 * 3  # sizes x dtypes
+        # as nccl-tests, reduce-scatter and all-gather take each rank's part in whole 16-byte lines:
+        # 8200 B over 2 ranks is 4100 B each, 4096 in lines
+        assert [r["size"] for r in t.rows] == ([8200, 32800] if collective == "all_reduce" else [8192, 32800]) * 3
         assert t.out_of_bounds == 0 and t.ok
         for r in t.rows:  # verifiable data: every placement of every codec, the baseline too, checked exactly
             assert r["out_of_place"]["wrong"] == 0 and r["in_place"]["wrong"] == 0, r
@@ -290,7 +293,7 @@ def test_text_reader_is_strict():
 
 
 def test_json_reader_is_strict():
-    doc = {"version": 2, "start_time": "2026-11-25 23:00:00", "args": ["all_reduce_perf"], "env": [],
+    doc = {"version": 3, "start_time": "2026-11-25 23:00:00", "args": ["all_reduce_perf"], "env": [],
            "nccl_version": 22703,
            "config": {"nthreads": 1, "ngpus": 1, "minimum_bytes": 8, "maximum_bytes": 8, "step_factor": 2,
                       "warmup_iters": 5, "iterations": 20, "aggregated_iterations": 1, "validation": 1, "graph": 0,

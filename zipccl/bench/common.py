@@ -42,7 +42,8 @@ class Spec:
     expect: Callable                               # expect(inputs of every rank, op, rank, nranks) -> output
     in_place: Callable                             # in_place(numel_in, numel_out, rank, nranks, dtype) -> (out, inp)
     count: Callable | None = None  # count(numel_in, numel_out, nranks): the count column (None: the smaller)
-    line_bytes: int = 0            # each peer's part in whole lines of this many bytes (nccl-tests' alltoall)
+    line_bytes: int = 0            # each rank's part in whole lines of this many bytes (nccl-tests' alltoall,
+                                   # reduce_scatter and all_gather: 16)
     checks_in_place: bool = True   # False: in place is timed, not checked (nccl-tests' alltoall and sendrecv)
     reduces: bool = True           # False: the output is data moved, the same bits for any plan or backend
     policy_name: str = ""          # the collective's name in zipccl.auto's classes (default: name)
@@ -222,10 +223,10 @@ def combine_time(seconds: float, mode: int, group=None) -> float:
     return float(t) / (dist.get_world_size(group) if mode == 1 else 1)
 
 
-def sum_over_ranks(n: int, group=None) -> int:
-    t = torch.tensor([n], dtype=torch.int64)
+def sums_over_ranks(values: list[int], group=None) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, group=group)
-    return int(t)
+    return t.tolist()
 
 
 def gather_times(times: list[float], group=None) -> list[list[float]]:
@@ -295,17 +296,20 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     times = clock.seconds()
     st = zipccl.stats()
     ran = plans_since(*auto, first) if auto else None
-    wrong = 0
+    wrong = failed = None  # as nccl-tests: the first check that finds a wrong element is the one reported
     for _ in range(args.check if reference is not None else 0):
         _unwritten(out)  # what the call leaves unwritten counts as wrong, not as the last call's result
         inp.copy_(data)  # in place, after: the input is (part of) the output
         spec.run(out, inp, op, group, codec, args.algorithm)
-        wrong += count_wrong(out.cpu(), reference, op)
-    wrong = sum_over_ranks(wrong) if reference is not None and args.check else None
+        mine = count_wrong(out.cpu(), reference, op)
+        wrong, failed = sums_over_ranks([mine, int(mine > 0)])  # its elements, and the ranks that found them
+        if wrong:
+            break
     seconds = combine_time(sum(times) / len(times), args.average)
     size = max(numel_in, numel_out) * inp.element_size()
     algbw = size / seconds / 1e9 if seconds > 0 else 0.0
-    result = dict(time_us=seconds * 1e6, algbw=algbw, busbw=algbw * spec.bus_factor(nranks), wrong=wrong)
+    result = dict(time_us=seconds * 1e6, algbw=algbw, busbw=algbw * spec.bus_factor(nranks), wrong=wrong,
+                  failed=failed)
     if ran is not None:
         result["auto_plans"] = ran
     if args.per_iter_timing:

@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 4 -m zipccl.bench.perf ...   # or mpirun -np 4 zipccl-perf ...
     zipccl-perf --backend zipccl -b 64K -e 64M          # dist.* on the drop-in backend vs on gloo
 
-Standard output is nccl-tests' (2.19) exactly, one complete table per codec (report.py):
+Standard output is nccl-tests' (2.19.6) exactly, one complete table per codec (report.py):
 out-of-place and in-place columns (size count type redop root time algbw busbw #wrong
 time algbw busbw #wrong), busbw on the uncompressed size (effective bandwidth). zipccl's
 own figures (codec, wire bytes, ratio, what auto ran) follow each table's footer in `#`
@@ -123,7 +123,7 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
             k += 1
             itemsize = torch.empty(0, dtype=dtype).element_size()
             count = size // itemsize
-            if spec.line_bytes:  # nccl-tests' alltoall: each peer's part in whole 16-byte lines
+            if spec.line_bytes:  # as nccl-tests: each rank's part in whole 16-byte lines
                 line = spec.line_bytes // itemsize
                 count = count // nranks // line * line * nranks
             numel_in, numel_out = spec.buffers(count, nranks)

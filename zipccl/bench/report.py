@@ -1,6 +1,6 @@
 """zipccl-perf's output in nccl-tests' formats: the text table and the -J JSON document.
 
-Written from nccl-tests 2.19 (src/util.cu and src/common.cu of NVIDIA's nccl-tests), so that
+Written from nccl-tests 2.19.6 (src/util.cu and src/common.cu of NVIDIA's nccl-tests), so that
 the tools which parse nccl-tests read zipccl-perf unchanged: the same `#` preamble, the
 out-of-place / in-place group header, 13 fields per data row (21 with -I 1, as nccl-tests),
 the same footers with the same padding, and the same JSON keys and nesting (booleans as the
@@ -9,7 +9,8 @@ ratio, auto's plan) never sit in those places: they go in `#` lines after the fo
 "zipccl" keys in the JSON, which nccl-tests does not use.
 
 A row is a dict: size, count, type, redop, root, and per placement ("out_of_place",
-"in_place") a dict with time_us, algbw, busbw, wrong (None: not checked) and, with -I 1,
+"in_place") a dict with time_us, algbw, busbw, wrong (None: not checked), failed (the ranks
+whose check found a wrong element: nccl-tests' "Out of bounds values" counts them) and, with -I 1,
 times_us (max over processes per iteration) and per_process (one list per process);
 plus "zipccl", zipccl's figures for the row.
 """
@@ -22,8 +23,8 @@ import time
 from pathlib import Path
 
 PLACEMENTS = ("out_of_place", "in_place")
-FORMAT_VERSION = "2.19"  # the nccl-tests release whose output this follows
-JSON_FILE_VERSION = 2    # nccl-tests' JSON_FILE_VERSION
+FORMAT_VERSION = "2.19.6"  # the nccl-tests release whose output this follows
+JSON_FILE_VERSION = 3    # nccl-tests' JSON_FILE_VERSION (3 since 2.19.6: per_iter_skip, skipped_iterations)
 # CUDA_MPS_: a table run under NVIDIA's MPS daemon says so (bench/gpu_check.sh sets them only once it started)
 _ENV_PREFIXES = ("ZIPCCL_", "NCCL_", "OMPI_COMM_WORLD_", "MASTER_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GLOO_",
                  "CUDA_MPS_")
@@ -113,9 +114,9 @@ def row_line(row: dict, per_iter: bool) -> str:
 
 
 def summary(rows: list[dict]) -> tuple[int, float]:
-    """(wrong elements over every checked row and placement, average busbw over every row and
-    placement): nccl-tests' two footer figures."""
-    wrong = sum(int(r[k]["wrong"] or 0) for r in rows for k in PLACEMENTS)
+    """(the checks that found a wrong element, one per rank, row and placement; the average busbw
+    over every row and placement): nccl-tests' two footer figures."""
+    wrong = sum(int(r[k].get("failed") or 0) for r in rows for k in PLACEMENTS)
     bws = [r[k]["busbw"] for r in rows for k in PLACEMENTS]
     return wrong, (sum(bws) / len(bws) if bws else 0.0)
 
