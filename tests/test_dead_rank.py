@@ -197,6 +197,46 @@ def test_killed_rank_on_the_zipccl_backend(monkeypatch, tmp_path):
                                             numel=2_000_000, signal=signal.SIGKILL, backend="zipccl", victim=3))
 
 
+def _lost_before_the_first_call(rank: int, port: int, step: str, results) -> None:
+    """Rank 2 dies after init, before the group's first zipccl call; the others make that call,
+    whose set-up (the second gloo group; with ZIPCCL_TOPOLOGY=2x2 and algorithm "hierarchical",
+    the nodes' claims and the levels' groups too) needs every rank."""
+    import torch.distributed as dist
+
+    import zipccl
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    zipccl.config.TIMEOUT = TIMEOUT
+    dist.init_process_group("gloo", rank=rank, world_size=N, timeout=datetime.timedelta(seconds=120))
+    dist.barrier()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        if step == "levels":
+            zipccl.config.TOPOLOGY = "2x2"
+            zipccl.all_reduce(torch.ones(64), codec="raw", algorithm="hierarchical")
+        else:
+            zipccl.all_reduce(torch.ones(64), codec="lossless", algorithm="flat")
+        outcome = ("ok", None, "")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome = (type(e).__name__, getattr(e, "rank", None), str(e))
+    results.put((rank, (*outcome, time.monotonic() - started)))
+    if rank == 0:  # it holds the job's store, where the others read the evidence: it outlives their answers
+        time.sleep(6)
+
+
+@pytest.mark.parametrize("step", ["twin", "levels"])
+def test_a_rank_lost_before_the_groups_first_call_is_named(step):
+    """The set-up of a group's first call, which every rank joins, is bounded like its waits: a
+    rank lost before it is named by every survivor within ZIPCCL_TIMEOUT and some slack (it
+    waited for the backend's 120 s before)."""
+    got, _ = spawn(_lost_before_the_first_call, N, (free_port(), step), answers=N - 1, seconds=90)
+    assert sorted(got) == [0, 1, 3], got
+    for rank, (kind, named, text, seconds) in got.items():
+        assert (kind, named) == ("RankFailure", 2) and "rank 2 " in text, got
+        assert seconds < HUNG_WITHIN, (rank, seconds)
+
+
 def test_rank_killed_in_status_round(monkeypatch, tmp_path):
     """The victim dies in a call's status round (zipccl.failure.Fate.settle) after telling every
     peer but one that it is well: ranks 0 and 1 have its status, rank 2 loses it there. The
@@ -487,7 +527,9 @@ def test_a_device_read_runs_out_at_the_default_bound(monkeypatch):
     monkeypatch.setattr(config, "DEFAULT_TIMEOUT", 0.05)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *shape, pin_memory=False, **kw: empty(*shape, **kw))
-    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda: None, query=lambda: False))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda stream=None: None,
+                                                                           query=lambda: False))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     start = time.monotonic()
     with pytest.raises(errors.TimeoutError, match="within 0.05 s"):
         packet.to_host(torch.arange(4).as_subclass(OnGpu))
