@@ -35,6 +35,7 @@ import torch.distributed as dist
 from . import config
 from .errors import MismatchError, UnsupportedError
 from .torch_compat import all_gather_single
+from .transport import heartbeat
 from .transport.shm import NodeMemory
 from .transport.torch_dist import wire_device
 
@@ -248,7 +249,8 @@ def topology(group=None) -> Topology:
     device = wire_device(dist.get_backend(group))
     size = dist.get_world_size(group)
     rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_single(rows, mine.to(device), group=group)
+    heartbeat.bounded(lambda: all_gather_single(rows, mine.to(device), group=group),
+                      dist.get_process_group_ranks(key), "finding the group's nodes, at its first call")
     claims = rows.view(size, -1).cpu().tolist()
     found = from_claims([row[:-2] for row in claims], dist.get_process_group_ranks(key), dist.get_world_size())
     shm = sorted({row[-2] for row in claims})
@@ -300,18 +302,21 @@ def levels(group=None) -> Levels | None:
     if topo.hierarchical and in_order and dist.get_world_size(group) == dist.get_world_size():
         backend = dist.get_backend(group)
         me = dist.get_rank(group)
-        intra = [dist.new_group([ranks[r] for r in node], backend=backend) for node in topo.nodes]
-        inter = [dist.new_group([ranks[node[j]] for node in topo.nodes], backend=backend)
-                 for j in range(topo.local_size)]
-        node, local = topo.node_of(me), topo.local_rank(me)
 
         def agree(ok: bool) -> bool:
             flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
             return bool(flag.item())
 
-        memory = NodeMemory.available(intra[node], local, topo.local_size, agree) if shares_memory(backend) else None
-        made = Levels(topo, intra[node], inter[local], node, local, memory)
+        def make() -> Levels:
+            intra = [dist.new_group([ranks[r] for r in node], backend=backend) for node in topo.nodes]
+            inter = [dist.new_group([ranks[node[j]] for node in topo.nodes], backend=backend)
+                     for j in range(topo.local_size)]
+            node, local = topo.node_of(me), topo.local_rank(me)
+            memory = NodeMemory.available(intra[node], local, topo.local_size, agree) if shares_memory(backend) \
+                else None
+            return Levels(topo, intra[node], inter[local], node, local, memory)
+        made = heartbeat.bounded(make, ranks, "making the group's levels, at its first hierarchical call")
     with _lock:
         return _levels.setdefault(key, made)
 

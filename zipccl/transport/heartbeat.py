@@ -35,8 +35,9 @@ import weakref
 import torch.distributed as dist
 
 from .. import config
+from ..errors import RankFailure
 
-__all__ = ["Board", "board", "entered", "period", "stale_after", "start"]
+__all__ = ["Board", "board", "bounded", "entered", "period", "stale_after", "start"]
 
 KEY = "zipccl/heartbeat/{}"
 #: Where a rank writes down the rank it lost (``Board.report``).
@@ -273,3 +274,35 @@ def entered(t, ranks=None) -> None:
         except TypeError:
             pass
     b.entered(ranks)
+
+
+def bounded(fn, ranks, what: str):
+    """``fn()``, a set-up step that every rank of ``ranks`` (job ranks) must join (making a
+    group, the nodes' claims), waited for at most config.wait_bound() on a thread of its own:
+    it runs before any of the call's bounded waits, and a rank lost before it would keep it
+    waiting for the backend's own timeout, naming no one. Past the bound, RankFailure names the
+    rank the heartbeats name (the step's thread is left behind: the group must be rebuilt)."""
+    b = start()
+    since, box = time.time(), {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name="zipccl-setup")
+    thread.start()
+    thread.join(config.wait_bound())
+    error = box.get("error")
+    if thread.is_alive() or (isinstance(error, RuntimeError) and not isinstance(error, RankFailure)):
+        # out of time, or the backend's error (a connection closed by a lost peer): the rank the beats name
+        found = b.culprit(ranks, since, stale_after() + period()) if b is not None else None
+        rank, evidence = found if found is not None else (-1, "no heartbeat names a rank")
+        what_happened = f"did not join within {config.wait_bound():g} s" if error is None else "was lost"
+        raise RankFailure(f"zipccl: {what}: {f'rank {rank}' if rank >= 0 else 'a rank'} {what_happened} "
+                          f"[{evidence}]; the process group must be rebuilt", rank=rank, kind="lost",
+                          broken=True) from error
+    if error is not None:
+        raise error
+    return box.get("value")

@@ -16,6 +16,7 @@ from torch.overrides import has_torch_function
 
 from .. import config
 from ..torch_compat import all_gather_single, reduce_scatter_single
+from . import heartbeat
 from .base import DeviceMail, Transport, wait_limit
 from .strict import Strict
 
@@ -150,7 +151,8 @@ def _twin(group):
     with _twins_lock:
         if key not in _twins:
             ranks = dist.get_process_group_ranks(key)
-            twin = dist.new_group(ranks, backend="gloo")
+            twin = heartbeat.bounded(lambda: dist.new_group(ranks, backend="gloo"), ranks,
+                                     "making the group's second gloo group, at its first call")
             _twins[key] = twin if dist.get_process_group_ranks(twin) == ranks else None  # same rank order
         return _twins[key]
 
