@@ -200,7 +200,8 @@ def test_killed_rank_on_the_zipccl_backend(monkeypatch, tmp_path):
 def _lost_before_the_first_call(rank: int, port: int, step: str, results) -> None:
     """Rank 2 dies after init, before the group's first zipccl call; the others make that call,
     whose set-up (the second gloo group; with ZIPCCL_TOPOLOGY=2x2 and algorithm "hierarchical",
-    the nodes' claims and the levels' groups too) needs every rank."""
+    the nodes' claims and the levels' groups too) needs every rank; or each sends rank 2 its
+    first message, whose node auto reads from rank 2's claim in the job's store."""
     import torch.distributed as dist
 
     import zipccl
@@ -215,6 +216,8 @@ def _lost_before_the_first_call(rank: int, port: int, step: str, results) -> Non
         if step == "levels":
             zipccl.config.TOPOLOGY = "2x2"
             zipccl.all_reduce(torch.ones(64), codec="raw", algorithm="hierarchical")
+        elif step == "message":  # auto asks whether rank 2 shares this node: its claim in the store
+            zipccl.send(torch.ones(1 << 20, dtype=torch.bfloat16), 2, codec="auto")
         else:
             zipccl.all_reduce(torch.ones(64), codec="lossless", algorithm="flat")
         outcome = ("ok", None, "")
@@ -225,7 +228,7 @@ def _lost_before_the_first_call(rank: int, port: int, step: str, results) -> Non
         time.sleep(6)
 
 
-@pytest.mark.parametrize("step", ["twin", "levels"])
+@pytest.mark.parametrize("step", ["twin", "levels", "message"])
 def test_a_rank_lost_before_the_groups_first_call_is_named(step):
     """The set-up of a group's first call, which every rank joins, is bounded like its waits: a
     rank lost before it is named by every survivor within ZIPCCL_TIMEOUT and some slack (it

@@ -383,7 +383,8 @@ def same_node(group, peer: int, wait: bool = True) -> bool | None:
         store = dist.distributed_c10d._get_default_store()
         if not wait and not store.check([f"zipccl/node/{other}"]):
             return None
-        known = store.get(f"zipccl/node/{other}").decode()
+        known = heartbeat.bounded(lambda: store.get(f"zipccl/node/{other}"), [dist.get_rank(), other],
+                                  f"reading rank {other}'s node, at its first message").decode()
         with _lock:
             _peer_nodes[other] = known
     return known == _claim_text()
