@@ -822,3 +822,30 @@ def test_a_process_that_ends_while_its_heartbeat_writes_exits_cleanly():
                          text=True, timeout=120)
     assert "beating True" in res.stdout and "beating after the exit hook False" in res.stdout, res.stdout
     assert res.returncode == 0, (res.returncode, res.stderr[-2000:])
+
+
+def test_a_bounded_set_up_step_runs_on_the_callers_cuda_device_and_stream(monkeypatch):
+    """heartbeat.bounded runs its step on a thread of its own, whose CUDA device and stream would
+    be cuda:0's defaults: an nccl group's all-gather of the nodes' claims would then run on
+    another rank's GPU. It runs on the caller's (stand-ins: a device and stream per thread)."""
+    from zipccl.transport import heartbeat
+    local = threading.local()
+
+    @contextlib.contextmanager
+    def current(name, value):
+        old = getattr(local, name, None)
+        setattr(local, name, value)
+        try:
+            yield
+        finally:
+            setattr(local, name, old)
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(local, "device", None) or 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: getattr(local, "stream", None) or "default")
+    monkeypatch.setattr(torch.cuda, "device", lambda d: current("device", d))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: current("stream", s))
+    with current("device", 3), current("stream", "the caller's"):
+        seen = heartbeat.bounded(lambda: (torch.cuda.current_device(), torch.cuda.current_stream(),
+                                          threading.current_thread().name), [0], "a step")
+    assert seen == (3, "the caller's", "zipccl-setup")

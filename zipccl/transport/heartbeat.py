@@ -32,6 +32,7 @@ import threading
 import time
 import weakref
 
+import torch
 import torch.distributed as dist
 
 from .. import config
@@ -284,10 +285,17 @@ def bounded(fn, ranks, what: str):
     rank the heartbeats name (the step's thread is left behind: the group must be rebuilt)."""
     b = start()
     since, box = time.time(), {}
+    # a thread's CUDA device and stream are its own: the step's (an nccl group's all-gather) are the caller's
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    stream = torch.cuda.current_stream(device) if device is not None else None
 
     def run() -> None:
         try:
-            box["value"] = fn()
+            if device is None:
+                box["value"] = fn()
+            else:
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    box["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
             box["error"] = e
 
