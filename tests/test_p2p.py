@@ -753,10 +753,13 @@ def _callbacks_that_issue_messages(rank, groups):
     thread, and waits for a later send to the same peer, which completes there too. A
     receive's, while a receive issued after the one whose future it follows still waits in the
     queue: it would take that receive's message, so it raises, and the messages land in the
-    receives they were meant for."""
-    if rank > 1:
+    receives they were meant for; one from another peer is taken."""
+    if rank > 2:
         return None
     g, n = groups[2], 1000
+    if rank == 2:  # on the whole group, to rank 1's callback
+        zipccl.send(torch.full((n,), 5.0), 1, codec="raw")
+        return "sent"
     if rank == 0:
         def then_send(_):
             return zipccl.isend(torch.full((n,), 2.0), 1, group=g, codec="raw").get_future().wait()
@@ -775,19 +778,22 @@ def _callbacks_that_issue_messages(rank, groups):
         zipccl.recv(x, 0, group=g, codec="raw")
     x3, x4, late = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     h3 = zipccl.irecv(x3, 0, group=g, codec="raw")
+    other = torch.zeros(n)
     chained = h3.get_future().then(lambda _: zipccl.irecv(late, 0, group=g, codec="raw").wait())
+    from_other = h3.get_future().then(lambda _: zipccl.irecv(other, 2, codec="raw").wait())
     h4 = zipccl.irecv(x4, 0, group=g, codec="raw")
-    h3.wait(), h4.wait()
+    h3.wait(), h4.wait(), from_other.wait()
     try:
         chained.wait()
         refused = False
     except RuntimeError as e:
-        refused = "would take a message meant for one of them" in str(e)
-    return [float(x[0]) for x in (*firsts, x3, x4, late)], refused
+        refused = "would take the message meant for that one" in str(e)
+    return [float(x[0]) for x in (*firsts, x3, x4, late, other)], refused
 
 
 def test_a_futures_callback_may_send_and_may_not_take_a_queued_receives_message(pool):
-    assert pool.run(_callbacks_that_issue_messages, timeout=120)[:2] == ["sent", ([1.0, 2.0, 3.0, 4.0, 0.0], True)]
+    assert pool.run(_callbacks_that_issue_messages, timeout=120)[:3] == [
+        "sent", ([1.0, 2.0, 3.0, 4.0, 0.0, 5.0], True), "sent"]
 
 
 def _background_completions(rank, groups, n):

@@ -174,13 +174,6 @@ def running_queue() -> bool:
     return threading.current_thread() is _worker_thread
 
 
-def queued() -> bool:
-    """Whether async calls wait in the queue, issued after the one running: a call that a
-    future's callback issues on the worker thread runs before them (``run``)."""
-    q = _queue
-    return q is not None and not q.empty()
-
-
 def on_its_lane(key) -> bool:
     """Whether this thread is lane ``key``'s: a task queued there now would wait for what runs."""
     return getattr(_threads, "lane", None) == key

@@ -198,6 +198,8 @@ def _decide(codec, x: torch.Tensor, group, peer: int):
 # ---- ordering -------------------------------------------------------------------------------------------------
 
 _receives: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # receive task -> the task queued before it
+_sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # receive task -> (group, peer's job rank); None: any
+_receives_lock = threading.Lock()
 _seq_lock = threading.Lock()
 _seqs: dict = {}  # (group name, kind, peer's job rank) -> framed messages so far
 
@@ -454,31 +456,42 @@ def _forget(receive: weakref.ref, _future=None) -> None:
     """A receive done: nothing walks past it (``after_collectives``), so it no longer holds the
     task queued before it, and a rank that only receives does not keep every receive alive."""
     if (handle := receive()) is not None:
-        _receives.pop(handle, None)
+        with _receives_lock:
+            _receives.pop(handle, None)
 
 
 def _post_receive(op: _Op, async_op: bool):
     """``op``'s receive, queued in issue order (its handle), or run now (``async_op`` False)."""
-    if executor.running_queue() and executor.queued():
-        # a future's callback on the worker thread: run now (a wait for it queued would wait for
-        # good), it would take the message meant for a receive issued before it and still queued
+    if _ahead_of_a_queued_receive(op):
         raise UnsupportedError(
-            "zipccl: a receive issued from a callback of an async call's future, while calls issued after that "
-            "call still wait in zipccl's queue, would take a message meant for one of them; issue it outside "
-            "the callback, or once those calls have been waited for")
+            f"zipccl: a receive from rank {op.peer_job} issued from a callback of an async call's future, while "
+            "a receive from that rank issued before it still waits in zipccl's queue, would take the message "
+            "meant for that one; issue it outside the callback, or once that receive has been waited for")
     if op.plan is not NATIVE:
         op.seq = _next_seq(op)
     elif async_op and executor.idle():
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
     before = executor.last()
     handle = executor.run(lambda: _receive(op), async_op, [t for t in (op.tensor, op.staged) if t is not None])
-    return handle if handle is None else _a_receive(handle, before)
+    return handle if handle is None else _a_receive(handle, before, (_group_name(op.group), op.peer_job))
 
 
-def _a_receive(handle: executor.Handle, before) -> executor.Handle:
-    """``handle``, queued after ``before``, is a receive: later sends pass it (after_collectives)
-    until it is done."""
-    _receives[handle] = before
+def _ahead_of_a_queued_receive(op: _Op) -> bool:
+    """Whether ``op``'s receive, issued on the async calls' thread (a future's callback, which runs
+    it at once: a wait for it queued would wait for good), would run ahead of a receive from the
+    same peer (or from any source) issued before it and still queued, and take its message."""
+    if not executor.running_queue():
+        return False
+    mine = (_group_name(op.group), op.peer_job)
+    with _receives_lock:
+        return any(not h.is_completed() and _sources.get(h) in (mine, None) for h in list(_receives))
+
+
+def _a_receive(handle: executor.Handle, before, source: tuple | None = None) -> executor.Handle:
+    """``handle``, queued after ``before``, is a receive (from ``source``: (group, peer's job rank),
+    None: any): later sends pass it (after_collectives) until it is done."""
+    with _receives_lock:
+        _receives[handle], _sources[handle] = before, source
     handle.get_future().add_done_callback(functools.partial(_forget, weakref.ref(handle)))
     return handle
 
