@@ -848,4 +848,24 @@ def test_a_bounded_set_up_step_runs_on_the_callers_cuda_device_and_stream(monkey
     with current("device", 3), current("stream", "the caller's"):
         seen = heartbeat.bounded(lambda: (torch.cuda.current_device(), torch.cuda.current_stream(),
                                           threading.current_thread().name), [0], "a step")
-    assert seen == (3, "the caller's", "zipccl-setup")
+    assert seen == (3, "the caller's", f"zipccl-setup<-{threading.current_thread().name}")
+
+
+def test_a_bounded_step_raises_its_own_error_unless_the_backend_lost_a_peer():
+    """zipccl's own errors (a MismatchError) and others than the backend's pass through
+    heartbeat.bounded as they are; the backend's RuntimeError (a connection closed by a lost
+    peer) becomes RankFailure, the group broken (no board here: no rank named)."""
+    from zipccl.errors import MismatchError
+    from zipccl.transport import heartbeat
+
+    def raising(error):
+        def step():
+            raise error
+        return step
+
+    for error in (MismatchError("ranks disagree"), ValueError("bad")):
+        with pytest.raises(type(error)):
+            heartbeat.bounded(raising(error), [0, 1], "a step")
+    with pytest.raises(RankFailure, match="a step: a rank was lost") as lost:
+        heartbeat.bounded(raising(RuntimeError("Connection closed by peer")), [0, 1], "a step")
+    assert lost.value.broken and lost.value.rank == -1

@@ -22,6 +22,7 @@ group is a collective over the whole job, so levels exist only for groups that s
 from __future__ import annotations
 
 import atexit
+import datetime
 import hashlib
 import os
 import re
@@ -244,9 +245,10 @@ def topology(group=None) -> Topology:
             return _found[key]
     override = (-1, -1) if config.TOPOLOGY is None else parse(config.TOPOLOGY)
     source, node, local, local_size = claim()
-    mine = torch.tensor([*override, _SOURCES.index(source), node, local, local_size, int(config.SHM),
+    backend = dist.get_backend(group)
+    mine = torch.tensor([*override, _SOURCES.index(source), node, local, local_size, int(shares_memory(backend)),
                          LINKS.index(nvml_link())], dtype=torch.int64)
-    device = wire_device(dist.get_backend(group))
+    device = wire_device(backend)
     size = dist.get_world_size(group)
     rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
     heartbeat.bounded(lambda: all_gather_single(rows, mine.to(device), group=group),
@@ -360,6 +362,17 @@ def publish_node() -> None:
         _published.append(True)
 
 
+def _reader(store):
+    """A connection of its own to the job's store whose reads give up a second after zipccl's
+    bound (TCPStore.clone), or the store itself where it cannot be cloned (an in-process store)."""
+    try:
+        own = store.clone()
+        own.set_timeout(datetime.timedelta(seconds=config.wait_bound() + 1))
+        return own
+    except Exception:  # noqa: BLE001 - a store without clone()
+        return store
+
+
 def same_node(group, peer: int, wait: bool = True) -> bool | None:
     """Whether ``peer`` (a rank of ``group``) runs on this rank's node, found without a collective
     call (a send has only two ranks): from the group's topology where it has been found, else
@@ -383,7 +396,8 @@ def same_node(group, peer: int, wait: bool = True) -> bool | None:
         store = dist.distributed_c10d._get_default_store()
         if not wait and not store.check([f"zipccl/node/{other}"]):
             return None
-        known = heartbeat.bounded(lambda: store.get(f"zipccl/node/{other}"), [dist.get_rank(), other],
+        reader = _reader(store)  # a step left behind holds a connection of its own, not the job's
+        known = heartbeat.bounded(lambda: reader.get(f"zipccl/node/{other}"), [dist.get_rank(), other],
                                   f"reading rank {other}'s node, at its first message").decode()
         with _lock:
             _peer_nodes[other] = known

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from ..errors import RankFailure
+from ..errors import RankFailure, ZipcclError
 
 __all__ = ["Board", "board", "bounded", "entered", "period", "stale_after", "start"]
 
@@ -299,11 +299,11 @@ def bounded(fn, ranks, what: str):
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
             box["error"] = e
 
-    thread = threading.Thread(target=run, daemon=True, name="zipccl-setup")
+    thread = threading.Thread(target=run, daemon=True, name=f"zipccl-setup<-{threading.current_thread().name}")
     thread.start()
     thread.join(config.wait_bound())
     error = box.get("error")
-    if thread.is_alive() or (isinstance(error, RuntimeError) and not isinstance(error, RankFailure)):
+    if thread.is_alive() or (isinstance(error, RuntimeError) and not isinstance(error, ZipcclError)):
         # out of time, or the backend's error (a connection closed by a lost peer): the rank the beats name
         found = b.culprit(ranks, since, stale_after() + period()) if b is not None else None
         rank, evidence = found if found is not None else (-1, "no heartbeat names a rank")
