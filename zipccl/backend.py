@@ -640,7 +640,6 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             self._compressor.mark()
 
 
-
 def _graph_task() -> int:
     """The backward pass that this thread runs now (autograd's graph task), or -1 outside one."""
     current = getattr(torch._C, "_current_graph_task_id", None)

@@ -197,8 +197,8 @@ def _decide(codec, x: torch.Tensor, group, peer: int):
 
 # ---- ordering -------------------------------------------------------------------------------------------------
 
-_receives: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # receive task -> the task queued before it
-_sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # receive task -> (group, peer's job rank); None: any
+#: receive task -> (the task queued before it, its source: (group, peer's job rank), None for any)
+_receives: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _receives_lock = threading.Lock()
 _seq_lock = threading.Lock()
 _seqs: dict = {}  # (group name, kind, peer's job rank) -> framed messages so far
@@ -225,11 +225,11 @@ def after_collectives() -> None:
         return
     h = executor.last()
     while h is not None and not h.is_completed():
-        before = _receives.get(h, _receives)
-        if before is _receives:  # not a receive
+        entry = _receives.get(h)
+        if entry is None:  # not a receive
             h.join()
             return
-        h = before
+        h = entry[0]
 
 
 #: Held while a native message or a coalesced batch is posted to a backend that batches (NCCL):
@@ -484,14 +484,14 @@ def _ahead_of_a_queued_receive(op: _Op) -> bool:
         return False
     mine = (_group_name(op.group), op.peer_job)
     with _receives_lock:
-        return any(not h.is_completed() and _sources.get(h) in (mine, None) for h in list(_receives))
+        return any(not h.is_completed() and source in (mine, None) for h, (_, source) in list(_receives.items()))
 
 
 def _a_receive(handle: executor.Handle, before, source: tuple | None = None) -> executor.Handle:
     """``handle``, queued after ``before``, is a receive (from ``source``: (group, peer's job rank),
     None: any): later sends pass it (after_collectives) until it is done."""
     with _receives_lock:
-        _receives[handle], _sources[handle] = before, source
+        _receives[handle] = before, source
     handle.get_future().add_done_callback(functools.partial(_forget, weakref.ref(handle)))
     return handle
 

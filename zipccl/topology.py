@@ -22,7 +22,6 @@ group is a collective over the whole job, so levels exist only for groups that s
 from __future__ import annotations
 
 import atexit
-import datetime
 import hashlib
 import os
 import re
@@ -251,10 +250,11 @@ def topology(group=None) -> Topology:
     device = wire_device(backend)
     size = dist.get_world_size(group)
     rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    heartbeat.bounded(lambda: all_gather_single(rows, mine.to(device), group=group),
-                      dist.get_process_group_ranks(key), "finding the group's nodes, at its first call")
+    ranks = dist.get_process_group_ranks(key)
+    heartbeat.bounded(lambda: all_gather_single(rows, mine.to(device), group=group), ranks,
+                      "finding the group's nodes, at its first call")
     claims = rows.view(size, -1).cpu().tolist()
-    found = from_claims([row[:-2] for row in claims], dist.get_process_group_ranks(key), dist.get_world_size())
+    found = from_claims([row[:-2] for row in claims], ranks, dist.get_world_size())
     shm = sorted({row[-2] for row in claims})
     if len(shm) > 1:  # the levels' shared memory is set up by the ranks that allow it, with each other
         raise MismatchError(f"ranks disagree on ZIPCCL_SHM: ranks {[r for r, row in enumerate(claims) if not row[-2]]} "
@@ -362,17 +362,6 @@ def publish_node() -> None:
         _published.append(True)
 
 
-def _reader(store):
-    """A connection of its own to the job's store whose reads give up a second after zipccl's
-    bound (TCPStore.clone), or the store itself where it cannot be cloned (an in-process store)."""
-    try:
-        own = store.clone()
-        own.set_timeout(datetime.timedelta(seconds=config.wait_bound() + 1))
-        return own
-    except Exception:  # noqa: BLE001 - a store without clone()
-        return store
-
-
 def same_node(group, peer: int, wait: bool = True) -> bool | None:
     """Whether ``peer`` (a rank of ``group``) runs on this rank's node, found without a collective
     call (a send has only two ranks): from the group's topology where it has been found, else
@@ -396,7 +385,7 @@ def same_node(group, peer: int, wait: bool = True) -> bool | None:
         store = dist.distributed_c10d._get_default_store()
         if not wait and not store.check([f"zipccl/node/{other}"]):
             return None
-        reader = _reader(store)  # a step left behind holds a connection of its own, not the job's
+        reader = heartbeat.own_connection(store, config.wait_bound() + 1)  # a step left behind holds it, not the job's
         known = heartbeat.bounded(lambda: reader.get(f"zipccl/node/{other}"), [dist.get_rank(), other],
                                   f"reading rank {other}'s node, at its first message").decode()
         with _lock:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from .. import config
 from ..errors import RankFailure, ZipcclError
 
-__all__ = ["Board", "board", "bounded", "entered", "period", "stale_after", "start"]
+__all__ = ["Board", "board", "bounded", "entered", "own_connection", "period", "stale_after", "start"]
 
 KEY = "zipccl/heartbeat/{}"
 #: Where a rank writes down the rank it lost (``Board.report``).
@@ -74,7 +74,7 @@ class Board:
 
     def __init__(self, world, store, rank: int, clock=time.time):
         self.world, self.rank, self.clock = world, rank, clock
-        self.writer, self.reader = _own_connection(store), _own_connection(store)
+        self.writer, self.reader = own_connection(store, STORE_TIMEOUT), own_connection(store, STORE_TIMEOUT)
         self.began = clock()
         self.calls: dict[str, int] = {}  # group key -> zipccl calls entered here
         self.stop = threading.Event()
@@ -187,12 +187,13 @@ class Board:
         return None
 
 
-def _own_connection(store):
-    """A connection of the heartbeat's own to ``store`` with a short timeout (TCPStore.clone), or
-    the store itself where it cannot be cloned (an in-process store)."""
+def own_connection(store, seconds: float):
+    """A connection of its own to ``store`` whose operations give up after ``seconds``
+    (TCPStore.clone): one that waits does not hold the job's; or the store itself where it
+    cannot be cloned (an in-process store)."""
     try:
         own = store.clone()
-        own.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT))
+        own.set_timeout(datetime.timedelta(seconds=seconds))
         return own
     except Exception:  # noqa: BLE001 - a store without clone()
         return store
