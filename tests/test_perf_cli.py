@@ -116,6 +116,8 @@ def test_rank_order_reduce_is_the_promised_order():
 @pytest.mark.parametrize("args,message", [
     (["-b", "2M", "-e", "1M"], "must not be larger"),
     (["-b", "1X"], "not a size"),
+    (["-e", "inf"], "not a size"),
+    (["--collective", "sendrecv", "--nranks", "1"], "needs two ranks or more"),
     (["-n", "0"], "-n must be"),
     (["-d", "double"], "invalid choice"),
     (["--data", "/nonexistent.npy"], "does not exist"),

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import config
+from .. import config, launch
 from ..auto import Policy
 from ..collectives import auto_policy
 from .cuda import Clock
@@ -56,7 +56,7 @@ def parse_size(text: str) -> int:
     number = text[:-1] if text[-1:] in "KMG" else text
     try:
         value = int(float(number) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):  # 'inf' overflows
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 1M, 64K, 1G)") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"size must be >= 0, got {text!r}")
@@ -137,6 +137,10 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                      f"so {flag} takes 1 only; for more ranks use --nranks N or a launcher (mpirun -np N, torchrun)")
     if args.nranks < 1:
         ap.error("--nranks must be >= 1")
+    world = launch.detect()
+    if args.collective == "sendrecv" and (world.size if world else args.nranks) < 2:
+        ap.error("--collective sendrecv needs two ranks or more (--nranks, or the launcher's): "
+                 "torch.distributed sends to no rank itself")
     if args.nodes is not None and (args.nodes < 1 or args.nranks % args.nodes):
         ap.error(f"--nodes ({args.nodes}) must divide --nranks ({args.nranks})")
     if args.backend == "zipccl" and (args.baseline or args.codec not in ("all", "auto")):
