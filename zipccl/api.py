@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import auto, config, hierarchical, lossy, topology
+from . import auto, config, hierarchical, lifetime, lossy, topology
 from . import collectives as C
 from .errors import UnsupportedError
 from .executor import drain as _drain, run as _run
@@ -82,7 +82,7 @@ def _intra(levels, device: torch.device) -> object:
 #: for None, so that a new world decides anew), op, codec, algorithm, input and output dtypes,
 #: input numel, output numel, on CUDA, on the CPU) -> True (the group's own collective, always), an
 #: _Auto (auto chooses per call) or False (the full path). At most MAX_ROUTES, then forgotten.
-_routes: dict = {}
+_routes: dict = lifetime.keep({}, group_of=lambda key: key[1])
 MAX_ROUTES = 4096
 topology.on_forget(_routes.clear)
 
@@ -153,6 +153,7 @@ def _route(name: str, group, output, input, op, codec, algorithm: str):
     except (ValueError, AttributeError, TypeError):  # an op zipccl does not take, not tensors, a codec mapping
         return False
     if route is None:
+        lifetime.sweep()
         route = _decide(name, group, output, input, op, codec, algorithm)
         if route is None:
             return False

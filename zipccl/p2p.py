@@ -44,7 +44,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from . import auto, config, executor, topology
+from . import auto, config, executor, lifetime, topology
 from .collectives.links import PLAIN
 from .collectives.p2p import Signature, Verdict, mismatch_text, receive_message, send_message
 from .collectives.pipeline import plain
@@ -201,11 +201,13 @@ def _decide(codec, x: torch.Tensor, group, peer: int):
 _receives: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _receives_lock = threading.Lock()
 _seq_lock = threading.Lock()
-_seqs: dict = {}  # (group name, kind, peer's job rank) -> framed messages so far
+_seqs: dict = lifetime.keep({}, group_of=None)  # (group name, kind, peer's job rank) -> framed messages so far
 
 
 def _next_seq(op: _Op) -> int:
     key = (_group_name(op.group), op.kind, op.peer_job)
+    if key not in _seqs:
+        lifetime.sweep()
     with _seq_lock:
         n = _seqs.get(key, 0)
         _seqs[key] = n + 1

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import config
+from . import config, lifetime
 from .errors import MismatchError, UnsupportedError
 from .torch_compat import all_gather_single
 from .transport import heartbeat
@@ -222,8 +222,8 @@ def nvml_link() -> str:
             pass
 
 
-_found: dict = {}
-_levels: dict = {}
+_found: dict = lifetime.keep({})
+_levels: dict = lifetime.keep({}, on_drop=lambda made: made is not None and lifetime.destroy(made.intra, made.inter))
 _lock = threading.Lock()
 # Drop the groups made here before the interpreter's final teardown: a gloo group destroyed
 # then, with its threads still running, aborts the process ("terminate called without an
@@ -242,6 +242,7 @@ def topology(group=None) -> Topology:
     with _lock:
         if key in _found:
             return _found[key]
+    lifetime.sweep()
     override = (-1, -1) if config.TOPOLOGY is None else parse(config.TOPOLOGY)
     source, node, local, local_size = claim()
     backend = dist.get_backend(group)
@@ -295,6 +296,7 @@ def levels(group=None) -> Levels | None:
     with _lock:
         if key in _levels:
             return _levels[key]
+    lifetime.sweep()
     topo = topology(group)
     made = None
     ranks = dist.get_process_group_ranks(key)  # group rank -> global rank
@@ -350,16 +352,17 @@ def _claim_text() -> str:
     return f"{source}:{node}"
 
 
-_peer_nodes: dict = {}
-_published: list = []
+_peer_nodes: dict = lifetime.keep({}, group_of=None)  # job rank -> its node's claim
+_published: dict = lifetime.keep({}, group_of=None)  # "node" -> True, once written into this world's store
 
 
 def publish_node() -> None:
     """Write this rank's node into the job's store, once, for ``same_node`` on its peers (zipccl.p2p
     calls it at its first message, before anything of it could wait on a peer)."""
+    lifetime.sweep()
     if not _published and _node_of_rank(dist.get_rank()) is None:
         dist.distributed_c10d._get_default_store().set(f"zipccl/node/{dist.get_rank()}", _claim_text())
-        _published.append(True)
+        _published["node"] = True
 
 
 def same_node(group, peer: int, wait: bool = True) -> bool | None:
@@ -378,6 +381,7 @@ def same_node(group, peer: int, wait: bool = True) -> bool | None:
     mine = _node_of_rank(dist.get_rank())
     if mine is not None:
         return mine == _node_of_rank(other)
+    lifetime.sweep()
     with _lock:
         known = _peer_nodes.get(other)
     if known is None:

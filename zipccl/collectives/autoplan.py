@@ -9,7 +9,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import config
+from .. import config, lifetime
 from ..auto import Policy
 from ..format import DTYPE_CODES
 
@@ -97,7 +97,7 @@ def _lowest(a: int | None, b: int) -> int:
     return b if a is None else min(a, b)
 
 
-_autos: dict = {}
+_autos: dict = lifetime.keep({})
 _autos_lock = threading.Lock()
 
 
@@ -106,6 +106,7 @@ def _auto_group(group) -> _AutoGroup:
     found = _autos.get(key)
     if found is not None:
         return found
+    lifetime.sweep()
     with _autos_lock:
         return _autos.setdefault(key, _AutoGroup())
 

@@ -50,7 +50,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import config
+from .. import config, lifetime
 from ..errors import RankFailure, UnsupportedError, ZipcclError
 from . import heartbeat, nccl_stack, store
 from .base import DeviceMail, Transport, wait_limit
@@ -58,7 +58,7 @@ from .torch_dist import TorchTransport
 
 __all__ = ["NcclTransport", "NcclError", "abort_together"]
 
-_transports: dict = {}
+_transports: dict = lifetime.keep({})
 atexit.register(_transports.clear)
 
 #: The shortest wait for NCCL to make a group's communicators: ZIPCCL_TIMEOUT may be a few
@@ -170,6 +170,7 @@ class NcclTransport(Transport):
         key = group if group is not None else dist.GroupMember.WORLD
         t = _transports.get(key)
         if t is None:
+            lifetime.sweep()
             t = _transports.setdefault(key, cls(group))
         return t
 

@@ -34,15 +34,15 @@ import time
 
 import torch.distributed as dist
 
-from .. import config
+from .. import config, lifetime
 from ..errors import RankFailure, ZipcclError
 from . import heartbeat, nccl_stack, store
 from .cupy_nccl import NcclError, NcclTransport, _error_of, _made_word
 
 __all__ = ["NcclPair"]
 
-_pairs: dict = {}
-_making: dict = {}
+_pairs: dict = lifetime.keep({})
+_making: dict = lifetime.keep({})
 _lock = threading.Lock()
 atexit.register(_pairs.clear)
 
@@ -57,6 +57,7 @@ class NcclPair(NcclTransport):
         key = (group if group is not None else dist.GroupMember.WORLD, src, dst)
         t = _pairs.get(key)
         if t is None:
+            lifetime.sweep()
             with _lock:
                 making = _making.setdefault(key, threading.Lock())
             with making:  # one making per pair, and none waits for another pair's

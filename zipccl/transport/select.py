@@ -28,7 +28,7 @@ import warnings
 
 import torch.distributed as dist
 
-from .. import config
+from .. import config, lifetime
 from ..errors import RankFailure, UnsupportedError, ZipcclError
 from . import nccl_stack
 from .base import Transport
@@ -38,7 +38,7 @@ from .torch_dist import TorchTransport
 
 __all__ = ["transport_for", "choose", "frames_messages", "framing_refused"]
 
-_refused: dict = {}
+_refused: dict = lifetime.keep({})
 _lock = threading.Lock()
 
 _EXTRA = "pip install 'zipccl[cuda12]' (or 'zipccl[cuda13]', matching torch's CUDA)"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 from torch.overrides import has_torch_function
 
-from .. import config
+from .. import config, lifetime
 from ..torch_compat import all_gather_single, reduce_scatter_single
 from . import heartbeat
 from .base import DeviceMail, Transport, wait_limit
@@ -81,7 +81,7 @@ def as_they_are(tensors) -> bool:
 #: take (0 and up) the two would cross. torch's own collectives have a slot space of their own.
 WIRE_TAGS = 0x7A1C0000
 
-_twins: dict = {}
+_twins: dict = lifetime.keep({}, on_drop=lifetime.destroy)  # a group destroyed alone takes its twin
 _twins_lock = threading.Lock()
 
 
@@ -157,7 +157,7 @@ def _twin(group):
         return _twins[key]
 
 
-_transports: dict = {}
+_transports: dict = lifetime.keep({})
 atexit.register(_transports.clear)  # before the interpreter's teardown (see zipccl.topology)
 atexit.register(_twins.clear)
 
@@ -183,6 +183,7 @@ class TorchTransport(Transport):
             key = (key, "messages")
         t = _transports.get(key)
         if t is None:
+            lifetime.sweep()
             t = _transports.setdefault(key, cls(group, twin=not messages))
         return t
 
