@@ -164,6 +164,15 @@ def _like_gloo(rank, groups, codec):
             dist.reduce_scatter_tensor(ref, x[: out.numel() * size], op=_op(op), group=gloo)
             if not torch.equal(_bits(out), _bits(ref)):
                 bad.append(("reduce_scatter_tensor", dtype, op))
+            chunks = list(x[: out.numel() * size].chunk(size))  # the list form, which gloo sums in its own order
+            dist.reduce_scatter(ref, chunks, op=_op(op), group=gloo)
+            for queued in (False, True):  # True: behind a coded async call on another group, in zipccl's queue
+                busy = dist.all_reduce(torch.ones(1 << 18), group=groups["lossless"], async_op=True) if queued else None
+                dist.reduce_scatter(out, chunks, op=_op(op), group=g)
+                if busy is not None:
+                    busy.wait()
+                if not torch.equal(_bits(out), _bits(ref)):
+                    bad.append(("reduce_scatter", dtype, op, queued))
     return bad
 
 

@@ -451,7 +451,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """The list form (``dist.reduce_scatter``): zipccl where every chunk has the output's
-        shape, through one flat buffer."""
+        shape, through one flat buffer; where auto keeps the backend's collective, the backend's
+        list form (gloo sums it in another order than its tensor form)."""
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         outputs = [output_tensors] if isinstance(output_tensors, torch.Tensor) else list(output_tensors)
         inputs = [input_tensors] if isinstance(output_tensors, torch.Tensor) else list(input_tensors)
@@ -461,14 +462,21 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             return self._passed(outputs[0]).reduce_scatter(
                 outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
         out, chunks = outputs[0].data, _data(inputs[0])
+        flat = torch.empty(out.numel() * len(chunks), dtype=out.dtype, device=out.device)  # the call's signature
+        own, options = self._own("reduce_scatter", out, flat, op), _options(dist.ReduceScatterOptions, opts, op)
+        if own:
+            return self._passed(out).reduce_scatter(outputs, inputs, options)
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
 
         def fn():
-            flat = torch.cat([c.reshape(-1) for c in chunks])
+            if own is None:  # the backend's, behind the calls queued before it
+                self._passed(out).reduce_scatter(outputs, inputs, options).wait()
+                return
+            torch.cat([c.reshape(-1) for c in chunks], out=flat)
             if factor is not None:
                 flat.mul_(factor)
             api.reduce_scatter(out, flat, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
-        return self._run(fn, outputs, async_op, inputs[0])
+        return self._run(fn, outputs, async_op, inputs[0], groups=own is False)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         async_op = getattr(opts, "asyncOp", True)
