@@ -26,50 +26,56 @@ def _message(tag: int) -> torch.Tensor:
     return (torch.randn(1 << 20, generator=g) * 0.01).to(torch.bfloat16)  # 2 MiB: framed, not sent natively
 
 
-def _worlds(rank: int, ports, results):
+def _rank(rank: int, body, args: tuple, results):
+    """Run ``body(rank, *args)`` on this spawned rank (zipccl's waits bounded at 10 s) and answer
+    its value or its error; then leave the world it made."""
+    import torch.distributed as dist
+
+    from zipccl import config
+    config.TIMEOUT = 10.0
+    try:
+        results.put((rank, body(rank, *args)))
+    except BaseException as e:  # noqa: BLE001 - the test asserts on it
+        results.put((rank, repr(e)))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _worlds(rank: int, ports):
     """World 1: rank 0 sends to rank 1 (auto, then lossless). World 2: rank 0 sends to rank 2 (a
     pair the first world never formed, whose first message reads rank 0's node from the new
     world's store), and every rank all-reduces losslessly."""
     import torch.distributed as dist
 
     import zipccl
-    from zipccl import config
-    config.TIMEOUT = 10.0
-    try:
-        _init(rank, ports[0])
-        x = _message(1)
+
+    def messages(dst: int, tag: int):
+        x = _message(tag)
         for codec in ("auto", "lossless"):
             if rank == 0:
-                zipccl.send(x, 1, codec=codec)
-            elif rank == 1:
+                zipccl.send(x, dst, codec=codec)
+            elif rank == dst:
                 got = torch.empty_like(x)
                 zipccl.recv(got, 0, codec=codec)
                 assert torch.equal(got.view(torch.int16), x.view(torch.int16)), codec
-        dist.barrier()
-        dist.destroy_process_group()
-        _init(rank, ports[1])
-        y = _message(2)
-        for codec in ("auto", "lossless"):
-            if rank == 0:
-                zipccl.send(y, 2, codec=codec)
-            elif rank == 2:
-                got = torch.empty_like(y)
-                zipccl.recv(got, 0, codec=codec)
-                assert torch.equal(got.view(torch.int16), y.view(torch.int16)), codec
-        t = _message(10 + rank)
-        want = sum(_message(10 + r).float() for r in range(N)).to(torch.bfloat16)  # rank order, fp32, rounded once
-        zipccl.all_reduce(t, codec="lossless")
-        assert torch.equal(t.view(torch.int16), want.view(torch.int16))
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put((rank, "ok"))
-    except BaseException as e:  # noqa: BLE001 - the test asserts on it
-        results.put((rank, repr(e)))
+
+    _init(rank, ports[0])
+    messages(1, 1)
+    dist.barrier()
+    dist.destroy_process_group()
+    _init(rank, ports[1])
+    messages(2, 2)
+    t = _message(10 + rank)
+    want = sum(_message(10 + r).float() for r in range(N)).to(torch.bfloat16)  # rank order, fp32, rounded once
+    zipccl.all_reduce(t, codec="lossless")
+    assert torch.equal(t.view(torch.int16), want.view(torch.int16))
+    return "ok"
 
 
 @pytest.mark.timeout(120)
 def test_a_second_world_in_the_same_processes_works_as_the_first():
-    got, _ = spawn(_worlds, N, ((free_port(), free_port()),), seconds=90)
+    got, _ = spawn(_rank, N, (_worlds, ((free_port(), free_port()),)), seconds=90)
     assert got == {r: "ok" for r in range(N)}, got
 
 
@@ -77,43 +83,38 @@ def _open_files() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _subgroups(rank: int, port: int, cycles: int, results):
+def _subgroups(rank: int, port: int, cycles: int):
     """Make a group of every rank, all-reduce on it losslessly (zipccl makes its second gloo group
     and its transport), destroy it: ``cycles`` times. Then torch holds as many groups as before
     and this rank as many open files, give or take a few."""
     import torch.distributed as dist
 
     import zipccl
-    try:
-        _init(rank, port)
-        c10d = dist.distributed_c10d
+    _init(rank, port)
+    c10d = dist.distributed_c10d
 
-        def cycle():
-            g = dist.new_group(list(range(N)))
-            t = _message(20 + rank)
-            want = sum(_message(20 + r).float() for r in range(N)).to(torch.bfloat16)
-            zipccl.all_reduce(t, group=g, codec="lossless")
-            assert torch.equal(t.view(torch.int16), want.view(torch.int16))
-            dist.barrier()
-            dist.destroy_process_group(g)
-            gc.collect()
-
-        cycle()  # the world's own first-call state made once; the last cycle's kept until the next first call
-        groups, files = len(c10d._world.pg_map), _open_files()
-        for _ in range(cycles):
-            cycle()
-        results.put((rank, (len(c10d._world.pg_map) - groups, _open_files() - files)))
+    def cycle():
+        g = dist.new_group(list(range(N)))
+        t = _message(20 + rank)
+        want = sum(_message(20 + r).float() for r in range(N)).to(torch.bfloat16)
+        zipccl.all_reduce(t, group=g, codec="lossless")
+        assert torch.equal(t.view(torch.int16), want.view(torch.int16))
         dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - the test asserts on it
-        results.put((rank, repr(e)))
+        dist.destroy_process_group(g)
+        gc.collect()
+
+    cycle()  # the world's own first-call state made once; the last cycle's kept until the next first call
+    groups, files = len(c10d._world.pg_map), _open_files()
+    for _ in range(cycles):
+        cycle()
+    return len(c10d._world.pg_map) - groups, _open_files() - files
 
 
 @pytest.mark.timeout(120)
 def test_a_destroyed_group_takes_what_zipccl_made_for_it():
     """Each cycle used to leave two groups with torch (the destroyed group's second gloo group) and
     about ten open files per rank."""
-    got, _ = spawn(_subgroups, N, (free_port(), 6), seconds=90)
+    got, _ = spawn(_rank, N, (_subgroups, (free_port(), 6)), seconds=90)
     assert sorted(got) == list(range(N)), got
     for rank, value in got.items():
         assert isinstance(value, tuple), (rank, value)
@@ -121,7 +122,7 @@ def test_a_destroyed_group_takes_what_zipccl_made_for_it():
         assert groups == 0 and files < 5, (rank, groups, files)
 
 
-def _threads(rank: int, port: int, warm: bool, results):
+def _threads(rank: int, port: int, warm: bool):
     """Two groups of every rank, each all-reduced by a thread of its own, both threads at once;
     ``warm``: their groups made first, in one order (zipccl.make_groups)."""
     import threading
@@ -129,39 +130,32 @@ def _threads(rank: int, port: int, warm: bool, results):
     import torch.distributed as dist
 
     import zipccl
-    from zipccl import config
-    config.TIMEOUT = 10.0
-    try:
-        _init(rank, port)
-        groups = [dist.new_group(list(range(N))) for _ in range(2)]
-        if warm:
-            for g in groups:
-                zipccl.make_groups(g, "lossless")
-        sizes = [300_000 + 1000 * i for i in range(2)]  # a crossed pair of groups would mismatch the sizes
-        out, start = [None, None], threading.Barrier(2)
+    _init(rank, port)
+    groups = [dist.new_group(list(range(N))) for _ in range(2)]
+    if warm:
+        for g in groups:
+            zipccl.make_groups(g, "lossless")
+    sizes = [300_000 + 1000 * i for i in range(2)]  # a crossed pair of groups would mismatch the sizes
+    out, start = [None, None], threading.Barrier(2)
 
-        def run(i):
-            try:
-                t = torch.full((sizes[i],), float(rank + 1))
-                start.wait()
-                zipccl.all_reduce(t, group=groups[i], codec="lossless")
-                out[i] = bool(torch.equal(t, torch.full_like(t, float(sum(range(1, N + 1))))))
-            except BaseException as e:  # noqa: BLE001
-                out[i] = repr(e)
+    def run(i):
+        try:
+            t = torch.full((sizes[i],), float(rank + 1))
+            start.wait()
+            zipccl.all_reduce(t, group=groups[i], codec="lossless")
+            out[i] = bool(torch.equal(t, torch.full_like(t, float(sum(range(1, N + 1))))))
+        except BaseException as e:  # noqa: BLE001
+            out[i] = repr(e)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        results.put((rank, out))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - the test asserts on it
-        results.put((rank, repr(e)))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
 
 
 @pytest.mark.timeout(120)
 def test_groups_made_first_let_two_threads_make_their_first_calls_at_once():
-    got, _ = spawn(_threads, N, (free_port(), True), seconds=60)
+    got, _ = spawn(_rank, N, (_threads, (free_port(), True)), seconds=60)
     assert got == {r: [True, True] for r in range(N)}, got
