@@ -462,8 +462,8 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             return self._passed(outputs[0]).reduce_scatter(
                 outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
         out, chunks = outputs[0].data, _data(inputs[0])
-        flat = torch.empty(out.numel() * len(chunks), dtype=out.dtype, device=out.device)  # the call's signature
-        own, options = self._own("reduce_scatter", out, flat, op), _options(dist.ReduceScatterOptions, opts, op)
+        signature = out.new_empty(1).expand(out.numel() * len(chunks))  # the flat input's, nothing allocated
+        own, options = self._own("reduce_scatter", out, signature, op), _options(dist.ReduceScatterOptions, opts, op)
         if own:
             return self._passed(out).reduce_scatter(outputs, inputs, options)
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
@@ -472,7 +472,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
             if own is None:  # the backend's, behind the calls queued before it
                 self._passed(out).reduce_scatter(outputs, inputs, options).wait()
                 return
-            torch.cat([c.reshape(-1) for c in chunks], out=flat)
+            flat = torch.cat([c.reshape(-1) for c in chunks])
             if factor is not None:
                 flat.mul_(factor)
             api.reduce_scatter(out, flat, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
