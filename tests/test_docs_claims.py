@@ -1,8 +1,9 @@
-"""What README.md and docs/*.md name exists: every path (a file or folder of the repository), test
-(``file::function``, and ``::function`` after it for the same file), flag (``--flag`` in the
-``--help`` of the command it follows, or of one of the project's commands) and ZIPCCL_ variable
-(read in zipccl/config.py); the counts of tests they give (README's, and "(N cases)" after a
-test's name) against pytest's collection; and the format version they say the code implements."""
+"""What README.md, docs/*.md and bench/README.md name exists: every path (a file or folder of the
+repository), test (``file::function``, and ``::function`` after it for the same file), flag
+(``--flag`` in the ``--help`` of the command it follows, or of one of the project's commands) and
+ZIPCCL_ variable (read in zipccl/config.py); the counts of tests they give (README's, and "(N
+cases)" after a test's name) against pytest's collection; the format version they say the code
+implements; and the files each record of docs/bench names."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import pytest
 import ci_rules
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
 TRACKED = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True,
                          check=True).stdout.split()
 #: ZIPCCL_ variables that configure the test suite or the GPU script, not the library, and the files
@@ -67,7 +68,10 @@ EXTENSIONS = r"\.(?:py|md|json|jsonl|sh|png|toml|txt)"
 TOP = {t.split("/")[0] for t in TRACKED}
 #: File names the docs give that are not the repository's, and what they are.
 NOT_OURS = {"bench-results/bench.png": "the plot that make bench writes",
-            "analyze_perf_json.py": "nccl-tests' script that reads its JSON"}
+            "analyze_perf_json.py": "nccl-tests' script that reads its JSON",
+            "plan.txt": "what bench/gpu_check.sh writes",
+            **{f"{name}.py": "a removed probe, which bench/README.md says git keeps at ce90e09"
+               for name in ("codec_replay", "collective_cpu", "lab_schedules", "lossy_cpu", "gpu_roofline")}}
 
 
 def _is_path(token: str) -> bool:
@@ -267,6 +271,36 @@ def test_every_section_cited_exists():
 
 
 # ---- records --------------------------------------------------------------------------------------------------
+
+def _git_files(commit: str, folder: str) -> list[str] | None:
+    """The files under ``folder`` at ``commit``, or None where this clone lacks the commit (shallow)."""
+    r = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", commit, folder + "/"],
+                       capture_output=True, text=True)
+    return r.stdout.split() if r.returncode == 0 else None
+
+
+def test_every_file_a_record_names_is_kept():
+    """A record's README names its files in code spans (``lab.json``, ``codec_*.json``): each is in
+    its folder (or a folder below), in its folder's bundled JSON, elsewhere in the repository, or,
+    where the README says they "stay in git at" a commit, in its folder at that commit."""
+    missing, checked = [], 0
+    for t in (t for t in TRACKED if re.fullmatch(r"docs/bench/[^/]+/README\.md", t)):
+        folder, text = str(Path(t).parent), (ROOT / t).read_text()
+        kept = re.search(r"stays?\s+in\s+git\s+at\s+([0-9a-f]{7,40})", text)
+        files = [f for f in TRACKED + sorted(_bundled()) + (_git_files(kept.group(1), folder) or [] if kept else [])
+                 if f.startswith(folder + "/")]
+        for m in re.finditer(r"`([^`]+)`", text):
+            for name in (n.strip("(),;:'\"") for n in m.group(1).split()):
+                if not re.fullmatch(r"[\w.*{},-]+" + EXTENSIONS, name) or name.isupper() or name.startswith("FILE."):
+                    continue  # a path from the root (checked with the docs), or a placeholder
+                checked += 1
+                for one in _expand(name):
+                    if not any(fnmatch.fnmatch(f, f"{folder}/{one}") or fnmatch.fnmatch(f, f"{folder}/*/{one}")
+                               for f in files) and not any(f.endswith("/" + one) for f in TRACKED):
+                        missing.append(f"{t}: {one}")
+    assert checked > 30, checked  # the records do name their files: the parser found them
+    assert not missing, "\n".join(sorted(set(missing)))
+
 
 def test_records_stay_small_and_cited():
     """docs/bench keeps one current record per area and the history the docs cite: under 1 MB and
