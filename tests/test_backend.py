@@ -921,6 +921,49 @@ def test_all_to_all_and_point_to_point_through_the_drop_in(zpool, codec):
         assert (wire == raw) if codec == "raw" else (wire < 0.9 * raw), (codec, calls)  # raw: the bytes alone
 
 
+def _first_call_async(rank, groups):
+    """A new drop-in group's first call made async, on two nodes of two ranks, for each policy
+    whose call finds the group's nodes (or makes its levels) while it is queued: the result,
+    against gloo's all-to-all or torch's sum of the gathered inputs (whole numbers: exact in any
+    order), and the seconds the call took."""
+    import time
+
+    from test_alltoall import bits, nodes
+    from zipccl.backend import Options
+    gloo, n, out = groups["gloo"], dist.get_world_size(), {}
+    x = torch.arange(4096.0 * n) + 100 * rank
+    for name, options, call in [("a2a lossless", Options(codec="lossless"), "a2a"),
+                                ("a2a raw", Options(codec="raw"), "a2a"),
+                                ("a2a auto, flat", Options(codec="auto", algorithm="flat"), "a2a"),
+                                ("all_reduce lossless, hierarchical", Options(codec="lossless", algorithm="hierarchical"),
+                                 "all_reduce")]:
+        g = dist.new_group(backend="zipccl", pg_options=options)
+        with nodes(g, "2x2"):
+            t0 = time.monotonic()
+            if call == "a2a":
+                got, want = torch.empty_like(x), torch.empty_like(x)
+                dist.all_to_all_single(got, x, group=g, async_op=True).wait()
+                dist.all_to_all_single(want, x, group=gloo)
+            else:
+                got, parts = x.clone(), [torch.empty_like(x) for _ in range(n)]
+                dist.all_reduce(got, group=g, async_op=True).wait()
+                dist.all_gather(parts, x, group=gloo)
+                want = torch.stack(parts).sum(0)
+            out[name] = (torch.equal(bits(got), bits(want)), round(time.monotonic() - t0, 1))
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_a_groups_first_call_may_be_async(zpool):
+    """A drop-in group's first call, async, under policies that find the group's nodes on
+    zipccl's thread (all-to-all under lossless, raw, auto with algorithm "flat"; a hierarchical
+    all-reduce, whose levels are made before it is queued): the set-up step's collective never
+    waits for the queue that the call is in (it did, until ZIPCCL_TIMEOUT on every rank)."""
+    for rank, res in enumerate(zpool().run(_first_call_async, timeout=120)):
+        assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
+        assert all(same and seconds < 5 for same, seconds in res.values()), (rank, res)
+
+
 def _examples(rank, groups, example, codec):
     import importlib.util
     from pathlib import Path

@@ -206,7 +206,9 @@ def make_groups(group, codec="auto", algorithm: str = "auto") -> None:
     if not dist.is_initialized() or dist.get_rank(group) < 0:  # not a member: the call itself says so
         return
     TorchTransport.of(group)
-    if algorithm != "flat" and (codec == "auto" or isinstance(codec, Mapping)) and not topology.known(group):
+    hierarchical = algorithm == "hierarchical" or (algorithm == "auto"
+                                                   and (codec == "auto" or isinstance(codec, Mapping)))
+    if hierarchical and codec != "native" and not topology.known(group):
         _drain()  # after the calls queued before it, on every rank alike (at once on zipccl's thread)
         topology.levels(group)
 

@@ -147,6 +147,18 @@ def ours() -> bool:
     return getattr(_threads, "ours", False)
 
 
+def acting_for_this_thread(fn):
+    """``fn``, to run on a helper thread that acts for this one: zipccl's (``ours``) where this
+    thread is, so that what it runs for a queued call (a set-up step's collective) never waits
+    for the queue that this thread is running."""
+    mine = ours()
+
+    def run(*args, **kwargs):
+        _threads.ours = mine
+        return fn(*args, **kwargs)
+    return run
+
+
 def last() -> Handle | None:
     """The handle of the async call issued last (None before the first): every call issued
     before it has ended once it has (zipccl.p2p waits for the collectives queued before a send)."""

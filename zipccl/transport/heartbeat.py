@@ -35,7 +35,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .. import config
+from .. import config, executor
 from ..errors import RankFailure, ZipcclError
 
 __all__ = ["Board", "board", "bounded", "entered", "own_connection", "period", "stale_after", "start"]
@@ -300,7 +300,8 @@ def bounded(fn, ranks, what: str):
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
             box["error"] = e
 
-    thread = threading.Thread(target=run, daemon=True, name=f"zipccl-setup<-{threading.current_thread().name}")
+    thread = threading.Thread(target=executor.acting_for_this_thread(run), daemon=True,
+                              name=f"zipccl-setup<-{threading.current_thread().name}")
     thread.start()
     thread.join(config.wait_bound())
     error = box.get("error")
