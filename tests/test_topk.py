@@ -111,8 +111,13 @@ def _sparse(rank, groups, size, density):
     y = x.clone()
     zipccl.all_reduce(y, group=g, codec=c)
     errors = {}
+    entropy = zipccl.lossy.Compressor("entropy")  # its first steps are lossless: MAX is refused from the first
     for name, call in (("ag", lambda: zipccl.all_gather(torch.empty(10 * size), torch.ones(10), group=g, codec=c)),
-                       ("max", lambda: zipccl.all_reduce(torch.ones(10), op=dist.ReduceOp.MAX, group=g, codec=c))):
+                       ("max", lambda: zipccl.all_reduce(torch.ones(10), op=dist.ReduceOp.MAX, group=g, codec=c)),
+                       ("entropy max", lambda: entropy.all_reduce(torch.ones(100, 100), "layer.weight",
+                                                                  op=dist.ReduceOp.MAX, group=g)),
+                       ("entropy min, reduce-scatter", lambda: entropy.reduce_scatter(
+                           torch.ones(100 * size), torch.empty(100), "w", 0, True, g, op=dist.ReduceOp.MIN))):
         try:
             call()
             errors[name] = "no error"
@@ -135,6 +140,7 @@ def test_sparse_all_reduce_equals_dense_sum_of_what_was_sent(pool, size):
     assert torch.equal(res[0][0], total.to(torch.bfloat16).view(torch.int16))
     for r in res:
         assert "all_reduce and reduce_scatter only" in r[1]["ag"] and "SUM or AVG" in r[1]["max"]
+        assert "SUM or AVG" in r[1]["entropy max"] and "SUM or AVG" in r[1]["entropy min, reduce-scatter"], r[1]
 
 
 def _sparse_rs(rank, groups, size, density, m, dtype, op):

@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .collectives.resolve import sums
 from .entropy import EntropyRate
+from .errors import UnsupportedError
 from .feedback import Residuals
 from .kernels import sparse
 from .rules import LayerRules
@@ -116,6 +118,7 @@ class Compressor:
         +0.0, so a sum of -0.0 comes back +0.0.) Returns the call's counters, or None when
         ``exact`` was given but not used (other value dtypes, float16, other devices): the caller
         then reduces the exact ranges itself."""
+        _sums_only("all_reduce", flat, group, op)
         density = self.choose(step, first, flat, group)
         if density is None:  # entropy warm-up: lossless (all of the bucket, if given)
             collectives.all_reduce(flat if exact is None else exact[0], op=op, group=group, codec="lossless")
@@ -131,6 +134,7 @@ class Compressor:
         sent, each chunk's pairs to its owner only, the rest of ``flat`` kept for later. The
         residual covers this rank's whole contribution, every chunk of it. Returns the call's
         counters."""
+        _sums_only("reduce_scatter", flat, group, op)
         density = self.choose(step, first, flat, group)
         if density is None:  # entropy warm-up: lossless
             collectives.reduce_scatter(out, flat, op=op, group=group, codec="lossless")
@@ -206,6 +210,14 @@ class Compressor:
     def stats(self) -> dict:
         return dict(densities=list(self.densities), residual_bytes=self.residuals.memory_bytes(),
                     decisions=list(self.rate.decisions) if self.rate else [])
+
+
+def _sums_only(name: str, flat, group, op) -> None:
+    """Top-k sums: another op is refused from the first call, the entropy warm-up's lossless
+    calls too, on every rank (zipccl.collectives.refuse), before the step counts."""
+    if not sums(op):
+        collectives.refuse(name, transport_for(group, flat.device), flat, op,
+                           UnsupportedError(f"lossy all-reduce and reduce-scatter sum (SUM or AVG), not {op}"))
 
 
 @contextlib.contextmanager

@@ -80,4 +80,9 @@ def check_op(op) -> int:
         raise UnsupportedError(f"reduce op {op} is not supported; zipccl reduces with SUM, AVG, MAX, MIN") from None
 
 
+def sums(op) -> bool:
+    """Whether ``op`` sums (SUM or AVG), the one kind of reduction a lossy codec makes."""
+    return _OPS.get(op) in (1, 2)
+
+
 PLAN_CODECS = {"native": NATIVE, "raw": _RAW, "lossless": _LOSSLESS}

@@ -13,7 +13,7 @@ from ..transport import TorchTransport, transport_for
 from ..transport.select import choose
 from ..transport import nccl_stack
 from .metadata import Call
-from .resolve import _OPS, AUTO, NATIVE, check_op, resolve_codec
+from .resolve import _OPS, AUTO, NATIVE, check_op, resolve_codec, sums
 
 
 def _check_tensor(name: str, x) -> None:
@@ -114,7 +114,7 @@ def prepare(name, group, tensors, op, codec, numel, nbytes, check):
             if name == "all_gather":
                 raise UnsupportedError(f"lossy codec {resolved!r} reduces: all_reduce and reduce_scatter only, "
                                        f"not {name}")
-            if _OPS.get(op) not in (1, 2):
+            if not sums(op):
                 raise UnsupportedError(f"lossy codec {resolved!r} reduces with SUM or AVG only")
         check(t)
     except (TypeError, ValueError, UnsupportedError) as e:
