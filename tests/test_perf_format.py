@@ -171,6 +171,18 @@ def test_alltoall_and_sendrecv_tables(tmp_path, collective):
 
 
 @pytest.mark.timeout(300)
+def test_a_size_whose_count_rounds_to_zero_is_a_row(tmp_path):
+    """As nccl-tests' sweep: a size whose count rounds to 0 (all-gather's parts in whole 16-byte
+    lines: 8 B over 2 ranks) is a row of size and count 0, timed, its busbw 0 in the average."""
+    out_json = tmp_path / "r.json"
+    res = run_perf("-b", "8", "-e", "64", "-f", "8", "-n", "2", "-w", "1", "--nranks", "2", "--codec", "raw",
+                   "--collective", "all_gather", "-d", "float", "-J", str(out_json))
+    assert res.returncode == 0, res.stderr[-2000:]
+    [table] = nccl_text.parse(res.stdout)
+    assert [(r["size"], r["count"]) for r in table.rows] == [(0, 0), (64, 8)], table.rows
+    check_against_json([table], json.loads(out_json.read_text()), "all_gather", 2)
+
+
 def test_per_iteration_times(tmp_path):
     """-I 1: nccl-tests' i_* columns, and per placement the per-iteration block its analysis
     script reads: times_us is the max over the process rows, one row per process."""

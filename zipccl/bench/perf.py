@@ -129,8 +129,6 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
             numel_in, numel_out = spec.buffers(count, nranks)
             if rank == 0:
                 progress(k, total, f"{spec.name} {size} B {dtype} {label}")
-            if numel_in == 0:
-                continue
             if variant is None and spec.reduces and op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo":
                 notes.append(f"{size} B {dtype}: avg skipped (gloo has no AVG)")
                 continue
