@@ -123,6 +123,9 @@ def test_rank_order_reduce_is_the_promised_order():
     (["--data", "/nonexistent.npy"], "does not exist"),
     (["-g", "2"], "-g takes 1 only"),
     (["-t", "4"], "-t takes 1 only"),
+    (["-m", "4"], "-m takes 1 only"),
+    (["-G", "1"], "-G takes 0 only"),
+    (["-x", "0"], "-x takes -1 only"),
     (["-I", "2"], "invalid choice"),
 ])
 def test_flag_validation(args, message, capsys):

@@ -75,6 +75,33 @@ def sizes(min_bytes: int, max_bytes: int, factor: float, step: int) -> list[int]
     return out
 
 
+#: nccl-tests' flags that zipccl-perf takes for compatibility (a script that passes them runs):
+#: flag -> (long name, default, the values it takes (None: any, without effect), what it is).
+#: The defaults are nccl-tests' (src/common.cu, 2.19); each mode that zipccl-perf lacks takes its
+#: off value alone.
+NCCL_TESTS_ONLY = {
+    "-g": ("ngpus", 1, (1,), "GPUs per thread"),
+    "-t": ("nthreads", 1, (1,), "threads per process"),
+    "-m": ("agg_iters", 1, (1,), "operations aggregated per timed iteration"),
+    "-N": ("run_cycles", 1, (1,), "runs of the whole sweep"),
+    "-p": ("parallel_init", 0, None, "threads' parallel set-up"),
+    "-r": ("root", 0, None, "root rank of rooted collectives (none here)"),
+    "-z": ("blocking", 0, (0,), "blocking collectives"),
+    "-y": ("stream_null", 0, (0,), "collectives on the default CUDA stream"),
+    "-T": ("timeout", 0, (0,), "a timeout in seconds (zipccl's own: ZIPCCL_TIMEOUT)"),
+    "-G": ("cudagraph", 0, (0,), "CUDA graph launches"),
+    "-C": ("report_cputime", 0, (0,), "CPU time instead of wall time"),
+    "-S": ("report_timestamps", 0, (0,), "timestamps per row"),
+    "-R": ("local_register", 0, (0,), "buffer registration"),
+    "-x": ("cta_policy", -1, (-1,), "NCCL's CTA policy"),
+    "-D": ("device_implementation", 0, (0,), "device-initiated collectives"),
+    "-V": ("device_cta_count", 16, None, "CTAs of -D's device collectives"),
+    "-M": ("memory", 0, (0,), "a memory report"),
+    "-u": ("unalign", 0, (0,), "buffer offsets"),
+    "-K": ("per_iter_skip", 0, (0,), "iterations left out of -I 1's figures"),
+}
+
+
 def parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description="nccl-tests-style bandwidth benchmark of zipccl's "
                                  "compressed collectives (effective bandwidth on uncompressed bytes).")
@@ -94,9 +121,10 @@ def parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("-I", "--per_iter_timing", type=int, default=0, choices=[0, 1],
                     help="1: per-iteration times per process (i_* columns, and *_per_iter in the JSON), as "
                     "nccl-tests -I 1 (default 0)")
-    ap.add_argument("-g", "--ngpus", type=int, default=1, help="accepted for nccl-tests compatibility: 1 only "
-                    "(one process per rank; more ranks: --nranks or a launcher)")
-    ap.add_argument("-t", "--nthreads", type=int, default=1, help="accepted for nccl-tests compatibility: 1 only")
+    for flag, (name, default, allowed, what) in NCCL_TESTS_ONLY.items():
+        takes = "any value (no effect here)" if allowed is None else " or ".join(map(str, allowed)) + " only"
+        ap.add_argument(flag, f"--{name}", type=int, default=default,
+                        help=f"as nccl-tests' {flag}, {what}: accepted for compatibility, {takes}")
     ap.add_argument("--collective", default="all_reduce",
                     choices=["all_reduce", "reduce_scatter", "all_gather", "alltoall", "sendrecv"],
                     help="the collective (alltoall, sendrecv: nccl-tests' alltoall_perf and sendrecv_perf)")
@@ -131,10 +159,12 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("-f must be >= 1, and -i > 0 when -f is 1")
     if args.iters < 1 or args.warmup_iters < 0 or args.check < 0:
         ap.error("-n must be >= 1, -w and -c >= 0")
-    for flag, name in (("-g", "ngpus"), ("-t", "nthreads")):
-        if getattr(args, name) != 1:
-            ap.error(f"{flag} {getattr(args, name)}: zipccl-perf runs one process per rank with one device each, "
-                     f"so {flag} takes 1 only; for more ranks use --nranks N or a launcher (mpirun -np N, torchrun)")
+    for flag, (name, _, allowed, what) in NCCL_TESTS_ONLY.items():
+        value = getattr(args, name)
+        if allowed is not None and value not in allowed:
+            more = ("zipccl-perf runs one process per rank with one device each; for more ranks use --nranks N "
+                    "or a launcher (mpirun -np N, torchrun)") if flag in ("-g", "-t") else "zipccl-perf has no such mode"
+            ap.error(f"{flag} {value} ({what}): {flag} takes {' or '.join(map(str, allowed))} only: {more}")
     if args.nranks < 1:
         ap.error("--nranks must be >= 1")
     world = launch.detect()
