@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import pickle
 
 import pytest
@@ -193,15 +194,17 @@ def _after_rebuild(rank, groups):
     return dict(steps=steps, orders=orders, residual_keys=len(state.residuals.store),
                 residual_numel=sum(r.numel() for r in state.residuals.store.values()),
                 local={n: p.grad.clone() for n, p in local.named_parameters()},
-                restored_kept=set(state.residuals.store) <= set(back.residuals.store), named=named)
+                restored_numel=sorted(r.numel() for r in back.residuals.store.values()), named=named)
 
 
 def test_rules_and_residuals_follow_ddps_rebuilt_bucket(pool):
     """DDP reorders the bucket after the first step (a bias before its weight, the numel the
     same): the biases still get the exact average at every step (plain torch's gradients of the
     two ranks: (a + b) / 2), the weights only what top-k sent, and the residuals of the bucket
-    as it was are dropped (one bucket's worth kept, not two); a checkpoint's residuals outlive a
-    restored job's first step, whose buckets are those before the rebuild."""
+    as it was are moved into the bucket as it is (one bucket's worth kept, not two), as a
+    checkpoint's are into a restored job's first bucket, whose layout is the one before the
+    rebuild (test_error_feedback_is_exact_across_ddps_rebuild_and_a_restored_checkpoint: the
+    values)."""
     res = pool.run(_after_rebuild, timeout=120)[:2]
     assert all(not isinstance(r, BaseException) for r in res), res
     assert res[0]["orders"][0] != res[0]["orders"][-1], res[0]["orders"]  # the rebuild this guards
@@ -212,7 +215,100 @@ def test_rules_and_residuals_follow_ddps_rebuilt_bucket(pool):
         for name in ("a.weight", "b.weight"):
             assert 0 < int(res[0]["steps"][step][name].count_nonzero()) < 0.2 * 4096, (step, name)
     assert res[0]["residual_keys"] == 1 and res[0]["residual_numel"] == 2 * 4096, res[0]
-    assert res[0]["restored_kept"] is True and res[0]["named"] is True
+    assert res[0]["restored_numel"] == [2 * 4096] and res[0]["named"] is True, res[0]
+
+
+def _resumed(rank, groups, steps, saved_after):
+    """``steps`` backward passes of the same input under the top-k hook (biases kept exact),
+    each step's weight gradients as the hook leaves them; with ``saved_after``, the state is
+    pickled after that many steps and restored into a new model and DDP (its buckets as before
+    DDP's rebuild) for the rest. Also this rank's own gradients by plain torch."""
+    if rank >= 2:
+        return None
+    g = groups[2]
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+
+    def job(state=None):
+        model = _TwoLinear()
+        if state is None:
+            state = zipccl.ddp.State(group=g, codec="topk", density=0.05, model=model,
+                                     rules=zipccl.rules.LayerRules(min_numel=0))
+        else:
+            state = pickle.loads(pickle.dumps(state)).attach(g, model)
+        ddp = DDP(model, process_group=g, bucket_cap_mb=25)
+        ddp.register_comm_hook(state, zipccl.ddp.hook)
+        return model, ddp, state
+
+    model, ddp, state = job()
+    got = []
+    for step in range(steps):
+        if step == saved_after:
+            model, ddp, state = job(state)
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+        got.append({n: p.grad.clone() for n, p in model.named_parameters() if n.endswith("weight")})
+    local = _TwoLinear()
+    local(x).square().mean().backward()
+    return dict(got=got, local={n: p.grad.clone() for n, p in local.named_parameters() if n.endswith("weight")})
+
+
+def _error_feedback(local: list[dict], steps: int, density: float) -> list[dict]:
+    """Top-k with error feedback by plain torch, per rank over its weights' gradients (the same
+    every step): the k largest of gradient + residual sent, the rest kept; the average of what
+    the ranks sent, summed in rank order in fp32."""
+    names = sorted(local[0])
+    flat = [torch.cat([g[n].reshape(-1) for n in names]) for g in local]
+    k = math.ceil(density * flat[0].numel())
+    residual, out = [torch.zeros_like(f) for f in flat], []
+    for _ in range(steps):
+        total = torch.zeros_like(flat[0])
+        for r, f in enumerate(flat):
+            c = f + residual[r]
+            sent = torch.zeros_like(c)
+            idx = c.abs().topk(k).indices
+            sent[idx] = c[idx]
+            residual[r] = c - sent
+            total = total + sent
+        avg, at = total / len(flat), 0
+        step = {}
+        for n in names:
+            step[n] = avg[at:at + local[0][n].numel()].view_as(local[0][n])
+            at += local[0][n].numel()
+        out.append(step)
+    return out
+
+
+@pytest.mark.parametrize("saved_after", [None, 2])
+def test_error_feedback_is_exact_across_ddps_rebuild_and_a_restored_checkpoint(pool, saved_after):
+    """Each step's weight gradients are plain torch's top-k with error feedback: across DDP's
+    bucket rebuild after the first step (the residual follows its parameters into the new
+    bucket), and (``saved_after``) across a checkpoint saved after the rebuild and restored into
+    a new DDP, whose first step has the buckets as before it."""
+    res = pool.run(_resumed, 4, saved_after, timeout=120)[:2]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    want = _error_feedback([r["local"] for r in res], 4, 0.05)
+    for step in range(4):
+        for name, w in want[step].items():
+            assert torch.equal(res[0]["got"][step][name], w), (step, name)
+            assert torch.equal(res[1]["got"][step][name], w), (step, name)
+
+
+def test_a_new_buckets_residual_is_taken_from_the_buckets_that_held_its_parameters():
+    """Bucket "new" holds w2 and w1 (in that order), which buckets "old1" (w1, w0) and "old2" (w2)
+    held: its residual is theirs, parameter by parameter; "old2", emptied, goes; "old1" keeps
+    w0's and zeros where w1's was. Where any of its parameters is in no residual, nothing moves."""
+    from zipccl.ddp import _take_residual
+    state = zipccl.ddp.State(codec="topk")
+    store = state.residuals.store
+    store["old1"], store["old2"] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), torch.tensor([6.0, 7.0])
+    state.parts = {"old1": (("w1", 3), ("w0", 2)), "old2": (("w2", 2),), "new": (("w2", 2), ("w1", 3))}
+    _take_residual(state, "new")
+    assert torch.equal(store["new"], torch.tensor([6.0, 7.0, 1.0, 2.0, 3.0]))
+    assert "old2" not in store and "old2" not in state.parts
+    assert torch.equal(store["old1"], torch.tensor([0.0, 0.0, 0.0, 4.0, 5.0]))
+    state.parts["other"] = (("w0", 2), ("w9", 1))
+    _take_residual(state, "other")
+    assert "other" not in store and torch.equal(store["old1"], torch.tensor([0.0, 0.0, 0.0, 4.0, 5.0]))
 
 
 def _entropy_with_an_exact_first_bucket(rank, groups):

@@ -56,7 +56,7 @@ class State:
 
     __slots__ = ("group", "codec", "algorithm", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds",
                  "density", "compressor", "rate", "residuals", "densities", "rules", "names", "layouts", "members",
-                 "used", "first_lossy")
+                 "used", "first_lossy", "parts")
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, codec="lossless", density: float = 0.01,
                  rate: Optional[EntropyRate] = None, residual_dtype: torch.dtype = torch.float32,
@@ -87,6 +87,7 @@ class State:
         self.layouts: dict = {}  # bucket key -> (lossy index, exact index) or None
         self.members: dict = {}  # bucket key -> the ids of its parameters, in order (this process's)
         self.used: set = set()  # the keys of this step's buckets so far
+        self.parts: dict = {}  # bucket key -> its residual's parameters in order, as (name, numel)
         self.first_lossy = -1  # the step whose first bucket with a lossy part has been seen
         self.iterations = 0
         self.raw_bytes = self.wire_bytes = 0
@@ -129,6 +130,7 @@ class State:
 
     def __setstate__(self, state):
         self.group, self.names, self.layouts, self.algorithm = None, {}, {}, "auto"  # older checkpoints: no algorithm
+        self.parts = {}  # nor parts
         self.members, self.used, self.first_lossy = {}, set(), -1
         for k, v in state.items():
             setattr(self, k, v)
@@ -154,6 +156,8 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         if state.rules is not None and key not in state.layouts:
             state.layouts[key] = segments(state.rules, bucket.parameters(), state.names, buffer.numel())
         layout = state.layouts.get(key)
+        if key not in state.parts:
+            state.parts[key] = _parts(state, bucket.parameters(), buffer.numel())
         # the entropy rate decides on the step's first bucket with a lossy part (the same on every
         # rank: the same model, the same layouts), not on bucket 0, which the rules may keep exact
         first = (layout is None or bool(layout[0])) and state.first_lossy != step
@@ -184,13 +188,15 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
 def _key(state: State, index: int, params: list) -> tuple:
     """A bucket's key for its layout and residual: its index and its parameters' shapes in order,
     which DDP's rebuild after the first step changes (the order in which gradients became ready:
-    a bias before its weight), so that neither is applied at another parameter's positions, and
-    which a checkpoint's residuals keep. Where the same shapes now hold other parameters (this
+    a bias before its weight), so that neither is applied at another parameter's positions (a new
+    key's residual is made of the old one's: ``_take_residual``), and which a checkpoint's
+    residuals keep. Where the same shapes now hold other parameters (this
     process's ids), the key's layout and residual start afresh."""
     key = (index, tuple(tuple(p.shape) for p in params))
     members = tuple(id(p) for p in params)
     if state.members.get(key, members) != members:
         state.layouts.pop(key, None)
+        state.parts.pop(key, None)
         state.residuals.store.pop(key, None)
     state.members[key] = members
     return key
@@ -202,10 +208,51 @@ def _split(state: State, step: int, key, buffer: torch.Tensor, layout, first: bo
     where zipccl.lossy can: one collective per bucket instead of two), counters summed; then the
     residuals of ``stale`` keys (buckets the step no longer has) are dropped."""
     try:
+        _take_residual(state, key)
         return _split_one(state, step, key, buffer, layout, first)
     finally:
         for k in stale:
             state.residuals.store.pop(k, None)
+            state.parts.pop(k, None)
+
+
+def _parts(state: State, params: list, numel: int) -> tuple | None:
+    """The parameters whose gradients a bucket's residual holds, in order, as (name, numel): the
+    lossy ones (all, without rules); None where a name is unknown (no ``model`` given) or the
+    parameters do not tile the bucket."""
+    names = [state.names.get(id(p)) for p in params]
+    if None in names or sum(p.numel() for p in params) != numel:
+        return None
+    return tuple((n, p.numel()) for n, p in zip(names, params) if state.rules is None or state.rules.lossy(n, p))
+
+
+def _take_residual(state: State, key) -> None:
+    """Where bucket ``key`` has no residual yet but other buckets' residuals hold its parameters'
+    (DDP's rebuild after the first step regroups them; a checkpoint saved after the rebuild is
+    restored into a DDP before it), its residual is made of theirs, parameter by parameter, and
+    taken from them: a source left empty goes, the rest of one keeps zeros where it gave. No
+    unsent gradient is lost to a new bucket layout, nor sent twice."""
+    store, mine = state.residuals.store, state.parts.get(key)
+    if not mine or key in store:
+        return
+    where = {}  # name -> (source key, start, numel)
+    for k, theirs in list(state.parts.items()):
+        if k != key and theirs and k in store:
+            at = 0
+            for name, numel in theirs:
+                where[name] = (k, at, numel)
+                at += numel
+    if any(where.get(name, (None, 0, -1))[2] != numel for name, numel in mine):
+        return
+    store[key] = torch.cat([store[k][at:at + numel] for k, at, numel in (where[name] for name, _ in mine)])
+    for k in {where[name][0] for name, _ in mine}:
+        taken = [where[name] for name, _ in mine if where[name][0] == k]
+        if sum(numel for _, _, numel in taken) == store[k].numel():
+            del store[k]
+            state.parts.pop(k, None)
+        else:
+            for _, at, numel in taken:
+                store[k][at:at + numel].zero_()
 
 
 def _split_one(state: State, step: int, key, buffer: torch.Tensor, layout, first: bool) -> dict:
