@@ -235,11 +235,17 @@ def _invalid_under_auto(rank, groups):
     timeout, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 20.0  # an exchange nobody joins: RankFailure, not a hang
     try:
         if rank == 1:
-            t0 = time.monotonic()
-            try:
-                zipccl.all_to_all_single(y, x, [4, 3, 0, 2], None, group=g)
-            except Exception as e:  # noqa: BLE001 - the test asserts on it
-                said = type(e).__name__, str(e), time.monotonic() - t0
+            said = []
+            for call in (lambda: zipccl.all_to_all_single(y, x, [4, 3, 0, 2], None, group=g),
+                         lambda: zipccl.all_to_all_single(y, x, [3, 1, 2, 2], [2, 2, 2, 2], group=g),
+                         lambda: zipccl.all_to_all(list(torch.empty(7, dtype=x.dtype).split([2, 1, 2, 2])), list(x.split(2)),
+                                                   group=g)):
+                t0 = time.monotonic()
+                try:
+                    call()
+                    said.append(("no error",))
+                except Exception as e:  # noqa: BLE001 - the test asserts on it
+                    said.append((type(e).__name__, str(e), time.monotonic() - t0))
             dist.all_to_all_single(y, x, group=g)
             return said
         zipccl.all_to_all_single(y, x, group=g)
@@ -250,9 +256,14 @@ def _invalid_under_auto(rank, groups):
 
 
 def test_an_invalid_call_under_auto_on_one_node_fails_as_the_backends(pool):
+    """Rank 1's invalid calls: splits that do not add up, and (single and list forms) a part for
+    itself that it would not receive as sent (gloo raises that as a lost connection)."""
     res = pool.run(_invalid_under_auto, timeout=120)
-    kind, text, seconds = res[1]
+    (kind, text, seconds), *own = res[1]
     assert kind == "ValueError" and "output split sizes [4, 3, 0, 2]" in text and seconds < 5, res[1]
+    for said in own:
+        assert said[0] == "ValueError" and "rank 1 sends itself 2 elements but receives 1" in said[1] \
+            and said[2] < 5, res[1]
     assert res[0] is res[2] is res[3] is True, res
 
 

@@ -191,11 +191,20 @@ def _check_single(group, output, input, out_splits, in_splits) -> None:
     one dtype, even splits) in about a microsecond."""
     n = dist.get_world_size(group)
     if not (out_splits or in_splits) and output.dtype == input.dtype and output.dim() and input.dim() \
-            and not (output.shape[0] % n or input.shape[0] % n) and output.is_contiguous() and input.is_contiguous():
+            and not (output.shape[0] % n or input.shape[0] % n) and output.is_contiguous() and input.is_contiguous() \
+            and output.numel() == input.numel():
         return
     _tensors([output], [input])
-    _split_sizes(input, in_splits, n, "input")
-    _split_sizes(output, out_splits, n, "output")
+    _own_part(_rows(input, in_splits, n, "input"), _rows(output, out_splits, n, "output"), dist.get_rank(group))
+
+
+def _own_part(sends: list, recvs: list, rank: int) -> None:
+    """What a rank sends itself is what it receives from itself: the one count of the call that a
+    rank can check alone (the backend's own check, gloo's "inLengthPerRank[myRank] ==
+    outLengthPerRank[myRank]", would raise as a lost connection)."""
+    if sends[rank].numel() != recvs[rank].numel():
+        raise ValueError(f"rank {rank} sends itself {sends[rank].numel()} elements but receives "
+                         f"{recvs[rank].numel()} from itself: its input and output splits disagree")
 
 
 def _one_per_rank(outputs, inputs, n: int) -> None:
@@ -328,7 +337,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{label} must be a torch.Tensor, got {type(x).__name__}")
         _validate([output], [input], (output, input), t)
-        return _rows(input, input_split_sizes, t.size, "input"), _rows(output, output_split_sizes, t.size, "output")
+        sends, recvs = _rows(input, input_split_sizes, t.size, "input"), _rows(output, output_split_sizes, t.size,
+                                                                               "output")
+        _own_part(sends, recvs, t.rank)
+        return sends, recvs
 
     return _call(group, parts, native, (output, input), codec, algorithm, async_op)
 
@@ -346,11 +358,13 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     if outputs and inputs and goes_native(group, outputs + inputs, codec, algorithm):
         _one_per_rank(outputs, inputs, dist.get_world_size(group))
         _tensors(outputs, inputs)
+        _own_part(inputs, outputs, dist.get_rank(group))
         return _natively(native, tuple(outputs + inputs), async_op)
 
     def parts(t):
         _one_per_rank(outputs, inputs, t.size)
         _validate(outputs, inputs, outputs + inputs, t)
+        _own_part(inputs, outputs, t.rank)
         return [x.reshape(-1) for x in inputs], [x.reshape(-1) for x in outputs]
 
     return _call(group, parts, native, tuple(outputs + inputs), codec, algorithm, async_op)
