@@ -671,6 +671,14 @@ def test_nccl_names_the_silent_rank_not_the_peer_waited_on(monkeypatch):
     assert 1.0 <= seconds < 1.9, seconds  # before ZIPCCL_TIMEOUT: the silent rank was seen
 
 
+def test_a_rank_that_never_beat_is_named_for_it(monkeypatch):
+    """Rank 3 has written no beat at all (no zipccl call yet: stuck before its first): named as
+    silent since this rank began beating, and said to be so, not "stopped"."""
+    e, _ = _named(monkeypatch, {1: (0.1, 5), 2: (0.2, 5)})
+    assert (e.rank, e.kind) == (3, "lost"), e
+    assert "written no heartbeat to the job's store (it has made no zipccl call) in the 60.0 s" in str(e), e
+
+
 def test_nccl_names_a_live_rank_that_never_reached_the_call(monkeypatch):
     """Every rank beats, but rank 2's beat (written after this call began here) counts 4 calls
     on the group where this rank has entered 5: rank 2 is stuck before the call. Named after

@@ -174,6 +174,9 @@ class Board:
             silent = self.silent(ranks, beats)
             if silent:
                 rank = max(silent, key=lambda r: (silent[r], -r))
+                if beats.get(rank) is None:  # its first zipccl call has not come
+                    return rank, (f"it has written no heartbeat to the job's store (it has made no zipccl call) "
+                                  f"in the {silent[rank]:.1f} s since this rank's first")
                 return rank, f"its heartbeat in the job's store stopped {silent[rank]:.1f} s ago"
             if time.monotonic() >= deadline:
                 break
