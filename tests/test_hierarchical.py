@@ -210,6 +210,27 @@ def test_auto_follows_the_nodes_found_anew(pool):
         assert any(p.startswith("hierarchical") for p in r["2x2"]), r
 
 
+def _first_call_async_on_some_ranks(rank, groups):
+    """A new group's first call, async on ranks 0 and 2 and not on 1 and 3 (torch lets each rank
+    choose), over two emulated nodes: the groups that call makes (gloo's second group, the
+    nodes' levels) are made in one order on every rank. Data whose sums are exact in any order."""
+    g = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+    x = verifiable(1 << 19, torch.float32, rank, 4)
+    want = torch.stack(gathered(x)).sum(0)
+    try:
+        with emulated("2x2"):
+            work = zipccl.all_reduce(x, group=g, async_op=rank % 2 == 0)
+            if work is not None:
+                work.wait()
+            return torch.equal(x, want)
+    finally:
+        dist.destroy_process_group(g)
+
+
+def test_a_first_call_async_on_some_ranks_only(pool):
+    assert pool.run(_first_call_async_on_some_ranks, timeout=120) == [True] * 4
+
+
 def _refusals(rank, groups, case):
     try:
         if case == "no_levels":  # one node (no override): nothing to be hierarchical over

@@ -238,7 +238,8 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             _run(lambda: None, True).wait()
         else:
             _drain()
-        topology.levels(group)
+        TorchTransport.of(group)  # the groups that a first call makes, in _decide's order (and make_groups'):
+        topology.levels(group)  # the same on every rank, whichever ranks' calls are async
     numel, nbytes = C.input_size(input)
     tensors = (input,) if name == "all_reduce" else (output, input)
     t, c, error = C.prepare(name, group, tensors, op, "raw" if per_level else codec, numel, nbytes,
