@@ -359,11 +359,22 @@ def _hsdp(rank, groups, comm, how="default", steps=10):
     if comm != "torch":
         zipccl.fsdp.compress(model, codec=comm, replicate_group=mesh["replicate"].get_group())
     for m in model.modules():  # after compress: the hook reads the factor at each call
-        if how != "default" and hasattr(m, "set_gradient_divide_factor"):
+        if how in ("factor", "force_sum") and hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(2.0 if how == "factor" else 8.0)
             m.set_force_sum_reduction_for_comms(how == "force_sum")
-    _sgd_steps(model, rank, steps)
-    return _digest(model)
+    zipccl.reset_stats()
+    if how == "accumulate":  # three microbatches a step, the replicate group reduced after the last
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(steps):
+            for micro in range(3):
+                model.set_requires_all_reduce(micro == 2)
+                x, y = _inputs(rank, 3 * step + micro)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    else:
+        _sgd_steps(model, rank, steps)
+    return _digest(model) + (zipccl.stats().get("all_reduce", {}).get("calls", 0),)
 
 
 def test_hsdp_replicate_all_reduce_through_zipccl(pool):
@@ -375,14 +386,18 @@ def test_hsdp_replicate_all_reduce_through_zipccl(pool):
     torch.testing.assert_close(runs["raw"][0][1], runs["torch"][0][1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("how", ["factor", "force_sum"])
-def test_hsdp_replicate_all_reduce_keeps_the_divide_factor(pool, how):
+@pytest.mark.parametrize("how", ["factor", "force_sum", "accumulate"])
+def test_hsdp_replicate_all_reduce_keeps_the_divide_factor_and_accumulation(pool, how):
     """With a divide factor the replicate group sums (the factor is the whole division), as
-    torch's own HSDP: the same parameters after two steps."""
+    torch's own HSDP: the same parameters after two steps. With gradient accumulation
+    (``set_requires_all_reduce(False)`` but on each step's last microbatch) the replicate group
+    is reduced once a step, each FSDP module's shard of the step's microbatches together."""
     runs = {c: pool.run(_hsdp, c, how, 2, timeout=300) for c in ("torch", "raw")}
     for c, res in runs.items():
         assert all(not isinstance(r, BaseException) for r in res), (c, res)
     torch.testing.assert_close(runs["raw"][0][1], runs["torch"][0][1], rtol=1e-5, atol=1e-6)
+    if how == "accumulate":
+        assert runs["raw"][0][2] == 2 * 5, runs["raw"][0][2]  # a step's: the model's and its four modules'
 
 
 def _fsdp1(rank, groups, n, comm, strategy):

@@ -228,15 +228,28 @@ class ReduceScatter(_ReduceScatterABC):
         return None
 
 
-def _replicate(module: FSDPModule, group, codec, output: torch.Tensor) -> None:
+def _replicate(module: FSDPModule, group, codec, held: dict, output: torch.Tensor) -> None:
     """HSDP's replicate all-reduce, as FSDP's all-reduce hook of a 1-D FSDP on the shard group,
     which divides by the shard size alone (or by the module's divide factor). Native HSDP sums
     the replicate group where a divide factor is set (the factor is then the whole division,
     whatever the reduce-scatter's op: AVG where it equals the shard size, PREMUL_SUM, or SUM with
     forced sums or fp16), and averages it otherwise; so does this hook, reading the module's
-    factor at each call (``set_gradient_divide_factor`` may come after ``compress``)."""
-    state = module._get_fsdp_state()  # torch 2.13: where FSDPModule.set_gradient_divide_factor writes
-    factor = getattr(getattr(state, "_fsdp_param_group", None), "gradient_divide_factor", None)
+    factor at each call (``set_gradient_divide_factor`` may come after ``compress``). Where
+    ``set_requires_all_reduce(False)`` holds (gradient accumulation), native HSDP keeps each
+    microbatch's shard and adds them into the next one it all-reduces; so does this hook, in
+    ``held``, leaving zeros for FSDP to add to the gradient meanwhile."""
+    group_state = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)  # torch 2.13: what the setters write
+    if not getattr(group_state, "all_reduce_grads", True):
+        if "partial" in held:
+            held["partial"] += output
+        else:
+            held["partial"] = output.clone()
+        output.zero_()
+        return
+    partial = held.pop("partial", None)
+    if partial is not None:
+        output += partial
+    factor = getattr(group_state, "gradient_divide_factor", None)
     op = dist.ReduceOp.SUM if factor is not None else dist.ReduceOp.AVG
     api.all_reduce(output, op=op, group=group, codec=_exact_codec(codec, output.dtype))
 
@@ -326,7 +339,7 @@ def compress(model: torch.nn.Module, *, codec="auto", lossy: str | None = None, 
         module.set_custom_all_gather(ag)
         module.set_custom_reduce_scatter(rs)
         if replicate_group is not None:
-            module.set_all_reduce_hook(partial(_replicate, module, replicate_group, codec))
+            module.set_all_reduce_hook(partial(_replicate, module, replicate_group, codec, {}))
         installed[name] = (group, ag, rs)
     hook = None
     if groups:  # each forward of the model starts a step: a group's first reduce-scatter after it decides its density
