@@ -921,6 +921,29 @@ def test_all_to_all_and_point_to_point_through_the_drop_in(zpool, codec):
         assert (wire == raw) if codec == "raw" else (wire < 0.9 * raw), (codec, calls)  # raw: the bytes alone
 
 
+def _empty_lists(rank, groups):
+    """Empty tensor lists, which the drop-in passes to gloo: torch's errors (a RuntimeError: torch
+    refuses an empty list to gloo's all_reduce_coalesced before gloo, which refuses it on the
+    drop-in), on each rank."""
+    out = {}
+    for name, call in [("all_reduce_coalesced", lambda g: dist.all_reduce_coalesced([], group=g)),
+                       ("all_gather", lambda g: dist.all_gather([], torch.ones(2), group=g))]:
+        for where in ("lossless", "gloo"):
+            try:
+                call(groups[where])
+                out[name, where] = "no error"
+            except Exception as e:  # noqa: BLE001 - the test compares them
+                out[name, where] = isinstance(e, RuntimeError) or type(e).__name__
+    return out
+
+
+def test_empty_lists_fail_as_the_backends(zpool):
+    for rank, res in enumerate(zpool().run(_empty_lists, timeout=60)):
+        assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
+        for name in ("all_reduce_coalesced", "all_gather"):
+            assert res[name, "lossless"] is res[name, "gloo"] is True, (rank, res)
+
+
 def _first_call_async(rank, groups):
     """A new drop-in group's first call made async, on two nodes of two ranks, for each policy
     whose call finds the group's nodes (or makes its levels) while it is queued: the result,

@@ -374,7 +374,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if len(tensors) != 1 or not self._takes(tensors, op) or (own := self._own("all_reduce", tensors[0], tensors[0],
                                                                                     op)):
-            return self._passed(tensors[0]).allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
+            return self._passed(_first(tensors)).allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
         zop, factor, x = _ZIPCCL_OPS[_red_type(op)], _factor(op), tensors[0].data
         lossy = self._lossy_name(x, zop)
 
@@ -391,7 +391,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         tensors = list(tensors)
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
         if not tensors or not self._takes(tensors, op):
-            return self._passed(tensors[0]).allreduce_coalesced(
+            return self._passed(_first(tensors)).allreduce_coalesced(
                 tensors, _options(dist.AllreduceCoalescedOptions, opts, op))
         zop, factor, data = _ZIPCCL_OPS[_red_type(op)], _factor(op), _data(tensors)
 
@@ -439,7 +439,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not (len(inputs) == 1 and len(outputs) == 1 and len(outputs[0]) == self.size()
                 and self._takes(list(outputs[0]) + inputs)
                 and all(o.shape == inputs[0].shape for o in outputs[0])):
-            return self._passed(inputs[0]).allgather(outputs, inputs, _options(AllgatherOptions, opts))
+            return self._passed(_first(inputs)).allgather(outputs, inputs, _options(AllgatherOptions, opts))
         x, outs = inputs[0].data, list(outputs[0])
 
         def fn():
@@ -459,7 +459,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not (len(outputs) == 1 and len(inputs) == 1 and len(inputs[0]) == self.size()
                 and self._takes(outputs + list(inputs[0]), op)
                 and all(i.shape == outputs[0].shape for i in inputs[0])):
-            return self._passed(outputs[0]).reduce_scatter(
+            return self._passed(_first(outputs)).reduce_scatter(
                 outputs, inputs, _options(dist.ReduceScatterOptions, opts, op))
         out, chunks = outputs[0].data, _data(inputs[0])
         signature = out.new_empty(1).expand(out.numel() * len(chunks))  # the flat input's, nothing allocated
