@@ -388,6 +388,8 @@ def _mismatch(rank, groups, size, case):
         x = torch.ones(10, dtype=torch.int32)
     elif case == "product":
         kwargs["op"] = dist.ReduceOp.PRODUCT
+    elif case == "premul_sum":
+        kwargs["op"] = dist._make_nccl_premul_sum(2.0)
     elif case == "per_level_int":  # only rank 0 passes a type that a level's codec does not take
         x = torch.ones(1000, dtype=torch.int32) if rank == 0 else x
         kwargs["codec"] = {"intra": "lossless", "inter": "lossless"}
@@ -422,6 +424,7 @@ def _healthy(rank, groups, size):
     ("rs_size", "ValueError", "MismatchError"),
     ("int_lossless", "UnsupportedError", "UnsupportedError"),
     ("product", "UnsupportedError", "UnsupportedError"),
+    ("premul_sum", "UnsupportedError", "UnsupportedError"),
     ("device", "UnsupportedError", "MismatchError"),
     ("noncontig", "UnsupportedError", "MismatchError"),
     ("per_level_int", "UnsupportedError", "MismatchError"),
@@ -432,6 +435,8 @@ def test_invalid_calls_raise_clearly_without_hanging(pool, case, local, others):
     assert res[culprit][0] == local, res
     if case == "noncontig":
         assert res[0][1] == "tensor must be contiguous", res
+    if case in ("product", "premul_sum"):  # the op by its name
+        assert res[0][1].startswith(f"reduce op {'PREMUL_SUM' if case == 'premul_sum' else 'RedOpType.PRODUCT'} is"), res
     assert all(r[0] == others for i, r in enumerate(res) if i != culprit), res
     healthy = pool.run(_healthy, 4)
     assert all(r is True for r in healthy), healthy  # the pool returns exceptions as values: truthy

@@ -77,7 +77,8 @@ def check_op(op) -> int:
     try:
         return _OPS[op]
     except (KeyError, TypeError):
-        raise UnsupportedError(f"reduce op {op} is not supported; zipccl reduces with SUM, AVG, MAX, MIN") from None
+        named = "PREMUL_SUM" if isinstance(op, dist.ReduceOp) and op == dist.ReduceOp.PREMUL_SUM else op
+        raise UnsupportedError(f"reduce op {named} is not supported; zipccl reduces with SUM, AVG, MAX, MIN") from None
 
 
 def sums(op) -> bool:
