@@ -181,7 +181,8 @@ class Lossless:
         validated against the packet and ``max_numel`` (FormatError for a packet that claims
         more elements) before the output is allocated or a kernel runs; so is the block index on
         the host. On the GPU the index is checked where it is, and no kernel reads through it
-        until it is known good: a bad one raises at the call's end with ``out`` untouched."""
+        until it is known good: a bad one raises at the call's end with ``out`` untouched. A
+        bad stream behind a good index is found as it decodes: ``out`` is then partly written."""
         packet = _check_packet(packet)
         kernels = resolve(self.impl, packet.device)
         h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_LOSSLESS, packet.numel())
