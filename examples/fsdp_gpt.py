@@ -172,11 +172,11 @@ def main(argv=None) -> int:
     if args.steps < 1 or replicas < 1 or shards < 1:
         ap.error("--steps and the mesh's sizes must be >= 1")
     if args.netlab:
-        from zipccl.bench.netlab import NetLab
+        from zipccl.bench.netlab import NetLab, worst
         argv = sys.argv[1:] if argv is None else list(argv)
         rest = [a for i, a in enumerate(argv) if a != "--netlab" and (i == 0 or argv[i - 1] != "--netlab")]
         with NetLab(nranks, args.netlab, replicas if replicas > 1 else None) as lab:
-            return max(lab.run_ranks([sys.executable, str(Path(__file__).resolve()), *rest], timeout=3600))
+            return worst(lab.run_ranks([sys.executable, str(Path(__file__).resolve()), *rest], timeout=3600))
     world = launch.detect()
     if world is not None:
         if world.size != nranks:

@@ -276,10 +276,10 @@ def main(argv=None) -> int:
     if args.nodes is not None and (args.nodes < 1 or args.nranks % args.nodes):
         ap.error(f"--nodes ({args.nodes}) must divide --nranks ({args.nranks})")
     if args.netlab:
-        from zipccl.bench.netlab import NetLab
+        from zipccl.bench.netlab import NetLab, worst
         rest = [a for i, a in enumerate(sys.argv[1:]) if a != "--netlab" and sys.argv[i] != "--netlab"]
         with NetLab(args.nranks, args.netlab, args.nodes) as lab:
-            return max(lab.run_ranks([sys.executable, str(Path(__file__).resolve()), *rest], timeout=3600))
+            return worst(lab.run_ranks([sys.executable, str(Path(__file__).resolve()), *rest], timeout=3600))
     if args.nodes is not None and args.nodes > 1 and "GROUP_RANK" not in os.environ:  # emulated nodes, spawned here
         os.environ["ZIPCCL_TOPOLOGY"] = f"{args.nodes}x{args.nranks // args.nodes}"
         zipccl.config.TOPOLOGY = os.environ["ZIPCCL_TOPOLOGY"]

@@ -41,8 +41,10 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(_WHY_NOT is not None,
 
 def test_rate_parsing_and_refusals(monkeypatch):
     assert netlab.rate_bits("1gbit") == 1e9 and netlab.rate_bits("500mbit") == 5e8
-    with pytest.raises(ValueError):
-        netlab.rate_bits("fast")
+    for bad in ("fast", "1gbt", "0bit", "0"):
+        with pytest.raises(ValueError):
+            netlab.rate_bits(bad)
+    assert netlab.worst([0, 0]) == 0 and netlab.worst([-9, 0]) == 137 and netlab.worst([1, -15]) == 143
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(netlab.LabError, match="root"):
         netlab.check_host()
@@ -142,3 +144,38 @@ def test_ten_gigabit_lab_of_four_ranks_each_in_its_namespace():
         netlab.down()
     assert netlab.namespaces() == []
     assert "zcl-" not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+
+
+def test_a_failed_rank_ends_the_run_and_a_killed_run_leaves_no_rank(tmp_path, monkeypatch):
+    """A rank that fails: the others get RANK_GRACE seconds, then are killed, not left waiting on
+    it. A run killed outright (SIGKILL): its ranks die with it; the lab it left is torn down by
+    the next run, which refuses only a lab whose ranks still run."""
+    import signal
+    import time
+    monkeypatch.setattr(netlab, "RANK_GRACE", 2.0)
+    try:
+        with netlab.NetLab(2, "1gbit") as lab:
+            t0 = time.monotonic()
+            codes = lab.run_ranks([sys.executable, "-c", "import os, time; os.environ['RANK'] == '0' and exit(3); "
+                                   "time.sleep(60)"], timeout=120)
+            assert codes == [3, -9] and time.monotonic() - t0 < 20, codes
+        runner = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom zipccl.bench import netlab\n"
+                                   "lab = netlab.NetLab(2, '1gbit').__enter__()\n"
+                                   "lab.run_ranks([sys.executable, '-c', 'import time; time.sleep(120)'], 300)\n"],
+                                  env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        deadline = time.monotonic() + 60
+        while len(netlab.pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(netlab.pids()) == 2
+        with pytest.raises(netlab.LabError, match="in use"):
+            netlab.run_in_lab("1gbit", 2, ["-b", "8", "-e", "8"])
+        runner.send_signal(signal.SIGKILL)
+        runner.wait(timeout=30)
+        while netlab.pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert netlab.pids() == [] and netlab.namespaces(), netlab.status()  # the ranks died; the lab stayed
+        out = _perf_at_64k("--nranks", "2", "--codec", "raw", "--netlab", "1gbit")
+        assert "# netlab: 2 ranks, 1gbit" in out
+    finally:
+        netlab.down()
+    assert netlab.namespaces() == []

@@ -127,6 +127,8 @@ def test_rank_order_reduce_is_the_promised_order():
     (["-G", "1"], "-G takes 0 only"),
     (["-x", "0"], "-x takes -1 only"),
     (["-I", "2"], "invalid choice"),
+    (["--netlab", "1gbt"], "--netlab: rate '1gbt'"),
+    (["--netlab", "0bit"], "at least 1kbit"),
 ])
 def test_flag_validation(args, message, capsys):
     from zipccl.bench.perf import main
@@ -390,6 +392,22 @@ def test_make_bench_flow_where_namespaces_fail(tmp_path, monkeypatch, capfd):
     assert not (tmp_path / "lab.json").exists()
     png = tmp_path / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"# plot: {png}" in cap.out
+
+
+def test_make_bench_fails_where_the_lab_fails(tmp_path, monkeypatch, capfd):
+    """A lab that was built but failed (its ranks out of time) fails make bench, and says so;
+    it is not reported as a lab that could not run."""
+    from zipccl.bench import netlab, perf, tour
+    monkeypatch.setattr(perf, "main", lambda argv: 0)
+    monkeypatch.setattr(netlab, "unavailable", lambda: None)
+
+    def timed_out(*a, **k):
+        raise netlab.LabError("ranks did not finish within 600 s")
+    monkeypatch.setattr(netlab, "run_in_lab", timed_out)
+    monkeypatch.setattr(tour, "activations", lambda out: [])
+    assert tour.main(["--out", str(tmp_path)]) == 1
+    out = capfd.readouterr().out
+    assert "# network lab failed (ranks did not finish within 600 s)" in out and "not run" not in out, out
 
 
 def test_make_bench_runs_alltoall_and_sendrecv_in_the_lab(tmp_path, monkeypatch):

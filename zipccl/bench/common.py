@@ -22,6 +22,7 @@ from .. import config, launch
 from ..auto import Policy
 from ..collectives import auto_policy
 from .cuda import Clock
+from .netlab import rate_bits
 from .report import size_text
 
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
@@ -167,6 +168,11 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(f"{flag} {value} ({what}): {flag} takes {' or '.join(map(str, allowed))} only: {more}")
     if args.nranks < 1:
         ap.error("--nranks must be >= 1")
+    if args.netlab is not None:
+        try:
+            rate_bits(args.netlab)
+        except ValueError as e:
+            ap.error(f"--netlab: {e}")
     world = launch.detect()
     if args.collective == "sendrecv" and (world.size if world else args.nranks) < 2:
         ap.error("--collective sendrecv needs two ranks or more (--nranks, or the launcher's): "

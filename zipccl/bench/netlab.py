@@ -41,6 +41,8 @@ SUBNET = "10.213.0"
 BURST = 128 << 10  # bytes, at least: >= 64 KiB (a GSO packet); smaller bursts under-deliver at Gbit rates
 #: Each core drives about 1 Gbit/s of shaped veth traffic (measured on these 2-core machines).
 MAX_ACCURATE_BITS_PER_CORE = 1e9
+#: Seconds the other ranks get once one has failed, before they are killed.
+RANK_GRACE = 15.0
 
 
 class LabError(RuntimeError):
@@ -52,6 +54,8 @@ def rate_bits(rate: str) -> float:
     if not m:
         raise ValueError(f"rate {rate!r}: use e.g. 1gbit, 500mbit, 100mbit")
     scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] * (8 if m.group(3) == "bps" else 1)
+    if float(m.group(1)) * scale < 1e3:
+        raise ValueError(f"rate {rate!r}: at least 1kbit")
     return float(m.group(1)) * scale
 
 
@@ -135,12 +139,29 @@ def up(nranks: int, rate: str) -> None:
         raise
 
 
+def pids() -> list[int]:
+    """The processes inside the lab's namespaces (a run's ranks)."""
+    return [int(p) for ns in namespaces() for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+
+
 def down() -> list[str]:
-    """Delete every namespace of the lab (their veths go with them); returns what was removed."""
+    """Kill what runs inside the lab (a killed run's ranks, which would wait on their peers for
+    their whole timeout), then delete its namespaces (their veths go with them); returns what
+    was removed."""
+    for pid in pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     gone = namespaces()
     for ns in gone:
         _sh("ip", "netns", "del", ns, check=False)
     return gone
+
+
+def worst(codes: list[int]) -> int:
+    """The ranks' worst exit status, as a shell gives it (128 + N: killed by signal N)."""
+    return max((128 - c if c < 0 else c for c in codes), default=0)
 
 
 def status() -> str:
@@ -165,13 +186,15 @@ class NetLab:
         self.nranks, self.rate, self.nodes, self.per_node = nranks, rate, nodes, nranks // nodes
 
     def __enter__(self) -> "NetLab":
-        self._old = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+        interrupt = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt())  # noqa: E731 - unwinds to __exit__
+        self._old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
         up(self.nodes, self.rate)
         return self
 
     def __exit__(self, *exc) -> None:
         down()
-        signal.signal(signal.SIGTERM, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
     def env(self, rank: int, port: int) -> dict:
         """torch.distributed environment of a rank inside the lab (one intra-op thread per rank, as
@@ -184,19 +207,32 @@ class NetLab:
                     OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
     def popen(self, rank: int, argv: list[str], env: dict, **kw) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", rank_ns(rank // self.per_node), *argv], env=env, **kw)
+        """A rank in its node's namespace, killed with this process however it dies (SIGKILL too)."""
+        from ..launch import _die_with_launcher
+        return subprocess.Popen(["ip", "netns", "exec", rank_ns(rank // self.per_node), *argv], env=env,
+                                preexec_fn=_die_with_launcher, **kw)
 
     def run_ranks(self, argv: list[str], timeout: float, port: int = 29531, quiet_others: bool = True) -> list[int]:
-        """Run ``argv`` as every rank (rank 0's output passes through); kill all on timeout."""
+        """Run ``argv`` as every rank (rank 0's output passes through); their exit codes. All are
+        killed on timeout, and the others RANK_GRACE seconds after one fails (time to say why
+        they fail with it), not left waiting on it for their own timeout."""
         procs = [self.popen(r, argv, self.env(r, port),
                             stdout=None if r == 0 or not quiet_others else subprocess.DEVNULL)
                  for r in range(self.nranks)]
-        deadline = time.monotonic() + timeout
+        deadline, failed = time.monotonic() + timeout, None
         try:
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise LabError(f"ranks did not finish within {timeout:.0f} s") from None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if now >= deadline:
+                    raise LabError(f"ranks did not finish within {timeout:.0f} s")
+                if failed is None and any(p.returncode for p in procs):
+                    failed = now
+                    rank, code = next((r, p.returncode) for r, p in enumerate(procs) if p.returncode)
+                    print(f"# netlab: rank {rank} exited with status {worst([code])}; the others get "
+                          f"{RANK_GRACE:g} s", file=sys.stderr, flush=True)
+                elif failed is not None and now - failed >= RANK_GRACE:
+                    break
+                time.sleep(0.1)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -229,7 +265,8 @@ def unavailable() -> str | None:
 def run_in_lab(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0, nodes: int | None = None) -> int:
     """zipccl-perf's command ``argv``, without --netlab, as N ranks inside the lab (on ``nodes``
     nodes; default one per rank), the lab torn down after; the ranks' worst exit status.
-    Raises LabError where the lab cannot be built or the ranks outlive ``timeout``."""
+    Raises LabError where the lab cannot be built, another run's ranks are in it, or the ranks
+    outlive ``timeout``; a lab left by a killed run is torn down first."""
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -239,12 +276,14 @@ def run_in_lab(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0,
         elif not a.startswith("--netlab="):
             rest.append(a)
     check_host()
+    if pids():
+        raise LabError("a lab is up and in use (zipccl-netlab status; zipccl-netlab down ends it)")
     with NetLab(nranks, rate, nodes) as lab:
         where = f"{lab.nodes} nodes of {lab.per_node} ranks" if lab.per_node > 1 else f"{nranks} ranks"
         print(f"# netlab: {where}, {rate} per {'node' if lab.per_node > 1 else 'rank'} (tc tbf, both directions)",
               flush=True)
         how = f"netlab {rate}" + (f", {lab.nodes}x{lab.per_node}" if lab.per_node > 1 else "")
-        return max(lab.run_ranks([sys.executable, "-m", "zipccl.bench.perf", *rest, "--how", how], timeout))
+        return worst(lab.run_ranks([sys.executable, "-m", "zipccl.bench.perf", *rest, "--how", how], timeout))
 
 
 def run_perf(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0, nodes: int | None = None) -> int:

@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                     status = max(status, netlab.run_in_lab(
                         LAB_RATE, shape.nranks, ["--collective", c, *EXCHANGE, *data, *extra, "-J", str(path)],
                         LAB_TIMEOUT, shape.nodes))
-            except netlab.LabError as e:
-                why = str(e)
+            except netlab.LabError as e:  # built, then failed (a timeout, a tc refusal): the run fails
+                print(f"# network lab failed ({e})", flush=True)
+                status = max(status, 1)
         if why is not None:
             print(f"# network lab not run ({why}); to see zipccl win on a 1 Gbit/s network, as root: "
                   f"{lab_command(extra)}", flush=True)
