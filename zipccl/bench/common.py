@@ -22,7 +22,6 @@ from .. import config, launch
 from ..auto import Policy
 from ..collectives import auto_policy
 from .cuda import Clock
-from .netlab import rate_bits
 from .report import size_text
 
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
@@ -169,6 +168,7 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.nranks < 1:
         ap.error("--nranks must be >= 1")
     if args.netlab is not None:
+        from .netlab import rate_bits  # here: `python -m zipccl.bench.netlab` must find it unimported
         try:
             rate_bits(args.netlab)
         except ValueError as e:
