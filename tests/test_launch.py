@@ -70,7 +70,9 @@ def _check(out: str, ranks: int) -> None:
 
 
 def test_detect(monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+              "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "SLURM_LOCALID",
+              "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(k, raising=False)
     assert launch.detect() is None
     monkeypatch.setenv("PMI_RANK", "3")  # srun --mpi=pmi2: PMI's rank and size, the node's rank from Slurm
@@ -84,10 +86,33 @@ def test_detect(monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
     assert launch.detect() == launch.World(2, 4, 0, "mpirun")
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("RANK", "1")  # torchrun's ranks under mpirun (one torchrun per node): torchrun's
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     assert launch.detect() == launch.World(1, 2, 1, "torchrun")
+
+
+@pytest.mark.parametrize("env,says", [
+    ({"RANK": "1"}, "RANK is set but WORLD_SIZE is not"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not"),
+    ({"PMI_SIZE": "2"}, "PMI_SIZE is set but PMI_RANK is not"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x': a launcher's ranks and sizes are whole numbers"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": ""}, "LOCAL_RANK='':"),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 is not a rank of WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"},
+     "RANK=0 and WORLD_SIZE=1, which torchrun did not set, against mpirun's rank 1 of 2"),
+])
+def test_detect_refuses_what_no_launcher_sets(monkeypatch, env, says):
+    """A launcher's variables that do not describe a world (each rank would make one of its own,
+    silently): refused, naming them."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
+              "PMI_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        launch.detect()
 
 
 @pytest.mark.timeout(180)

@@ -40,18 +40,51 @@ class World:
     launcher: str  # "torchrun", "mpirun", "spawn" or "single"
 
 
+#: Each launcher's variables, in the order they are read: (launcher, rank, size, local ranks).
+#: PMI's are MPICH's and Intel MPI's mpiexec (Hydra), and srun --mpi=pmi2's, which gives no
+#: MPI_LOCALRANKID.
+_LAUNCHERS = (("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",)),
+              ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",)),
+              ("mpirun", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "SLURM_LOCALID")))
+
+
 def detect() -> World | None:
-    """The world a launcher describes in the environment, or None."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return World(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return World(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
-                     int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpirun")
-    if "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH's and Intel MPI's mpiexec (Hydra); srun --mpi=pmi2,
-        local = env.get("MPI_LOCALRANKID", env.get("SLURM_LOCALID", 0))  # which gives no MPI_LOCALRANKID
-        return World(int(env["PMI_RANK"]), int(env["PMI_SIZE"]), int(local), "mpirun")
-    return None
+    """The world a launcher describes in the environment, or None. torchrun's variables come
+    first (torchrun started by mpirun, one per node, sets them for its ranks over mpirun's). A
+    rank without its size, a value that is not a whole number or a rank outside its world raises
+    ValueError naming the variables, as does a RANK that torchrun did not set (no
+    TORCHELASTIC_RUN_ID: one left in the shell, which mpirun passes on) against an MPI rank it
+    disagrees with: each rank would otherwise make a world of its own."""
+    env, found = os.environ, []
+    for launcher, rank_var, size_var, local_vars in _LAUNCHERS:
+        if rank_var not in env and size_var not in env:
+            continue
+        if rank_var not in env or size_var not in env:
+            given, missing = (rank_var, size_var) if rank_var in env else (size_var, rank_var)
+            raise ValueError(f"{given} is set but {missing} is not: a launcher sets both (unset {given}?)")
+        rank, size = _whole(rank_var), _whole(size_var)
+        local = next((_whole(v) for v in local_vars if v in env), 0)
+        if not 0 <= rank < size or local < 0:
+            raise ValueError(f"{rank_var}={rank} is not a rank of {size_var}={size} (local rank {local})")
+        found.append(World(rank, size, local, launcher))
+    if not found:
+        return None
+    first = found[0]
+    if first.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in env:
+        for other in found[1:]:
+            if (other.rank, other.size) != (first.rank, first.size):
+                raise ValueError(f"RANK={first.rank} and WORLD_SIZE={first.size}, which torchrun did not set, "
+                                 f"against {other.launcher}'s rank {other.rank} of {other.size}: unset RANK and "
+                                 "WORLD_SIZE (left in the shell?), or start the ranks with torchrun")
+    return first
+
+
+def _whole(name: str) -> int:
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: a launcher's ranks and sizes are whole numbers") from None
 
 
 def lab_env(rank: int, ifname: str = "lo") -> dict[str, str]:

@@ -173,7 +173,10 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             rate_bits(args.netlab)
         except ValueError as e:
             ap.error(f"--netlab: {e}")
-    world = launch.detect()
+    try:
+        world = launch.detect()
+    except ValueError as e:
+        ap.error(f"the launcher's environment: {e}")
     if args.collective == "sendrecv" and (world.size if world else args.nranks) < 2:
         ap.error("--collective sendrecv needs two ranks or more (--nranks, or the launcher's): "
                  "torch.distributed sends to no rank itself")
