@@ -5,6 +5,7 @@ torch on the gathered inputs; lossless equals raw; auto's choices agree on every
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import pytest
@@ -214,21 +215,30 @@ def _first_call_async_on_some_ranks(rank, groups):
     """A new group's first call, async on ranks 0 and 2 and not on 1 and 3 (torch lets each rank
     choose), over two emulated nodes: the groups that call makes (gloo's second group, the
     nodes' levels) are made in one order on every rank. Data whose sums are exact in any order."""
-    g = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
-    x = verifiable(1 << 19, torch.float32, rank, 4)
-    want = torch.stack(gathered(x)).sum(0)
-    try:
-        with emulated("2x2"):
-            work = zipccl.all_reduce(x, group=g, async_op=rank % 2 == 0)
-            if work is not None:
-                work.wait()
-            return torch.equal(x, want)
-    finally:
-        dist.destroy_process_group(g)
+    out = []
+    for lossy in (False, True):  # auto's call, then a named top-k call (zipccl.lossy's compressor)
+        g = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+        x = verifiable(1 << 19, torch.float32, rank, 4) if not lossy else \
+            torch.randn(256, 256, generator=torch.Generator().manual_seed(rank))  # a matrix: the rules let it go lossy
+        parts = gathered(x)
+        if lossy:  # each rank's 1% largest magnitudes (the first call: no residual yet), summed in rank order
+            for p in parts:
+                p[p.abs() < p.abs().topk(math.ceil(0.01 * p.numel())).values[-1]] = 0.0
+        want = torch.stack(parts).sum(0)
+        try:
+            with emulated("2x2"):
+                kwargs = dict(codec="topk", name="w") if lossy else {}
+                work = zipccl.all_reduce(x, group=g, async_op=rank % 2 == 0, **kwargs)
+                if work is not None:
+                    work.wait()
+                out.append(torch.equal(x.reshape(-1), want))
+        finally:
+            dist.destroy_process_group(g)
+    return out
 
 
 def test_a_first_call_async_on_some_ranks_only(pool):
-    assert pool.run(_first_call_async_on_some_ranks, timeout=120) == [True] * 4
+    assert pool.run(_first_call_async_on_some_ranks, timeout=120) == [[True, True]] * 4
 
 
 def _refusals(rank, groups, case):

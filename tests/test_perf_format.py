@@ -181,6 +181,10 @@ def test_a_size_whose_count_rounds_to_zero_is_a_row(tmp_path):
     [table] = nccl_text.parse(res.stdout)
     assert [(r["size"], r["count"]) for r in table.rows] == [(0, 0), (64, 8)], table.rows
     check_against_json([table], json.loads(out_json.read_text()), "all_gather", 2)
+    png = tmp_path / "zero.png"  # every row of size 0: the plot says so (a log axis has no 0)
+    res = run_perf("-b", "8", "-e", "12", "-n", "1", "-w", "0", "--nranks", "2", "--codec", "raw",
+                   "--collective", "all_gather", "-d", "float", "--plot", str(png))
+    assert res.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", res.stderr[-2000:]
 
 
 def test_per_iteration_times(tmp_path):

@@ -338,6 +338,6 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     if name is not None and codec in ("topk", "entropy"):
         compressor = lossy.default(codec)
         if async_op:
-            make_groups(group)
+            make_groups(group, "lossless", "flat")  # what the compressor's flat collectives make, as a sync call does
         return _run(lambda: compressor.all_reduce(tensor, name, op=op, group=group), async_op, (tensor,))
     return _call("all_reduce", group, tensor, tensor, op, codec, algorithm, async_op)

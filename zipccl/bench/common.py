@@ -465,14 +465,20 @@ def op_name(op) -> str:
 
 def plot(panels: list[tuple[str, list[dict]]], path: Path) -> None:
     """busbw against size, one panel per (title, rows), one colour per table (codec) and dtype,
-    the same in every panel: out of place solid, in place dashed."""
+    the same in every panel: out of place solid, in place dashed. Rows of size 0 (a count
+    rounded to 0) have no place on the log axis; a panel without others says so."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    panels = [(title, [r for r in rows if r["size"] > 0]) for title, rows in panels]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     lines = list(dict.fromkeys((r["zipccl"]["codec"], r["type"]) for _, rows in panels for r in rows))
     colours = plt.get_cmap("tab10")
     for ax, (title, rows) in zip(axes[0], panels):
+        if not rows:
+            ax.set_title(title, fontsize=10)
+            ax.text(0.5, 0.5, "no size above 0 bytes", ha="center", va="center", transform=ax.transAxes)
+            continue
         for n, (codec, dtype) in enumerate(lines):
             mine = sorted((r for r in rows if (r["zipccl"]["codec"], r["type"]) == (codec, dtype)),
                           key=lambda r: r["size"])
