@@ -168,6 +168,12 @@ def test_alltoall_and_sendrecv_tables(tmp_path, collective):
             assert 0 < z["wire_bytes"] < 0.9 * z["raw_bytes"], z
         if z["codec"] == "torch":
             assert z["wire_bytes"] is None
+    # hierarchical on 2 nodes of 2, --intra at its default (shm, the reductions'): plain bytes inside a node
+    res = run_perf("-b", "64K", "-e", "64K", "-n", "1", "-w", "0", "--nranks", "4", "--nodes", "2", "--collective",
+                   collective, "--algorithm", "hierarchical", "--codec", "lossless")
+    assert res.returncode == 0, res.stderr[-2000:]
+    [table] = nccl_text.parse(res.stdout)
+    assert table.ok and table.rows[0]["out_of_place"]["wrong"] == 0, table.rows
 
 
 @pytest.mark.timeout(300)

@@ -299,9 +299,11 @@ def count_wrong(got: torch.Tensor, want: torch.Tensor, op) -> int:
 
 
 def zipccl_codec(args, codec):
-    """The codec argument of a zipccl call: per level for a hierarchical run."""
+    """The codec argument of a zipccl call: per level for a hierarchical run. An all-to-all or a
+    message inside a node goes as plain bytes for --intra shm, the reductions' shared memory."""
     if codec is not None and args.algorithm == "hierarchical" and codec != "auto":
-        return {"intra": args.intra, "inter": codec}
+        exchange = getattr(args, "collective", None) in ("alltoall", "sendrecv")
+        return {"intra": "native" if exchange and args.intra == "shm" else args.intra, "inter": codec}
     return codec
 
 
