@@ -186,13 +186,24 @@ class NetLab:
         self.nranks, self.rate, self.nodes, self.per_node = nranks, rate, nodes, nranks // nodes
 
     def __enter__(self) -> "NetLab":
+        """Build the lab: a lab left by a run killed outright is torn down first; one whose ranks
+        still run (another run's) is refused, not taken from them."""
+        if os.geteuid() == 0 and pids():
+            raise LabError("a lab is up and in use (zipccl-netlab status; zipccl-netlab down ends it)")
         interrupt = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt())  # noqa: E731 - unwinds to __exit__
         self._old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-        up(self.nodes, self.rate)
+        try:
+            up(self.nodes, self.rate)
+        except BaseException:
+            self._restore()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         down()
+        self._restore()
+
+    def _restore(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
@@ -276,8 +287,6 @@ def run_in_lab(rate: str, nranks: int, argv: list[str], timeout: float = 3600.0,
         elif not a.startswith("--netlab="):
             rest.append(a)
     check_host()
-    if pids():
-        raise LabError("a lab is up and in use (zipccl-netlab status; zipccl-netlab down ends it)")
     with NetLab(nranks, rate, nodes) as lab:
         where = f"{lab.nodes} nodes of {lab.per_node} ranks" if lab.per_node > 1 else f"{nranks} ranks"
         print(f"# netlab: {where}, {rate} per {'node' if lab.per_node > 1 else 'rank'} (tc tbf, both directions)",
