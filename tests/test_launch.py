@@ -337,6 +337,37 @@ def test_spawn_names_the_rank_that_raised_first():
     assert e.value.error_index == 1
 
 
+_GONE_BEFORE_SHUTDOWN = """
+import datetime, os, sys, time
+import torch.distributed as dist
+from zipccl import launch
+rank = int(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+dist.barrier()
+if rank == 1:
+    os._exit(0)
+time.sleep(1)
+try:
+    launch.shutdown()
+    print("no error")
+except RuntimeError:
+    print("raised; initialized:", dist.is_initialized())
+"""
+
+
+def test_shutdown_after_a_peer_is_gone_still_destroys_the_groups(tmp_path):
+    """launch.shutdown's barrier fails where a peer has gone; the groups are destroyed anyway, so
+    that a later init makes new ones instead of returning the broken world."""
+    script = tmp_path / "gone.py"
+    script.write_text(_GONE_BEFORE_SHUTDOWN)
+    env, port = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])), str(launch.free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], env=env, stdout=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert outs[0].strip() == "raised; initialized: False", outs
+
+
 _ORPHAN_LAUNCHER = """
 import os, signal, sys, time
 from zipccl import launch
