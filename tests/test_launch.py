@@ -69,11 +69,16 @@ def _check(out: str, ranks: int) -> None:
     _check_result(out, ranks)
 
 
+def _no_launcher(monkeypatch) -> None:
+    """The launchers' variables (zipccl.launch._LAUNCHERS, and torchrun's marker) unset."""
+    for _, rank, size, local in launch._LAUNCHERS:
+        for k in (rank, size, *local):
+            monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+
+
 def test_detect(monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-              "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "SLURM_LOCALID",
-              "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(k, raising=False)
+    _no_launcher(monkeypatch)
     assert launch.detect() is None
     monkeypatch.setenv("PMI_RANK", "3")  # srun --mpi=pmi2: PMI's rank and size, the node's rank from Slurm
     monkeypatch.setenv("PMI_SIZE", "4")
@@ -106,9 +111,7 @@ def test_detect(monkeypatch):
 def test_detect_refuses_what_no_launcher_sets(monkeypatch, env, says):
     """A launcher's variables that do not describe a world (each rank would make one of its own,
     silently): refused, naming them."""
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
-              "PMI_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(k, raising=False)
+    _no_launcher(monkeypatch)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=re.escape(says)):
