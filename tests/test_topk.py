@@ -381,3 +381,51 @@ def test_bf16_values_shrink_entries_to_six_bytes(pool):
     k = TopK(0.05).k(64 * 128)
     assert res[0][2] == F.HEADER_SIZE + 6 * k  # one packet to the one other rank
     assert torch.equal(res[0][0], res[0][0].to(torch.bfloat16).float())
+
+
+def _where_topk_would_not_pay(rank, groups):
+    """Three lossy calls on 2 ranks whose top-k packets would outweigh the plain collective: a
+    DDP-like bucket of 4,096 lossy and 16,384 exact elements (every exact element a pair) at
+    density 0.01, twice; a tensor at density 0.5, all-reduced and reduce-scattered."""
+    import zipccl.lossy
+    g, out = groups[2], {}
+    gen = torch.Generator().manual_seed(70 + rank)
+    comp = zipccl.lossy.Compressor("topk", density=0.01, rules=None)
+    for step in range(2):
+        bucket = torch.randn(20480, generator=gen).to(torch.bfloat16)
+        out[f"bucket{step}"] = bucket.clone()
+        comp.reduce(bucket[:4096], "b", step, True, g, exact=(bucket, [(0, 4096)], [(4096, 20480)]))
+        out[f"bucket{step} reduced"], out[f"bucket{step} stats"] = bucket, dict(zipccl.stats()["last"])
+        out[f"bucket{step} residual"] = comp.residuals.store["b"].clone()
+    half = zipccl.lossy.Compressor(TopK(0.5), rules=None)
+    x = torch.randn(30, 100, generator=gen).to(torch.bfloat16)
+    out["x"], y = x.clone(), x.clone()
+    half.all_reduce(y, "x", op=dist.ReduceOp.SUM, group=g)
+    out["x reduced"], out["x stats"] = y, dict(zipccl.stats()["last"])
+    rs = torch.empty(1500, dtype=torch.bfloat16)
+    half.reduce_scatter(x.view(-1).clone(), rs, "xs", 0, True, g, op=dist.ReduceOp.SUM)
+    out["xs reduced"], out["xs stats"] = rs, dict(zipccl.stats()["last"])
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_lossy_call_that_top_k_would_make_larger_goes_dense(pool):
+    """Top-k never moves more than the plain collective: where its pairs would (a bucket mostly
+    of exact ranges, a density of 0.5 in bf16), the call goes whole and lossless, as if every
+    entry were selected: the exact sum (plain torch's, fp32 of two bf16 rounded once), no more
+    wire bytes than the dense call's, and a residual of zeros."""
+    res = pool.run(_where_topk_would_not_pay)[:2]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    for step in range(2):
+        want = ((res[0][f"bucket{step}"].float() + res[1][f"bucket{step}"].float()) / 2).to(torch.bfloat16)
+        for r in res:
+            assert torch.equal(r[f"bucket{step} reduced"], want), step
+            stats = r[f"bucket{step} stats"]
+            assert 0 < stats["wire_bytes"] <= stats["raw_bytes"], stats
+            assert not r[f"bucket{step} residual"].any()
+    want = (res[0]["x"].float() + res[1]["x"].float()).to(torch.bfloat16)
+    for rank, r in enumerate(res):
+        assert torch.equal(r["x reduced"], want)
+        assert torch.equal(r["xs reduced"], want.view(-1)[1500 * rank:1500 * (rank + 1)])
+        for name in ("x stats", "xs stats"):
+            assert 0 < r[name]["wire_bytes"] <= r[name]["raw_bytes"], (name, r[name])

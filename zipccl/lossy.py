@@ -123,7 +123,17 @@ class Compressor:
         if density is None:  # entropy warm-up: lossless (all of the bucket, if given)
             collectives.all_reduce(flat if exact is None else exact[0], op=op, group=group, codec="lossless")
             return _snapshot()["last"]
-        codec, wire, after, unsent = self._selected("all_reduce", flat, key, density, exact, group, op)
+        codec = self._codec(density)
+        pairs, numel = codec.k(flat.numel()), flat.numel()
+        if self._merges(flat, exact):  # the exact ranges ride in the packet, every element a pair
+            pairs, numel = pairs + exact[0].numel() - numel, exact[0].numel()
+            if codec.algorithm == "auto":  # chosen for what is sent, not for the lossy part alone
+                algorithm = collectives.sparse_algorithm(dist.get_world_size(group), pairs / max(numel, 1),
+                                                         self._value_size(flat))
+                codec = TopK(codec.density, algorithm=algorithm, sampled=codec.sampled)
+        if not self._pays("all_reduce", flat, pairs / max(numel, 1), codec, group):
+            return self._dense("all_reduce", flat, None, key, group, op, exact)
+        wire, after, unsent = self._selected("all_reduce", flat, key, codec, exact, group, op)
         with unsent:
             collectives.all_reduce(wire, op=op, group=group, codec=codec)
         return after()
@@ -139,7 +149,10 @@ class Compressor:
         if density is None:  # entropy warm-up: lossless
             collectives.reduce_scatter(out, flat, op=op, group=group, codec="lossless")
             return _snapshot()["last"]
-        codec, wire, _, unsent = self._selected("reduce_scatter", flat, key, density, None, group, op)
+        codec = self._codec(density)
+        if not self._pays("reduce_scatter", flat, codec.k(flat.numel()) / max(flat.numel(), 1), codec, group):
+            return self._dense("reduce_scatter", flat, out, key, group, op, None)
+        wire, _, unsent = self._selected("reduce_scatter", flat, key, codec, None, group, op)
         result = out if wire.dtype == out.dtype else torch.empty_like(out, dtype=wire.dtype)
         with unsent:
             collectives.reduce_scatter(result, wire, op=op, group=group, codec=codec)
@@ -147,13 +160,57 @@ class Compressor:
             out.copy_(result)
         return _snapshot()["last"]
 
-    def _selected(self, name: str, flat, key, density: float, exact, group, op):
-        """(the top-k codec at ``density``, then ``_select``'s three). A failure here is refused on
-        every rank of the collective ``name``: no message of the call has left, the peers wait in
-        its exchange, on the transport that the call's tensors choose (NCCL's for CUDA tensors)."""
-        codec = self.codec if isinstance(self.codec, TopK) else TopK(density, sampled=self.sampled)
+    def _codec(self, density: float) -> TopK:
+        return self.codec if isinstance(self.codec, TopK) else TopK(density, sampled=self.sampled)
+
+    def _value_size(self, flat: torch.Tensor) -> int:
+        return (self.value_dtype or flat.dtype).itemsize
+
+    def _merges(self, flat: torch.Tensor, exact) -> bool:
+        """Whether ``exact``'s ranges travel in the top-k packet (``reduce``'s docstring)."""
+        value_dtype = self.value_dtype or flat.dtype
+        return (exact is not None and value_dtype == exact[0].dtype
+                and sparse.supports(flat, value_dtype, self.residuals.dtype))
+
+    def _pays(self, name: str, flat: torch.Tensor, density: float, codec: TopK, group) -> bool:
+        """Whether top-k at ``density`` (pairs per element of what is sent) moves no more bytes per
+        rank than the plain collective of ``flat``'s dtype: not at high densities, nor for a bucket
+        mostly of ranges the rules keep exact. Sizes alone decide, the same on every rank."""
+        value_size, dense_size, n = self._value_size(flat), flat.element_size(), dist.get_world_size(group)
+        if name == "reduce_scatter":  # both move (n-1)/n of their bytes
+            return density * (4 + value_size) <= dense_size
+        moved = collectives.sparse_bytes(n, density, value_size)
+        sparse_moved = min(moved.values()) if codec.algorithm == "auto" else moved[codec.algorithm]
+        return sparse_moved <= 2 * (n - 1) / n * dense_size
+
+    def _dense(self, name: str, flat: torch.Tensor, out, key, group, op, exact) -> dict:
+        """The call sent whole, lossless, where top-k would not pay (``_pays``): as if every entry
+        were selected, so the residual keeps only the rounding of ``grad + residual`` to
+        ``flat``'s dtype. With ``exact``, the whole bucket goes in the one call."""
         try:
-            return (codec, *self._select(flat, key, codec, exact))
+            compensated = self.residuals.compensate(key, flat)
+            flat.copy_(compensated)
+            self.residuals.update(key, compensated, flat)
+            if exact is not None:  # the compensated lossy ranges back into the bucket
+                _place(flat, exact[0], exact[1])
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            collectives.refuse(name, transport_for(group, flat.device), flat, op, e)  # raises e here
+        try:
+            if name == "all_reduce":
+                collectives.all_reduce(flat if exact is None else exact[0], op=op, group=group, codec="lossless")
+            else:
+                collectives.reduce_scatter(out, flat, op=op, group=group, codec="lossless")
+        except BaseException:  # nothing was sent: the residual keeps the whole of it
+            self.residuals.update(key, compensated, torch.zeros_like(compensated))
+            raise
+        return _snapshot()["last"]
+
+    def _selected(self, name: str, flat, key, codec: TopK, exact, group, op):
+        """``_select``'s three. A failure here is refused on every rank of the collective ``name``:
+        no message of the call has left, the peers wait in its exchange, on the transport that
+        the call's tensors choose (NCCL's for CUDA tensors)."""
+        try:
+            return self._select(flat, key, codec, exact)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
             collectives.refuse(name, transport_for(group, flat.device), flat, op, e)  # raises e here
 
@@ -172,7 +229,7 @@ class Compressor:
                 self.residuals.dtype, codec.sample_positions(flat.numel()), codec.sample_k())
             self.residuals.store[key] = residual
             unsent = _unsent(self.residuals, key, idx, values)
-            if exact is not None and value_dtype == exact[0].dtype:
+            if self._merges(flat, exact):
                 bucket, lossy_ranges, exact_ranges = exact
                 idx, values = _with_exact_ranges(idx, values, bucket, lossy_ranges, exact_ranges)
                 codec.remember(bucket, idx, values)
@@ -244,6 +301,15 @@ def _with_exact_ranges(idx: torch.Tensor, values: torch.Tensor, bucket: torch.Te
     pieces += [(a, torch.arange(a, b, dtype=idx.dtype, device=idx.device), bucket[a:b]) for a, b in exact_ranges]
     pieces.sort(key=lambda p: p[0])
     return torch.cat([p[1] for p in pieces]), torch.cat([p[2] for p in pieces])
+
+
+def _place(flat: torch.Tensor, bucket: torch.Tensor, ranges: list) -> None:
+    """``flat`` (``bucket``'s ``ranges`` back to back) written into those ranges, unless it is them."""
+    at = 0
+    for a, b in ranges:
+        if flat[at:at + b - a].data_ptr() != bucket[a:b].data_ptr():
+            bucket[a:b].copy_(flat[at:at + b - a])
+        at += b - a
 
 
 def _sum_across(group):

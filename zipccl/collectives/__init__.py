@@ -54,8 +54,8 @@ from .flat import all_gather, all_reduce, flat_collective, native, reduce_scatte
 from .metadata import Call, timed
 from .pipeline import pieces
 from .resolve import AUTO, NATIVE, PLAN_CODECS, check_op, resolve_codec
-from .sparse_reduce import _sum_pairs, sparse_algorithm
+from .sparse_reduce import _sum_pairs, sparse_algorithm, sparse_bytes
 from .validation import carrier, check_carrier, check_shapes, finish, input_size, new_acc, prepare, refuse
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "auto_policy", "sparse_algorithm",
-           "submit", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned", "native", "refuse_in_step"]
+           "sparse_bytes", "submit", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned", "native", "refuse_in_step"]

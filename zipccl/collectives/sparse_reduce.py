@@ -17,18 +17,22 @@ from .metadata import Call, _meta_bytes, timed
 from .resolve import _OPS, _RAW
 
 
-def sparse_algorithm(n: int, density: float, itemsize: int) -> str:
-    """"gather" or "scatter": whichever moves fewer bytes per rank for a top-k all-reduce of
-    ``n`` ranks. Gather: every rank receives every other rank's k pairs, (n-1)·k·(4+s). Scatter:
-    pairs go to the owner of their chunk, k·(4+s)·(n-1)/n, then each owner's reduced chunk goes
-    to everyone, sparse or dense, (n-1)/n·N·min(u·(4+s), s), with u = 1-(1-d)^n the union's
-    density if ranks chose independently (an upper bound: gradients' top-k overlap). Both in
-    bytes per element N of the tensor."""
+def sparse_bytes(n: int, density: float, itemsize: int) -> dict[str, float]:
+    """Bytes per element N of the tensor that each algorithm of a top-k all-reduce of ``n`` ranks
+    moves per rank. Gather: every rank receives every other rank's k pairs, (n-1)·k·(4+s).
+    Scatter: pairs go to the owner of their chunk, k·(4+s)·(n-1)/n, then each owner's reduced
+    chunk goes to everyone, sparse or dense, (n-1)/n·N·min(u·(4+s), s), with u = 1-(1-d)^n the
+    union's density if ranks chose independently (an upper bound: gradients' top-k overlap)."""
     pair = 4 + itemsize
-    gather = (n - 1) * density * pair
     union = 1 - (1 - density) ** n
-    scatter = density * pair * (n - 1) / n + (n - 1) / n * min(union * pair, itemsize)
-    return "scatter" if scatter < gather else "gather"
+    return {"gather": (n - 1) * density * pair,
+            "scatter": density * pair * (n - 1) / n + (n - 1) / n * min(union * pair, itemsize)}
+
+
+def sparse_algorithm(n: int, density: float, itemsize: int) -> str:
+    """"gather" or "scatter": whichever moves fewer bytes per rank (sparse_bytes)."""
+    moved = sparse_bytes(n, density, itemsize)
+    return "scatter" if moved["scatter"] < moved["gather"] else "gather"
 
 
 def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict, fate: Fate) -> None:
