@@ -283,9 +283,9 @@ def _feedback(rank, groups, n, split):
     model = _sharded(groups[n])
     make = lambda: zipccl.fsdp.compress(model, codec="lossless", lossy="topk", min_numel=0, density=0.05,  # noqa
                                         sampled=False)
+    info = {"fsdp_pre_hooks": len(model._forward_pre_hooks)}
     comms = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    info = {}
     for step in range(4):
         if step == 2 and split:
             buf = io.BytesIO()
@@ -314,6 +314,9 @@ def _feedback(rank, groups, n, split):
     info["digest"] = _digest(model)[0]
     info["densities"] = comms.stats()["densities"]
     info["steps"] = comms.state_dict()["mlp"]["step"]
+    info["pre_hooks"] = len(model._forward_pre_hooks)  # FSDP's and compress's own, once however often it ran
+    zipccl.fsdp.compress(model, codec="lossless")
+    info["pre_hooks_without_lossy"] = len(model._forward_pre_hooks)
     return info
 
 
@@ -322,6 +325,8 @@ def test_error_feedback_across_steps_and_checkpoints(pool):
     for s, res in runs.items():
         assert all(not isinstance(r, BaseException) for r in res), (s, res)
         assert res[0]["digest"] == res[1]["digest"], s
+        assert [(r["pre_hooks"] - r["fsdp_pre_hooks"], r["pre_hooks_without_lossy"] - r["fsdp_pre_hooks"])
+                for r in res] == [(1, 0)] * 2, s
     whole = runs[None][0]
     assert whole["snapshot_kept"] is True
     numel, padded, zeros = whole["residual"]

@@ -21,6 +21,7 @@ FSDP1: ``model.register_comm_hook(zipccl.fsdp.State1(group), zipccl.fsdp.hook1)`
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -46,6 +47,7 @@ EXACT = "exact"
 #: A module whose own parameters hold fewer elements than this stays exact, whatever its name:
 #: its bytes are a sliver of the step's, and sparsifying it saves nothing worth its error.
 MIN_NUMEL = 1 << 16
+_MARKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the step-marking hook compress installed
 
 
 @dataclass(frozen=True)
@@ -341,13 +343,16 @@ def compress(model: torch.nn.Module, *, codec="auto", lossy: str | None = None, 
         if replicate_group is not None:
             module.set_all_reduce_hook(partial(_replicate, module, replicate_group, codec, {}))
         installed[name] = (group, ag, rs)
-    hook = None
+    hook = _MARKS.pop(model, None)  # compress called again: the earlier comms' marks (and residuals) go
+    if hook is not None:
+        hook.remove()
+        hook = None
     if groups:  # each forward of the model starts a step: a group's first reduce-scatter after it decides its density
         def mark_step(module, args) -> None:
             for c in groups.values():
                 c.mark()
         mark_step(model, ())
-        hook = model.register_forward_pre_hook(mark_step)
+        hook = _MARKS[model] = model.register_forward_pre_hook(mark_step)
     return Comms(installed, groups, hook)
 
 
