@@ -944,6 +944,37 @@ def test_empty_lists_fail_as_the_backends(zpool):
             assert res[name, "lossless"] is res[name, "gloo"] is True, (rank, res)
 
 
+def _shapes_gloo_refuses(rank, groups):
+    """All-gathers into, and reduce-scatters of, one tensor of shapes that gloo refuses (stacked,
+    0-d, an element too many), small and 2 MiB: whether each raised a RuntimeError, per group."""
+    w, out = dist.get_world_size(), {}
+    for n in (4, 1 << 19):
+        calls = {"stacked output": lambda g: dist.all_gather_into_tensor(torch.empty(w, n), torch.ones(n), group=g),
+                 "0-d input": lambda g: dist.all_gather_into_tensor(torch.empty(w), torch.ones(()), group=g),
+                 "output too long": lambda g: dist.all_gather_into_tensor(torch.empty(w * n + 1), torch.ones(n),
+                                                                          group=g),
+                 "stacked input": lambda g: dist.reduce_scatter_tensor(torch.empty(n), torch.ones(w, n), group=g),
+                 "input too long": lambda g: dist.reduce_scatter_tensor(torch.empty(n), torch.ones(w * n + 1),
+                                                                        group=g)}
+        for name, call in calls.items():
+            for where in ("raw", "lossless", w, "gloo"):
+                try:
+                    call(groups[where])
+                    out[n, name, where] = "no error"
+                except Exception as e:  # noqa: BLE001 - the test compares them
+                    out[n, name, where] = isinstance(e, RuntimeError) or type(e).__name__
+    return out
+
+
+def test_shapes_gloo_refuses_are_refused_as_gloo_does_at_every_size(zpool):
+    """zipccl needs only the element counts, but a CPU drop-in call of a shape gloo refuses is
+    refused by gloo: before, the compressed paths took what gloo refuses (or raised a ValueError),
+    so that under auto a call's fate depended on its size."""
+    for rank, res in enumerate(zpool().run(_shapes_gloo_refuses, timeout=60)):
+        assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
+        assert set(res.values()) == {True}, (rank, {k: v for k, v in res.items() if v is not True})
+
+
 def _first_call_async(rank, groups):
     """A new drop-in group's first call made async, on two nodes of two ranks, for each policy
     whose call finds the group's nodes (or makes its levels) while it is queued: the result,
