@@ -159,3 +159,77 @@ def _threads(rank: int, port: int, warm: bool):
 def test_groups_made_first_let_two_threads_make_their_first_calls_at_once():
     got, _ = spawn(_rank, N, (_threads, (free_port(), True)), seconds=60)
     assert got == {r: [True, True] for r in range(N)}, got
+
+
+def _destroy_midflight(rank: int, ports):
+    """Three async lossless all-reduces, then the world destroyed without waiting for them (rank 1
+    half a second later) and made again: the old calls end with their sums, on the world they
+    were issued on, and the new world's first call works."""
+    import time
+
+    import torch.distributed as dist
+
+    import zipccl
+    _init(rank, ports[0])
+    zipccl.all_reduce(torch.ones(1000), codec="lossless")
+    xs = [torch.full((1 << 21,), float(rank + 1 + i)) for i in range(3)]
+    handles = [zipccl.all_reduce(x, async_op=True, codec="lossless") for x in xs]
+    time.sleep(0.5 * rank)
+    dist.destroy_process_group()
+    done = [h.is_completed() for h in handles]
+    _init(rank, ports[1])
+    y = torch.full((1000,), float(rank + 1))
+    zipccl.all_reduce(y, codec="lossless")
+    for h in handles:
+        h.wait()
+    sums = [float(sum(r + 1 + i for r in range(N))) for i in range(3)]
+    return done, bool(torch.equal(y, torch.full_like(y, float(sum(range(1, N + 1)))))), \
+        [bool(torch.equal(x, torch.full_like(x, s))) for x, s in zip(xs, sums)]
+
+
+@pytest.mark.timeout(120)
+def test_destroy_waits_for_the_async_calls_issued_before_it():
+    """Before, a call still queued at the destroy ran on no world, or on the next one, and the
+    new world's first call failed on every rank after zipccl's timeout."""
+    got, _ = spawn(_rank, N, (_destroy_midflight, ((free_port(), free_port()),)), seconds=90)
+    assert got == {r: ([True] * 3, True, [True] * 3) for r in range(N)}, got
+
+
+_EXIT_MIDFLIGHT = """
+import atexit, datetime, os, sys, time
+import torch, torch.distributed as dist
+import zipccl
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+zipccl.all_reduce(torch.ones(1000), codec="lossless")
+xs = [torch.full((1 << 21,), float(rank + 1 + i)) for i in range(4)]
+
+def check():  # registered before zipccl's own exit handler, so it runs after it
+    sums = [float(3 + 2 * i) for i in range(4)]
+    ok = all(h.is_completed() for h in handles) and all(torch.equal(x, torch.full_like(x, s)) for x, s in zip(xs, sums))
+    print("ended with its sums" if ok else "lost", flush=True)
+
+atexit.register(check)
+handles = [zipccl.all_reduce(x, async_op=True, codec=sys.argv[1]) for x in xs]
+handles[-1].get_future().add_done_callback(lambda f: time.sleep(0.5))  # a slow callback, on zipccl's thread
+time.sleep(0.3 * rank)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", ["lossless", "raw"])
+def test_a_process_that_exits_with_async_calls_running_ends_them_and_exits_cleanly(tmp_path, codec):
+    """A script that returns with async calls still running (no wait, no destroy): the interpreter's
+    exit waits for them and ends zipccl's threads first. Before, the thread still inside gloo's
+    C++ code when the interpreter finalized aborted the process ("terminate called without an
+    active exception"): also one that ran a callback of the last handle's future, done already."""
+    import subprocess
+    import sys
+    script = tmp_path / "exit_midflight.py"
+    script.write_text(_EXIT_MIDFLIGHT)
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), codec], env=dict(env, RANK=str(r)), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "ended with its sums" in out, (p.returncode, out[-2000:])

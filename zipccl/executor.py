@@ -20,14 +20,17 @@ between ranks.
 
 from __future__ import annotations
 
+import atexit
 import queue
+import sys
 import threading
+import time
 
 import torch
 
 from .errors import TimeoutError  # noqa: A004 - zipccl's, a subclass of the builtin
 
-__all__ = ["Handle", "drain", "idle", "last", "run", "submit", "on_lane"]
+__all__ = ["Handle", "drain", "idle", "last", "run", "submit", "on_lane", "wait_all", "wait_to_end"]
 
 
 class Handle:
@@ -82,7 +85,8 @@ _queue: queue.Queue | None = None
 _queue_lock = threading.Lock()
 _worker_thread: threading.Thread | None = None
 _last: Handle | None = None  # the async call issued last
-_lanes: dict = {}  # key -> the queue of a lane's thread (on_lane)
+_lanes: dict = {}  # key -> (the queue of a lane's thread, the thread) (on_lane)
+_lane_last: dict = {}  # key -> the handle of the task queued last on that lane
 #: Seconds a lane's thread waits for its next task before it ends (a later task makes a new one):
 #: a process that sends to many peers in turn keeps no thread per peer it no longer talks to.
 LANE_IDLE = 60.0
@@ -97,15 +101,19 @@ def _worker(q: queue.Queue, lane=None) -> None:
     _threads.ours, _threads.lane = True, lane
     while True:
         try:
-            fn, handle, start, tensors = q.get(timeout=None if lane is None else LANE_IDLE)
+            task = q.get(timeout=None if lane is None else LANE_IDLE)
         except queue.Empty:
             with _queue_lock:
                 if q.empty():
                     del _lanes[lane]
+                    _lane_last.pop(lane, None)
                     for key in [k for k in _streams if k[0] == id(q)]:
                         del _streams[key]
                     return
             continue
+        if task is None:  # _stop
+            return
+        fn, handle, start, tensors = task
         try:
             if start is None:
                 handle._future.set_result(fn())
@@ -126,7 +134,7 @@ def _worker(q: queue.Queue, lane=None) -> None:
         except BaseException as e:  # surfaced by wait()
             handle._future.set_exception(e)
         finally:  # nothing of a finished task kept while this thread waits for the next (its tensors)
-            fn = handle = start = tensors = result = None
+            fn = handle = start = tensors = result = task = None
 
 
 def _issued_on(tensors: list) -> tuple | None:
@@ -206,11 +214,14 @@ def on_lane(key, fn, tensors=()) -> Handle:
     communicators never blocks the caller."""
     task = _task(fn, tensors)
     with _queue_lock:
-        q = _lanes.get(key)
-        if q is None:
-            q = _lanes[key] = queue.Queue()
-            threading.Thread(target=_worker, args=(q, key), daemon=True, name=f"zipccl-lane {key}").start()
-        q.put(task)
+        if key not in _lanes:
+            q = queue.Queue()
+            thread = threading.Thread(target=_worker, args=(q, key), daemon=True, name=f"zipccl-lane {key}")
+            _lanes[key] = q, thread
+            _wait_at_exit()
+            thread.start()
+        _lane_last[key] = task[1]
+        _lanes[key][0].put(task)
     return task[1]
 
 
@@ -254,8 +265,78 @@ def run(fn, async_op: bool, tensors=()):
     with _queue_lock:
         if _queue is None:
             _queue = queue.Queue()
+            _wait_at_exit()
             _worker_thread = threading.Thread(target=_worker, args=(_queue,), daemon=True, name="zipccl-async")
             _worker_thread.start()
         _last = task[1]
         _queue.put(task)
     return task[1]
+
+
+def wait_all(timeout: float | None = None) -> bool:
+    """Wait until every async call and lane task issued so far has ended (their errors stay with
+    their handles); False if ``timeout`` seconds passed first. At once on zipccl's own threads,
+    which run them. torch destroys a process group only after its pending work, and so does
+    zipccl (lifetime.destroy_process_group)."""
+    if ours():
+        return True
+    with _queue_lock:
+        handles = [h for h in (_last, *_lane_last.values()) if h is not None]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for handle in handles:
+        if not handle._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            return False
+    return True
+
+
+#: Seconds that the interpreter's exit and ``destroy_process_group`` wait for zipccl's calls still
+#: running (a peer may never join them), then go on without them.
+END_WAIT = 60.0
+_exit_registered = False
+
+
+def _wait_at_exit() -> None:
+    """Registered with the first worker thread, so that it runs before the handlers registered
+    earlier (the heartbeat's, which the calls may still need): a daemon thread still inside a
+    collective's C++ code when the interpreter finalizes is ended by an exception that aborts the
+    process ("terminate called without an active exception"), so exit waits for the calls, a
+    bounded time. Called under ``_queue_lock``."""
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_at_exit)
+
+
+def wait_to_end(what: str) -> bool:
+    """``wait_all(END_WAIT)``, saying so on stderr where the calls did not end."""
+    if wait_all(END_WAIT):
+        return True
+    print(f"zipccl: async calls still running after {END_WAIT:g} s at {what} (a peer that never joined "
+          "them?); going on without them", file=sys.stderr, flush=True)
+    return False
+
+
+def _at_exit() -> None:
+    if wait_to_end("exit"):
+        _stop(END_WAIT)
+
+
+def _stop(timeout: float) -> None:
+    """End zipccl's threads once their queued work is done, and join them (``timeout`` seconds in
+    all): a call's handle is done inside its future's callbacks, while the thread that ran it is
+    still in torch's C++ code, where a finalizing interpreter ends it with that abort. A later
+    call makes new threads."""
+    global _queue, _worker_thread
+    with _queue_lock:
+        ending = [(q, t) for q, t in _lanes.values()]
+        if _queue is not None:
+            ending.append((_queue, _worker_thread))
+        _queue = _worker_thread = None
+        _lanes.clear()
+        _lane_last.clear()
+        _streams.clear()
+        for q, _ in ending:
+            q.put(None)
+    deadline = time.monotonic() + timeout
+    for _, thread in ending:
+        thread.join(max(0.0, deadline - time.monotonic()))

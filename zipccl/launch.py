@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import lifetime
 from .errors import UnsupportedError
 
 DEFAULT_ADDR, DEFAULT_PORT = "127.0.0.1", 29500
@@ -201,7 +202,7 @@ def _child(rank, fn, nranks, port, backend, timeout, results, args, share_gpu=Fa
         results.put((rank, out))
     except BaseException:
         results.put((rank, _Raised(traceback.format_exc())))  # before its peers fail of its going
-        dist.destroy_process_group()  # no barrier: the other ranks may never get there
+        lifetime.torch_destroy()  # no barrier, no wait for zipccl's calls: the other ranks may never get there
         raise
     shutdown()
 

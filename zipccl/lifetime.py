@@ -9,12 +9,15 @@ new world read the old one's state (a rank's node never written into the new wor
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["keep", "sweep", "destroy"]
+from . import executor
+
+__all__ = ["keep", "sweep", "destroy", "destroy_process_group", "wait_on_destroy"]
 
 _kept: list = []  # (cache, group_of or None for a cache of the whole world, on_drop or None)
 _lock = threading.Lock()
@@ -61,4 +64,25 @@ def destroy(*groups) -> None:
     """Destroy those of ``groups`` (zipccl's own) that torch still holds (on gloo a local call)."""
     for g in groups:
         if g is not None and g in dist.distributed_c10d._world.pg_map:
-            dist.destroy_process_group(g)
+            torch_destroy(g)
+
+
+torch_destroy = dist.distributed_c10d.destroy_process_group  # torch's own, which zipccl's groups use
+
+
+@functools.wraps(torch_destroy)
+def destroy_process_group(group=None):
+    """torch's ``destroy_process_group``, once zipccl's async calls issued before it have ended,
+    as torch destroys a group only after its own pending work: a call still queued would run on
+    a destroyed world (``group=None``: on the next one) and leave its peers waiting. A bounded
+    wait (executor.END_WAIT): a send that no peer receives does not hold the destroy."""
+    executor.wait_to_end("destroy_process_group")
+    return torch_destroy(group)
+
+
+def wait_on_destroy() -> None:
+    """Make ``destroy_process_group`` torch.distributed's (at import: a process that imported
+    zipccl and calls ``dist.destroy_process_group()`` waits for zipccl's calls as for torch's)."""
+    for module in (dist, dist.distributed_c10d):
+        if module.destroy_process_group is torch_destroy:
+            module.destroy_process_group = destroy_process_group
