@@ -340,6 +340,19 @@ def test_spawn_names_the_rank_that_raised_first():
     assert e.value.error_index == 1
 
 
+def _interrupted(rank, nranks):
+    raise KeyboardInterrupt("rank 0's own interrupt")
+
+
+def test_spawn_raises_a_ranks_keyboard_interrupt():
+    """torch's spawn ends a rank that raised KeyboardInterrupt with exit code 0 (it takes it for a
+    stop its parent asked for): spawn returned [None] as if the rank had returned."""
+    import torch.multiprocessing as mp
+    with pytest.raises(mp.ProcessRaisedException) as e:
+        launch.spawn(_interrupted, 1, timeout=30)
+    assert "rank 0 raised first" in str(e.value) and "rank 0's own interrupt" in str(e.value), str(e.value)
+
+
 _GONE_BEFORE_SHUTDOWN = """
 import datetime, os, sys, time
 import torch.distributed as dist

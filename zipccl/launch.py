@@ -279,4 +279,7 @@ def spawn(fn, nranks: int, *args, backend: str = "gloo", timeout: float = 600.0,
             first = ranks.processes[rank].pid
             raise mp.ProcessRaisedException(f"rank {rank} raised first:\n\n{text}", rank, first) from e
     collect()
+    if raised:  # a KeyboardInterrupt, which torch's spawn takes for its own stop: the rank ended with 0
+        rank, text = raised[0]
+        raise mp.ProcessRaisedException(f"rank {rank} raised first:\n\n{text}", rank, ranks.processes[rank].pid)
     return out
