@@ -235,14 +235,14 @@ def _first(tensors):
     return tensors if isinstance(tensors, torch.Tensor) else None
 
 
-def _chunks_as_gloo(whole: torch.Tensor, part: torch.Tensor, size: int) -> bool:
-    """Whether ``whole`` is ``size`` chunks of ``part``'s shape along dim 0, as gloo's all-gather
-    into one tensor and reduce-scatter of one tensor ask. A CPU call of other shapes goes to gloo,
-    to be refused there as with gloo, whatever its size and codec (zipccl itself needs only the
-    element counts, as NCCL does: CUDA calls are not held to it)."""
+def _chunks_as_gloo(whole: torch.Tensor, part: torch.Tensor, group) -> bool:
+    """Whether ``whole`` is one chunk per rank of ``group`` of ``part``'s shape along dim 0, as
+    gloo's all-gather into one tensor and reduce-scatter of one tensor ask. A CPU call of other
+    shapes goes to gloo, to be refused there as with gloo, whatever its size and codec (zipccl
+    itself needs only the element counts, as NCCL does: CUDA calls are not held to it)."""
     if whole.device.type != "cpu":
         return True
-    return part.dim() >= 1 and tuple(whole.shape) == (size * part.shape[0], *part.shape[1:])
+    return part.dim() >= 1 and tuple(whole.shape) == (group.size() * part.shape[0], *part.shape[1:])
 
 
 def _data(tensors) -> list:
@@ -418,7 +418,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         async_op = getattr(opts, "asyncOp", True)
-        if (not self._takes([output, input]) or not _chunks_as_gloo(output, input, self.size())
+        if (not self._takes([output, input]) or not _chunks_as_gloo(output, input, self)
                 or (own := self._own("all_gather", output, input))):
             return self._passed(input)._allgather_base(output, input, _options(AllgatherOptions, opts))
         out, src = _data([output, input])
@@ -428,8 +428,11 @@ class ProcessGroupZipccl(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         op, async_op = _op_of(opts), getattr(opts, "asyncOp", True)
-        if (not self._takes([output, input], op) or not _chunks_as_gloo(input, output, self.size())
+        if (not self._takes([output, input], op) or not _chunks_as_gloo(input, output, self)
                 or (own := self._own("reduce_scatter", output, input, op))):
+            if output.dim() == 0 and output.device.type == "cpu":  # gloo ends the process (SIGSEGV)
+                raise RuntimeError("reduce_scatter_tensor into a 0-d tensor: gloo cannot (it crashes); give the "
+                                   "output one dimension")
             return self._passed(input)._reduce_scatter_base(
                 output, input, _options(dist.ReduceScatterOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
