@@ -207,6 +207,11 @@ xs = [torch.full((1 << 21,), float(rank + 1 + i)) for i in range(4)]
 def check():  # registered before zipccl's own exit handler, so it runs after it
     sums = [float(3 + 2 * i) for i in range(4)]
     ok = all(h.is_completed() for h in handles) and all(torch.equal(x, torch.full_like(x, s)) for x, s in zip(xs, sums))
+    late = torch.full((1 << 20,), 1.0)  # an async call after zipccl's exit handler, with a slow callback
+    handle = zipccl.all_reduce(late, async_op=True, codec="lossless")
+    handle.get_future().add_done_callback(lambda f: time.sleep(0.5))
+    handle.wait()
+    ok = ok and torch.equal(late, torch.full_like(late, 2.0))
     print("ended with its sums" if ok else "lost", flush=True)
 
 atexit.register(check)
@@ -221,7 +226,8 @@ def test_a_process_that_exits_with_async_calls_running_ends_them_and_exits_clean
     """A script that returns with async calls still running (no wait, no destroy): the interpreter's
     exit waits for them and ends zipccl's threads first. Before, the thread still inside gloo's
     C++ code when the interpreter finalized aborted the process ("terminate called without an
-    active exception"): also one that ran a callback of the last handle's future, done already."""
+    active exception"): also one that ran a callback of the last handle's future, done already,
+    and one that an exit handler's later async call started."""
     import subprocess
     import sys
     script = tmp_path / "exit_midflight.py"

@@ -212,6 +212,8 @@ def on_lane(key, fn, tensors=()) -> Handle:
     calls' queue (``last`` is not changed); a lane idle for ``LANE_IDLE`` seconds ends. zipccl.p2p
     posts each direction's framed sends on a lane of its own, so that making a pair's
     communicators never blocks the caller."""
+    if _exiting:  # after _stop: at once, on the exit handler's thread
+        return _inline(fn)
     task = _task(fn, tensors)
     with _queue_lock:
         if key not in _lanes:
@@ -259,8 +261,9 @@ def run(fn, async_op: bool, tensors=()):
         drain()
         fn()
         return None
-    if running_queue():  # issued by a queued call (a future's callback, which torch runs on the thread that
-        return _inline(fn)  # finished the future): queued behind that call, a wait for it would wait for good
+    if running_queue() or _exiting:  # issued by a queued call (a future's callback, which torch runs on the
+        return _inline(fn)  # thread that finished the future): queued behind that call, a wait for it would wait
+    #                         for good; or by an exit handler after _stop: no thread is left to end it
     task = _task(fn, tensors)
     with _queue_lock:
         if _queue is None:
@@ -293,6 +296,7 @@ def wait_all(timeout: float | None = None) -> bool:
 #: running (a peer may never join them), then go on without them.
 END_WAIT = 60.0
 _exit_registered = False
+_exiting = False  # set by _stop: calls issued later (by other exit handlers) run at once
 
 
 def _wait_at_exit() -> None:
@@ -325,9 +329,10 @@ def _stop(timeout: float) -> None:
     """End zipccl's threads once their queued work is done, and join them (``timeout`` seconds in
     all): a call's handle is done inside its future's callbacks, while the thread that ran it is
     still in torch's C++ code, where a finalizing interpreter ends it with that abort. A later
-    call makes new threads."""
-    global _queue, _worker_thread
+    call, from an exit handler that runs after this one, runs at once on its caller's thread."""
+    global _queue, _worker_thread, _exiting
     with _queue_lock:
+        _exiting = True
         ending = [(q, t) for q, t in _lanes.values()]
         if _queue is not None:
             ending.append((_queue, _worker_thread))
