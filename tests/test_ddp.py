@@ -296,7 +296,9 @@ def test_error_feedback_is_exact_across_ddps_rebuild_and_a_restored_checkpoint(p
 def test_a_new_buckets_residual_is_taken_from_the_buckets_that_held_its_parameters():
     """Bucket "new" holds w2 and w1 (in that order), which buckets "old1" (w1, w0) and "old2" (w2)
     held: its residual is theirs, parameter by parameter; "old2", emptied, goes; "old1" keeps
-    w0's and zeros where w1's was. Where any of its parameters is in no residual, nothing moves."""
+    w0's and zeros where w1's was. A bucket of w0 and w9, which no residual holds (a parameter
+    unfrozen since), takes w0's and zeros for w9, and "old1", all taken, goes. Before, nothing
+    moved where any parameter was in no residual: w0's unsent gradient was lost, and kept."""
     from zipccl.ddp import _take_residual
     state = zipccl.ddp.State(codec="topk")
     store = state.residuals.store
@@ -308,7 +310,41 @@ def test_a_new_buckets_residual_is_taken_from_the_buckets_that_held_its_paramete
     assert torch.equal(store["old1"], torch.tensor([0.0, 0.0, 0.0, 4.0, 5.0]))
     state.parts["other"] = (("w0", 2), ("w9", 1))
     _take_residual(state, "other")
-    assert "other" not in store and torch.equal(store["old1"], torch.tensor([0.0, 0.0, 0.0, 4.0, 5.0]))
+    assert torch.equal(store["other"], torch.tensor([4.0, 5.0, 0.0]))
+    assert "old1" not in store and "old1" not in state.parts
+    state.parts["none"] = (("w8", 4),)
+    _take_residual(state, "none")
+    assert "none" not in store
+
+
+def _another_ranks_ddp_state(rank, groups):
+    """A lossy state with a residual, pickled on each of 2 ranks: attached on the other rank, then
+    on its own; a lossless state, which holds no residual, on the other rank."""
+    import pickle
+    if rank >= 2:
+        return None
+    g, out = groups[2], {}
+    for codec in ("topk", "lossless"):
+        state = zipccl.ddp.State(group=g, codec=codec)
+        if state.residuals is not None:
+            state.residuals.store["bucket"] = torch.full((10,), float(rank))
+        saved = [None, None]
+        dist.all_gather_object(saved, pickle.dumps(state), group=g)
+        try:
+            pickle.loads(saved[1 - rank]).attach(g)
+            out[codec] = "attached"
+        except ValueError as e:
+            out[codec] = str(e)
+        out[codec, "own"] = float(pickle.loads(saved[rank]).attach(g).residuals.store["bucket"][0]) \
+            if codec == "topk" else None
+    return out
+
+
+def test_a_state_with_residuals_saved_by_another_rank_is_refused(pool):
+    for rank, res in enumerate(pool.run(_another_ranks_ddp_state)[:2]):
+        assert not isinstance(res, BaseException), res
+        assert f"saved by rank {1 - rank} of 2, and this is rank {rank} of 2" in res["topk"], res
+        assert res["topk", "own"] == rank and res["lossless"] == "attached", res
 
 
 def _entropy_with_an_exact_first_bucket(rank, groups):

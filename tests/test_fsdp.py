@@ -320,6 +320,35 @@ def _feedback(rank, groups, n, split):
     return info
 
 
+def _another_ranks_state(rank, groups, n):
+    """One lossy step, then each rank loads the state that its neighbour saved, then its own."""
+    if rank >= n:
+        return None
+    model = _sharded(groups[n])
+    comms = zipccl.fsdp.compress(model, codec="lossless", lossy="topk", min_numel=0, density=0.05, sampled=False)
+    x, y = _inputs(rank, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    states = [None] * n
+    dist.all_gather_object(states, comms.state_dict(), group=groups[n])
+    try:
+        comms.load_state_dict(states[(rank + 1) % n])
+        out = "loaded"
+    except ValueError as e:
+        out = str(e)
+    comms.load_state_dict(states[rank])
+    return out, dist.get_world_size()
+
+
+def test_a_state_saved_by_another_rank_is_refused(pool):
+    """Residuals are laid out by the rank's shards: another rank's (or world's) state was loaded
+    and applied at the wrong positions, or dropped where the sizes differed. (The job's ranks
+    are recorded: the pool's world is larger than the FSDP group.)"""
+    for rank, res in enumerate(pool.run(_another_ranks_state, 2)[:2]):
+        assert not isinstance(res, BaseException), res
+        said, world = res
+        assert f"saved by rank {1 - rank} of {world}, and this is rank {rank} of {world}" in said, said
+
+
 def test_error_feedback_across_steps_and_checkpoints(pool):
     runs = {s: pool.run(_feedback, 2, s, timeout=300)[:2] for s in (None, "load", "fresh", "saved before marks")}
     for s, res in runs.items():

@@ -20,6 +20,7 @@ from . import api, collectives
 from .stats import stats as _snapshot
 from .entropy import EntropyRate
 from .errors import UnsupportedError
+from .feedback import check_saved_by, rank_in
 from .lossy import Compressor
 from .rules import LayerRules, segments
 from .topk import TopK
@@ -56,7 +57,7 @@ class State:
 
     __slots__ = ("group", "codec", "algorithm", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds",
                  "density", "compressor", "rate", "residuals", "densities", "rules", "names", "layouts", "members",
-                 "used", "first_lossy", "parts")
+                 "used", "first_lossy", "parts", "saved_by")
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, codec="lossless", density: float = 0.01,
                  rate: Optional[EntropyRate] = None, residual_dtype: torch.dtype = torch.float32,
@@ -87,7 +88,8 @@ class State:
         self.layouts: dict = {}  # bucket key -> (lossy index, exact index) or None
         self.members: dict = {}  # bucket key -> the ids of its parameters, in order (this process's)
         self.used: set = set()  # the keys of this step's buckets so far
-        self.parts: dict = {}  # bucket key -> its residual's parameters in order, as (name, numel)
+        self.parts: dict = {}  # bucket key -> its residual's parameters in order, as (name, numel); None: taken
+        self.saved_by = None  # (rank, world size) of the group that pickled this state, for attach's check
         self.first_lossy = -1  # the step whose first bucket with a lossy part has been seen
         self.iterations = 0
         self.raw_bytes = self.wire_bytes = 0
@@ -116,8 +118,10 @@ class State:
 
     def attach(self, group: Optional[dist.ProcessGroup] = None, model: Optional[torch.nn.Module] = None) -> "State":
         """Give a state loaded from a checkpoint this process's group and ``model``'s parameter
-        names (the layer rules' names), which pickling drops; returns the state."""
+        names (the layer rules' names), which pickling drops; returns the state. Residuals are
+        rank-local: a state that holds some, saved by another rank or world size, is refused."""
         _check_member(group)
+        check_saved_by(self.saved_by, rank_in(group), self.residuals is not None and bool(self.residuals.store))
         self.group = group
         if model is not None:
             self.names = {id(p): n for n, p in model.named_parameters()}
@@ -126,12 +130,12 @@ class State:
 
     def __getstate__(self):  # parameter ids and bucket layouts belong to this process: rebuilt on use
         local = ("group", "names", "layouts", "members", "used")
-        return {k: getattr(self, k) for k in self.__slots__ if k not in local}
+        return {**{k: getattr(self, k) for k in self.__slots__ if k not in local}, "saved_by": rank_in(self.group)}
 
     def __setstate__(self, state):
         self.group, self.names, self.layouts, self.algorithm = None, {}, {}, "auto"  # older checkpoints: no algorithm
         self.parts = {}  # nor parts
-        self.members, self.used, self.first_lossy = {}, set(), -1
+        self.members, self.used, self.first_lossy, self.saved_by = {}, set(), -1, None
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -230,8 +234,9 @@ def _take_residual(state: State, key) -> None:
     """Where bucket ``key`` has no residual yet but other buckets' residuals hold its parameters'
     (DDP's rebuild after the first step regroups them; a checkpoint saved after the rebuild is
     restored into a DDP before it), its residual is made of theirs, parameter by parameter, and
-    taken from them: a source left empty goes, the rest of one keeps zeros where it gave. No
-    unsent gradient is lost to a new bucket layout, nor sent twice."""
+    taken from them: zeros for a parameter that none holds (one trained only since: unfrozen); a
+    source whose parameters have all been taken goes, the rest of one keeps zeros where it gave.
+    No unsent gradient is lost to a new bucket layout, nor sent twice."""
     store, mine = state.residuals.store, state.parts.get(key)
     if not mine or key in store:
         return
@@ -240,19 +245,24 @@ def _take_residual(state: State, key) -> None:
         if k != key and theirs and k in store:
             at = 0
             for name, numel in theirs:
-                where[name] = (k, at, numel)
+                if name is not None:  # None: taken already
+                    where[name] = (k, at, numel)
                 at += numel
-    if any(where.get(name, (None, 0, -1))[2] != numel for name, numel in mine):
+    found = {name for name, numel in mine if where.get(name, (None, 0, -1))[2] == numel}
+    if not found:
         return
-    store[key] = torch.cat([store[k][at:at + numel] for k, at, numel in (where[name] for name, _ in mine)])
-    for k in {where[name][0] for name, _ in mine}:
-        taken = [where[name] for name, _ in mine if where[name][0] == k]
-        if sum(numel for _, _, numel in taken) == store[k].numel():
+    like = store[where[next(iter(found))][0]]
+    store[key] = torch.cat([store[where[name][0]][where[name][1]:where[name][1] + numel] if name in found
+                            else like.new_zeros(numel) for name, numel in mine])
+    for k in {where[name][0] for name in found}:
+        taken = {name for name in found if where[name][0] == k}
+        for name in taken:
+            _, at, numel = where[name]
+            store[k][at:at + numel].zero_()
+        state.parts[k] = tuple((None if name in taken else name, numel) for name, numel in state.parts[k])
+        if all(name is None for name, _ in state.parts[k]):
             del store[k]
-            state.parts.pop(k, None)
-        else:
-            for _, at, numel in taken:
-                store[k][at:at + numel].zero_()
+            del state.parts[k]
 
 
 def _split_one(state: State, step: int, key, buffer: torch.Tensor, layout, first: bool) -> dict:

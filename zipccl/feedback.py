@@ -9,8 +9,9 @@ in fp32 (exact) or bf16 (half the memory).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Residuals"]
+__all__ = ["Residuals", "rank_in", "check_saved_by"]
 
 
 class Residuals:
@@ -62,3 +63,21 @@ class Residuals:
 
     def __setstate__(self, state):
         self.dtype, self.store = state["dtype"], state["store"]
+
+
+def rank_in(group=None) -> tuple[int, int] | None:
+    """(this process's rank in ``group``, its size), or None without a process group: what a
+    checkpoint of residuals records."""
+    if not dist.is_initialized():
+        return None
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def check_saved_by(saved, here, holds: bool) -> None:
+    """Residuals are a rank's own (what it did not send; under FSDP, laid out by its shard): a
+    state that ``holds`` some, saved by another rank or world size, is refused, not applied at
+    the wrong positions or silently dropped."""
+    if holds and saved is not None and here is not None and tuple(saved) != tuple(here):
+        raise ValueError(f"these error-feedback residuals were saved by rank {saved[0]} of {saved[1]}, and this is "
+                         f"rank {here[0]} of {here[1]}: load each rank's own state, or start the residuals afresh "
+                         "(a new state)")

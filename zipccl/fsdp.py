@@ -35,6 +35,7 @@ from . import api, executor
 from .backend import _Work
 from .entropy import EntropyRate
 from .errors import UnsupportedError
+from .feedback import check_saved_by, rank_in
 from .format import DTYPE_CODES
 from .lossy import Compressor
 from .stats import stats as _snapshot
@@ -286,14 +287,19 @@ class Comms:
         return out
 
     def state_dict(self) -> dict:
-        """A snapshot: copies of the residuals and the entropy rate, which later steps update in place."""
+        """A snapshot: copies of the residuals and the entropy rate, which later steps update in place,
+        and the rank and world size that saved them (residuals are laid out by this rank's shards)."""
         return {g: dict(residuals={k: v.clone() for k, v in c.residuals.store.items()}, step=c.step,
-                        order=dict(c.order), last=c.last, densities=list(c.densities), rate=copy.deepcopy(c.rate))
+                        order=dict(c.order), last=c.last, densities=list(c.densities), rate=copy.deepcopy(c.rate),
+                        saved_by=rank_in())
                 for g, c in self.lossy.items()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Refuses a state of other lossy groups, or one whose residuals another rank or world size saved."""
         if set(state) != set(self.lossy):
             raise ValueError(f"state has lossy groups {sorted(state)}, these comms {sorted(self.lossy)}")
+        for s in state.values():  # all checked before any is loaded
+            check_saved_by(s.get("saved_by"), rank_in(), bool(s["residuals"]))
         for g, s in state.items():
             c = self.lossy[g]
             c.residuals.store = {k: v.clone() for k, v in s["residuals"].items()}
