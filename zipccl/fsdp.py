@@ -349,10 +349,10 @@ def compress(model: torch.nn.Module, *, codec="auto", lossy: str | None = None, 
         if replicate_group is not None:
             module.set_all_reduce_hook(partial(_replicate, module, replicate_group, codec, {}))
         installed[name] = (group, ag, rs)
-    hook = _MARKS.pop(model, None)  # compress called again: the earlier comms' marks (and residuals) go
-    if hook is not None:
-        hook.remove()
-        hook = None
+    earlier = _MARKS.pop(model, None)  # compress called again: the earlier comms' marks (and residuals) go
+    if earlier is not None:
+        earlier.remove()
+    hook = None
     if groups:  # each forward of the model starts a step: a group's first reduce-scatter after it decides its density
         def mark_step(module, args) -> None:
             for c in groups.values():
