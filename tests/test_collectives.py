@@ -819,27 +819,53 @@ def test_an_output_of_another_dtype_is_refused_after_a_valid_call(pool):
 
 
 def _outside_the_group(rank, groups):
-    """Ranks 2 and 3 call each collective on groups[2] ({0, 1}), every codec: what each raises."""
+    """Ranks 2 and 3 call each collective and point-to-point call on groups[2] ({0, 1}), every
+    codec: what each returns and warns, and whether its tensor stayed as it was. Ranks 0 and 1
+    average complex tensors on it, every codec that takes them."""
+    import warnings
     if rank < 2:
-        return None
+        x = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (rank + 1)
+        out = {}
+        for codec in ("auto", "native", "raw"):
+            y = x.clone()
+            zipccl.all_reduce(y, op=dist.ReduceOp.AVG, group=groups[2], codec=codec)
+            out[codec] = y
+        return out
     said = set()
+    x = torch.ones(1000)
     for codec in ("auto", "native", "raw", "lossless"):
-        for call in (lambda x: zipccl.all_reduce(x, group=groups[2], codec=codec),
-                     lambda x: zipccl.all_gather(torch.empty(2000), x, group=groups[2], codec=codec),
-                     lambda x: zipccl.reduce_scatter(torch.empty(500), x, group=groups[2], codec=codec)):
-            try:
-                call(torch.ones(1000))
-                said.add("no error")
-            except ValueError as e:
-                said.add(str(e))
+        for name, call in (("all_reduce", lambda: zipccl.all_reduce(x, group=groups[2], codec=codec)),
+                           ("all_gather", lambda: zipccl.all_gather(torch.empty(2000), x, group=groups[2], codec=codec)),
+                           ("reduce_scatter", lambda: zipccl.reduce_scatter(torch.empty(500), x, group=groups[2],
+                                                                            codec=codec)),
+                           ("all_to_all_single", lambda: zipccl.all_to_all_single(torch.empty(1000), x,
+                                                                                  group=groups[2], codec=codec)),
+                           ("all_to_all", lambda: zipccl.all_to_all([torch.empty(500)] * 2, list(x.chunk(2)),
+                                                                    group=groups[2], codec=codec)),
+                           ("isend", lambda: zipccl.isend(x, 0, group=groups[2], codec=codec)),
+                           ("irecv", lambda: zipccl.irecv(x, 0, group=groups[2], codec=codec)),
+                           ("send", lambda: zipccl.send(x, 0, group=groups[2], codec=codec)),
+                           ("recv", lambda: zipccl.recv(x, 0, group=groups[2], codec=codec))):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = call()
+            said.add((name, got, "does not belong to the given group" in str(caught[-1].message) if caught else None,
+                      bool(torch.equal(x, torch.ones(1000)))))
     return said
 
 
-def test_a_rank_outside_the_group_is_told_so_by_every_codec(pool):
-    """A rank that calls a collective on a group it is not in is told so, with "auto" too (whose
-    topology look-ups said only "Invalid process group specified")."""
+def test_a_rank_outside_the_group_is_warned_and_its_call_does_nothing_as_torchs(pool):
+    """As torch.distributed's functions: a rank outside the group is warned, and the call does
+    nothing and returns None (a receive, -1). Before, zipccl's raised a ValueError, and a
+    point-to-point call under raw or lossless an AttributeError. Complex tensors average as
+    torch's do (zipccl refused AVG of them as of integers)."""
     res = pool.run(_outside_the_group)
-    assert res[2] == res[3] == {"this process is not a member of the given process group"}, res
+    names = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single", "all_to_all", "isend", "irecv", "send")
+    want = {(name, None, True, True) for name in names} | {("recv", -1, True, True)}
+    assert res[2] == res[3] == want, res[2:]
+    mean = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * 1.5  # (x + 2x) / 2
+    for r in res[:2]:
+        assert set(r) == {"auto", "native", "raw"} and all(torch.equal(v, mean) for v in r.values()), r
 
 
 def _invalid_then_valid(rank, groups, algorithm, async_op, bad):

@@ -30,6 +30,7 @@ from .collectives.pipeline import plain
 from .collectives.resolve import AUTO, NATIVE, resolve_codec
 from .collectives.validation import _check_device, _check_tensor, check_carrier, finish, new_acc, overlaps
 from .errors import UnsupportedError
+from .torch_compat import not_in
 from .executor import run as _run
 from .failure import Fate
 from .format import DTYPE_CODES
@@ -324,6 +325,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     "lossless"}`` ("native" on a link: the plain bytes, through zipccl's transport).
     algorithm: "auto", "flat" (one codec on every link) or "hierarchical" (plain bytes inside
     the node, ``codec`` across nodes)."""
+    if not_in(group, "all_to_all_single"):
+        return None
     output, input = _outside_autograd(output), _outside_autograd(input)
 
     def native():
@@ -350,6 +353,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     """Like ``dist.all_to_all``: ``input_tensor_list[j]`` goes to rank j, ``output_tensor_list[j]``
     receives rank j's tensor for this rank (any sizes, one dtype). ``codec`` and ``algorithm``
     as in ``all_to_all_single``."""
+    if not_in(group, "all_to_all"):
+        return None
     outputs = [_outside_autograd(x) for x in output_tensor_list]
     inputs = [_outside_autograd(x) for x in input_tensor_list]
 

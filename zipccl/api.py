@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import auto, config, hierarchical, lifetime, lossy, topology
 from . import collectives as C
+from .torch_compat import not_in
 from .errors import UnsupportedError
 from .executor import drain as _drain, run as _run
 from .failure import Fate
@@ -110,7 +111,8 @@ def _decide(name: str, group, output, input, op, codec, algorithm: str):
         t = TorchTransport.of(group)
     except (ValueError, RuntimeError):
         return False
-    if (op == dist.ReduceOp.AVG and not dtype.is_floating_point) or device.type not in (t.meta_device.type, "cuda"):
+    if (op == dist.ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex)) \
+            or device.type not in (t.meta_device.type, "cuda"):
         return False
     if name != "all_reduce":
         big, small = (input, output) if name == "reduce_scatter" else (output, input)
@@ -312,6 +314,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.S
     """Like ``dist.reduce_scatter_single``: ``input`` holds world-size chunks of ``output.numel()``;
     rank r receives the reduction of every rank's chunk r in ``output``. ``codec`` and
     ``algorithm`` as in ``all_reduce``."""
+    if not_in(group, "reduce_scatter"):
+        return None
     return _call("reduce_scatter", group, output, input, op, codec, algorithm, async_op)
 
 
@@ -319,6 +323,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
                algorithm: str = "auto"):
     """Like ``dist.all_gather_single``: ``output`` receives every rank's ``input`` in rank order.
     ``codec`` and ``algorithm`` as in ``all_reduce``."""
+    if not_in(group, "all_gather"):
+        return None
     return _call("all_gather", group, output, input, None, codec, algorithm, async_op)
 
 
@@ -335,6 +341,8 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     "topk" and "entropy" keep error feedback and, for "entropy", the entropy-driven density
     across calls (zipccl.lossy.default(codec)); the layer rules send small tensors, biases and
     norms lossless."""
+    if not_in(group, "all_reduce"):
+        return None
     if name is not None and codec in ("topk", "entropy"):
         compressor = lossy.default(codec)
         if async_op:

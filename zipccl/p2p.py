@@ -53,6 +53,7 @@ from .collectives.validation import finish, new_acc, overlaps
 from .errors import MismatchError, UnsupportedError
 from .failure import LOST, Fate, code as poison
 from .format import DTYPE_CODES
+from .torch_compat import not_in
 from .transport import transport_for
 from .transport.select import frames_messages, framing_refused
 from .transport.torch_dist import underneath
@@ -529,6 +530,8 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     disagrees (dtype, elements, codec, tag: MismatchError on both ends) or failed. Under "auto"
     the two ends decide from their own dtype and size: ends that disagree there may not both
     frame the message, and then fail (or wait) as the backend's own send and receive would."""
+    if not_in(group, "isend"):
+        return None
     op = _Op("send", tensor, dst, group, tag, group_dst, codec)
     after_collectives()  # at once where nothing is queued
     return _send(op)
@@ -539,6 +542,8 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     """Like ``dist.irecv``: receive into ``tensor`` from rank ``src`` (of the job; or ``group_src``
     of ``group``); a handle with ``wait()`` and ``is_completed()``. Any source (``src`` None) is
     the backend's own receive: codec "auto" or "native" only."""
+    if not_in(group, "irecv"):
+        return None
     if src is None and group_src is None:
         if codec not in ("auto", "native"):
             raise UnsupportedError("a receive from any source is the backend's own: codec 'auto' or 'native'")
@@ -574,12 +579,17 @@ def check_any_source(tensor: torch.Tensor, group, codec) -> None:
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, codec="auto",
          group_dst: int | None = None) -> None:
     """Like ``dist.send``: ``isend(...).wait()``."""
+    if not_in(group, "send"):
+        return None
     isend(tensor, dst, group, tag, codec=codec, group_dst=group_dst).wait()
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, *, codec="auto",
          group_src: int | None = None) -> int:
-    """Like ``dist.recv``: receive into ``tensor`` and return the sender's rank in the job."""
+    """Like ``dist.recv``: receive into ``tensor`` and return the sender's rank in the job (-1 on a
+    rank outside ``group``, as torch's)."""
+    if not_in(group, "recv"):
+        return -1
     if src is None and group_src is None:
         handle = irecv(tensor, group=group, tag=tag, codec=codec)
         handle.wait()

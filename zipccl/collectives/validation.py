@@ -98,7 +98,7 @@ def prepare(name, group, tensors, op, codec, numel, nbytes, check):
         _check_device(t, *tensors)
         if op is not None:
             check_op(op)
-            if _OPS[op] == 2 and not dtype.is_floating_point:
+            if _OPS[op] == 2 and not (dtype.is_floating_point or dtype.is_complex):
                 raise UnsupportedError("AVG of integer tensors is not supported; use SUM and divide")
         resolved = codec if codec is AUTO else resolve_codec(codec, dtype, nbytes)
         if codec == "auto" and resolved is not NATIVE and config.AUTO_LEARN:
