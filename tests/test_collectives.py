@@ -909,3 +909,16 @@ def test_an_invalid_call_under_auto_leaves_the_ranks_in_step(pool, algorithm, as
     else:  # rank 1's strided tensor: what gloo's all-reduce leaves in it (torch's behaviour, not asserted)
         assert all(r == [True] * 5 for r in (res[0], res[2], res[3])), res
         assert isinstance(res[1][0], bool) and res[1][1:] == [True] * 4, res
+
+
+def test_a_call_before_init_process_group_raises_as_torchs():
+    """torch's functions raise a ValueError before ``init_process_group``; zipccl's raised a
+    RuntimeError, which an ``except ValueError`` written for torch missed."""
+    assert not dist.is_initialized()
+    for codec in ("auto", "native", "raw", "lossless"):
+        for call in (lambda: zipccl.all_reduce(torch.ones(4), codec=codec),
+                     lambda: zipccl.reduce_scatter(torch.empty(4), torch.ones(4), codec=codec),
+                     lambda: zipccl.all_gather(torch.empty(4), torch.ones(4), codec=codec),
+                     lambda: zipccl.all_to_all_single(torch.empty(4), torch.ones(4), codec=codec)):
+            with pytest.raises(ValueError, match="initiali[sz]ed"):
+                call()

@@ -176,7 +176,7 @@ class NcclTransport(Transport):
 
     def __init__(self, group=None):
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call zipccl.launch.init() or "
+            raise ValueError("torch.distributed is not initialised: call zipccl.launch.init() or "
                                "torch.distributed.init_process_group() first")
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
