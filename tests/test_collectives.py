@@ -922,3 +922,20 @@ def test_a_call_before_init_process_group_raises_as_torchs():
                      lambda: zipccl.all_to_all_single(torch.empty(4), torch.ones(4), codec=codec)):
             with pytest.raises(ValueError, match="initiali[sz]ed"):
                 call()
+
+
+def test_signatures_are_torchs_plus_keyword_only_options():
+    """A call written for torch.distributed's function, positional or by keyword, is a call of
+    zipccl's: the same parameters in the same order with the same defaults, then zipccl's own
+    (codec, algorithm, name) keyword-only. (all_gather named its tensors output and input, and
+    the point-to-point calls took group_dst and group_src by keyword only.)"""
+    import inspect
+    pairs = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter_single", "all_gather": "all_gather_single",
+             "all_to_all_single": "all_to_all_single", "all_to_all": "all_to_all", "send": "send", "recv": "recv",
+             "isend": "isend", "irecv": "irecv", "batch_isend_irecv": "batch_isend_irecv"}
+    for ours, torchs in pairs.items():
+        theirs = [(p.name, p.default) for p in inspect.signature(getattr(dist, torchs)).parameters.values()]
+        params = inspect.signature(getattr(zipccl, ours)).parameters.values()
+        mine = [(p.name, p.default) for p in params if p.kind is not p.KEYWORD_ONLY]
+        assert mine == theirs, (ours, mine, theirs)
+        assert {p.name for p in params if p.kind is p.KEYWORD_ONLY} <= {"codec", "algorithm", "name"}, ours

@@ -319,13 +319,13 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.S
     return _call("reduce_scatter", group, output, input, op, codec, algorithm, async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, *, codec="auto",
-               algorithm: str = "auto"):
-    """Like ``dist.all_gather_single``: ``output`` receives every rank's ``input`` in rank order.
-    ``codec`` and ``algorithm`` as in ``all_reduce``."""
+def all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op: bool = False, *,
+               codec="auto", algorithm: str = "auto"):
+    """Like ``dist.all_gather_single``: ``output_tensor`` receives every rank's ``input_tensor`` in
+    rank order. ``codec`` and ``algorithm`` as in ``all_reduce``."""
     if not_in(group, "all_gather"):
         return None
-    return _call("all_gather", group, output, input, None, codec, algorithm, async_op)
+    return _call("all_gather", group, output_tensor, input_tensor, None, codec, algorithm, async_op)
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *,

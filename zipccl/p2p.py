@@ -521,8 +521,8 @@ def after_queued(post, tensor: torch.Tensor):
 
 # ---- the calls ------------------------------------------------------------------------------------------------
 
-def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, codec="auto",
-          group_dst: int | None = None):
+def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None,
+          *, codec="auto"):
     """Like ``dist.isend``: send ``tensor`` to rank ``dst`` (of the job; or ``group_dst`` of
     ``group``); a handle with ``wait()`` and ``is_completed()``. ``codec``: "auto" (default),
     "native", "raw", "lossless", a codec instance, or a mapping per link {"intra": ...,
@@ -537,8 +537,8 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     return _send(op)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, *, codec="auto",
-          group_src: int | None = None):
+def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, group_src: int | None = None,
+          *, codec="auto"):
     """Like ``dist.irecv``: receive into ``tensor`` from rank ``src`` (of the job; or ``group_src``
     of ``group``); a handle with ``wait()`` and ``is_completed()``. Any source (``src`` None) is
     the backend's own receive: codec "auto" or "native" only."""
@@ -576,16 +576,16 @@ def check_any_source(tensor: torch.Tensor, group, codec) -> None:
             f"{', '.join(map(str, framed))} (codec {codec!r}): name the sender, or use codec 'native'")
 
 
-def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, *, codec="auto",
-         group_dst: int | None = None) -> None:
+def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None,
+         *, codec="auto") -> None:
     """Like ``dist.send``: ``isend(...).wait()``."""
     if not_in(group, "send"):
         return None
     isend(tensor, dst, group, tag, codec=codec, group_dst=group_dst).wait()
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, *, codec="auto",
-         group_src: int | None = None) -> int:
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, group_src: int | None = None,
+         *, codec="auto") -> int:
     """Like ``dist.recv``: receive into ``tensor`` and return the sender's rank in the job (-1 on a
     rank outside ``group``, as torch's)."""
     if not_in(group, "recv"):
