@@ -23,6 +23,28 @@ from .validation import carrier, check_shapes, finish, input_size, new_acc, only
 # ---- one flat collective with a decided codec ----------------------------------------------------------------
 
 
+class _Rows:
+    """``flat`` as the (n, m) chunks of an all-reduce whose length is not a multiple of n, where
+    the reduce-scatter reads them (``rows[j, a:b]``): the full rows as views, each short one
+    copied with zeros after it. Padding the whole tensor instead copied all of it (a 256 MiB
+    all-reduce of one element more held 256 MiB more)."""
+
+    def __init__(self, flat: torch.Tensor, n: int, m: int):
+        numel = flat.numel()
+        self.rows = [flat[j * m:(j + 1) * m] if (j + 1) * m <= numel else
+                     torch.cat([flat[min(numel, j * m):], flat.new_zeros(m - max(0, numel - j * m))])
+                     for j in range(n)]
+        self.shape, self.dtype, self.device, self.is_cuda = (n, m), flat.dtype, flat.device, flat.is_cuda
+        self._itemsize = flat.element_size()
+
+    def element_size(self) -> int:
+        return self._itemsize
+
+    def __getitem__(self, key):
+        j, columns = key
+        return self.rows[j][columns]
+
+
 def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec, acc: dict, ready=None,
              fate: Fate | None = None) -> None:
     """``name`` on ``t``'s group with ``codec`` (NATIVE, None or a codec object), on this thread.
@@ -73,10 +95,10 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
     else:
         flat, n = input.view(-1), t.size
         m = -(-numel // n)
-        padded = flat if m * n == numel else torch.cat([flat, flat.new_zeros(m * n - numel)])
+        chunks = flat.view(n, m) if m * n == numel else _Rows(flat, n, m)
         gather = _Gather(t, codec, None, acc, lambda j, a, b: flat[min(numel, j * m + a):min(numel, j * m + b)], fate)
         call = Call(name, input.dtype, numel, op, codec)
-        _reduce_scatter_chunks(t, padded.view(n, m), op, codec, call, acc, fate,
+        _reduce_scatter_chunks(t, chunks, op, codec, call, acc, fate,
                                on_piece=gather.push, ready=ready)  # gather each reduced piece as soon as it exists
         gather.finish()
     if alone:
