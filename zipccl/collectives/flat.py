@@ -25,24 +25,24 @@ from .validation import carrier, check_shapes, finish, input_size, new_acc, only
 
 class _Rows:
     """``flat`` as the (n, m) chunks of an all-reduce whose length is not a multiple of n, where
-    the reduce-scatter reads them (``rows[j, a:b]``): the full rows as views, each short one
-    copied with zeros after it. Padding the whole tensor instead copied all of it (a 256 MiB
-    all-reduce of one element more held 256 MiB more)."""
+    the reduce-scatter reads them, a piece at a time (``rows[j, a:b]``): a view of ``flat``, or
+    where the piece reaches past its end, a copy with zeros after it. Padding the whole tensor
+    instead copied all of it (a 256 MiB all-reduce of one element more held 256 MiB more)."""
 
     def __init__(self, flat: torch.Tensor, n: int, m: int):
-        numel = flat.numel()
-        self.rows = [flat[j * m:(j + 1) * m] if (j + 1) * m <= numel else
-                     torch.cat([flat[min(numel, j * m):], flat.new_zeros(m - max(0, numel - j * m))])
-                     for j in range(n)]
-        self.shape, self.dtype, self.device, self.is_cuda = (n, m), flat.dtype, flat.device, flat.is_cuda
-        self._itemsize = flat.element_size()
+        self.flat, self.shape, self.dtype, self.device, self.is_cuda = flat, (n, m), flat.dtype, flat.device, flat.is_cuda
 
     def element_size(self) -> int:
-        return self._itemsize
+        return self.flat.element_size()
 
-    def __getitem__(self, key):
+    def __getitem__(self, key) -> torch.Tensor:
         j, columns = key
-        return self.rows[j][columns]
+        a, b, _ = columns.indices(self.shape[1])
+        start, end, numel = j * self.shape[1] + a, j * self.shape[1] + max(a, b), self.flat.numel()
+        if end <= numel:
+            return self.flat[start:end]
+        inside = self.flat[min(start, numel):]
+        return torch.cat([inside, self.flat.new_zeros(end - start - inside.numel())])
 
 
 def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec, acc: dict, ready=None,
