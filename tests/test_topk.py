@@ -405,6 +405,11 @@ def _where_topk_would_not_pay(rank, groups):
     rs = torch.empty(1500, dtype=torch.bfloat16)
     half.reduce_scatter(x.view(-1).clone(), rs, "xs", 0, True, g, op=dist.ReduceOp.SUM)
     out["xs reduced"], out["xs stats"] = rs, dict(zipccl.stats()["last"])
+    z = torch.randn(3000, generator=gen).to(torch.bfloat16)  # with a residual of earlier steps going in
+    half.residuals.store["z"] = out["z residual before"] = torch.randn(3000, generator=gen) * 1e-2
+    out["z"] = z.clone()
+    half.all_reduce(z, "z", op=dist.ReduceOp.SUM, group=g)
+    out["z reduced"], out["z residual"] = z, half.residuals.store["z"].clone()
     return out
 
 
@@ -413,7 +418,8 @@ def test_a_lossy_call_that_top_k_would_make_larger_goes_dense(pool):
     """Top-k never moves more than the plain collective: where its pairs would (a bucket mostly
     of exact ranges, a density of 0.5 in bf16), the call goes whole and lossless, as if every
     entry were selected: the exact sum (plain torch's, fp32 of two bf16 rounded once), no more
-    wire bytes than the dense call's, and a residual of zeros."""
+    wire bytes than the dense call's, and a residual of zeros, or with a residual going in, of
+    what rounding gradient and residual to bf16 left."""
     res = pool.run(_where_topk_would_not_pay)[:2]
     assert all(not isinstance(r, BaseException) for r in res), res
     for step in range(2):
@@ -429,3 +435,10 @@ def test_a_lossy_call_that_top_k_would_make_larger_goes_dense(pool):
         assert torch.equal(r["xs reduced"], want.view(-1)[1500 * rank:1500 * (rank + 1)])
         for name in ("x stats", "xs stats"):
             assert 0 < r[name]["wire_bytes"] <= r[name]["raw_bytes"], (name, r[name])
+    # every entry of gradient + residual sent, rounded to bf16; the residual keeps that rounding
+    compensated = [r["z"].float() + r["z residual before"] for r in res]
+    sent = [c.to(torch.bfloat16) for c in compensated]
+    for rank, r in enumerate(res):
+        assert torch.equal(r["z reduced"], (sent[0].float() + sent[1].float()).to(torch.bfloat16))
+        assert torch.equal(r["z residual"], compensated[rank] - sent[rank].float())
+        assert r["z residual"].any()

@@ -236,8 +236,9 @@ def _task(fn, tensors) -> tuple:
 
 
 def _inline(fn) -> Handle:
-    """``fn()`` now, on the async calls' thread, as the call that is running there: its handle,
-    finished (its device work, if any, on this thread's current stream)."""
+    """``fn()`` now, on this thread (the async calls' own, as the call that is running there, or an
+    exit handler's after ``_stop``): its handle, finished (its device work, if any, on this
+    thread's current stream)."""
     handle = Handle()
     try:
         result = fn()

@@ -70,7 +70,7 @@ def destroy(*groups) -> None:
 torch_destroy = dist.distributed_c10d.destroy_process_group  # torch's own, which zipccl's groups use
 
 
-@functools.wraps(torch_destroy)
+@functools.wraps(torch_destroy, assigned=("__module__", "__name__", "__qualname__"))  # its own docstring
 def destroy_process_group(group=None):
     """torch's ``destroy_process_group``, once zipccl's async calls issued before it have ended,
     as torch destroys a group only after its own pending work: a call still queued would run on

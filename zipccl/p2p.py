@@ -602,19 +602,24 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
 def batch_isend_irecv(p2p_op_list: list) -> list:
     """Like ``dist.batch_isend_irecv``: the receives are queued, the sends posted on this thread,
     so the list's order never blocks it (two ranks may send to each other in one batch). Takes
-    zipccl's or torch's P2POp; returns one handle per operation. On a backend that batches
+    zipccl's or torch's P2POp; returns one handle per operation (none for one on a group that this
+    rank is not in, as torch's). On a backend that batches
     (NCCL), the messages that go to it are one batch of torch's, as torch's call would make them,
     issued once zipccl's collectives before them have ended (``_coalesced``)."""
     if not p2p_op_list:
         raise ValueError("batch_isend_irecv needs at least one operation")
     ops = []
     for p in p2p_op_list:
+        if not_in(getattr(p, "group", None), "batch_isend_irecv"):  # as torch's: warned, no operation, no handle
+            continue
         kind = _kind(getattr(p, "op", None))
         if kind is None:
             raise ValueError(f"batch_isend_irecv takes P2POp (zipccl's or torch's) of isend or irecv, got {p!r}")
         group_peer = getattr(p, "group_peer", None)  # torch's P2POp sets both ranks
         ops.append(_Op(kind, p.tensor, p.peer if group_peer is None else None, p.group, getattr(p, "tag", 0),
                        group_peer, getattr(p, "codec", "auto")))
+    if not ops:
+        return []
     receives = [op for op in ops if op.kind == "recv"]
     for s in ops:  # a send from memory that a receive of the batch lands in sends what it held at the call
         if s.kind == "send" and any(overlaps(s.tensor, r.landing()) for r in receives):
