@@ -168,6 +168,8 @@ def test_alltoall_and_sendrecv_tables(tmp_path, collective):
             assert 0 < z["wire_bytes"] < 0.9 * z["raw_bytes"], z
         if z["codec"] == "torch":
             assert z["wire_bytes"] is None
+        if z["codec"] == "raw":  # per call, each rank sends its message (sendrecv), or a part per peer
+            assert z["raw_bytes"] == r["size"] * (1 if collective == "sendrecv" else 2 / 3), (r["size"], z)
     # hierarchical on 2 nodes of 2, --intra at its default (shm, the reductions'): plain bytes inside a node
     res = run_perf("-b", "64K", "-e", "64K", "-n", "1", "-w", "0", "--nranks", "4", "--nodes", "2", "--collective",
                    collective, "--algorithm", "hierarchical", "--codec", "lossless")

@@ -386,8 +386,9 @@ def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, d
         checked = reference if spec.checks_in_place or not in_place else None
         row[key], st = measure_placement(spec, args, in_place, numel_in, numel_out, dtype, op, codec, data,
                                          checked, rank, nranks, group)
-        total = st["total"]
-        wire, raw, calls = wire + total["wire_bytes"], raw + total["raw_bytes"], calls + total["calls"]
+        total = st["total"]  # a send/recv call is two records, a send's bytes and a receive's none
+        wire, raw = wire + total["wire_bytes"], raw + total["raw_bytes"]
+        calls += st.get("send", total)["calls"] if spec.name == "sendrecv" else total["calls"]
         plan = st["last"].get("codec")
     zipccl_ran = codec is not None or dropin
     row["zipccl"] = dict(codec=label, collective=spec.name, nranks=nranks,
