@@ -316,6 +316,20 @@ def test_native_overhead_smoke(tmp_path):
     assert one.returncode == 2 and "need 2 ranks or more" in one.stderr, one.stderr[-2000:]
 
 
+def test_peak_memory_smoke(tmp_path):
+    """bench/peak_memory.py on 2 ranks, 4 MiB: a row per collective, dtype and codec; a lossless
+    message holds its packets on both ends, where torch's send holds nothing more."""
+    out = tmp_path / "peak.json"
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "peak_memory.py"), "--ranks", "2", "--size-mib", "4",
+                          "--collectives", "all_reduce,send_recv", "--json", str(out)], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=200)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {(r["collective"], r["codec"]): r["peak_mib"] for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(c, k) for c in ("all_reduce", "send_recv") for k in ("torch", "raw", "lossless")}
+    assert rows["send_recv", "lossless"] > rows["send_recv", "torch"] + 1, rows
+    assert "peak memory of one call" in res.stdout
+
+
 def _row(size, oop, ip, dtype="bfloat16", redop="sum"):
     return dict(size=size, type=dtype, redop=redop, out_of_place={"busbw": oop}, in_place={"busbw": ip})
 
