@@ -451,6 +451,22 @@ def _fsdp1(rank, groups, n, comm, strategy):
     return hashlib.sha1(flat.numpy().tobytes()).hexdigest(), flat, state.counters.calls if state else None
 
 
+def _hook1_counters(rank, groups):
+    """hook1's all-reduce (NO_SHARD) of 3 and of 1001 elements on 4 ranks, raw: its counters."""
+    state = zipccl.fsdp.State1(groups[4], codec="raw")
+    for numel in (3, 1001):
+        zipccl.fsdp.hook1(state, torch.ones(numel))
+    return state.counters.as_dict()
+
+
+def test_fsdp1_hook_counts_the_raw_bytes_of_padded_chunks(pool):
+    """Under raw the all-reduce sends what it would send uncompressed: each rank's chunk, padded
+    to ceil(elements / ranks), 2 (ranks - 1) times. The counters floored the chunk: a 3-element gradient
+    counted 0 raw bytes, a 1001-element one a ratio of 1.004."""
+    for c in pool.run(_hook1_counters):
+        assert c["raw_bytes"] == c["wire_bytes"] == 2 * 3 * (1 + 251) * 4, c
+
+
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_fsdp1_hook_against_its_default(pool, strategy):
     runs = {c: pool.run(_fsdp1, 2, c, strategy, timeout=300)[:2] for c in ("torch", "raw", "lossless")}

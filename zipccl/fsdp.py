@@ -388,7 +388,7 @@ def hook1(state: State1, grad: torch.Tensor, output: torch.Tensor | None = None)
     codec = _exact_codec(state.codec, grad.dtype)
     if output is None:
         api.all_reduce(grad, op=dist.ReduceOp.SUM, group=state.group, codec=codec)
-        target, raw = grad, 2 * _ring_bytes(grad.numel() // n, n, grad.element_size())
+        target, raw = grad, 2 * _ring_bytes(-(-grad.numel() // n), n, grad.element_size())  # chunks padded alike
     else:
         api.reduce_scatter(output, grad, op=dist.ReduceOp.SUM, group=state.group, codec=codec)
         target, raw = output, _ring_bytes(output.numel(), n, output.element_size())
