@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import os
 import time
 
 import numpy as np
@@ -579,9 +580,9 @@ def _native_alone(rank, groups):
     from zipccl import failure
     settle, calls = failure.Fate.settle, []
 
-    def counted(fate, t):
+    def counted(fate, t, others=()):
         calls.append(fate.name)
-        return settle(fate, t)
+        return settle(fate, t, others)
 
     failure.Fate.settle = counted
     try:
@@ -967,3 +968,65 @@ def test_an_all_reduce_of_a_length_not_a_multiple_of_the_ranks_copies_only_what_
             assert torch.equal(piece, padded[j, a:b]), (j, a, b)
             inside = j * m + b <= numel
             assert (piece.numel() == 0 or piece.data_ptr() == flat[j * m + a:].data_ptr()) == (inside or a >= b)
+
+
+def _bytes_sent(rank, port, results):
+    """On 4 fresh ranks, outside the suite's strict transport (which frames each message with
+    checks of its own): each call's bytes that this rank hands its transport to send, counted
+    under it, against what zipccl.stats() says it sent (wire_bytes + meta_bytes)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from zipccl import config
+    from zipccl.transport.torch_dist import TorchTransport
+    config.STRICT_TRANSPORT, config.TOPOLOGY = False, "2x2"  # two emulated nodes: hierarchical calls too
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=60))
+    sent = [0]
+    issue, all_to_all = TorchTransport._issue, TorchTransport.all_to_all
+
+    def counted_issue(self, send, tensor, peer, group, tag):
+        if send:
+            sent[0] += tensor.numel() * tensor.element_size()
+        return issue(self, send, tensor, peer, group, tag)
+
+    def counted_all_to_all(self, send, send_splits, recv_splits):
+        sent[0] += (sum(send_splits) - send_splits[self.rank]) * send.element_size()
+        return all_to_all(self, send, send_splits, recv_splits)
+
+    TorchTransport._issue, TorchTransport.all_to_all = counted_issue, counted_all_to_all
+    out = {}
+    for numel in (1001, 1 << 20):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        m = numel // 4
+        for codec in ("raw", "lossless"):
+            for name, call in (("all_reduce", lambda: zipccl.all_reduce(x.clone(), codec=codec)),
+                               ("reduce_scatter", lambda: zipccl.reduce_scatter(torch.empty(m, dtype=x.dtype),
+                                                                                x[:4 * m], codec=codec)),
+                               ("all_gather", lambda: zipccl.all_gather(torch.empty(4 * numel, dtype=x.dtype), x,
+                                                                        codec=codec)),
+                               ("all_to_all_single", lambda: zipccl.all_to_all_single(
+                                   torch.empty(4 * m, dtype=x.dtype), x[:4 * m], codec=codec)),
+                               ("hierarchical all_reduce", lambda: zipccl.all_reduce(
+                                   x.clone(), codec={"intra": "raw", "inter": codec}, algorithm="hierarchical")),
+                               ("hierarchical all_gather", lambda: zipccl.all_gather(
+                                   torch.empty(4 * numel, dtype=x.dtype), x, codec={"intra": "raw", "inter": codec},
+                                   algorithm="hierarchical"))):
+                sent[0] = 0
+                call()
+                last = zipccl.stats()["last"]
+                out[numel, codec, name] = (sent[0], last["wire_bytes"] + last["meta_bytes"])
+    results.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_stats_count_every_byte_a_call_sends():
+    """wire_bytes + meta_bytes is what the call handed its transport to send, counted under it
+    on every rank: the status round at each call's end was left out of meta_bytes, and a
+    hierarchical call's signature exchange over the whole group."""
+    from workers import spawn
+    from zipccl.launch import free_port
+    got, _ = spawn(_bytes_sent, 4, (free_port(),), seconds=90)
+    assert sorted(got) == [0, 1, 2, 3], got
+    for rank, res in got.items():
+        wrong = {k: v for k, v in res.items() if v[0] != v[1]}
+        assert not wrong and len(res) == 24, (rank, sorted(wrong.items()))

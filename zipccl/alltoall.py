@@ -308,7 +308,7 @@ def _pipeline(t, sends, recvs, codecs, matrix, plan, acc: dict, fate: Fate, reco
     if any(overlaps(s, r) for s in sends for r in recvs):
         sends = [s.clone() for s in sends]  # in place: the output overwrites input not yet sent
     run_all_to_all(t, sends, recvs, codecs, matrix, acc, fate)
-    timed(acc, "comm_seconds", fate.settle, t)
+    fate.settled(t, acc)
     return finish(_NAME, plan, acc) if record_it else plan
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import auto, config, hierarchical, lifetime, lossy, topology
 from . import collectives as C
+from .collectives.metadata import _meta_bytes
 from .torch_compat import not_in
 from .errors import UnsupportedError
 from .executor import drain as _drain, run as _run
@@ -257,8 +258,9 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         plan, fate = _Plan(codecs), Fate.of(name, whole)
         if codecs[1] is not C.NATIVE or config.CHECK_NATIVE:  # signature and auto reports, whole group
             C.Call(name, dtype, numel, op, plan).exchange(whole, [], None, fate)
+            acc["meta_bytes"] += _meta_bytes(whole.size)
         used = hierarchical.run(name, levels, output, input, op, codecs, acc, fate)
-        C.timed(acc, "comm_seconds", fate.settle, whole, used)  # a failure on any level, in any node, reaches every rank
+        fate.settled(whole, acc, used)  # a failure on any level, in any node, reaches every rank
         return plan
 
     def flat(codec, acc):

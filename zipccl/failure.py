@@ -283,6 +283,16 @@ class Fate:
                 self.lose(t, peer, e)
             return False
 
+    def settled(self, t, acc: dict, others: tuple = ()) -> None:
+        """``settle``, its seconds and its status messages (8 bytes to each peer) counted in the
+        call's ``acc`` (comm_seconds, meta_bytes), as the call's other exchanges are."""
+        t0 = time.perf_counter()
+        try:
+            self.settle(t, others)
+        finally:
+            acc["comm_seconds"] += time.perf_counter() - t0
+            acc["meta_bytes"] += 8 * (t.size - 1)
+
     def settle(self, t, others: tuple = ()) -> None:
         """The call's end on ``t``'s group: every rank's status to every other, pairwise; raises
         RankFailure on every rank if any failed. ``others``: the call's other transports (a

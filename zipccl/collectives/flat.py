@@ -14,7 +14,7 @@ from ..failure import REDUCE, Fate
 from ..transport.torch_dist import TorchTransport
 from .algorithms import _Gather, _reduce_scatter_chunks
 from .autoplan import FLAT_PLANS, learns, planned, plans_for, refused
-from .metadata import Call, timed
+from .metadata import Call
 from .pipeline import pieces, plain
 from .resolve import AUTO, NATIVE, PLAN_CODECS
 from .sparse_reduce import _sparse_all_reduce, _sparse_reduce_scatter
@@ -104,7 +104,7 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
     if alone:
         fate.check()  # the backend's collective alone: it fails as torch.distributed's does, no status round
     elif own:
-        timed(acc, "comm_seconds", fate.settle, t)
+        fate.settled(t, acc)
 
 
 def native(name: str, group, output, input, op) -> None:
