@@ -144,10 +144,10 @@ def _die_in_status_round(call: int, stamp: str) -> None:
 
     settle, calls = failure.Fate.settle, [0]
 
-    def dying(fate, t):
+    def dying(fate, t, others=()):
         calls[0] += 1
         if calls[0] < call:
-            return settle(fate, t)
+            return settle(fate, t, others)
         mine, got = torch.tensor([fate.code], dtype=torch.int64), torch.zeros(t.size, dtype=torch.int64)
         told = [j for j in range(t.size) if j != t.rank][:-1]
         with t.grouped():
