@@ -275,11 +275,14 @@ def spawn(fn, nranks: int, *args, backend: str = "gloo", timeout: float = 600.0,
             collect()                           # that failed of the first one's going: name the first
             if not raised:
                 raise
-            rank, text = raised[0]
-            first = ranks.processes[rank].pid
-            raise mp.ProcessRaisedException(f"rank {rank} raised first:\n\n{text}", rank, first) from e
+            raise _first_raised(raised, ranks) from e
     collect()
     if raised:  # a KeyboardInterrupt, which torch's spawn takes for its own stop: the rank ended with 0
-        rank, text = raised[0]
-        raise mp.ProcessRaisedException(f"rank {rank} raised first:\n\n{text}", rank, ranks.processes[rank].pid)
+        raise _first_raised(raised, ranks)
     return out
+
+
+def _first_raised(raised: list, ranks) -> mp.ProcessRaisedException:
+    """The error of the rank that raised first, as torch's spawn names a rank's, with its traceback."""
+    rank, text = raised[0]
+    return mp.ProcessRaisedException(f"rank {rank} raised first:\n\n{text}", rank, ranks.processes[rank].pid)
