@@ -91,6 +91,43 @@ def _exact(rank, groups):
     return got.tolist(), [tuple(op) for op in t.strict.log]
 
 
+def _posted_after_a_wait(rank, groups, split):
+    """Rank 0 sends a size and a packet, as one group call (``split``: two); rank 1 waits for the
+    size before it posts the packet's receive, as a framed message's receiver does: on NCCL the
+    one group may wait for that receive, which waits for the group."""
+    _, t = _pair()
+    if t is None:
+        return None
+    size, packet = torch.tensor([6], dtype=torch.int64), torch.arange(6, dtype=torch.uint8)
+    if rank == 0:
+        with t.grouped():
+            sends = [t.isend(size, 1, 5)]
+            if not split:
+                sends.append(t.isend(packet, 1, 5))
+        if split:
+            with t.grouped():
+                sends.append(t.isend(packet, 1, 5))
+        return [_outcome(lambda: t.wait(w)) for w in sends]
+    got = torch.empty(1, dtype=torch.int64)
+    with t.grouped():
+        work = t.irecv(got, 0, 5)
+    t.wait(work)
+    buf = torch.empty(int(got), dtype=torch.uint8)
+    with t.grouped():
+        work = t.irecv(buf, 0, 5)
+    return _outcome(lambda: t.wait(work)) or buf.tolist()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_receive_posted_after_waiting_for_a_message_of_the_same_group_fails(pool, split):
+    res = pool.run(_posted_after_a_wait, split)
+    assert res[0] == [None, None] and res[2] is None and res[3] is None, res
+    if split:
+        assert res[1] == list(range(6)), res
+    else:
+        assert res[1].startswith("TransportRuleError") and "message #0, sent in the same group call" in res[1], res
+
+
 def test_larger_receive_fails(pool):
     res = pool.run(_larger_receive)
     assert res[0] is None and res[2] is None and res[3] is None

@@ -131,8 +131,11 @@ def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict
         if packet is None:
             packet = torch.zeros(1, dtype=torch.uint8, device=x.device)
         size = torch.tensor([packet.numel() if not fate.failed else -fate.code], dtype=torch.int64)
+        # two groups: the receiver posts the packet's receive once its size has come, and NCCL may
+        # hold a group's messages until all their receives are posted (transport.strict)
         with t.grouped():
             sends.append(fate.send(t, size, peer, _TAG_P2P))
+        with t.grouped():
             sends.append(fate.send(t, packet, peer, _TAG_P2P))
         acc["raw_bytes"] += (b - a) * itemsize
         acc["wire_bytes"] += packet.numel()

@@ -9,7 +9,13 @@ tags), sends every message on one tag, so that gloo matches in issue order as NC
 puts a small header before each payload: its byte count, the tag the sender meant, the
 sender's group call and issue order. The receiving rank checks the header against its own
 receive: a different size breaks the exact-size rule, a different tag means the two ranks
-issued their messages in different orders (they would pair up wrongly without tags). Every
+issued their messages in different orders (they would pair up wrongly without tags), and a
+receive posted only after this rank had waited for another message of the same group call of
+the sender breaks the fifth rule: NCCL may hold every message of a group until all of their
+receives are posted (a group's end connects its channels with the peer's, and its messages may
+wait for each other), so a receiver that waits for one of them before it posts the receive of
+another waits for good (a framed send's size and packet, sent as one group, hung so on an H200;
+NCCL's maintainers: "send() is allowed to block until the corresponding recv() is called"). Every
 send and receive must be issued inside ``grouped()``, and nothing may be waited for inside a
 group (NCCL launches a group's operations at its end). Every message, header included, is on
 the device that the group's backend carries (``device``: the CPU on gloo, the GPU on nccl):
@@ -56,10 +62,11 @@ class Op(NamedTuple):
 
 class _Checked:
     """A receive with its header: ``wait`` checks the header before the payload is awaited."""
-    __slots__ = ("strict", "op", "header", "head", "body")
+    __slots__ = ("strict", "op", "header", "head", "body", "posted")
 
-    def __init__(self, strict: "Strict", op: Op, header: torch.Tensor, head, body):
+    def __init__(self, strict: "Strict", op: Op, header: torch.Tensor, head, body, posted: int):
         self.strict, self.op, self.header, self.head, self.body = strict, op, header, head, body
+        self.posted = posted  # the receives this rank had waited for when it posted this one
 
     def wait(self, waiter) -> None:
         waiter(self.head)
@@ -74,7 +81,14 @@ class _Checked:
             raise TransportRuleError(
                 f"strict transport: {here}'s receive #{op.order} from rank {op.peer} (tag {op.tag}) has {op.nbytes} "
                 f"bytes, but the send it matches has {nbytes}: NCCL needs exact sizes")
+        if (done := self.strict.waited_before(op.peer, group, self.posted)) is not None:
+            raise TransportRuleError(
+                f"strict transport: {here}'s receive #{op.order} from rank {op.peer} (tag {op.tag}, {op.nbytes} bytes) "
+                f"was posted after this rank had waited for that rank's message #{done}, sent in the same group call "
+                f"({group}): NCCL may hold a group's messages until all their receives are posted, so the two ranks "
+                "would wait for each other (send those messages in separate group calls)")
         waiter(self.body)
+        self.strict.received(op.peer, group, order)
 
 
 class _Sent:
@@ -98,6 +112,8 @@ class Strict:
         self._thread = threading.local()  # open: a group call of this thread is open
         self._lock = threading.Lock()
         self._orders: dict = {}  # (kind, peer) -> operations issued
+        self._waited = 0  # receives waited for so far
+        self._groups: dict = {}  # peer -> deque of (its group call, its send's order, self._waited then)
 
     @property
     def open(self) -> bool:
@@ -135,6 +151,18 @@ class Strict:
             self.log.append(op)
         return op
 
+    def received(self, peer: int, group: int, order: int) -> None:
+        """A receive from ``peer`` of its send #``order``, issued in its group call ``group``, waited for."""
+        with self._lock:
+            self._waited += 1
+            self._groups.setdefault(peer, deque(maxlen=64)).append((group, order, self._waited))
+
+    def waited_before(self, peer: int, group: int, posted: int) -> int | None:
+        """The order of a send of ``peer``'s group call ``group`` that this rank had waited for
+        before it had waited ``posted`` receives in all (when it posted a receive): None if none."""
+        with self._lock:
+            return next((order for g, order, at in self._groups.get(peer, ()) if g == group and at <= posted), None)
+
     def send(self, post, tensor: torch.Tensor, peer: int, tag: int) -> _Sent:
         """``post(tensor, peer)`` (one tag on the wire) of the header, then of ``tensor``."""
         op = self._op("send", tensor, peer, tag)
@@ -144,7 +172,9 @@ class Strict:
     def recv(self, post, tensor: torch.Tensor, peer: int, tag: int) -> _Checked:
         op = self._op("recv", tensor, peer, tag)
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        return _Checked(self, op, header, post(header, peer), post(tensor, peer))
+        with self._lock:
+            posted = self._waited
+        return _Checked(self, op, header, post(header, peer), post(tensor, peer), posted)
 
     def wait(self, work, waiter) -> None:
         """Wait for ``work`` (``waiter`` waits for one gloo handle), checking a receive's header."""
