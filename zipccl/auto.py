@@ -11,8 +11,12 @@ time). Per class of calls (collective, dtype, power of two of the bytes):
 
 - below ``probe_min_bytes`` always the first candidate (native): latency-bound, where coding
   never paid in any measurement and zipccl's exchange alone would cost as much as the call;
-- the first ``explore`` rounds try every candidate in turn, so each plan is timed twice (one
-  unlucky time on a shared machine must not decide); from then on the fastest by its recent
+- the first calls try every candidate in turn until each has been timed ``explore`` times and
+  those times have come back (one unlucky time on a shared machine, or a size's cold first
+  call, must not decide: a call's time comes back with a later call's exchange, so stopping
+  after ``explore`` rounds would decide on a plan's first time alone; on an H200 that kept NCCL
+  for 256 MiB on a 10 Gbit/s lab, lossless's cold 346 ms against its warm 257 and NCCL's 342),
+  at most twice as many rounds; from then on the fastest by its recent
   times, and each slower plan once more after a number of calls that grows with how much it
   lost: what re-trying all losers costs stays near ``budget`` of the class's time (among three
   plans, one 3x slower is re-tried every 200 calls, one 10% slower every 32), so that a
@@ -48,6 +52,7 @@ class Policy:
         self.calls: dict = {}   # class -> calls decided so far
         self.last: dict = {}    # (class, plan) -> the index of the call that last ran it
         self.recent: dict = {}  # (class, plan) -> the last two times of a call
+        self.timed: dict = {}   # (class, plan) -> how many of its calls' times have come back
         self._schedule: dict = {}  # class -> (candidates, fastest, ((loser, re-try interval), ...)) until it learns
 
     @staticmethod
@@ -65,12 +70,20 @@ class Policy:
             return candidates[0]
         i = self.calls.get(key, 0)
         self.calls[key] = i + 1
-        if i < self.explore * len(candidates):
+        if self._exploring(key, i, candidates):
             plan = candidates[i % len(candidates)]
         else:
             plan = self._exploit(key, i, candidates)
         self.last[(key, plan)] = i
         return plan
+
+    def _exploring(self, key, i: int, candidates) -> bool:
+        """Whether call ``i`` still takes the candidates in turn: ``explore`` rounds, then until
+        every candidate's ``explore`` times have come back, at most as many rounds again."""
+        rounds = self.explore * len(candidates)
+        if i < rounds:
+            return True
+        return i < 2 * rounds and any(self.timed.get((key, c), 0) < self.explore for c in candidates)
 
     def _exploit(self, key, i: int, candidates) -> str:
         schedule = self._schedule.get(key)
@@ -98,6 +111,7 @@ class Policy:
     def learn(self, key: tuple, plan: str, seconds: float) -> None:
         """A finished call's time (the slowest rank's)."""
         self.recent[(key, plan)] = (self.recent.get((key, plan), ())[-1:] + (seconds,))
+        self.timed[(key, plan)] = self.timed.get((key, plan), 0) + 1
         self._schedule.pop(key, None)
 
     def seconds(self, key: tuple, plan: str) -> float | None:
