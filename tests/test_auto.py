@@ -55,10 +55,10 @@ def test_tries_every_plan_twice_then_keeps_the_fastest():
 
 
 def test_a_plans_cold_first_call_does_not_decide():
-    """A size's first lossless call is slow (its buffers, NCCL's connections), the later ones beat
-    native; native calls bring no times back: the turns go on until lossless's second time is
-    back, and lossless runs from then on (an H200's 10 Gbit/s lab at 256 MiB: 346 ms cold, 257
-    warm, NCCL 342)."""
+    """A size's first lossless call is slow, the later ones beat native; native calls bring no
+    times back: the turns go on until lossless's second time is back, and lossless runs from
+    then on (an H200's 10 Gbit/s lab at 256 MiB: lossless's first 346 ms, its timed calls 257,
+    NCCL 342)."""
     cold = {"native": 0.342, "lossless": 0.257}
     chosen = run_exchanged(Policy(), 256 * MiB, 40, lambda i, c: 0.346 if (i, c) == (1, "lossless") else cold[c])
     assert chosen[:6] == ["native", "lossless"] * 3, chosen

@@ -15,7 +15,8 @@ time). Per class of calls (collective, dtype, power of two of the bytes):
   those times have come back (one unlucky time on a shared machine, or a size's cold first
   call, must not decide: a call's time comes back with a later call's exchange, so stopping
   after ``explore`` rounds would decide on a plan's first time alone; on an H200 that kept NCCL
-  for 256 MiB on a 10 Gbit/s lab, lossless's cold 346 ms against its warm 257 and NCCL's 342),
+  for 256 MiB on a 10 Gbit/s lab, lossless's first 346 ms against NCCL's 342, where its timed
+  calls took 257),
   at most twice as many rounds; from then on the fastest by its recent
   times, and each slower plan once more after a number of calls that grows with how much it
   lost: what re-trying all losers costs stays near ``budget`` of the class's time (among three
