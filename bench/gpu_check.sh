@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # The GPU checks in two phases, on one GPU machine (docs/GPU.md, "How to run the GPU suite"):
 #   ZIPCCL_COMMIT=<commit> bash bench/gpu_check.sh [--phase 1|2|all] [--dry-run|--plan] [OUTDIR]    # OUTDIR: gpu_out
-# Phase 1, at most 4 minutes: the stack's versions; Triton's kernels compiled (so that no rank
-# pays a cold compile inside a step's limit; numba's CPU kernels, minutes cold, compile in the
-# background meanwhile, for phase 2); every entry point on CUDA tensors on 4 ranks of the one-GPU
-# lab; a rank killed mid-call; the lab's all-reduce table under MPS against torch's NCCL, 64 KiB
-# to 256 MiB. Phase 2, at most 4 more: the host waits per pipeline piece, the 2- and 4-rank
-# collectives against plain torch, (as root) the lab shaped to 10 Gbit/s per rank
+# Phase 1, at most 4 minutes, correctness: the stack's versions; Triton's kernels compiled (so
+# that no rank pays a cold compile inside a step's limit); every entry point on CUDA tensors on 4
+# ranks of the one-GPU lab; a rank killed mid-call; the three collectives on 4 ranks against
+# plain torch. Phase 2, at most 4 more, speed: the lab's all-reduce tables under MPS against
+# torch's NCCL, 64 KiB to 256 MiB; (as root) the lab shaped to 10 Gbit/s per rank
 # (zipccl-netlab: one network namespace per rank, NCCL's sockets on its veth; iproute2 from
 # gpu_tools/, `make gpu-tools`, where the machine has none) against torch's NCCL on the same
-# ranks under MPS, and the codec's checks last (its gpu tests, then bytes, bits and GB/s at 1, 8
-# and 64 MiB of each dtype: numba's kernels, which it compares with, have compiled by then where
-# phase 2 runs alone on a fresh machine). Phase 2 expects phase 1's Triton cache (~/.triton): run
-# it right after phase 1 on the same machine, or its first steps' ranks compile cold.
-# Left out by default, for a second call: memcheck, ncu, the call profile, the other collectives' labs.
+# ranks under MPS; and the codec's checks last (its gpu tests, then bytes, bits and GB/s at 1, 8
+# and 64 MiB of each dtype: numba's kernels, which it compares with and which compile in the
+# background from each phase's start, have compiled by then). Phase 2 expects phase 1's Triton
+# cache (~/.triton): run it right after phase 1 on the same machine, or its ranks compile cold.
+# Left out by default, for a second call: the host waits per piece, memcheck, ncu, the call
+# profile, the other collectives' labs, the transport's tests (each passed on an H200 at 41adf7a).
 #
 # Every step is bounded by `timeout` (its limit: the variable its line in `steps` below names,
-# e.g. ENTRY_S=90) and by what is left of its phase (232 s each, PHASE_S, so that both end
+# e.g. ENTRY_S=90) and by what is left of its phase (240 s each, PHASE_S, so that both end
 # within 8 minutes); the run goes on after a failed step. OUTDIR/plan.txt lists the steps
 # first; each step writes OUTDIR/NAME.txt as it runs
 # and a line to OUTDIR/steps.txt as it ends (exit code, 124: its time ran out; seconds; limit).
@@ -54,8 +54,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_SOCKET
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TRITON_INTERPRET=$dry  # compiled on the GPU; the dry run's Triton codec on CPU tensors, interpreted
 py=${PYTHON:-python3}
-phase_s=${PHASE_S:-232}
-default_skip=${DEFAULT_SKIP-lab_reduce_scatter lab_all_gather shaped_reduce_scatter shaped_all_gather transport call_profile memcheck ncu}
+phase_s=${PHASE_S:-240}
+default_skip=${DEFAULT_SKIP-syncs lab_reduce_scatter lab_all_gather shaped_reduce_scatter shaped_all_gather transport call_profile memcheck ncu}
 skip=" $default_skip ${SKIP-} "
 # iproute2 for the shaped lab where the machine has none: the carried gpu_tools/ (bench/gpu_tools.sh)
 if ! command -v ip > /dev/null && [[ -x $PWD/gpu_tools/bin/ip ]]; then export PATH=$PWD/gpu_tools/bin:$PATH; fi
@@ -75,19 +75,19 @@ export ZIPCCL_COMMIT=$commit
 if [[ $phase == all ]]; then : > "$out/steps.txt"; else touch "$out/steps.txt"; sed -i "/ phase=$phase /d" "$out/steps.txt"; fi
 
 # The steps: name, phase, limit (seconds), what runs (a function below). Each phase's limits add
-# up to 220 s of its 232, leaving 12 for an MPS step's daemon to start and stop, so that a step
+# up to 228 s of its 240, leaving 12 for an MPS step's daemon to start and stop, so that a step
 # gets its whole limit where the ones before it end within theirs (one killed at its limit takes
-# up to 2 s more).
+# up to 2 s more). The limits are what each step took on an H200 at 41adf7a, plus a margin.
 steps=(
-    "env 1 ${ENV_S:-12} run_env"
-    "compile 1 ${COMPILE_S:-33} run_compile"
-    "entry 1 ${ENTRY_S:-85} run_entry"
-    "killed 1 ${KILLED_S:-40} run_killed"
-    "lab_all_reduce_mps 1 ${LAB_MPS_S:-50} mps run_lab all_reduce _mps"
+    "env 1 ${ENV_S:-11} run_env"
+    "compile 1 ${COMPILE_S:-30} run_compile"
+    "entry 1 ${ENTRY_S:-95} run_entry"
+    "killed 1 ${KILLED_S:-30} run_killed"
+    "collectives 1 ${COLLECTIVES_S:-62} run_collectives"
+    "lab_all_reduce_mps 2 ${LAB_MPS_S:-70} mps run_lab all_reduce _mps"
+    "shaped_all_reduce 2 ${SHAPED_S:-80} mps run_shaped all_reduce"
+    "codec 2 ${CODEC_S:-78} run_codec"
     "syncs 2 ${SYNCS_S:-36} run_syncs"
-    "collectives 2 ${COLLECTIVES_S:-56} run_collectives"
-    "shaped_all_reduce 2 ${SHAPED_S:-56} mps run_shaped all_reduce"
-    "codec 2 ${CODEC_S:-72} run_codec"
     "shaped_reduce_scatter 2 ${SHAPED_S:-60} mps run_shaped reduce_scatter"
     "shaped_all_gather 2 ${SHAPED_S:-60} mps run_shaped all_gather"
     "lab_reduce_scatter 2 ${LAB_S:-40} run_lab reduce_scatter"
@@ -285,11 +285,15 @@ run_lab() { perf --collective "$1" -J "$out/lab_$1${2:-}.json"; }
 # the programs and of the index differ); then the device operations and wall time of one 8 MiB
 # call (bench/gpu_stages.py). The cases that matter most go first: each prints its line as it
 # ends, so a step out of time keeps them.
-AB_GRID=33554432:bf16,4194304:bf16,4194304:bf16:256,4194304:bf16:1024,33554432:fp16,4194304:fp16
-AB_GRID+=,16777216:fp32,2097152:fp32,524288:bf16,524288:fp16,262144:fp32
+AB_GRID=33554432:bf16,4194304:bf16,33554432:fp16,4194304:fp16,16777216:fp32,2097152:fp32
+AB_GRID+=,524288:bf16,524288:fp16,262144:fp32,4194304:bf16:256,4194304:bf16:1024
 run_codec() {
     wait_numba
-    $gpu_suite tests/test_nccl_gpu.py -k "not transport and not dropin"
+    # 4 processes, so that Triton compiles the tests' other block sizes side by side (61 s cold
+    # in one on an H200, 10 s warm)
+    local workers=(-n 4)
+    ((dry)) && workers=()
+    $gpu_suite "${workers[@]}" tests/test_nccl_gpu.py -k "not transport and not dropin"
     local rc=$?
     ((dry)) && echo "# dry run: two small cases on CPU; on a GPU: --cases ${AB_CASES:-$AB_GRID}"
     rm -f "$out/codec_ab.json"  # gpu_ab.py appends: a rerun into this folder starts it afresh
@@ -386,7 +390,8 @@ run_call_profile() {
 }
 
 run_syncs() { $gpu_suite -s tests/test_gpu_lab.py tests/test_nccl_gpu.py -k "host_wait or mail"; }
-run_collectives() { $gpu_suite tests/test_gpu_lab.py -k "collectives_match"; }
+# 4 ranks (COLLECTIVES_K=collectives_match: 2 ranks too, about 35 s more)
+run_collectives() { $gpu_suite tests/test_gpu_lab.py -k "${COLLECTIVES_K:-collectives_match and 4}"; }
 run_transport() {
     wait_numba
     $gpu_suite tests/test_nccl_gpu.py tests/test_gpu_lab.py -k "transport_matches or dropin or clock or perf_lab"
@@ -472,23 +477,21 @@ pack() {
 }
 
 rm -f "$out/numba.done"
-numba_pid=
-if [[ $phase != 1 ]]; then  # bounded like the rest, and ended with the script
-    timeout -k 2 $((2 * phase_s)) bash -c "$(declare -f numba_compile); $(declare -p py out); numba_compile" &
-    numba_pid=$!
-fi
+# From the start of either phase, bounded like the rest and ended with the script: phase 1's
+# correctness steps leave phase 2 a warm cache (8 s to load), so that it does not compile beside
+# phase 2's timed labs (65 s cold on an H200's host).
+timeout -k 2 $((2 * phase_s)) bash -c "$(declare -f numba_compile); $(declare -p py out); numba_compile" &
+numba_pid=$!
 for s in "${steps[@]}"; do
     read -r name p limit rest <<<"$s"
     [[ $phase != all && $phase != "$p" ]] && continue
     step "$name" "$p" "$limit" $rest
 done
-if [[ -n $numba_pid ]]; then
-    if [[ ! -f $out/numba.done ]]; then
-        kill "$numba_pid" 2>/dev/null
-        echo "numba_compile ended unfinished (no step waited for it)" | tee -a "$out/steps.txt"
-    fi
-    wait "$numba_pid" 2>/dev/null
+if [[ ! -f $out/numba.done ]]; then
+    kill "$numba_pid" 2>/dev/null
+    echo "numba_compile ended unfinished (no step waited for it)" | tee -a "$out/steps.txt"
 fi
+wait "$numba_pid" 2>/dev/null
 [[ -f $out/numba.done ]] && tee -a "$out/steps.txt" < "$out/numba.done"
 echo "### done in $SECONDS s: $out/steps.txt" | tee -a "$out/steps.txt"
 pack

@@ -16,11 +16,12 @@ import pytest
 
 pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parents[1]
-PHASE1 = ["env", "compile", "entry", "killed", "lab_all_reduce_mps"]
-PHASE2 = ["syncs", "collectives", "shaped_all_reduce", "codec", "shaped_reduce_scatter", "shaped_all_gather",
+PHASE1 = ["env", "compile", "entry", "killed", "collectives"]
+PHASE2 = ["lab_all_reduce_mps", "shaped_all_reduce", "codec", "syncs", "shaped_reduce_scatter", "shaped_all_gather",
           "lab_reduce_scatter", "lab_all_gather", "transport", "call_profile", "memcheck", "ncu"]
-DEFAULT_SKIP = {"lab_reduce_scatter", "lab_all_gather", "shaped_reduce_scatter", "shaped_all_gather", "transport",
+DEFAULT_SKIP = {"syncs", "lab_reduce_scatter", "lab_all_gather", "shaped_reduce_scatter", "shaped_all_gather", "transport",
                 "call_profile", "memcheck", "ncu"}
+RUN_DRY = {"syncs", "memcheck", "ncu"}  # default skips that the dry run of both phases runs: a few packets, one test
 
 
 def _run(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -57,7 +58,7 @@ def test_dry_run_of_both_phases(tmp_path):
     out, bundle = tmp_path / "out", tmp_path / "all.tgz"
     # a 2-core host imports the stack slower than a GPU machine, numba compiling beside it
     r = _run(out, BUNDLE=str(bundle), ZIPCCL_COMMIT="c0ffee1", ENV_S="25", COMPILE_S="45",
-             DEFAULT_SKIP=" ".join(sorted(DEFAULT_SKIP - {"memcheck", "ncu"})))  # their dry runs too: a few packets
+             DEFAULT_SKIP=" ".join(sorted(DEFAULT_SKIP - RUN_DRY)))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = _steps(out)
     assert list(steps) == PHASE1 + PHASE2, steps
@@ -70,7 +71,7 @@ def test_dry_run_of_both_phases(tmp_path):
     assert planned == PHASE1 + PHASE2, planned
     for name, (phase, rc, limit) in steps.items():
         assert phase == (1 if name in PHASE1 else 2), name
-        if name in DEFAULT_SKIP - {"memcheck", "ncu"}:
+        if name in DEFAULT_SKIP - RUN_DRY:
             assert rc == "skip", name
             continue
         text = (out / f"{name}.txt").read_text()
@@ -98,8 +99,8 @@ def test_dry_run_of_both_phases(tmp_path):
 
 
 def test_the_default_plan_leaves_room_for_the_mps_daemon(tmp_path):
-    """--plan writes the plan alone: each phase's default limits add up to at most 220 s of its
-    232, the 12 s left for an MPS step's daemon to start and stop, so that a step gets its whole
+    """--plan writes the plan alone: each phase's default limits add up to at most 228 s of its
+    240, the 12 s left for an MPS step's daemon to start and stop, so that a step gets its whole
     limit where the ones before it end within theirs; nothing runs (no steps.txt line, no step's
     file)."""
     out = tmp_path / "plan"
@@ -107,7 +108,7 @@ def test_the_default_plan_leaves_room_for_the_mps_daemon(tmp_path):
                        timeout=60, env={k: v for k, v in os.environ.items() if not k.endswith("_S")})
     assert r.returncode == 0, r.stderr
     sums, planned = _plan(out)
-    assert planned == PHASE1 + PHASE2 and sums[1] <= 220 and sums[2] <= 220, sums
+    assert planned == PHASE1 + PHASE2 and sums[1] <= 228 and sums[2] <= 228, sums
     assert sorted(f.name for f in out.iterdir()) == ["plan.txt", "steps.txt"] and not (out / "steps.txt").read_text()
 
 
@@ -117,7 +118,7 @@ def test_phase_one_alone_and_skip_adds_to_the_defaults(tmp_path):
     --phase 2 into phase 1's folder keeps phase 1's lines of steps.txt."""
     out, device_out = tmp_path / "out", tmp_path / "device_out"
     device_out.mkdir()
-    r = _run(out, "--phase", "1", SKIP="compile entry killed lab_all_reduce_mps", OUT=str(device_out))
+    r = _run(out, "--phase", "1", SKIP="compile entry killed collectives", OUT=str(device_out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = _steps(out)
     assert list(steps) == PHASE1 and steps["env"][1] == 0, steps
@@ -125,10 +126,10 @@ def test_phase_one_alone_and_skip_adds_to_the_defaults(tmp_path):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     assert f"commit {head}" in (out / "env.txt").read_text()  # without ZIPCCL_COMMIT: git's
     assert all(steps[n][1] == "skip" for n in PHASE1[1:]), steps
-    assert "# skipped: lab_reduce_scatter lab_all_gather" in (out / "plan.txt").read_text()
+    assert "# skipped: syncs lab_reduce_scatter lab_all_gather" in (out / "plan.txt").read_text()
     out2 = tmp_path / "short"
     r = _run(out2, "--phase", "2", PHASE_S="12", DEFAULT_SKIP="",  # the default skips run now, 12 s cut them short
-             SKIP="codec syncs collectives shaped_all_reduce shaped_reduce_scatter shaped_all_gather")
+             SKIP="lab_all_reduce_mps shaped_all_reduce codec syncs shaped_reduce_scatter shaped_all_gather")
     steps = _steps(out2)
     assert list(steps) == PHASE2, steps
     assert all(steps[n][1] == "skip" for n in PHASE2[:6]), steps
