@@ -1218,3 +1218,42 @@ def test_a_killed_peer_is_named(victim, polled):
     name, named, when = got[survivor]
     assert (name, named) == ("RankFailure", victim), got
     assert when - got[victim][2] < TIMEOUT + 5.0, got
+
+
+def _held(rank: int, port: int, results) -> None:
+    """Rank 0's posting of its send waits for good, as NCCL's group end waits for a receive that
+    its peer never posts (send_message replaced by a wait); rank 1 receives. Each reports what it
+    raised, and after how long."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZIPCCL_TIMEOUT=str(TIMEOUT))
+    torch.set_num_threads(1)
+    import zipccl.config
+    import zipccl.p2p
+    zipccl.config.TIMEOUT = TIMEOUT
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    held = threading.Event()
+    zipccl.p2p.send_message = lambda *a, **k: held.wait(60) and []
+    x = torch.randn(300_000).to(torch.bfloat16)
+    start, outcome = time.monotonic(), ("returned", None)
+    try:
+        if rank == 0:
+            zipccl.send(x, 1, codec="lossless")
+        else:
+            zipccl.recv(torch.empty_like(x), 0, codec="lossless")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome = (type(e).__name__, getattr(e, "rank", None))
+    held.set()
+    results.put((rank, (*outcome, time.monotonic() - start)))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def test_a_send_whose_posting_waits_for_good_fails_within_the_bound():
+    """A send still posting after ZIPCCL_TIMEOUT (on an H200 a send hung so in NCCL's group
+    end) raises RankFailure naming its receiver, within the bound and a few seconds, and the
+    receiver raises RankFailure too: neither waits for good."""
+    from zipccl.launch import free_port
+    got, _ = spawn(_held, 2, (free_port(),), seconds=60)
+    assert sorted(got) == [0, 1], got
+    assert got[0][:2] == ("RankFailure", 1) and got[0][2] < TIMEOUT + 5.0, got
+    assert got[1][0] == "RankFailure" and got[1][2] < TIMEOUT + 5.0, got

@@ -252,3 +252,32 @@ def test_tolerance_is_tight():
     exact = torch.stack([p.double() for p in parts]).sum(0)
     lossy = _direct([p.bfloat16().float() for p in parts])
     assert not bool(((lossy.double() - exact).abs() <= _tolerance(parts, "direct")).all())
+
+
+def test_each_threads_messages_carry_its_own_group_calls_number():
+    """Two threads' group calls open at once (a send lane and the async calls' thread share a
+    transport): a message carries the number of its own thread's call, not of the call opened
+    last, or two separate calls would look like one (and one call like two)."""
+    import threading
+
+    from zipccl.transport.strict import Strict
+    strict, opened, sent = Strict(0), threading.Event(), threading.Event()
+
+    def first():
+        with strict.grouped():
+            opened.wait(10)  # the second thread's call is open by now
+            strict.send(lambda x, peer: None, torch.zeros(8, dtype=torch.uint8), 1, 0)
+            sent.set()
+
+    def second():
+        with strict.grouped():
+            opened.set()
+            sent.wait(10)
+            strict.send(lambda x, peer: None, torch.zeros(6, dtype=torch.uint8), 1, 0)
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert [(op.nbytes, op.group) for op in strict.log] == [(8, 1), (6, 2)], list(strict.log)

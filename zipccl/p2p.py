@@ -50,7 +50,8 @@ from .collectives.p2p import Signature, Verdict, mismatch_text, receive_message,
 from .collectives.pipeline import plain
 from .collectives.resolve import NATIVE, resolve_codec
 from .collectives.validation import finish, new_acc, overlaps
-from .errors import MismatchError, UnsupportedError
+from .errors import MismatchError, RankFailure, UnsupportedError
+from .errors import TimeoutError as ZipcclTimeout
 from .failure import LOST, Fate, code as poison
 from .format import DTYPE_CODES
 from .torch_compat import not_in
@@ -400,15 +401,21 @@ def _send(op: _Op):
     verdict = Verdict(_group_name(op.group), dist.get_rank(), op.peer_job, op.seq)
 
     state = []  # (fate, acc, sends), kept here: a CUDA-aware future would pickle its value, and c10d's works cannot be
+    sent = []  # True once posting ended without an error
 
     def post() -> None:
-        fate, acc = Fate.of("send", op.transport(), (dist.get_rank(), op.peer_job)), new_acc()
-        state.append((fate, acc, send_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)))
+        fate, acc, sends = Fate.of("send", op.transport(), (dist.get_rank(), op.peer_job)), new_acc(), []
+        state.append((fate, acc, sends))  # before posting, which may wait for the receiver (_not_posted)
+        sends += send_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)
+        sent.append(True)
 
     posted = executor.on_lane(("send", _group_name(op.group), op.peer_job), post, (op.tensor,))
 
     def complete():
-        posted.wait()  # raises where posting failed (the pair's transport could not be made)
+        try:
+            posted.wait(config.wait_bound())  # raises where posting failed (the pair's transport could not be made)
+        except ZipcclTimeout:
+            _not_posted(op, state)
         fate, acc, sends = state[0]
         for w in sends:
             fate.wait(op.t, w, op.peer)
@@ -425,8 +432,25 @@ def _send(op: _Op):
         fate.check()
         return finish("send", op.plan, acc)
 
-    return _SendHandle(complete, verdict, lambda: posted.is_completed() and not state,
+    return _SendHandle(complete, verdict, lambda: posted.is_completed() and not sent,
                        ("sent", _group_name(op.group), op.peer_job), op.tensor.device if op.tensor.is_cuda else None)
+
+
+def _not_posted(op: _Op, state: list):
+    """A send still posting after zipccl's bound: NCCL's group end, which connects the pair's
+    channels, waits for the receiver to post its side (or the pair's transport is still being
+    made), and a receiver that never does would hold the sender for good. Its peer is lost:
+    RankFailure naming the rank the heartbeats name, the pair's communicators aborted so that
+    the lane's group call ends."""
+    if not state:
+        raise RankFailure(f"zipccl.send: the message to rank {op.peer_job} was not posted within "
+                          f"{config.wait_bound():g} s (making the pair's transport)", rank=op.peer_job, kind="lost",
+                          broken=True)
+    fate = state[0][0]
+    fate.lose(op.t, op.peer, TimeoutError(f"posting the message waited {config.wait_bound():g} s for rank "
+                                          f"{op.peer_job}'s receive"))
+    op.t.abort()
+    fate.check()
 
 
 def _receive(op: _Op):

@@ -35,8 +35,11 @@ collectives passed on 1, 2 and 4 ranks of one H100 (2026-11-26) and, with the ma
 one H200 (2026-11-30), several ranks sharing the GPU in the one-GPU lab
 (zipccl.launch.spawn(..., share_gpu=True), docs/GPU.md). NCCL connects two ranks on a channel at
 their first send or receive, inside the host's group call, which returns once the peer has
-posted its side: zipccl's calls post both sides in one group. The killed-rank test's survivors
-gave no answer there (2026-11-30); aborts have run all at once (``_abort_all``) since.
+posted its side, and may hold a group's messages until all their receives are posted: the
+collectives post both sides in one group, and a message whose receive waits for an earlier
+one (a point-to-point packet, behind its size) goes in a group call of its own (strict mode
+checks both, zipccl.transport.strict). A killed rank's survivors named it on an H200 at 41adf7a,
+aborts all at once (``_abort_all``).
 """
 
 from __future__ import annotations

@@ -128,6 +128,7 @@ class Strict:
             raise TransportRuleError("strict transport: a group call inside a group call")
         with self._lock:
             self.group += 1
+            self._thread.group = self.group  # this thread's messages carry its own call's number
         self._thread.open = True
         try:
             yield
@@ -147,7 +148,7 @@ class Strict:
         with self._lock:
             order = self._orders.get((kind, peer), 0)
             self._orders[(kind, peer)] = order + 1
-            op = Op(kind, peer, order, nbytes, self.group, tag)
+            op = Op(kind, peer, order, nbytes, self._thread.group, tag)
             self.log.append(op)
         return op
 
