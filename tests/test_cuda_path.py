@@ -26,7 +26,7 @@ from zipccl.collectives.resolve import NATIVE
 from zipccl.errors import RankFailure, UnsupportedError, ZipcclError
 from zipccl.failure import Fate
 from zipccl.transport import NcclTransport, TorchTransport, cupy_nccl, select, torch_dist
-from zipccl.transport.strict import Strict, TransportRuleError
+from zipccl.transport.strict import HEADER as STRICT_HEADER, Strict, TransportRuleError
 
 META = torch.device("meta")
 
@@ -483,7 +483,7 @@ def test_strict_mode_rejects_a_message_off_the_groups_device():
         with pytest.raises(TransportRuleError, match=r"a tensor on cpu, but this group carries tensors on meta"):
             s.send(post, torch.zeros(8, dtype=torch.uint8), 1, 3)
     # each message behind its header, the headers on the group's device too
-    assert posted == [("meta", torch.int64, 4), ("meta", torch.uint8, 8), ("meta", torch.int64, 4),
+    assert posted == [("meta", torch.int64, STRICT_HEADER), ("meta", torch.uint8, 8), ("meta", torch.int64, STRICT_HEADER),
                       ("meta", torch.int64, 2)]
     gloo = Strict(0)  # gloo: the CPU, and a CUDA-like tensor is refused alike
     with gloo.grouped(), pytest.raises(TransportRuleError, match="a tensor on meta, but this group carries tensors "
@@ -524,7 +524,7 @@ def _expected(strict: bool, *messages):
     """The recorded calls of ``messages`` ((call, numel) of int64 tensors), each behind its strict header."""
     out = []
     for name, numel in messages:
-        out += ([(name, "meta", torch.int64, 4)] if strict else []) + [(name, "meta", torch.int64, numel)]
+        out += ([(name, "meta", torch.int64, STRICT_HEADER)] if strict else []) + [(name, "meta", torch.int64, numel)]
     return out
 
 
@@ -556,7 +556,7 @@ def test_a_device_message_is_sent_as_it_is(nccl_group):
         t.isend(payload, 1)
         work = t.irecv(payload, 1)
     assert not isinstance(work, torch_dist._Staged)
-    header = [("meta", torch.int64, 4)] if strict else []
+    header = [("meta", torch.int64, STRICT_HEADER)] if strict else []
     assert [s[1:] for s in sent] == header + [("meta", torch.uint8, 16)] + header + [("meta", torch.uint8, 16)]
 
 

@@ -128,6 +128,42 @@ def test_a_receive_posted_after_waiting_for_a_message_of_the_same_group_fails(po
         assert res[1].startswith("TransportRuleError") and "message #0, sent in the same group call" in res[1], res
 
 
+def _sent_after_a_wait(rank, groups, split):
+    """Rank 0 sends a message and receives the answer in one group call (``split``: two); rank 1
+    waits for the message before it posts the answer: on NCCL the one group may wait for the
+    answer's send, which waits for the group."""
+    _, t = _pair()
+    if t is None:
+        return None
+    ask, answer = torch.arange(4, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8)
+    if rank == 0:
+        with t.grouped():
+            sent = t.isend(ask, 1, 6)
+            if not split:
+                got = t.irecv(answer, 1, 6)
+        if split:
+            with t.grouped():
+                got = t.irecv(answer, 1, 6)
+        return _outcome(lambda: t.wait(sent)), _outcome(lambda: t.wait(got)) or answer.tolist()
+    with t.grouped():
+        work = t.irecv(answer, 0, 6)
+    t.wait(work)
+    with t.grouped():
+        work = t.isend(answer + 1, 0, 6)
+    return _outcome(lambda: t.wait(work))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_send_posted_after_waiting_for_a_message_of_its_receives_group_fails(pool, split):
+    res = pool.run(_sent_after_a_wait, split)
+    assert res[1] is None and res[2] is None and res[3] is None, res
+    if split:
+        assert res[0] == (None, [1, 2, 3, 4]), res
+    else:
+        assert res[0][0] is None and res[0][1].startswith("TransportRuleError"), res
+        assert "a message of which rank 1 had waited for before it posted the send" in res[0][1], res
+
+
 def test_larger_receive_fails(pool):
     res = pool.run(_larger_receive)
     assert res[0] is None and res[2] is None and res[3] is None

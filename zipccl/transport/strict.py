@@ -7,7 +7,8 @@ other must be issued in one group (groupStart/groupEnd) or both ranks block. glo
 three. In strict mode a TorchTransport declares NCCL's capabilities (no loose receives, no
 tags), sends every message on one tag, so that gloo matches in issue order as NCCL does, and
 puts a small header before each payload: its byte count, the tag the sender meant, the
-sender's group call and issue order. The receiving rank checks the header against its own
+sender's group call and issue order, and the group calls of the receiver's two messages that
+the sender waited for last. The receiving rank checks the header against its own
 receive: a different size breaks the exact-size rule, a different tag means the two ranks
 issued their messages in different orders (they would pair up wrongly without tags), and a
 receive posted only after this rank had waited for another message of the same group call of
@@ -15,8 +16,9 @@ the sender breaks the fifth rule: NCCL may hold every message of a group until a
 receives are posted (a group's end connects its channels with the peer's, and its messages may
 wait for each other), so a receiver that waits for one of them before it posts the receive of
 another waits for good (a framed send's size and packet, sent as one group, hung so on an H200;
-NCCL's maintainers: "send() is allowed to block until the corresponding recv() is called"). Every
-send and receive must be issued inside ``grouped()``, and nothing may be waited for inside a
+NCCL's maintainers: "send() is allowed to block until the corresponding recv() is called");
+likewise a send posted after its rank waited for a message of the group call that holds its
+receive. Every send and receive must be issued inside ``grouped()``, and nothing may be waited for inside a
 group (NCCL launches a group's operations at its end). Every message, header included, is on
 the device that the group's backend carries (``device``: the CPU on gloo, the GPU on nccl):
 NCCL cannot send a CPU tensor, so a host tensor on an NCCL group is the fourth broken rule
@@ -24,7 +26,7 @@ NCCL cannot send a CPU tensor, so a host tensor on an NCCL group is the fourth b
 that every message of a path is staged onto it. A violation raises TransportRuleError.
 Each rank keeps its last LOG_LENGTH operations (``log``) for the error messages and tests.
 
-This costs one 32-byte message per payload: a checking mode for tests, not for production.
+This costs one 48-byte message per payload: a checking mode for tests, not for production.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ import torch
 
 from ..errors import ZipcclError
 
-__all__ = ["TransportRuleError", "Strict", "Op", "LOG_LENGTH"]
+__all__ = ["TransportRuleError", "Strict", "Op", "LOG_LENGTH", "HEADER"]
 
 LOG_LENGTH = 4096
-_HEADER = 4  # int64s: bytes, the tag meant, the sender's group call, its issue order to this peer
+HEADER = 6  # int64s: bytes, the tag meant, the sender's group call, its issue order to this peer, and the
+# receiver's group calls of the two messages from it that the sender waited for last (-1: none)
 
 
 class TransportRuleError(ZipcclError):
@@ -70,7 +73,7 @@ class _Checked:
 
     def wait(self, waiter) -> None:
         waiter(self.head)
-        nbytes, tag, group, order = self.header.tolist()
+        nbytes, tag, group, order, *theirs = self.header.tolist()
         op, here = self.op, f"rank {self.strict.rank}"
         if tag != op.tag:
             raise TransportRuleError(
@@ -87,6 +90,12 @@ class _Checked:
                 f"was posted after this rank had waited for that rank's message #{done}, sent in the same group call "
                 f"({group}): NCCL may hold a group's messages until all their receives are posted, so the two ranks "
                 "would wait for each other (send those messages in separate group calls)")
+        if op.group in theirs:
+            raise TransportRuleError(
+                f"strict transport: {here}'s receive #{op.order} from rank {op.peer} (tag {op.tag}, {op.nbytes} bytes) "
+                f"is in this rank's group call {op.group}, a message of which rank {op.peer} had waited for before it "
+                f"posted the send: NCCL may hold a group's messages until all their receives' sends are posted, so "
+                "the two ranks would wait for each other (post that receive in a group call of its own)")
         waiter(self.body)
         self.strict.received(op.peer, group, order)
 
@@ -167,12 +176,15 @@ class Strict:
     def send(self, post, tensor: torch.Tensor, peer: int, tag: int) -> _Sent:
         """``post(tensor, peer)`` (one tag on the wire) of the header, then of ``tensor``."""
         op = self._op("send", tensor, peer, tag)
-        header = torch.tensor([op.nbytes, tag, op.group, op.order], dtype=torch.int64, device=self.device)
+        with self._lock:
+            last = [g for g, _, _ in self._groups.get(peer, ())][-2:]
+        last = [-1] * (2 - len(last)) + last
+        header = torch.tensor([op.nbytes, tag, op.group, op.order, *last], dtype=torch.int64, device=self.device)
         return _Sent(post(header, peer), post(tensor, peer))
 
     def recv(self, post, tensor: torch.Tensor, peer: int, tag: int) -> _Checked:
         op = self._op("recv", tensor, peer, tag)
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
         with self._lock:
             posted = self._waited
         return _Checked(self, op, header, post(header, peer), post(tensor, peer), posted)
