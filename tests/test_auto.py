@@ -121,6 +121,11 @@ def test_classes_are_separate_and_the_table_reports_them():
                           Policy.key("all_reduce", torch.bfloat16, 64 * MiB)}
     assert all(set(v) == set(FLAT) for v in table.values())
     assert len(p.explain()) == 2 and "native" in p.explain()[0]
+    # six calls in turn, the last two times not back: still probing; once they are, decided
+    assert all(line.endswith("probing") for line in p.explain()), p.explain()
+    for plan in ("raw", "lossless"):
+        p.learn(Policy.key("all_reduce", torch.bfloat16, 16 * MiB), plan, 2.0)
+    assert p.explain()[0].endswith("(fastest)") and p.explain()[1].endswith("probing"), p.explain()
 
 
 def test_bad_settings_are_refused():

@@ -135,7 +135,7 @@ class Policy:
             collective, dtype, bits = key
             shown = ", ".join(f"{p} {s * 1e3:.2f} ms" for p, s in sorted(times.items(), key=lambda kv: kv[1]))
             best = min(times, key=times.get)
-            state = "probing" if self.calls.get(key, 0) <= self.explore * len(times) else f"-> {best} (fastest)"
+            state = "probing" if self._exploring(key, self.calls.get(key, 0), tuple(times)) else f"-> {best} (fastest)"
             lines.append(f"{collective} {dtype.replace('torch.', '')} {1 << (bits - 1)}-{(1 << bits) - 1} B: "
                          f"{shown} {state}")
         return lines
