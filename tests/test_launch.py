@@ -119,6 +119,23 @@ def test_detect_refuses_what_no_launcher_sets(monkeypatch, env, says):
 
 
 @pytest.mark.timeout(180)
+def test_free_port_is_below_the_ephemeral_range_and_free(monkeypatch):
+    """A port from launch.PORTS, below the range the kernel hands out to sockets bound to port 0
+    and to outgoing connections, that binds; where every one of them is taken, the kernel's pick."""
+    import socket
+    port = free_port()
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert port in launch.PORTS and port < low, (port, low)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))  # free indeed
+        held.listen()
+        monkeypatch.setattr(launch, "PORTS", range(port, port + 1))
+        other = free_port()
+        assert other != port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", other))
+
+
 def test_local_spawn():
     out = subprocess.run([sys.executable, EXAMPLE, "--nranks", "2"], env=_clean_env(), capture_output=True,
                          text=True, timeout=170)
