@@ -30,11 +30,11 @@ from .collectives.pipeline import plain
 from .collectives.resolve import AUTO, NATIVE, resolve_codec
 from .collectives.validation import _check_device, _check_tensor, check_carrier, finish, new_acc, overlaps
 from .errors import UnsupportedError
-from .torch_compat import not_in
 from .executor import run as _run
 from .failure import Fate
 from .format import DTYPE_CODES
 from .stats import record_native
+from .torch_compat import not_in
 from .transport import TorchTransport, transport_for
 from .transport.torch_dist import ALL_TO_ALL, as_they_are, direct_group, options, underneath
 

@@ -19,12 +19,12 @@ import torch.distributed as dist
 from . import auto, config, hierarchical, lifetime, lossy, topology
 from . import collectives as C
 from .collectives.metadata import _meta_bytes
-from .torch_compat import not_in
 from .errors import UnsupportedError
 from .executor import drain as _drain, run as _run
 from .failure import Fate
 from .format import DTYPE_CODES
 from .stats import record_native
+from .torch_compat import not_in
 from .transport import TorchTransport
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "goes_native", "ALGORITHMS", "HIERARCHICAL_PLANS"]

@@ -190,7 +190,7 @@ class TorchTransport(Transport):
     def __init__(self, group: dist.ProcessGroup | None = None, twin: bool = True):
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialised: call zipccl.launch.init() or "
-                               "torch.distributed.init_process_group() first")
+                             "torch.distributed.init_process_group() first")
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
