@@ -79,11 +79,11 @@ if [[ $phase == all ]]; then : > "$out/steps.txt"; else touch "$out/steps.txt"; 
 # gets its whole limit where the ones before it end within theirs (one killed at its limit takes
 # up to 2 s more). The limits are what each step took on an H200 at 41adf7a, plus a margin.
 steps=(
-    "env 1 ${ENV_S:-11} run_env"
+    "env 1 ${ENV_S:-12} run_env"
     "compile 1 ${COMPILE_S:-30} run_compile"
     "entry 1 ${ENTRY_S:-95} run_entry"
     "killed 1 ${KILLED_S:-30} run_killed"
-    "collectives 1 ${COLLECTIVES_S:-62} run_collectives"
+    "collectives 1 ${COLLECTIVES_S:-61} run_collectives"
     "lab_all_reduce_mps 2 ${LAB_MPS_S:-70} mps run_lab all_reduce _mps"
     "shaped_all_reduce 2 ${SHAPED_S:-80} mps run_shaped all_reduce"
     "codec 2 ${CODEC_S:-78} run_codec"
