@@ -108,3 +108,14 @@ def pool(pool_factory):
 # hypothesis is derandomized: tests/ci_rules.py. Triton's interpreter for CPU tensors, compiled
 # kernels for the `compiled` tests on a GPU machine: tests/triton_mode.py.
 pytest_plugins = ("ci_rules", "triton_mode")
+
+
+@pytest.fixture
+def lab_lock():
+    """One network lab on this host at a time: the lab's namespaces have fixed names, so the test
+    processes (test_netlab.py, the gpu_check dry run's shaped lab) take turns, a file lock held
+    for the test (a lab that met another's ranks refused to start, once in a suite run)."""
+    import fcntl
+    with open("/tmp/zipccl-tests-netlab.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # the test's timeout bounds the wait
+        yield

@@ -50,7 +50,7 @@ def _plan(out: Path) -> dict:
     return sums, re.findall(r"^(\w+) phase=\d", text, re.M)
 
 
-def test_dry_run_of_both_phases(tmp_path):
+def test_dry_run_of_both_phases(tmp_path, lab_lock):
     """Every step in its phase and order, the default skips skipped, every other step run (on
     CPU its gpu tests skip, naming CUDA) with exit code 0, each within a limit that fits its
     phase; the all-reduce table's JSON and the stack's lines written; the shaped lab run on gloo

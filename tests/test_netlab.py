@@ -36,7 +36,8 @@ dist.destroy_process_group()
 
 _WHY_NOT = netlab.unavailable()  # probed once per process, at import
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT)),
+              pytest.mark.usefixtures("lab_lock")]
 
 
 def test_rate_parsing_and_refusals(monkeypatch):
