@@ -69,7 +69,7 @@ TOP = {t.split("/")[0] for t in TRACKED}
 #: File names the docs give that are not the repository's, and what they are.
 NOT_OURS = {"bench-results/bench.png": "the plot that make bench writes",
             "analyze_perf_json.py": "nccl-tests' script that reads its JSON",
-            "plan.txt": "what bench/gpu_check.sh writes",
+            "plan.txt": "what bench/gpu_check.sh writes", "steps.txt": "what bench/gpu_check.sh writes",
             **{f"{name}.py": "a removed probe, which bench/README.md says git keeps at ce90e09"
                for name in ("codec_replay", "collective_cpu", "lab_schedules", "lossy_cpu", "gpu_roofline")}}
 
