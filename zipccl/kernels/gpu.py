@@ -5,7 +5,7 @@ GPU-only in production: on CPU tensors they run only under TRITON_INTERPRET=1
 sm_90 without a GPU. docs/GPU.md explains the design; in short:
 
 encode, two passes over the input and one read by the host:
-  1. ``_analyse``: one program per block reads it once and writes the block's
+  1. ``_analyse``: one program per block reads it once (its sample twice) and writes the block's
      reference (coded field) and two 32-bin symbol histograms of 16-bit counts, of
      its sample and of all its elements (132 bytes per block).
   2. kernels/device_plan.py picks each block's entry of the fixed bank of codes
@@ -104,17 +104,21 @@ def _analyse(x_ptr, xoff_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.
         ref_ptr += part * tl.num_programs(0)
         hist_ptr += part.to(tl.int64) * tl.num_programs(0) * 2 * _NSYM
     b = tl.program_id(0)
-    i = tl.arange(0, BS)
-    offs = b.to(tl.int64) * BS + i
-    valid = offs < n
-    sampled = valid & (i % _STRIDE == 0)
-    v = _bits(x_ptr, offs, valid, VMASK)
-    counts = tl.histogram((v >> MBITS) & EMAX, EMAX + 1, mask=sampled & (v != 0))
+    start = b.to(tl.int64) * BS
+    # The sample (every _STRIDE-th element) loaded on its own, so that its two histograms (of
+    # 2**EBITS and _NSYM bins: the costly ones) count BS / _STRIDE elements, not a masked BS.
+    at = start + tl.arange(0, BS // _STRIDE) * _STRIDE
+    sampled = at < n
+    s = _bits(x_ptr, at, sampled, VMASK)
+    counts = tl.histogram((s >> MBITS) & EMAX, EMAX + 1, mask=sampled & (s != 0))
     ref = tl.argmax(counts, axis=0, tie_break_left=True).to(tl.int32)
-    _, sym = _symbols(v, valid, ref, MBITS, EMAX, BIAS)
+    _, ssym = _symbols(s, sampled, ref, MBITS, EMAX, BIAS)
+    offs = start + tl.arange(0, BS)
+    valid = offs < n
+    _, sym = _symbols(_bits(x_ptr, offs, valid, VMASK), valid, ref, MBITS, EMAX, BIAS)
     tl.store(ref_ptr + b, ref)
     bins = hist_ptr + b * 2 * _NSYM + tl.arange(0, _NSYM)  # 16-bit counts: a block has at most 32768
-    tl.store(bins, tl.histogram(sym, _NSYM, mask=sampled).to(tl.int16))
+    tl.store(bins, tl.histogram(ssym, _NSYM, mask=sampled).to(tl.int16))
     tl.store(bins + _NSYM, tl.histogram(sym, _NSYM, mask=valid).to(tl.int16))
 
 
