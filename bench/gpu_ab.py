@@ -7,7 +7,7 @@ Written for format A/Bs (v1 against an unmerged v2 prototype): it uses only
 card. Per case (the real bucket tiled to N elements): the Triton packet must equal the numba
 encoder's bytes (the CPU path, itself tested byte for byte against the reference) and decode to
 the same bits; then the profiler's device time per kernel, summed per call, and the wall time per
-call. One JSON line per case on stdout; `--json` appends them to a file. `--ncu-window`: after
+call; then encode_into and decode_into, as whole calls and replayed from CUDA graphs. One JSON line per case on stdout; `--json` appends them to a file. `--ncu-window`: after
 the checks, one encode and one decode inside the CUDA profiler's window (``cudaProfilerStart``
 and ``Stop``), for ``ncu --profile-from-start off`` (bench/gpu_check.sh's ``ncu`` step), untimed.
 """
@@ -53,18 +53,12 @@ def _sync(device: str) -> None:
 def _profiled(fn, repeat: int, device: str) -> tuple[float, dict[str, float]]:
     """Median wall seconds per call of fn(), timed without the profiler (whose per-launch cost
     would lower small calls' GB/s), and the kernels' device microseconds per call, profiled apart."""
-    walls = []
-    for _ in range(repeat):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        walls.append(time.perf_counter() - t)
+    wall = _walls(fn, repeat, device)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
         for _ in range(repeat):
             fn()
         _sync(device)
-    return float(np.median(walls)), _kernel_times(prof, repeat)
+    return wall, _kernel_times(prof, repeat)
 
 
 def join_sweep(settings: str, gpu: Lossless, packet: torch.Tensor, x: torch.Tensor, repeat: int, device: str) -> dict:
@@ -91,6 +85,62 @@ def join_sweep(settings: str, gpu: Lossless, packet: torch.Tensor, x: torch.Tens
         kernels.JOIN_CHUNK, kernels.COUNT_ROWS = saved[:2]
         setattr(kernels, knob, saved[2])
     return rows
+
+
+def _walls(fn, repeat: int, device: str) -> float:
+    """Median wall seconds per synchronised call of fn()."""
+    walls = []
+    for _ in range(repeat):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        walls.append(time.perf_counter() - t)
+    return float(np.median(walls))
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after a run on a side stream (as torch's docs warm up)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def into_and_graphs(gpu: Lossless, xc: torch.Tensor, packet: torch.Tensor, x: torch.Tensor, repeat: int,
+                    device: str) -> dict:
+    """encode_into and decode_into (no host read, as the collectives call them) timed as whole
+    calls, then each replayed from a CUDA graph (on CUDA): the same kernels without the host's
+    launch work, which sets a call's time below 64 MiB. Each replay's packet and output are
+    checked against the first encode's bytes and the input's bits."""
+    nbytes, ints = x.numel() * x.element_size(), INT[x.element_size()]
+    buf = torch.zeros(gpu.max_encoded_size(x.numel(), x.dtype) + 16, dtype=torch.uint8, device=xc.device)
+    out = torch.empty_like(xc)
+    pkt = packet.clone()
+    calls = {"encode_into": lambda: gpu.encode_into(xc, buf), "decode_into": lambda: gpu.decode_into(pkt, out)}
+    row = {}
+    for name, fn in calls.items():
+        wall = _walls(fn, repeat, device)
+        row[name] = {"wall_ms": round(wall * 1e3, 4), "wall_GBps": round(nbytes / wall / 1e9, 1)}
+    if device != "cuda":
+        return row
+    try:
+        graphs = {name: _graph(fn) for name, fn in calls.items()}
+    except Exception as e:  # noqa: BLE001 (a finding to record, not a reason to lose the case's other rows)
+        return {**row, "graph_error": f"{type(e).__name__}: {e}"}
+    buf.zero_()
+    out.zero_()
+    for name, graph in graphs.items():
+        wall = _walls(graph.replay, repeat, device)
+        row[name + "_graph"] = {"wall_ms": round(wall * 1e3, 4), "wall_GBps": round(nbytes / wall / 1e9, 1)}
+    row["graph_same_bytes"] = torch.equal(buf[:packet.numel()], packet)
+    row["graph_same_bits"] = torch.equal(out.cpu().view(ints), x.view(ints))
+    return row
 
 
 def _profiler_window(fn, device: str) -> None:
@@ -130,6 +180,7 @@ def case(base: torch.Tensor, numel: int, dtype: str, block: int, repeat: int, de
         row[side] = {"wall_ms": round(wall * 1e3, 4), "wall_GBps": round(nbytes / wall / 1e9, 1),
                      "kernels_us": {k: round(v, 1) for k, v in kernels.items()},
                      "kernels_GBps": round(nbytes / (kern * 1e-6) / 1e9, 1) if kern else None}
+    row.update(into_and_graphs(gpu, xc, packet, x, repeat, device))
     sweep = join_sweep(join, gpu, packet, x, repeat, device)
     if sweep:
         row["join_sweep"] = sweep
