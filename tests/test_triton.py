@@ -25,16 +25,6 @@ from test_codec import assert_same_bits
 ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("triton", reason="triton not installed (pip install zipccl[gpu]); .ci/run installs it")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from zipccl.kernels.gpu import _segment_ends  # noqa: E402
-
-
-@triton.jit
-def _segment_ends_of(seg_ptr, out_ptr, N: tl.constexpr, NSEG: tl.constexpr):
-    """_segment_ends of N int32 values at seg_ptr, into NSEG int32 at out_ptr."""
-    tl.store(out_ptr + tl.arange(0, NSEG), _segment_ends(tl.load(seg_ptr + tl.arange(0, N)), NSEG))
 
 
 @pytest.mark.parametrize("dtype,block_size", [(torch.bfloat16, 4096), (torch.float16, 1024), (torch.float32, 1024)],
@@ -143,24 +133,6 @@ def test_decode_many_of_separate_tensors_and_its_errors():
         codec.decode_many(packets, [outs[0], outs[1][:600]])
     with pytest.raises(ValueError, match="as many outs as packets"):
         codec.decode_many(packets, outs[:1])
-
-
-@pytest.mark.parametrize("n,nseg", [(4096, 4096), (4096, 512), (256, 256), (16384, 16384)])
-def test_segment_ends_is_each_segments_last_element(n, nseg):
-    """_encode's words and side bytes join their elements by the last element of each segment:
-    for every q, how many elements have seg <= q, less one (numpy's searchsorted, written
-    independently), on nondecreasing runs as the encoder makes them (steps of 0 or 1: codes of at
-    most 20 bits in 32-bit words, at most 8 side bits a byte) and others (longer steps, empty
-    segments, values past the last segment, all one value)."""
-    rng = np.random.default_rng(n + nseg)
-    runs = [np.cumsum(rng.integers(0, 2, n)) - 1, np.cumsum(rng.integers(0, 21, n)) // 32,
-            np.sort(rng.integers(0, nseg + 8, n)), np.zeros(n, dtype=np.int64), np.full(n, nseg + 3)]
-    for seg in runs:
-        seg = np.maximum(seg, 0).astype(np.int32)
-        out = torch.empty(nseg, dtype=torch.int32)
-        _segment_ends_of[(1,)](torch.from_numpy(seg), out, N=n, NSEG=nseg)
-        want = np.searchsorted(seg, np.arange(nseg), side="right") - 1
-        assert np.array_equal(out.numpy(), want), (seg[:20], out[:20], want[:20])
 
 
 @pytest.mark.overflow_checked

@@ -3,7 +3,8 @@
 ``python -m zipccl.kernels.aot`` compiles every kernel of kernels/gpu.py for
 each dtype and for sm_80 and sm_90, and reports what the compiler says about
 it: registers, spills and static shared memory (from Triton's metadata and,
-where the bundled ``cuobjdump`` runs, from the cubin itself). It cannot run
+where the bundled ``cuobjdump`` runs, from the cubin itself), and the SASS
+instructions and barriers of each program. It cannot run
 under TRITON_INTERPRET=1, which replaces kernels by interpreted functions.
 """
 
@@ -84,7 +85,11 @@ def _specs(dtype: str):
 
 
 def _cubin_usage(cubin: bytes) -> dict:
-    """cubin_reg, _stack, _shared, _local of the cubin's function, from the cuobjdump that Triton bundles."""
+    """cubin_reg, _stack, _shared, _local of the cubin's function, from the cuobjdump that Triton
+    bundles; and its SASS: instructions and barriers (``bar``), counted statically. In a kernel
+    without a loop of its own (``_analyse``, ``_encode``, ``_decode_join``, ``_decode_raw``,
+    ``_choose``: their loops unroll) that is close to what each thread executes, a measure of a
+    compute-bound kernel's work that needs no GPU."""
     import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
@@ -95,7 +100,10 @@ def _cubin_usage(cubin: bytes) -> dict:
         f.write(cubin)
         f.flush()
         text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return {f"cubin_{k.lower()}": int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    usage = {f"cubin_{k.lower()}": int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    return {**usage, "sass": len(ops), "sass_bar": ops.count("BAR")}
 
 
 def compile_kernels(archs=ARCHS, dtypes=tuple(_DTYPES)) -> list[dict]:
@@ -131,11 +139,12 @@ def main(argv=None) -> int:
         return 0
     # Spilled registers go to the stack frame (cuobjdump's STACK), not LOCAL: both are shown.
     print(f"{'kernel':<15} {'dtype':<9} {'arch':<6} {'block':>6} {'warps':>5} {'regs':>5} {'stack':>6} {'local':>6} "
-          f"{'shared':>7} {'cubin':>7}")
+          f"{'shared':>7} {'cubin':>7} {'sass':>6} {'bar':>4}")
     for r in rows:
         print(f"{r['kernel']:<15} {r['dtype']:<9} {r['arch']:<6} {r['block'] or '-':>6} {r['num_warps']:>5} "
               f"{r.get('cubin_reg', '-'):>5} "
-              f"{r.get('cubin_stack', '-'):>6} {r.get('cubin_local', '-'):>6} {r['shared']:>7} {r['cubin_bytes']:>7}")
+              f"{r.get('cubin_stack', '-'):>6} {r.get('cubin_local', '-'):>6} {r['shared']:>7} {r['cubin_bytes']:>7} "
+              f"{r.get('sass', '-'):>6} {r.get('sass_bar', '-'):>4}")
     return 0
 
 

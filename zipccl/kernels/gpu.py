@@ -16,8 +16,10 @@ encode, two passes over the input and one read by the host:
   3. ``_encode``: one program per block reads it again and writes its codes and
      rest bytes and side bits at the planned offsets. Bit positions come from an
      in-block prefix sum of code widths; each 32-bit word is the sum of its
-     codes at their shifts (``_segment_sums``), stored once (the side bits of
-     each byte alike), so there are no atomics and no zero-filling.
+     codes at their shifts: the difference of one running sum taken at two words'
+     last elements, which store it in place for their neighbours to read after a
+     barrier (the side bits of each byte alike), so there are no atomics, no
+     zero-filling and no shared-memory gathers.
 
 decode: the header is validated on the host and the block index on
 the device (device_plan.index: one program that checks it, sums its offsets and
@@ -64,8 +66,9 @@ _TEMPLATES = Constants(limit=256)  # (dtype, numel, block size, device) -> encod
 JOIN_CHUNK = 32  # _decode_join's program: elements of each of a program's sub-streams
 COUNT_ROWS = SUBSTREAM // JOIN_CHUNK + 1  # int32 counts per sub-stream between the two decode kernels
 DECODE_SCRATCH = 1 << 27  # elements decoded per pair of launches (their 16-bit codes: 256 MiB)
-# The largest block _encode takes: its shared memory is 8 bytes per element of a block (128 KiB at
-# 16384, compiled for sm_90; an A100 gives a program 163 KiB, an H100 227). Decoders take any block.
+# The largest block _encode takes: a program holds its block in registers, 8 elements a thread at
+# 4096; at 16384 it spills 512 bytes a thread and at 32768 2.8 KB (sm_90, Triton 3.9), which
+# larger blocks only make worse. Decoders take any block.
 MAX_ENCODE_BLOCK = 16384
 
 # Format constants as Triton compile-time constants (kernels may read only constexpr globals; a
@@ -123,32 +126,10 @@ def _analyse(x_ptr, xoff_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.
 
 
 @triton.jit
-def _segment_ends(seg, NSEG: tl.constexpr):
-    """Per segment q in 0..NSEG-1, its last element (``seg`` nondecreasing; -1 before the first):
-    how many elements have ``seg <= q``, less one, by a binary search of ``seg`` for every q at
-    once, a gather a step. Not ``tl.histogram(seg, NSEG)``: Triton 3.6 (the CUDA image's) keeps
-    NSEG / 32 counters per thread for it, and at 4096 bins _encode spilled 2.3 KB a thread to the
-    stack (kernels.aot's report)."""
-    N: tl.constexpr = seg.shape[0]
-    q = tl.arange(0, NSEG)
-    count = q * 0
-    for k in tl.static_range(17):  # steps of N, N / 2, ..., 1 (N at most 2**16)
-        if (N >> k) > 0:
-            step = count + (N >> k)
-            below = tl.gather(seg, tl.minimum(step, N) - 1, 0) <= q
-            count = tl.where((step <= N) & below, step, count)
-    return count - 1
-
-
-@triton.jit
-def _segment_sums(val, ends):
-    """Per segment, the sum of ``val`` (int32) over its elements, as int64 (``ends``: _segment_ends):
-    differences of one running sum taken at each segment's last element. No scan with a combine of
-    its own, which Triton's interpreter runs element by element in Python. The running sum wraps in
-    32 bits; each difference, taken mod 2**32, is exact where a segment's sum is below 2**32."""
-    at = tl.where(ends >= 0, tl.gather(tl.cumsum(val, 0), tl.maximum(ends, 0), 0), 0).to(tl.int64)
-    q = tl.arange(0, ends.shape[0])
-    return (at - tl.where(q > 0, tl.gather(at, tl.maximum(q - 1, 0), 0), 0)) & 0xFFFFFFFF
+def _wrapped(x):
+    """int64 ``x`` mod 2**32 as int32: a difference taken in 64 bits, so that no int32 operation
+    overflows (the interpreter checks that they do not; the GPU wraps alike)."""
+    return (x & 0xFFFFFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -197,8 +178,13 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, sub_ptr, words_p
                 tl.store(sub_ptr + 2 * (b * SUBS + js) + k, (js * 0).to(tl.uint8))
     else:
         exp, sym = _symbols(v, valid, ref, MBITS, (1 << EBITS) - 1, BIAS)
-        zero = v == 0
+        # The rest bytes first: their registers are free before the codes' words.
         rest = (v & ((1 << MBITS) - 1)) | (((v >> (MBITS + EBITS)) & 1) << MBITS)
+        keep = valid & (v != 0)
+        k = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
+        for j in tl.static_range(REST_BYTES):
+            ra = r0 + k * REST_BYTES + j
+            tl.store(rest_ptr + ra, ((rest >> (8 * j)) & 255).to(tl.uint8), mask=keep & (ra < rlimit))
         value = tl.load(codes_ptr + t * _NSYM + sym)
         width = tl.load(lens_ptr + t * _NSYM + sym)
         esc = sym == _ESC
@@ -209,36 +195,54 @@ def _encode(x_ptr, xoff_ptr, n, block_ptr, codes_ptr, lens_ptr, sub_ptr, words_p
         value = tl.where(valid, value, 0)
         if SUBS > 1:  # at most 20 * SUBSTREAM bits each: a u16
             bits = tl.sum(tl.reshape(width, (SUBS, _SUB)), 1)
-            for k in tl.static_range(2):
-                tl.store(sub_ptr + 2 * (b * SUBS + js) + k, ((bits >> (8 * k)) & 255).to(tl.uint8))
-        pos = tl.cumsum(width, 0) - width
+            for h in tl.static_range(2):
+                tl.store(sub_ptr + 2 * (b * SUBS + js) + h, ((bits >> (8 * h)) & 255).to(tl.uint8))
+        end = tl.cumsum(width, 0)
+        pos = end - width
         # A word is the sum of its elements' codes shifted into place (their bits do not overlap) and
-        # of what the word before spilled into it (a code is at most 20 bits: one element spills).
+        # of what the word before spilled into it (a code is at most 20 bits: only a word's last
+        # element spills, into the next). So with ``run`` the running sum of every element's code
+        # and spill, and A(q) = run - spill at word q's last element, word q is A(q) - A(q - 1),
+        # all mod 2**32: each word's last element stores A at its word (the block's very last
+        # element also A of the word its spill alone fills), and after a barrier each word is the
+        # difference of two neighbours, read back from the words the program wrote.
         sh = pos & 31
         lo = value << sh                 # wraps: the bits that spill go to ``hi``
         hi = (value >> 1) >> (31 - sh)   # two shifts, so that sh == 0 never shifts by 32
-        ends = _segment_ends(pos >> 5, BS)  # at most 20 * BS / 32 words
-        spills = _segment_sums(hi, ends)
+        run = tl.cumsum(lo | hi, 0)      # lo | hi == lo + hi (their bits do not meet); wraps, as words do
+        word = pos >> 5
+        last = i == BS - 1
+        nwords = (tl.sum(width, 0) + 31) >> 5  # at most 20 * BS / 32
+        at = words_ptr + w0 + word
+        ends = ((end >> 5) != word) | last
+        tl.store(at, _wrapped(run.to(tl.int64) - hi), mask=ends & (word < nwords) & (w0 + word < wlimit))
+        tl.store(at + 1, run, mask=last & (word + 1 < nwords) & (w0 + word + 1 < wlimit))
+        tl.debug_barrier()  # global stores before a CTA barrier: seen by all of the program's threads
         q = tl.arange(0, BS)
-        word = _segment_sums(lo, ends) | tl.where(q > 0, tl.gather(spills, tl.maximum(q - 1, 0), 0), 0)
-        nwords = (tl.sum(width, 0) + 31) >> 5
-        tl.store(words_ptr + w0 + q, word.to(tl.int32), mask=(q < nwords) & (w0 + q < wlimit))
-        keep = valid & ~zero
-        k = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
-        for j in tl.static_range(REST_BYTES):
-            ra = r0 + k * REST_BYTES + j
-            tl.store(rest_ptr + ra, ((rest >> (8 * j)) & 255).to(tl.uint8), mask=keep & (ra < rlimit))
+        live = (q < nwords) & (w0 + q < wlimit)
+        a = tl.load(words_ptr + w0 + q, mask=live, other=0)
+        before = tl.load(words_ptr + w0 + q - 1, mask=live & (q > 0), other=0)
+        tl.debug_barrier()  # every A read before any word replaces it
+        tl.store(words_ptr + w0 + q, _wrapped(a.to(tl.int64) - before), mask=live)
         if SIDE_BITS > 0:  # fp16: the k-th kept element's side bits at bit k * SIDE_BITS after the rest bytes
-            # Each byte the sum of its kept elements' side bits at their place, as a word of codes is.
-            NBYTES: tl.constexpr = BS * SIDE_BITS // 8
+            # Each byte the sum of its kept elements' side bits at their place (8 // SIDE_BITS of
+            # them; none straddles two bytes): a difference of one running sum at the last of two
+            # bytes' elements, as the codes' words above, mod 256.
             nonzero = tl.sum(keep.to(tl.int32), 0)
-            at = k * SIDE_BITS
-            side = tl.where(keep, (rest >> (8 * REST_BYTES)) << (at & 7), 0)
-            byte = _segment_sums(side, _segment_ends(at >> 3, NBYTES))
+            bit = k * SIDE_BITS
+            run = tl.cumsum(tl.where(keep, (rest >> (8 * REST_BYTES)) << (bit & 7), 0), 0)
+            side_at = r0 + nonzero * REST_BYTES  # the side bits' first byte
+            byte = bit >> 3
+            ends = keep & ((((bit + SIDE_BITS) & 7) == 0) | (k == nonzero - 1))
+            tl.store(rest_ptr + side_at + byte, (run & 255).to(tl.uint8), mask=ends & (side_at + byte < rlimit))
+            tl.debug_barrier()
+            NBYTES: tl.constexpr = BS * SIDE_BITS // 8
             qb = tl.arange(0, NBYTES)
-            byte_at = r0 + nonzero * REST_BYTES + qb
-            tl.store(rest_ptr + byte_at, byte.to(tl.uint8),
-                     mask=(qb < (nonzero * SIDE_BITS + 7) >> 3) & (byte_at < rlimit))
+            live = (qb < (nonzero * SIDE_BITS + 7) >> 3) & (side_at + qb < rlimit)
+            a = tl.load(rest_ptr + side_at + qb, mask=live, other=0).to(tl.int32)
+            before = tl.load(rest_ptr + side_at + qb - 1, mask=live & (qb > 0), other=0).to(tl.int32)
+            tl.debug_barrier()
+            tl.store(rest_ptr + side_at + qb, ((a - before) & 255).to(tl.uint8), mask=live)
 
 
 @triton.jit
@@ -497,8 +501,8 @@ def _plan(x: torch.Tensor, block_size: int, read: bool, index: torch.Tensor | No
     ``parts``: the element offsets in ``x`` of that many tensors of ``n`` elements (their packets
     ``slot`` bytes apart), else x is the one tensor."""
     if block_size > MAX_ENCODE_BLOCK:
-        raise UnsupportedError(f"the Triton encoder takes blocks of at most {MAX_ENCODE_BLOCK} elements (its shared "
-                               f"memory: 8 bytes per element), not {block_size}; every decoder reads such packets")
+        raise UnsupportedError(f"the Triton encoder takes blocks of at most {MAX_ENCODE_BLOCK} elements (beyond, its "
+                               f"registers spill ever more), not {block_size}; every decoder reads such packets")
     layout = LAYOUTS[x.dtype]
     n, dev = (x.numel(), x.device) if parts is None else (n, x.device)
     nb, count = num_blocks(n, block_size), 1 if parts is None else parts.numel()
