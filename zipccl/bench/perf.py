@@ -138,6 +138,9 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
             row = measure(spec, args, numel_in, numel_out, dtype, op, variant, inp, ref, rank, nranks, group, label)
             rows.append(row)
             say(report.row_line(row, args.per_iter_timing), flush=True)
+            if variant == "auto":  # which plans the row's calls ran, at once: a run cut short keeps it
+                for line in learning_lines([row])[1:]:
+                    say("# auto at " + line[1:].strip(), flush=True)
         for line in report.footer_lines(rows, name) + zipccl_lines(rows, notes, variant == "auto", group):
             say(line, flush=True)
         versus = None
