@@ -5,7 +5,8 @@ gradient tensor, kernels against host work (planning, the histogram read, launch
 
 Prints the card; the device operations per ``encode_into`` and ``decode_into``; the host's
 time per call of each, unsynchronised and without a profiler (what a pipeline pays to issue a
-call while the device works on the one before), and the host functions that take it
+call while the device works on the one before), with zipccl's direct launches and with
+Triton's own (zipccl.kernels.launch), and the host functions that take it
 (cProfile's own time per call); the wall time per synchronised call; the wall time of the
 bookkeeping steps (the packet plan and the packet's validation, timed by wrapping them) per call
 that makes them; and the profiler's table (device time per kernel and copy, host time per
@@ -26,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import zipccl.codecs as codecs
+from zipccl import config
 import zipccl.kernels.device_plan as device_plan
 from zipccl.bench.common import DEFAULT_DATA
 from zipccl.codecs import Lossless
@@ -110,7 +112,15 @@ def main() -> None:
     print(f"# device operations per call: encode_into {_device_operations(lambda: z.encode_into(x, buf))}, "
           f"decode_into {_device_operations(lambda: z.decode_into(packet, out))}")
     for name, fn in (("encode_into", lambda: z.encode_into(x, buf)), ("decode_into", lambda: z.decode_into(packet, out))):
-        print(f"# host time per {name}, unsynchronised, no profiler: {_host_time(fn) * 1e6:.0f} us")
+        host = {"direct": [], "triton": []}  # zipccl.kernels.launch's launches, and Triton's own
+        for _ in range(3):  # alternating, so that the host's drift falls on both alike
+            for mode, times in host.items():
+                config.TRITON_LAUNCH = mode
+                times.append(_host_time(fn) * 1e6)
+        config.TRITON_LAUNCH = "direct"
+        print(f"# host time per {name}, unsynchronised, no profiler: {np.median(host['direct']):.0f} us with direct "
+              f"launches, {np.median(host['triton']):.0f} us with Triton's own (ZIPCCL_TRITON_LAUNCH=triton); "
+              f"medians of 3 alternating runs of 200 calls")
         print(_host_profile(fn))
     spent = _timed_host_steps()
     walls = {"encode": [], "decode": [], "encode_into": [], "decode_into": []}

@@ -125,6 +125,12 @@ TOPOLOGY = _setting("TOPOLOGY", _nodes, "ZIPCCL_TOPOLOGY")
 CHECK_NATIVE = _setting("CHECK_NATIVE", _flag, "ZIPCCL_CHECK_NATIVE", "0")
 
 
+#: "direct" (default): a Triton kernel launched again with arguments of the properties it was
+#: compiled for calls its launcher directly (zipccl.kernels.launch), without Triton's per-launch
+#: bookkeeping; "triton": every launch through Triton's own.
+TRITON_LAUNCH = _setting("TRITON_LAUNCH", _choice, "ZIPCCL_TRITON_LAUNCH", "direct", ("direct", "triton"))
+
+
 #: "1": the hierarchical collectives move data between the ranks of one node through shared
 #: memory (/dev/shm) where all of them can map it (checked when the levels are made); "0": the
 #: backend (gloo over TCP loopback) or zipccl's pipeline, as the level's codec says.

@@ -39,6 +39,7 @@ from ..reference import tables as T
 from ..reference.packet import to_device, to_host
 from ..reference.plan import _encoder_codes
 from .constants import Constants
+from .launch import launch
 
 __all__ = ["DevicePlan", "Index", "Scratch", "VERDICT_ERRORS", "bank", "index", "plan", "read_index", "scratch"]
 
@@ -234,14 +235,14 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
     work = scratch(nb, dev, parts) if work is None else work
     entries, index_stride = (work.entries, 4 * nb) if index is None else (index, slot // 2)
     if nb:
-        _choose[(num_blocks(nb, TILE), parts)](
-            sampled, exact, sampled.stride(0), ref, bits, entries, index_stride, work.blocks, work.lens, nb, numel,
-            BS=block_size, NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=layout.rest_bytes,
-            SIDE_BITS=layout.side_bits, ITEMSIZE=layout.itemsize, TILE=TILE)
+        launch(_choose, (num_blocks(nb, TILE), parts),
+               sampled, exact, sampled.stride(0), ref, bits, entries, index_stride, work.blocks, work.lens, nb, numel,
+               BS=block_size, NSYM=NSYM, NBANK=BANK_SIZE, ZERO=SYM_ZERO, RAW=RAW_BLOCK, REST_BYTES=layout.rest_bytes,
+               SIDE_BITS=layout.side_bits, ITEMSIZE=layout.itemsize, TILE=TILE)
     tmpl, hdr = seal if seal is not None else (work.size, work.size)
     prefix = prefix_sizes(numel, block_size)
-    _place[(parts,)](work.lens, work.blocks, work.totals, nb, tmpl, hdr, slot, work.size, sum(prefix),
-                     SCAN=SCAN, SEAL=seal is not None)
+    launch(_place, (parts,), work.lens, work.blocks, work.totals, nb, tmpl, hdr, slot, work.size, sum(prefix),
+           SCAN=SCAN, SEAL=seal is not None)
     sizes = None
     if read:
         words, rest_bytes = (int(v) for v in to_host(work.totals[0]))  # the one read
@@ -375,12 +376,12 @@ def index(packet: torch.Tensor, start: int, nb: int, n: int, bs: int, ntables: i
     rows = work[:7 * (nb + 1)].view(7, nb + 1)
     order, meta = work[7 * (nb + 1):8 * nb + 7], work[8 * nb + 7:8 * nb + 10]
     s2, s3 = sizes if sizes is not None else (0, 0)
-    _index[(count,)](packet, start, nb, n, bs, ntables, rows, order, meta, verdict,
-                     packet if template is None else template, packet.numel() - start - nb * INDEX_ENTRY, s2, s3,
-                     packet if parts is None else parts, words, EMAX=layout.emax, ITEMSIZE=layout.itemsize,
-                     REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits, RAW=RAW_BLOCK, SCAN=SCAN,
-                     HEADER=template is not None, ERRORS=VERDICT_ERRORS, PARTS=parts is not None,
-                     num_warps=INDEX_WARPS)
+    launch(_index, (count,), packet, start, nb, n, bs, ntables, rows, order, meta, verdict,
+           packet if template is None else template, packet.numel() - start - nb * INDEX_ENTRY, s2, s3,
+           packet if parts is None else parts, words, EMAX=layout.emax, ITEMSIZE=layout.itemsize,
+           REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits, RAW=RAW_BLOCK, SCAN=SCAN,
+           HEADER=template is not None, ERRORS=VERDICT_ERRORS, PARTS=parts is not None,
+           num_warps=INDEX_WARPS)
     return Index(rows, order, meta, verdict)
 
 

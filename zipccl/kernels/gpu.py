@@ -60,6 +60,7 @@ from ..reference.packet import LosslessPacket, Verdict, block_error, index_error
 from . import device_plan
 from .constants import Constants
 from .device_plan import read_index
+from .launch import launch
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
 _TEMPLATES = Constants(limit=256)  # (dtype, numel, block size, device) -> encode_into's header template there
@@ -508,9 +509,9 @@ def _plan(x: torch.Tensor, block_size: int, read: bool, index: torch.Tensor | No
     nb, count = num_blocks(n, block_size), 1 if parts is None else parts.numel()
     work = device_plan.scratch(nb, dev, count)
     if nb:  # every block's reference and histograms written: no zero-filling
-        _analyse[(nb, count)](_ints(x), x if parts is None else parts, n, work.ref, work.hist, BS=block_size,
-                              EMAX=layout.emax, BIAS=layout.offset_bias, num_warps=block_warps(block_size),
-                              PARTS=parts is not None, **_shape_args(layout))
+        launch(_analyse, (nb, count), _ints(x), x if parts is None else parts, n, work.ref, work.hist,
+               BS=block_size, EMAX=layout.emax, BIAS=layout.offset_bias, num_warps=block_warps(block_size),
+               PARTS=parts is not None, **_shape_args(layout))
     return device_plan.plan(work.hist[:, 0], work.hist[:, 1], work.ref, n, block_size, x.dtype, read, work=work,
                             index=index, seal=seal, parts=count, slot=slot)
 
@@ -527,11 +528,11 @@ def _write(x: torch.Tensor, block_size: int, pl: device_plan.DevicePlan, body: t
     nb, count = num_blocks(n, block_size), 1 if parts is None else parts.numel()
     stream = body[prefix:]
     if nb:
-        _encode[(nb, count)](_ints(x), x if parts is None else parts, n, pl.blocks, pl.codes, pl.lengths, body,
-                             stream[:4 * words].view(torch.int32), stream, slot, pl.totals, BS=block_size,
-                             EBITS=layout.ebits, REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
-                             BIAS=layout.offset_bias, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
-                             PARTS=parts is not None, **_shape_args(layout))
+        launch(_encode, (nb, count), _ints(x), x if parts is None else parts, n, pl.blocks, pl.codes, pl.lengths,
+               body, stream[:4 * words].view(torch.int32), stream, slot, pl.totals, BS=block_size,
+               EBITS=layout.ebits, REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits,
+               BIAS=layout.offset_bias, ITEMSIZE=layout.itemsize, num_warps=block_warps(block_size),
+               PARTS=parts is not None, **_shape_args(layout))
 
 
 def on_its_device(fn):
@@ -754,8 +755,8 @@ def _decode_blocks(stream: torch.Tensor, packet: torch.Tensor, ix: device_plan.I
     part_words, err_stride = device_plan.index_words(nb), device_plan.VERDICT_ERRORS + nb
     many = dict(PARTS=parts is not None)
     err = ix.verdict[device_plan.VERDICT_ERRORS:]
-    _decode_raw[(nb, count)](packet, view, n, ix.order, ix.meta, ix.rows, stride, err, table, part_words, err_stride,
-                             BS=bs, ITEMSIZE=layout.itemsize, num_warps=block_warps(bs), **many)
+    launch(_decode_raw, (nb, count), packet, view, n, ix.order, ix.meta, ix.rows, stride, err, table, part_words,
+           err_stride, BS=bs, ITEMSIZE=layout.itemsize, num_warps=block_warps(bs), **many)
     nwords = stream.numel() // 4
     words = stream.view(torch.int32) if stream.data_ptr() % 4 == 0 else stream.clone().view(torch.int32)
     luts = _luts(out.dtype, packet.device)
@@ -768,14 +769,14 @@ def _decode_blocks(stream: torch.Tensor, packet: torch.Tensor, ix: device_plan.I
     for first in range(0, nb, span):
         coded = ix.order[first:first + span]
         programs = num_blocks(len(coded), per)
-        _decode_symbols[(programs, count)](
-            words, nwords, packet, symbols, counts, coded, ix.meta, first, span, n, ix.rows, stride, luts, err, table,
-            part_words, err_stride, BS=bs, LANES=width, CHUNK=JOIN_CHUNK, EBITS=layout.ebits,
-            BIAS=layout.offset_bias, num_warps=width // 32, **many)
-        _decode_join[(programs, SUBSTREAM // JOIN_CHUNK, count)](
-            symbols, counts, packet, view, n, coded, ix.meta, first, span, ix.rows, stride, err, table, part_words,
-            err_stride, BS=bs, LANES=width, CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits,
-            REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits, num_warps=join_warps(width), **many)
+        launch(_decode_symbols, (programs, count),
+               words, nwords, packet, symbols, counts, coded, ix.meta, first, span, n, ix.rows, stride, luts, err,
+               table, part_words, err_stride, BS=bs, LANES=width, CHUNK=JOIN_CHUNK, EBITS=layout.ebits,
+               BIAS=layout.offset_bias, num_warps=width // 32, **many)
+        launch(_decode_join, (programs, SUBSTREAM // JOIN_CHUNK, count),
+               symbols, counts, packet, view, n, coded, ix.meta, first, span, ix.rows, stride, err, table, part_words,
+               err_stride, BS=bs, LANES=width, CHUNK=JOIN_CHUNK, MBITS=layout.mbits, EBITS=layout.ebits,
+               REST_BYTES=layout.rest_bytes, SIDE_BITS=layout.side_bits, num_warps=join_warps(width), **many)
 
 
 def _raise_first(p: LosslessPacket, values: torch.Tensor | None) -> None:
