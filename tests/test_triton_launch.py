@@ -23,8 +23,8 @@ pytest.importorskip("triton", reason="triton not installed (pip install zipccl[g
 
 def _rounds(triton_path: Path | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if triton_path is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(triton_path), str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    first = [str(triton_path)] if triton_path is not None else []
+    env["PYTHONPATH"] = os.pathsep.join([*first, str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_cuda.py")], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
