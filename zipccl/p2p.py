@@ -54,6 +54,7 @@ from .errors import MismatchError, RankFailure, UnsupportedError
 from .errors import TimeoutError as ZipcclTimeout
 from .failure import LOST, Fate, code as poison
 from .format import DTYPE_CODES
+from .stats import record_native
 from .torch_compat import not_in
 from .transport import transport_for
 from .transport.select import frames_messages, framing_refused
@@ -396,6 +397,7 @@ def _send(op: _Op):
     receiver, which must never block this thread (two ranks that each isend before they irecv
     would wait for each other for good). Its handle."""
     if op.plan is NATIVE:
+        record_native("send")
         return _native_send(op)
     op.seq = _next_seq(op)
     verdict = Verdict(_group_name(op.group), dist.get_rank(), op.peer_job, op.seq)
@@ -456,6 +458,7 @@ def _not_posted(op: _Op, state: list):
 def _receive(op: _Op):
     """The body of ``op``'s receive task."""
     if op.plan is NATIVE:
+        record_native("recv")
         work = _native_recv(op)
         work.wait()
         return None
@@ -497,6 +500,7 @@ def _post_receive(op: _Op, async_op: bool):
     if op.plan is not NATIVE:
         op.seq = _next_seq(op)
     elif async_op and executor.idle():
+        record_native("recv")
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
     before = executor.last()
     handle = executor.run(lambda: _receive(op), async_op, [t for t in (op.tensor, op.staged) if t is not None])
@@ -574,6 +578,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
         if not _backend_takes(group, tensor.device):
             raise _no_native(group, tensor.device)
         check_any_source(tensor, group, codec)
+        record_native("recv")
         return after_queued(lambda: dist.irecv(tensor, group=group, tag=tag), tensor)
     return _post_receive(_Op("recv", tensor, src, group, tag, group_src, codec), True)
 
@@ -657,6 +662,8 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
         after_collectives()
     handles.update({id(op): _send(op) for op in ops if op.kind == "send" and id(op) not in batched})
     for batch in together:  # after the collectives queued before (after_collectives), as the sends
+        for op in batch:
+            record_native(op.kind)
         with _posting_window():
             works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor,
                                                        group=op.group, tag=op.tag, group_peer=op.peer)
