@@ -1103,7 +1103,7 @@ def test_refresh_reads_what_an_import_reads(monkeypatch):
     changed = {"ZIPCCL_AUTO_MIN_BYTES": "1234", "ZIPCCL_AUTO_LEARN": "0", "ZIPCCL_REDUCE_SCATTER": "ring",
                "ZIPCCL_SPLIT_DIRECTIONS": "0", "ZIPCCL_TOPOLOGY": "2x2", "ZIPCCL_CHECK_NATIVE": "1", "ZIPCCL_SHM": "0",
                "ZIPCCL_TIMEOUT": "7.5", "ZIPCCL_CODEC": "raw", "ZIPCCL_STRICT_TRANSPORT": "0",
-               "ZIPCCL_TRANSPORT": "torch", "ZIPCCL_DATA": "some/folder"}
+               "ZIPCCL_TRANSPORT": "torch", "ZIPCCL_DATA": "some/folder", "ZIPCCL_TRITON_LAUNCH": "triton"}
     monkeypatch.setattr(config, "_SETTINGS", dict(config._SETTINGS))
     for name in config._SETTINGS:
         monkeypatch.setattr(config, name, getattr(config, name))

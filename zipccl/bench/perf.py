@@ -138,9 +138,10 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
             row = measure(spec, args, numel_in, numel_out, dtype, op, variant, inp, ref, rank, nranks, group, label)
             rows.append(row)
             say(report.row_line(row, args.per_iter_timing), flush=True)
-            if variant == "auto":  # which plans the row's calls ran, at once: a run cut short keeps it
+            if variant == "auto" and rank == 0:  # which plans the row's calls ran, at once (a run cut
+                # short keeps it), on stderr as the progress lines: stdout keeps nccl-tests' format
                 for line in learning_lines([row])[1:]:
-                    say("# auto at " + line[1:].strip(), flush=True)
+                    print("# auto at " + line[1:].strip(), file=sys.stderr, flush=True)
         for line in report.footer_lines(rows, name) + zipccl_lines(rows, notes, variant == "auto", group):
             say(line, flush=True)
         versus = None
