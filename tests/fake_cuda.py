@@ -139,6 +139,17 @@ def main() -> None:
             call()
             rounds.setdefault(label, {})[name] = dict(launches=_numbered(list(LAUNCHES)),
                                                       triton_runs=list(TRITON_RUNS))
+    # A setting of Triton's that its key reads (Triton 3.9's float-sanitizer casts; 3.6 has none):
+    # changed, the next launches are Triton's own again, which compile kernels of their own.
+    from triton import knobs
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):
+        knobs.compilation.fpsan_homomorphic_casts = not knobs.compilation.fpsan_homomorphic_casts
+        for mode, label in (("direct", "direct, a setting changed"), ("triton", "triton, a setting changed")):
+            config.TRITON_LAUNCH = mode
+            LAUNCHES.clear()
+            TRITON_RUNS.clear()
+            calls[0][1]()
+            rounds[label] = dict(launches=_numbered(list(LAUNCHES)), triton_runs=list(TRITON_RUNS))
     print(json.dumps(rounds))
 
 

@@ -58,3 +58,10 @@ def test_direct_launches_pass_what_tritons_own_pass(which):
     differ = [a["kernel"] for a, s in zip(aligned, shifted) if a["compiled"] != s["compiled"]]
     assert differ == ["_analyse", "_encode"], differ
     assert first["encode_into, x at 2 bytes past 16"]["triton_runs"] == ["_analyse", "_encode"]
+    # A setting that Triton's key reads, changed (Triton 3.9's): Triton's own launch again, and the
+    # kernels it compiles for that setting, not those of before
+    if "direct, a setting changed" in rounds:
+        changed, theirs = rounds["direct, a setting changed"], rounds["triton, a setting changed"]
+        assert changed["triton_runs"] == ["_analyse", "_choose", "_place", "_encode"], changed["triton_runs"]
+        assert [x["compiled"] for x in changed["launches"]] == [x["compiled"] for x in theirs["launches"]]
+        assert not {x["compiled"] for x in changed["launches"]} & {x["compiled"] for x in aligned}

@@ -10,14 +10,16 @@ specialization, and calls that kernel's launcher directly when they recur:
 
 - each tensor's dtype and whether its address is a multiple of 16;
 - each int's range (32 or 64 bits), whether it is 1, and whether it is a multiple of 16;
-- each bool, float and None by its type; every constexpr and launch option by its value;
-- the device, and Triton's debug and instrumentation settings.
+- each bool, float and None by its type; every constexpr and launch option by its type and value;
+- the device, and the settings of Triton's that its key reads (debug, instrumentation, and
+  Triton 3.9's float-sanitizer casts and stage-inspection hook).
 
 That is at least as fine as Triton's own key, so a recurring set always meets the kernel Triton
 compiled for it. The first call of a set goes through Triton (which compiles, or finds, the
 kernel); so does every call under TRITON_INTERPRET (the interpreter's kernels have no launcher),
-while a launch hook is set (profilers add them), or with ZIPCCL_TRITON_LAUNCH=triton. Not done
-here: Triton's check that a kernel's globals kept their values (the codec's are constants).
+while a launch or pre-run hook is set (profilers add them), or with ZIPCCL_TRITON_LAUNCH=triton.
+Not done here: Triton's check that a kernel's globals kept their values (the codec's are
+constants).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ _PLAIN = (bool, float, type(None))
 
 def _property(value, constexpr: bool):
     """What Triton's specialization may read of one argument."""
-    if constexpr:
-        return value
+    if constexpr:  # by type too: Triton keys a constexpr by its text, where True, 1 and 1.0 differ
+        return type(value), value
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     kind = type(value)
@@ -82,21 +84,25 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
     if kernel is None or kernel.fn is not fn:
         kernel = _KERNELS[id(fn)] = _Kernel(fn)
     try:
-        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook) or len(args) > len(kernel.names):
-            raise _Unknown("a launch hook, or too many arguments")
+        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook) or fn.pre_run_hooks \
+                or len(args) > len(kernel.names):
+            raise _Unknown("a launch hook, a pre-run hook, or too many arguments")
         values = list(args)
         for name in kernel.names[len(args):]:
             if name not in kwargs:  # a default: Triton's own launch fills it in
                 raise _Unknown(f"no value for {name}")
             values.append(kwargs[name])
-        key = (driver.active.get_current_device(), runtime.debug,
-               getattr(knobs.compilation, "instrumentation_mode", None),
-               tuple((k, v) for k, v in kwargs.items() if k not in kernel.names),
+        compilation = knobs.compilation
+        key = (driver.active.get_current_device(), runtime.debug,  # and what else Triton 3.9 keys by
+               getattr(compilation, "instrumentation_mode", None),
+               getattr(compilation, "fpsan_homomorphic_casts", None),
+               getattr(runtime, "add_stages_inspection_hook", None),
+               tuple((k, type(v), v) for k, v in kwargs.items() if k not in kernel.names),
                tuple(_property(v, c) for v, c in zip(values, kernel.constexpr)))
-    except _Unknown:
+        compiled = kernel.compiled.get(key)
+    except (_Unknown, TypeError):  # TypeError: an option that cannot be a key (unhashable)
         fn[grid](*args, **kwargs)
         return
-    compiled = kernel.compiled.get(key)
     if compiled is None:  # Triton's own launch: it compiles or finds the kernel, and launches it
         kernel.compiled[key] = run(*args, grid=grid, warmup=False, **kwargs)
         return
