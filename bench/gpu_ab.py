@@ -7,7 +7,8 @@ Written for format A/Bs (v1 against an unmerged v2 prototype): it uses only
 card. Per case (the real bucket tiled to N elements): the Triton packet must equal the numba
 encoder's bytes (the CPU path, itself tested byte for byte against the reference) and decode to
 the same bits; then the profiler's device time per kernel, summed per call, and the wall time per
-call; then encode_into and decode_into, as whole calls and replayed from CUDA graphs. One JSON line per case on stdout; `--json` appends them to a file. `--ncu-window`: after
+call; then encode_into and decode_into, as whole calls and replayed from CUDA graphs. One JSON
+line per case on stdout; `--json` appends them to a file. `--ncu-window`: after
 the checks, one encode and one decode inside the CUDA profiler's window (``cudaProfilerStart``
 and ``Stop``), for ``ncu --profile-from-start off`` (bench/gpu_check.sh's ``ncu`` step), untimed.
 """
