@@ -402,14 +402,21 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
         assert row["cubin_local"] == 0, f"{where} uses {row['cubin_local']} bytes of local memory"
 
 
+def image_triton() -> Path:
+    """Where `make setup` installed the CUDA image's Triton (IMAGE_TRITON in the Makefile)."""
+    version = re.search(r"^IMAGE_TRITON := (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    where = ROOT / "build" / f"triton-{version}"
+    assert (where / "triton").is_dir(), f"{where} is missing: `make setup` installs Triton {version} there"
+    return where
+
+
 def test_every_kernel_compiles_without_spills_on_the_cuda_images_triton():
     """The GPU checks run on a CUDA image whose Triton (3.6.0; docs/GPU.md) is older than CI's, and
     older Tritons lower some operations otherwise: with 3.6, tl.histogram of 4096 bins made _encode
     spill 2.3 KB a thread, which 3.9 does not. So the kernels are compiled with that Triton too
     (`make setup` puts it in build/), for sm_90, the image's cards."""
-    version = re.search(r"^IMAGE_TRITON := (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
-    where = ROOT / "build" / f"triton-{version}"
-    assert (where / "triton").is_dir(), f"{where} is missing: `make setup` installs Triton {version} there"
+    where = image_triton()
+    version = where.name.removeprefix("triton-")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(where), *filter(None, [env.get("PYTHONPATH")])])
     r = subprocess.run([sys.executable, "-m", "zipccl.kernels.aot", "--json", "--arch", "90"], capture_output=True,

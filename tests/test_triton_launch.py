@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("triton", reason="triton not installed (pip install zipccl[gpu]); .ci/run installs it")
+from test_triton import image_triton  # noqa: E402
 
 
 def _rounds(triton_path: Path | None) -> dict:
@@ -31,16 +31,9 @@ def _rounds(triton_path: Path | None) -> dict:
     return json.loads(r.stdout)
 
 
-def _image_triton() -> Path:
-    version = re.search(r"^IMAGE_TRITON := (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
-    where = ROOT / "build" / f"triton-{version}"
-    assert (where / "triton").is_dir(), f"{where} is missing: `make setup` installs Triton {version} there"
-    return where
-
-
 @pytest.mark.parametrize("which", ["installed", "image"])
 def test_direct_launches_pass_what_tritons_own_pass(which):
-    rounds = _rounds(None if which == "installed" else _image_triton())
+    rounds = _rounds(None if which == "installed" else image_triton())
     own, first, again = rounds["triton"], rounds["direct, first"], rounds["direct, again"]
     assert set(own) == set(again) and len(own) == 5, sorted(own)
     for call, made in own.items():

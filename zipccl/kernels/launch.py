@@ -25,6 +25,8 @@ constants).
 from __future__ import annotations
 
 import torch
+from triton import knobs
+from triton.runtime import driver
 
 from .. import config
 
@@ -34,11 +36,12 @@ _KERNELS: dict = {}  # id(kernel) -> _Kernel
 class _Kernel:
     """A JIT function's parameters (names, constexpr flags) and its compiled kernels by argument
     properties."""
-    __slots__ = ("fn", "names", "constexpr", "compiled")
+    __slots__ = ("fn", "names", "params", "constexpr", "compiled")
 
     def __init__(self, fn):
         self.fn = fn
         self.names = [p.name for p in fn.params]
+        self.params = frozenset(self.names)  # for the per-call test of which keywords are options
         self.constexpr = [p.is_constexpr for p in fn.params]
         self.compiled: dict = {}
 
@@ -77,8 +80,6 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
     if config.TRITON_LAUNCH != "direct" or type(fn).__name__ != "JITFunction" or run is None:
         fn[grid](*args, **kwargs)
         return
-    from triton import knobs
-    from triton.runtime import driver
     runtime = knobs.runtime
     kernel = _KERNELS.get(id(fn))
     if kernel is None or kernel.fn is not fn:
@@ -97,7 +98,7 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
                getattr(compilation, "instrumentation_mode", None),
                getattr(compilation, "fpsan_homomorphic_casts", None),
                getattr(runtime, "add_stages_inspection_hook", None),
-               tuple((k, type(v), v) for k, v in kwargs.items() if k not in kernel.names),
+               tuple((k, type(v), v) for k, v in kwargs.items() if k not in kernel.params),
                tuple(_property(v, c) for v, c in zip(values, kernel.constexpr)))
         compiled = kernel.compiled.get(key)
     except (_Unknown, TypeError):  # TypeError: an option that cannot be a key (unhashable)
