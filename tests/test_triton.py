@@ -285,7 +285,7 @@ def test_coding_runs_with_the_tensors_own_gpu_current(monkeypatch):
     assert call([OnGpu(2), OnGpu(2)]) == 2 and during[-1][-1] == torch.device("cuda", 2)  # a list: its first
     made_current.clear()
     assert call(OnGpu(0)) == 3 and call(torch.zeros(2)) == 4 and made_current == []
-    for name in ("encode", "encode_into", "encode_many", "decode", "decode_into", "decode_many"):
+    for name in ("encode", "encode_into", "encode_many", "decode", "decode_into", "decode_many", "read_index"):
         assert getattr(gpu, name).__code__ is call.__code__, f"gpu.{name} runs on whatever device is current"
 
 

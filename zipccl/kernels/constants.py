@@ -10,7 +10,9 @@ Inside a CUDA-graph capture a missing table is uploaded as part of the graph and
 tensor made there lives in the graph's memory and holds the data only while the graph replays, so
 an eager call must never read it. A kept table that a capture reads is kept for good (a replay
 reads it by its address), even where the cache evicts; the capture neither asks whether its
-upload is done nor waits for it (both illegal while capturing): replays come after the capture.
+upload is done nor waits for it (both illegal while capturing), so the upload must be done before
+the capture begins: torch.cuda.graph() synchronises the device first; a capture begun by hand
+(CUDAGraph.capture_begin) must follow a torch.cuda.synchronize() after the first eager call.
 """
 
 from __future__ import annotations

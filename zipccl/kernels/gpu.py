@@ -59,7 +59,6 @@ from ..reference import tables as T
 from ..reference.packet import LosslessPacket, Verdict, block_error, index_error, parse_lossless, to_device, to_host
 from . import device_plan
 from .constants import Constants
-from .device_plan import read_index
 from .launch import launch
 
 BLOCK_SIZE = GPU_BLOCK_SIZE  # Lossless()'s default here
@@ -121,7 +120,7 @@ def _analyse(x_ptr, xoff_ptr, n, ref_ptr, hist_ptr, BS: tl.constexpr, VMASK: tl.
     valid = offs < n
     _, sym = _symbols(_bits(x_ptr, offs, valid, VMASK), valid, ref, MBITS, EMAX, BIAS)
     tl.store(ref_ptr + b, ref)
-    bins = hist_ptr + b * 2 * _NSYM + tl.arange(0, _NSYM)  # 16-bit counts: a block has at most 32768
+    bins = hist_ptr + b.to(tl.int64) * 2 * _NSYM + tl.arange(0, _NSYM)  # 16-bit counts: a block has at most 32768
     tl.store(bins, tl.histogram(ssym, _NSYM, mask=sampled).to(tl.int16))
     tl.store(bins + _NSYM, tl.histogram(sym, _NSYM, mask=valid).to(tl.int16))
 
@@ -549,6 +548,10 @@ def on_its_device(fn):
                 return fn(first, *args, **kwargs)
         return fn(first, *args, **kwargs)
     return run
+
+
+#: The block index read on the packet's device (Lossless.decode's parse, before ``decode``).
+read_index = on_its_device(device_plan.read_index)
 
 
 @on_its_device
