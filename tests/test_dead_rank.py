@@ -293,6 +293,9 @@ class _Round:
     def grouped(self):
         return contextlib.nullcontext()
 
+    def watch(self):  # gloo's: its waits end by themselves
+        return None
+
     def global_rank(self, rank: int) -> int:
         return rank
 
@@ -465,7 +468,7 @@ def test_a_verdict_read_that_runs_out_breaks_the_group(monkeypatch):
     no round (no peer of a broken group is waited on), its transport aborted, RankFailure."""
     from zipccl.reference import packet
 
-    monkeypatch.setattr(failure, "read_all", lambda verdicts: packet.passed(_Never(), 0.05))
+    monkeypatch.setattr(failure, "read_all", lambda verdicts, watch: packet.passed(_Never(), 0.05, watch))
     t = _Round(2, {0: 0, 1: 0, 3: 0})
     fate = failure.Fate("all_reduce", 2)
     fate.verdicts.append((3, object()))
@@ -669,6 +672,78 @@ def test_nccl_names_the_silent_rank_not_the_peer_waited_on(monkeypatch):
     assert (e.rank, e.kind, e.broken) == (3, "lost", True), e
     assert "heartbeat in the job's store stopped 30.0 s ago" in str(e) and "rank 3 failed" in str(e)
     assert 1.0 <= seconds < 1.9, seconds  # before ZIPCCL_TIMEOUT: the silent rank was seen
+
+
+@pytest.mark.parametrize("end", ["heartbeat", "nccl error"])
+def test_a_read_of_verdicts_behind_a_dead_peers_packets_names_it_before_the_timeout(monkeypatch, end):
+    """Packets decoded without a host read have their verdicts read before the status round; on
+    NCCL the device reaches that read only once every packet has come, and a dead rank's never
+    does. Rank 3's heartbeat stopped 30 s ago: the read gives up once it has waited
+    heartbeat.stale_after() (1 s under ZIPCCL_TIMEOUT=2), through the transport's watch, and the
+    call names rank 3 before ZIPCCL_TIMEOUT; an error NCCL reports ends the read at once."""
+    from zipccl import config
+    from zipccl.reference import packet
+    monkeypatch.setattr(config, "TIMEOUT", 2.0)
+    _board(monkeypatch, {1: (0.1, 5), 2: (0.2, 5), 3: (30.0, 4)})
+    t, _ = _nccl_stand_in(monkeypatch)
+    streams = types.SimpleNamespace(wait_stream=lambda stream: None, cuda_stream=0)
+    t.stream, t.mail_stream, t.device = streams, streams, 0  # for the status round, which has no peer left
+    t.nccl = types.SimpleNamespace(groupStart=lambda: None, groupEnd=lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    if end == "nccl error":
+        def fails():
+            raise RuntimeError("NCCL error: remote process exited or there was a network error")
+        t.mail_comm.check_async_error = fails
+    pending = types.SimpleNamespace(query=lambda: False)  # the event after the decodes, behind rank 3's packet
+
+    def to_host(values, bound=None, watch=None):  # CUDA's read (a copy to pinned memory, then its event)
+        packet.passed(pending, bound, watch)
+
+    monkeypatch.setattr(packet, "to_host", to_host)
+    fate = failure.Fate("all_reduce", 0)
+    fate.began = NOW - 10
+    fate.expect(t, 1, packet.Verdict(torch.zeros(8, dtype=torch.int32), 64, 16, torch.bfloat16, 4096))
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        fate.settle(t)
+    seconds = time.monotonic() - start
+    assert (e.value.rank, e.value.kind, e.value.broken) == (3, "lost", True), e.value
+    assert seconds < 1.9 if end == "heartbeat" else seconds < 0.5, seconds  # NCCL's: named at once (rank 3 silent)
+
+
+@pytest.mark.parametrize("case", ["silent peer", "timeout"])
+def test_a_group_end_that_waits_on_a_stopped_peer_is_aborted(monkeypatch, case):
+    """NCCL connects a pair inside the first group end that involves it, and that end returns only
+    once the peer has posted its side: a peer stopped before it does holds the end, out of every
+    wait's reach. The transport is aborted (which ends it) once the end has lasted
+    heartbeat.stale_after() with rank 1 silent (1.5 s under ZIPCCL_TIMEOUT=3), or, with every rank
+    beating, ZIPCCL_TIMEOUT (0.5 s); the group's operations then raise as a lost peer's do."""
+    from zipccl import config
+    from zipccl.transport import cupy_nccl
+    timeout = 3.0 if case == "silent peer" else 0.5
+    monkeypatch.setattr(config, "TIMEOUT", timeout)
+    monkeypatch.setattr(cupy_nccl, "GROUP_END_S", 0.1)
+    _board(monkeypatch, {1: (30.0, 5) if case == "silent peer" else (0.1, 5), 2: (0.1, 5), 3: (0.1, 5)})
+    t, _ = _nccl_stand_in(monkeypatch)
+    aborted = threading.Event()
+    t.comm.abort = aborted.set
+    t.stream = types.SimpleNamespace(wait_stream=lambda stream: None, cuda_stream=0)
+    t.comm.send = lambda *args: None
+    t.device = 0
+    # as NCCL's, connecting to a stopped peer: only the abort ends it
+    t.nccl = types.SimpleNamespace(groupStart=lambda: None, NCCL_UINT8=1, groupEnd=lambda: aborted.wait(20))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    start = time.monotonic()
+    with t.grouped():
+        posted = t.isend(torch.empty(8, device="meta"), 1)
+    seconds = time.monotonic() - start
+    assert aborted.is_set() and t.comm is None, seconds
+    if case == "silent peer":
+        assert 1.5 <= seconds < 2.9, seconds  # before ZIPCCL_TIMEOUT: the silent rank was seen
+    else:
+        assert 0.5 <= seconds < 5, seconds
+    with pytest.raises(cupy_nccl.NcclError, match="aborted"):
+        t.wait(posted)
 
 
 def test_a_rank_that_never_beat_is_named_for_it(monkeypatch):

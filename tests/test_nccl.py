@@ -603,6 +603,81 @@ def test_a_send_that_fails_inside_its_group_is_aborted_once_the_group_has_ended(
     assert t._failed_in_group is None  # the next group starts clean (and raises: aborted)
 
 
+def test_a_group_whose_end_fails_ends_as_one_with_a_failed_post(monkeypatch):
+    """NCCL connects a pair inside the first group end that involves it, and that end fails where
+    the peer died meanwhile: the error does not leave the schedule (zipccl.failure keeps every
+    rank on it); the communicators are aborted and the group's operations, which never ran, raise
+    when waited for, as a lost peer's do."""
+    from zipccl.transport.cupy_nccl import NcclError, NcclTransport
+    events = []
+
+    class Comm:
+        def __init__(self, name):
+            self.name = name
+
+        def send(self, *args):
+            events.append(f"{self.name} posted")
+
+        def abort(self):
+            events.append(f"{self.name} abort")
+
+    def group_end():
+        events.append("group end")
+        raise RuntimeError("NCCL error: remote process exited or there was a network error")
+
+    t = object.__new__(NcclTransport)
+    t.rank, t.size, t._ranks, t._open, t.device = 0, 2, [0, 1], None, 0
+    t._members = t._ranks
+    t.comm, t.mail_comm = Comm("bulk"), Comm("mail")
+    t.stream = types.SimpleNamespace(wait_stream=lambda stream: None, cuda_stream=0)
+    t.nccl = types.SimpleNamespace(groupStart=lambda: None, NCCL_UINT8=1, groupEnd=group_end)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    with t.grouped():
+        posted = t.isend(torch.empty(8, device="meta"), 1)
+    assert events[:2] == ["bulk posted", "group end"] and sorted(events[2:]) == ["bulk abort", "mail abort"], events
+    assert t.comm is t.mail_comm is None
+    with pytest.raises(NcclError, match="aborted"):
+        t.wait(posted)
+
+
+def test_a_look_at_nccls_errors_is_never_under_an_abort():
+    """ncclCommAbort frees the communicator: a wait's look at its errors (``_check``, from
+    another thread than the abort's) ends before the abort begins, and the next look finds it
+    aborted."""
+    from zipccl.transport.cupy_nccl import NcclError, NcclTransport
+    inside, leave, events = threading.Event(), threading.Event(), []
+
+    class Comm:
+        def __init__(self, name):
+            self.name = name
+
+        def check_async_error(self):
+            events.append(f"{self.name} asked")
+            inside.set()
+            leave.wait(5)
+            events.append(f"{self.name} answered")
+
+        def abort(self):
+            events.append(f"{self.name} abort")
+
+    t = object.__new__(NcclTransport)
+    t.comm, t.mail_comm = Comm("bulk"), Comm("mail")
+    checker = threading.Thread(target=t._check)
+    checker.start()
+    assert inside.wait(5)
+    aborter = threading.Thread(target=t._abort)
+    aborter.start()
+    time.sleep(0.3)
+    assert not any("abort" in e for e in events), events
+    leave.set()
+    checker.join(5)
+    aborter.join(5)
+    assert events[:4] == ["bulk asked", "bulk answered", "mail asked", "mail answered"], events
+    assert sorted(events[4:]) == ["bulk abort", "mail abort"], events
+    with pytest.raises(NcclError, match="aborted"):
+        t._check()
+
+
 def test_an_abort_from_another_thread_waits_for_the_open_group_to_end(monkeypatch):
     """NCCL's open group lists the communicators posted on, and its end uses them: an abort from
     another thread (a wait that ran out) comes after the group call of this one has ended, or,

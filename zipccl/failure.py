@@ -35,7 +35,7 @@ import time
 import torch
 
 from . import config
-from .errors import FormatError, RankFailure
+from .errors import FormatError, RankFailure, ZipcclError
 from .reference.packet import read_all
 from .transport import heartbeat
 from .transport.cupy_nccl import abort_together
@@ -187,14 +187,16 @@ class Fate:
     def _read_verdicts(self, t=None) -> None:
         """The unread verdicts, in one read: a bad packet is its sender's failure (CORRUPT). The
         read waits for the device, whose stream may wait on a receive from a peer that stopped:
-        at most config.wait_bound(), then this rank gave up on the group (``t``'s, where given)."""
+        at most config.wait_bound(), or, with ``t`` (the call's group) given, until its transport's
+        watch (Transport.watch: NCCL's errors, the ranks' heartbeats) finds a reason to give up:
+        then this rank gave up on the group."""
         if not self.verdicts:
             return
         pending, self.verdicts = self.verdicts, []
         try:
-            problems = read_all([v for _, v in pending])
-        except TimeoutError as e:
-            self.gave_up = True
+            problems = read_all([v for _, v in pending], t.watch() if t is not None else None)
+        except (TimeoutError, ZipcclError) as e:  # the wait ran out, or NCCL failed (NcclError: aborted)
+            self.gave_up |= isinstance(e, TimeoutError)
             if t is not None:
                 self.lose(t, -1, e)
             else:

@@ -48,28 +48,30 @@ def assemble(header: Header, sections: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def to_host(t: torch.Tensor, bound: float | None = None) -> np.ndarray:
+def to_host(t: torch.Tensor, bound: float | None = None, watch=None) -> np.ndarray:
     """``t``'s values on the host: the one way the codecs and collectives read the device. From
     CUDA, a copy into pinned memory and a wait on an event recorded after it: the host waits for
     the current stream's work up to the copy, as any read must, but through no synchronising torch
     operation, so that torch's sync debug mode can check a call for any other. The wait takes at
     most ``bound`` seconds (None: config.wait_bound()), then errors.TimeoutError: the stream may
-    wait on a receive from a peer that stopped, and no read may block for ever."""
+    wait on a receive from a peer that stopped, and no read may block for ever. ``watch``: see
+    ``passed``."""
     if t.device.type != "cuda":
         return t.cpu().numpy()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)  # on the current stream of t's device, which may not be the current device
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(t.device))
-    passed(done, config.wait_bound() if bound is None else bound)
+    passed(done, config.wait_bound() if bound is None else bound, watch)
     return host.numpy()
 
 
-def passed(event, bound: float) -> None:
+def passed(event, bound: float, watch=None) -> None:
     """Wait until ``event`` has passed, polling it (a wait on it has no limit): spinning for the
     first 2 ms (a codec's read: the device is about to finish), then in sleeps of at most 200 us,
     so that a longer wait costs the host little and overshoots little; errors.TimeoutError after
-    ``bound`` seconds."""
+    ``bound`` seconds, or as soon as ``watch()`` (called at each poll: a transport's look at its
+    errors and its ranks' heartbeats, Transport.watch; it may raise) says why to give up."""
     start = time.monotonic()
     nap = 0.0
     while not event.query():
@@ -77,6 +79,8 @@ def passed(event, bound: float) -> None:
         if waited > bound:
             raise TimeoutError(f"the device did not reach a read of its results within {bound:g} s: its stream "
                                "still waits, as on a receive from a peer that stopped")
+        if watch is not None and (why := watch()) is not None:
+            raise TimeoutError(f"the device had not reached a read of its results after {waited:.1f} s, and {why}")
         if waited > 2e-3:
             nap = min(2e-4, nap * 2 or 2e-5)
             time.sleep(nap)
@@ -272,10 +276,11 @@ class Verdict:
         return block_error(errors)
 
 
-def read_all(verdicts: list) -> list:
-    """Each verdict's problem (None where its packet was good), read from the device at once."""
+def read_all(verdicts: list, watch=None) -> list:
+    """Each verdict's problem (None where its packet was good), read from the device at once
+    (``watch``: see ``passed``)."""
     live = [v for v in verdicts if v.values is not None]
-    values = to_host(torch.cat([v.values for v in live]), config.wait_bound()) if live else None
+    values = to_host(torch.cat([v.values for v in live]), config.wait_bound(), watch) if live else None
     out, at = [], 0
     for v in verdicts:
         if v.values is None:

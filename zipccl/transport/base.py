@@ -92,6 +92,13 @@ class Transport(ABC):
         host.copy_(values)
         return _Done()
 
+    def watch(self):
+        """For a host wait on the device that involves this group (a read of results that follow
+        its receives), a function to call at each poll (reference.packet.passed): it raises, or
+        returns why to give up (its ranks' heartbeats say one is silent), else None. None: nothing
+        to watch (a transport whose own waits end a dead peer's operations: gloo's)."""
+        return None
+
     def wait(self, work, timeout: float | None = None) -> None:
         """Wait for a handle that ``isend``, ``irecv`` or a collective returned (a transport may
         bound the wait: zipccl.failure counts a peer whose operation fails or times out as lost).

@@ -108,6 +108,71 @@ _DETACH = threading.Lock()  # NcclTransport._detach's
 GROUP_END_S = 2.0
 
 
+#: A host wait on NCCL polls back to back for this long before it naps between polls: a mail
+#: or a read is often about to come, and a nap (about 100 us on Linux) would add to each.
+SPIN_S = 2e-3
+
+
+def _silent(members) -> str | None:
+    """Why a wait on the job ranks ``members`` gives up: those whose heartbeats are silent (None
+    where none is, or there is no board)."""
+    board = heartbeat.board()
+    silent = board.silent(members) if board is not None else {}
+    if not silent:
+        return None
+    return "no heartbeat from rank(s) " + ", ".join(f"{r} for {age:.1f} s" for r, age in sorted(silent.items()))
+
+
+class _Ends:
+    """The group calls whose end (ncclGroupEnd) is under way, and a thread that aborts the
+    transport of one that waits too long. NCCL connects two ranks inside the first group end that
+    involves them, and returns once the peer has posted its side: a peer stopped or dead before
+    it does would hold this rank there for good, out of reach of every wait's bound. The thread,
+    started at the first end, looks four times a second: an end that has lasted past
+    config.wait_bound(), or past ``heartbeat.stale_after()`` while a rank of the group is silent,
+    has its transport aborted, which ends it (NCCL's connecting checks the abort flag), and
+    ``grouped`` ends that group as one with a failed post."""
+
+    def __init__(self):
+        self._open, self._why, self._lock, self._thread = {}, {}, threading.Lock(), None
+
+    def begin(self, t) -> None:
+        with self._lock:
+            self._open[t] = time.monotonic()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="zipccl-nccl-ends", daemon=True)
+                self._thread.start()
+
+    def end(self, t) -> str | None:
+        """Why ``t``'s end was given up (its communicators aborted or about to be), else None."""
+        with self._lock:
+            self._open.pop(t, None)
+            return self._why.pop(t, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(heartbeat.period(), 0.25))
+            with self._lock:
+                ending = list(self._open.items())
+            for t, since in ending:
+                waited = time.monotonic() - since
+                if waited > config.wait_bound():
+                    why = f"NCCL's group end made no progress within {waited:.1f} s (ZIPCCL_TIMEOUT=" \
+                          f"{config.TIMEOUT}, default {config.DEFAULT_TIMEOUT:g} s)"
+                else:
+                    why = _silent(t._members) if waited > heartbeat.stale_after() else None
+                if why is None:
+                    continue
+                with self._lock:
+                    if self._open.pop(t, None) is None:  # it ended meanwhile
+                        continue
+                    self._why[t] = why
+                threading.Thread(target=t._abort, name="zipccl-nccl-abort", daemon=True).start()
+
+
+_ENDS = _Ends()
+
+
 def _abort_one(comm) -> None:
     with contextlib.suppress(Exception):
         comm.abort()
@@ -445,12 +510,16 @@ class NcclTransport(Transport):
             finally:
                 works, self._open = self._open, None
                 failed, self._failed_in_group = self._failed_in_group, None
+                _ENDS.begin(self)
                 try:
                     self.nccl.groupEnd()  # after a failed post NCCL ends the group with its error, launching nothing
-                except Exception as e:  # noqa: BLE001
-                    if failed is None:
-                        raise self._fail(e) from e
-                if failed is not None:  # its post raised to its caller, who counted that peer lost
+                except Exception as e:  # noqa: BLE001 - a peer lost as it connected, or the abort of a stuck end
+                    failed = failed or e
+                finally:
+                    why = _ENDS.end(self)
+                if failed is None and (why is not None or self.comm is None):  # aborted as its end waited
+                    failed = TimeoutError(why or "the communicators were aborted while NCCL's group end waited")
+                if failed is not None:  # a failed post raised to its caller, who counted that peer lost
                     self._fail(failed)
                     for w in works:  # never ran: their waits raise, as a lost peer's do (zipccl.failure)
                         w.broken = True
@@ -569,40 +638,64 @@ class NcclTransport(Transport):
             self._give_up(why)
 
     def _check(self) -> None:
-        """Raise where the communicators were aborted or NCCL reports an error of its own."""
-        if self.comm is None:  # aborted by another wait of the call
-            raise _aborted()
-        try:
-            self.comm.check_async_error()
-            self.mail_comm.check_async_error()
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(e) from e
+        """Raise where the communicators were aborted or NCCL reports an error of its own. Asked
+        under _DETACH, under which an abort takes the communicators off (``_detach``): NCCL is never
+        asked about a communicator that another thread is aborting, which frees it."""
+        error = None
+        with _DETACH:
+            if self.comm is None:  # aborted by another wait of the call
+                error = _aborted()
+            else:
+                try:
+                    self.comm.check_async_error()
+                    self.mail_comm.check_async_error()
+                except Exception as e:  # noqa: BLE001
+                    error = e
+        if isinstance(error, NcclError):
+            raise error
+        if error is not None:
+            raise self._fail(error) from error
 
     def _until(self, done, limit: float, check=None, nap: float = 1e-4) -> str | None:
-        """Poll ``done()`` every ``nap`` seconds (back to back where it waits itself; ``check()``
-        each time, which may raise) for at most ``limit`` seconds: None once it is done, else why
-        this rank gives up: the time ran out, or, once the wait has lasted
-        ``heartbeat.stale_after()``, the heartbeats of the ranks waited for (``_members``) say some
-        are silent."""
+        """Poll ``done()`` (back to back for the first SPIN_S, a mail that is about to come; then
+        every ``nap`` seconds, or back to back where ``done`` waits itself; ``check()`` each time,
+        which may raise) for at most ``limit`` seconds: None once it is done, else why this rank
+        gives up: the time ran out, or the heartbeats say a rank is silent (``watch``)."""
         start = time.monotonic()
-        deadline, look = start + limit, start + heartbeat.stale_after()
+        deadline, watch = start + limit, self._watch(check)
         while not done():
-            if check is not None:
-                check()
+            why = watch()
             now = time.monotonic()
             if now > deadline:
                 return f"no progress within {limit:g} s (ZIPCCL_TIMEOUT={config.TIMEOUT}, " \
                        f"default {config.DEFAULT_TIMEOUT:g} s)"
-            if now > look:  # a long wait: is a rank silent?
-                look = now + heartbeat.period()
-                board = heartbeat.board()
-                silent = board.silent(self._members) if board is not None else {}
-                if silent:
-                    return "no heartbeat from rank(s) " + ", ".join(f"{r} for {age:.1f} s"
-                                                                   for r, age in sorted(silent.items()))
-            if nap:
+            if why is not None:
+                return why
+            if nap and now - start > SPIN_S:
                 time.sleep(nap)
         return None
+
+    def watch(self):
+        """(Transport.watch) NCCL's errors (``_check``) and the group's heartbeats."""
+        return self._watch(self._check)
+
+    def _watch(self, check=None):
+        """For a wait on this group's ranks that starts now, a function to call at each poll:
+        ``check()`` (which may raise), then, once the wait has lasted ``heartbeat.stale_after()``,
+        every ``heartbeat.period()`` a look at the heartbeats of the ranks waited for
+        (``_members``): why this rank gives up where some are silent, else None."""
+        look = time.monotonic() + heartbeat.stale_after()
+
+        def watch() -> str | None:
+            nonlocal look
+            if check is not None:
+                check()
+            now = time.monotonic()
+            if now <= look:
+                return None
+            look = now + heartbeat.period()
+            return _silent(self._members)
+        return watch
 
     def _give_up(self, why: str):
         """Abort and raise: this rank gave up waiting (``timed_out``); the peer waited on may live."""
