@@ -488,6 +488,45 @@ def test_a_framed_message_between_two_ranks_needs_no_other_rank():
     assert got == {0: True, 1: True, 2: None, 3: None}, got
 
 
+def _first_message_before_a_barrier(rank: int, port: int, dropin: bool, results) -> None:
+    """A fresh job of two: rank 0's first call is an isend of 2.4 MB (above auto's floor, so auto
+    asks whether rank 1 shares its node), then a barrier; rank 1's first is that barrier, then
+    the receive. As with torch alone, the isend returns at once: rank 1's node is in the store
+    from its group's first call (the drop-in's barrier) or from zipccl.launch.init()."""
+    from zipccl import launch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), ZIPCCL_TIMEOUT="20")
+    zipccl.config.refresh()
+    torch.set_num_threads(1)
+    if dropin:
+        dist.init_process_group("zipccl", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    else:
+        launch.init("gloo", timeout=60)
+    x = activations(600_000, seed=3)
+    start = time.monotonic()
+    if rank == 0:
+        h = dist.isend(x, 1) if dropin else zipccl.isend(x, 1)
+        posted = time.monotonic() - start
+        dist.barrier()
+        h.wait()
+        outcome = posted
+    else:
+        dist.barrier()
+        got = torch.empty_like(x)
+        dist.recv(got, 0) if dropin else zipccl.recv(got, 0)
+        outcome = torch.equal(bits(got), bits(x))
+    dist.barrier()
+    results.put((rank, outcome))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dropin", [True, False], ids=["drop-in", "launch.init"])
+def test_a_first_send_under_auto_does_not_wait_for_its_peers_first_call(dropin):
+    from zipccl.launch import free_port
+    got, _ = spawn(_first_message_before_a_barrier, 2, (free_port(), dropin), seconds=60)
+    assert got[1] is True and got[0] < 5, got  # 20 s (ZIPCCL_TIMEOUT) where it waited for rank 1's receive
+
+
 def _mismatch(rank, groups, case):
     """Rank 0 sends to rank 1, which disagrees in ``case``; both raise (others idle). "integers":
     32 MiB of int64 in two plain pieces into int32, whose 16 MiB would be one: rank 1 drains

@@ -224,6 +224,8 @@ def _outside_autograd(x):
 
 def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: bool):
     output, input = _outside_autograd(output), _outside_autograd(input)
+    if dist.is_initialized():
+        topology.publish_node()  # a peer's first message under auto may wait for this rank's node
     chosen = None if async_op else _direct(name, group, output, input, op, codec, algorithm)
     if chosen is True:
         return None

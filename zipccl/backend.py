@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from . import alltoall, api, config, executor, p2p
+from . import alltoall, api, config, executor, p2p, topology
 from .format import DTYPE_CODES
 from .lossy import Compressor
 from .stats import record_native
@@ -311,6 +311,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         rank (a broadcast against a queued all-reduce: a hang; DDP's unused-parameter map against
         a bucket: gloo aborts on the sizes)."""
         if not (getattr(_inside, "on", False) or executor.ours()):
+            topology.publish_node()  # a peer's first message under auto may wait for this rank's node
             p2p.after_collectives()
         return self._inner_for(tensor)
 
@@ -366,6 +367,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                 fn()
             return result
 
+        topology.publish_node()  # a peer's first message under auto may wait for this rank's node
         if not async_op:
             try:
                 executor.run(call, False)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import lifetime
+from . import lifetime, topology
 from .errors import UnsupportedError
 
 DEFAULT_ADDR, DEFAULT_PORT = "127.0.0.1", 29500
@@ -140,6 +140,7 @@ def init(backend: str = "gloo", timeout: float = 600.0, share_gpu: bool = False)
     Without a launcher this is a single-process world of size 1."""
     world = detect() or World(0, 1, 0, "single")
     if dist.is_initialized():
+        topology.publish_node()
         return World(dist.get_rank(), dist.get_world_size(), world.local_rank, world.launcher)
     if share_gpu or "nccl" in backend:
         use_gpu(world.rank, world.local_rank, share_gpu)
@@ -149,6 +150,7 @@ def init(backend: str = "gloo", timeout: float = 600.0, share_gpu: bool = False)
         torch.set_num_threads(1)  # as torchrun does: ranks with full thread pools oversubscribe the cores
     dist.init_process_group(backend, rank=world.rank, world_size=world.size,
                             timeout=datetime.timedelta(seconds=timeout))
+    topology.publish_node()  # so that a peer's first message under codec "auto" need not wait for it
     return world
 
 

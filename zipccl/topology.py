@@ -357,8 +357,10 @@ _published: dict = lifetime.keep({}, group_of=None)  # "node" -> True, once writ
 
 
 def publish_node() -> None:
-    """Write this rank's node into the job's store, once, for ``same_node`` on its peers (zipccl.p2p
-    calls it at its first message, before anything of it could wait on a peer)."""
+    """Write this rank's node into the job's store, once, for ``same_node`` on its peers: at
+    zipccl.launch.init(), a drop-in group's first call, a collective's and a message's (before
+    anything of it could wait on a peer), so that a peer's first message under auto need not
+    wait for this rank's first message."""
     lifetime.sweep()
     if not _published and _node_of_rank(dist.get_rank()) is None:
         dist.distributed_c10d._get_default_store().set(f"zipccl/node/{dist.get_rank()}", _claim_text())
