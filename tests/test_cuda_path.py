@@ -260,6 +260,7 @@ def gpu_group(request, monkeypatch):
         raise _Made("a communicator is being made")
     monkeypatch.setattr(NcclTransport, "of", staticmethod(communicator))
     monkeypatch.setattr(topology, "known", lambda group=None: True)
+    monkeypatch.setattr(topology, "publish_node", lambda: None)  # a stand-in world has no store
     monkeypatch.setattr(topology, "levels", lambda group=None: None)
     monkeypatch.setattr(topology, "topology", lambda group=None: topology.Topology(((0, 1, 2, 3),), "test", "nvlink"))
     return group, seen
