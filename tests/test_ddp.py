@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import pickle
+import time
 
 import pytest
 import torch
@@ -94,6 +95,57 @@ def test_lossy_hooks_train_identically_on_every_rank(pool):
             assert st[0]["decisions"] == st[1]["decisions"]
         else:
             assert set(st[0]["densities"]) == {0.1}
+
+
+class _SlowOnRankZero(torch.autograd.Function):
+    """Identity; its backward sleeps on rank 0, so that DDP's buckets become ready at different
+    times on the two ranks."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if dist.get_rank() == 0:
+            time.sleep(1.0)
+        return g
+
+
+def _unused_parameters(rank, groups, codec):
+    """DDP with find_unused_parameters=True (a layer no rank uses) and zipccl's hook: DDP
+    all-reduces its map of used parameters on the group from autograd's thread, beside the
+    hook's calls on zipccl's thread. Three steps, rank 0's backward 1 s slower in the middle."""
+    if rank >= 2:
+        return None
+    g = groups[2]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.first, self.unused = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+            self.rest = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(6)))
+
+        def forward(self, x):
+            return self.rest(_SlowOnRankZero.apply(self.first(x)))
+
+    ddp = DDP(Model(), process_group=g, find_unused_parameters=True, bucket_cap_mb=0.02)
+    ddp.register_comm_hook(zipccl.ddp.State(group=g, codec=codec, density=0.1, rules=None), zipccl.ddp.hook)
+    gen = torch.Generator().manual_seed(7 + rank)
+    for _ in range(3):
+        ddp.zero_grad()
+        ddp(torch.randn(8, 64, generator=gen)).square().mean().backward()
+    return torch.cat([p.grad.reshape(-1) for p in ddp.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("codec", ["topk", "lossless"])
+def test_find_unused_parameters_beside_the_hooks_calls(pool, codec):
+    """The top-k hook's packets travel point to point, as every other of zipccl's messages: a
+    collective of the group from zipccl's thread (its all-to-all, before) met DDP's own
+    all-reduce of the unused map in another order on each rank, and gloo failed or hung."""
+    a, b = pool.run(_unused_parameters, codec, timeout=120)[:2]
+    assert torch.equal(a, b), (a - b).abs().max()
 
 
 def _rules_grads(rank, groups, rules):

@@ -35,6 +35,7 @@ _TAG_RS_DATA, _TAG_AG_DATA = 5, 6  # their packets
 _TAG_META = 7  # the metadata exchange (a call's failure status: zipccl.failure.TAG_STATUS)
 _TAG_A2A_SIZES, _TAG_A2A_DATA = 11, 12  # all-to-all: each round's _SizeMail, its packets (collectives.alltoall)
 _TAG_P2P = 13  # a send's header, sizes and packets (collectives.p2p)
+_TAG_SPARSE = 10  # the top-k packets' exchange (collectives.sparse_reduce)
 
 
 def _shown(field: str, value: int) -> str:

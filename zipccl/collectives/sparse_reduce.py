@@ -13,7 +13,7 @@ from ..failure import DECODE, ENCODE, Fate
 from ..kernels import sparse
 from ..reference.packet import host_bytes, to_host
 from .algorithms import _acc_dtype
-from .metadata import Call, _meta_bytes, timed
+from .metadata import _TAG_SPARSE, Call, _meta_bytes, timed
 from .resolve import _OPS, _RAW
 
 
@@ -167,12 +167,28 @@ def _sparse_all_gather(t, packet: torch.Tensor | None, call: Call, acc: dict, fa
 
 
 def _all_to_all(t, fate: Fate, acc: dict, send, send_splits, recv_splits) -> torch.Tensor:
-    """The backend's all-to-all; a rank lost in it makes this rank raise RankFailure."""
-    try:
-        return timed(acc, "comm_seconds", t.all_to_all, send, send_splits, recv_splits)
-    except RuntimeError as e:
-        fate.lose(t, -1, e)
-        fate.check()
+    """``send`` cut by ``send_splits``, one part to each rank, and the parts the ranks send here,
+    concatenated in rank order: point-to-point messages on zipccl's own tag, never the group's own
+    all-to-all, a collective that zipccl's thread would issue beside the caller's own collectives
+    on that group (DDP's all-reduce of its unused parameters' map, from autograd's thread) in
+    another order on each rank. A rank lost in it makes this rank raise RankFailure."""
+    def exchange() -> torch.Tensor:
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
+        works, so, ro = [], 0, 0
+        with t.grouped():
+            for j in range(t.size):
+                if send_splits[j]:
+                    works.append((j, fate.send(t, send[so:so + send_splits[j]], j, _TAG_SPARSE)))
+                if recv_splits[j]:
+                    works.append((j, fate.recv(t, recv[ro:ro + recv_splits[j]], j, _TAG_SPARSE)))
+                so, ro = so + send_splits[j], ro + recv_splits[j]
+        for j, work in works:
+            fate.wait(t, work, j)
+        return recv
+
+    recv = timed(acc, "comm_seconds", exchange)
+    fate.check()
+    return recv
 
 
 def _in_rank_order(recv: torch.Tensor, recv_splits: list[int], own: torch.Tensor, r: int) -> list[torch.Tensor]:
