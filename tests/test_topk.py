@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 import zipccl
 from zipccl import format as F
 from zipccl.codecs import TopK
+from zipccl.errors import UnsupportedError
 from zipccl.feedback import Residuals
 
 
@@ -78,6 +79,32 @@ def test_bad_configuration():
             TopK(bad)
     with pytest.raises(ValueError):
         Residuals(torch.float16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=300), st.integers(1, 300))
+def test_the_kth_largest_is_the_same_by_kthvalue_and_by_topk(keys, k):
+    """The exact selection's threshold on CUDA (topk's least of k) equals kthvalue's, ties included."""
+    keys = torch.tensor(keys, dtype=torch.int32)
+    k = min(k, keys.numel())
+    want = sorted(keys.tolist(), reverse=True)[k - 1]
+    assert zipccl.topk.kth_largest(keys, k, spread=False).item() == want
+    assert zipccl.topk.kth_largest(keys, k, spread=True).item() == want
+
+
+@pytest.mark.parametrize("path", ["select", "error feedback"])
+def test_more_elements_than_int32_indices_address_are_refused_before_selecting(monkeypatch, path):
+    """Above MAX_NUMEL (2**31; here made 1000) an int32 index would wrap and count from the end:
+    refused before anything is selected, and the residual is left as it was."""
+    monkeypatch.setattr(zipccl.topk, "MAX_NUMEL", 1000)
+    comp = zipccl.lossy.Compressor("topk", rules=None)
+    call = (lambda x: TopK(0.1).select(x)) if path == "select" else \
+        (lambda x: comp._select(x, "bucket", TopK(0.1), None))
+    call(torch.randn(1000))  # at the bound: taken
+    comp.residuals.store.clear()
+    with pytest.raises(UnsupportedError, match="at most 1000 elements"):
+        call(torch.randn(1001))
+    assert not comp.residuals.store
 
 
 def test_error_feedback_is_exact_and_pickles():

@@ -27,7 +27,7 @@ from .feedback import Residuals
 from .kernels import sparse
 from .rules import LayerRules
 from .stats import stats as _snapshot
-from .topk import TopK
+from .topk import TopK, check_addressable
 from .transport import transport_for
 from .transport.torch_dist import wire_device
 
@@ -219,6 +219,7 @@ class Compressor:
         remembered by ``codec``; what to do after it, which returns ``reduce``'s result; a context
         for the collective that, if it fails, gives the residual back what the call was to send,
         so that a failed step's gradient is kept for the next, as any unsent part is)."""
+        check_addressable(flat.numel())
         value_dtype = self.value_dtype or flat.dtype
         wire = flat if value_dtype == flat.dtype else torch.empty_like(flat, dtype=value_dtype)
         fast = sparse.supports(flat, value_dtype, self.residuals.dtype)

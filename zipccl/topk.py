@@ -25,6 +25,22 @@ SAMPLE = 65536  # entries a sampled selection estimates its threshold from
 MAX_NUMEL = 1 << 31  # indices are int32: larger tensors cannot be addressed
 
 
+def check_addressable(numel: int) -> None:
+    """Raise where a tensor has more elements than int32 indices address, before anything is
+    selected: a wrapped index would count from the end, into another entry of the residual."""
+    if numel > MAX_NUMEL:
+        raise UnsupportedError(f"top-k addresses at most {MAX_NUMEL} elements (int32 indices), got {numel}")
+
+
+def kth_largest(keys: torch.Tensor, k: int, spread: bool) -> torch.Tensor:
+    """The k-th largest of the 1-D ``keys`` (a 0-d tensor where they are): torch.kthvalue, or with
+    ``spread`` (CUDA) the least of torch.topk's k, the same value: CUDA's kthvalue selects with
+    one thread block per slice, one SM for a whole bucket, where topk's radix select spans the GPU."""
+    if spread:
+        return torch.topk(keys, k, sorted=False).values.min()
+    return torch.kthvalue(keys, keys.numel() - k + 1).values
+
+
 def magnitude_keys(flat: torch.Tensor) -> torch.Tensor:
     """Each value's rank key (format.TOPK_NAN_KEY): |x|'s float32 bits as int32, NaN above Inf."""
     bits = flat.float().view(torch.int32) & 0x7FFFFFFF
@@ -66,6 +82,7 @@ class TopK:
         reused) for the next call on the same unmodified tensor or a view of it, which takes it:
         error feedback and the collective that follows then select once."""
         check_input(x)
+        check_addressable(x.numel())
         last, self._last = self._last, None
         if last is not None:
             held, version, result = last
@@ -107,7 +124,7 @@ class TopK:
             if 0 < idx.numel() <= 2 * k:
                 return idx.to(torch.int32), flat[idx]
         # O(n): the k-th largest magnitude, everything above it, then ties by index.
-        threshold = torch.kthvalue(mag, n - k + 1).values
+        threshold = kth_largest(mag, k, mag.is_cuda)
         above = torch.nonzero(mag > threshold).reshape(-1)
         ties = torch.nonzero(mag == threshold).reshape(-1)[:k - above.numel()]
         idx = torch.sort(torch.cat([above, ties])).values
@@ -119,8 +136,7 @@ class TopK:
 
     def encode_selected(self, idx: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
         """A packet of already chosen entries (indices int32 strictly ascending)."""
-        if numel > MAX_NUMEL:
-            raise UnsupportedError(f"top-k packets address at most {MAX_NUMEL} elements (int32 indices), got {numel}")
+        check_addressable(numel)
         empty = idx.new_zeros(0, dtype=torch.uint8)
         header = F.Header(F.CODEC_TOPK, values.dtype, numel)
         return assemble(header, [empty, empty, idx.contiguous().view(torch.uint8),
