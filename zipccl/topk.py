@@ -17,7 +17,7 @@ import torch
 from . import format as F
 from .format import check_input
 from .errors import FormatError, UnsupportedError
-from .reference.packet import assemble, host_bytes
+from .reference.packet import assemble, host_bytes, to_host
 
 __all__ = ["TopK"]
 
@@ -170,10 +170,13 @@ class TopK:
         start = F.HEADER_SIZE
         idx = packet[start:start + s2].clone().view(torch.int32).to(torch.int64)
         values = packet[start + s2:start + s2 + s3].clone().view(h.dtype)
-        if k and (int(idx[0]) < 0 or int(idx[-1]) >= h.numel):
-            raise FormatError(f"top-k index out of range [0, {h.numel})")
-        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
-            raise FormatError("top-k indices must be strictly ascending (no duplicates)")
+        if k:  # the checks in one read of the device (bounded: reference.packet.to_host), not three
+            below, beyond, unordered = to_host(torch.stack([idx[0] < 0, idx[-1] >= h.numel,
+                                                            (idx[1:] <= idx[:-1]).any()])).tolist()
+            if below or beyond:
+                raise FormatError(f"top-k index out of range [0, {h.numel})")
+            if unordered:
+                raise FormatError("top-k indices must be strictly ascending (no duplicates)")
         return h, idx, values
 
     def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
