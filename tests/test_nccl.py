@@ -603,38 +603,50 @@ def test_a_send_that_fails_inside_its_group_is_aborted_once_the_group_has_ended(
     assert t._failed_in_group is None  # the next group starts clean (and raises: aborted)
 
 
+class _Logged:
+    """A communicator's stand-in that logs its posts and its abort into ``events``."""
+
+    def __init__(self, name: str, events: list):
+        self.name, self.events = name, events
+
+    def send(self, *args):
+        self.events.append(f"{self.name} posted")
+
+    def abort(self):
+        self.events.append(f"{self.name} abort")
+
+
+def _logged_transport(events: list, group_end):
+    """An NcclTransport of 2 ranks (this one rank 0) over _Logged communicators, NCCL's group
+    calls logged too, its group's end ``group_end``."""
+    from zipccl.transport.cupy_nccl import NcclTransport
+    t = object.__new__(NcclTransport)
+    t.rank, t.size, t._ranks, t._open, t.device = 0, 2, [0, 1], None, 0
+    t._members = t._ranks
+    t.comm, t.mail_comm = _Logged("bulk", events), _Logged("mail", events)
+    t.stream = types.SimpleNamespace(wait_stream=lambda stream: None, cuda_stream=0)
+    t.nccl = types.SimpleNamespace(groupStart=lambda: events.append("group start"), NCCL_UINT8=1, groupEnd=group_end)
+    return t
+
+
 def test_a_group_whose_end_fails_ends_as_one_with_a_failed_post(monkeypatch):
     """NCCL connects a pair inside the first group end that involves it, and that end fails where
     the peer died meanwhile: the error does not leave the schedule (zipccl.failure keeps every
     rank on it); the communicators are aborted and the group's operations, which never ran, raise
     when waited for, as a lost peer's do."""
-    from zipccl.transport.cupy_nccl import NcclError, NcclTransport
+    from zipccl.transport.cupy_nccl import NcclError
     events = []
-
-    class Comm:
-        def __init__(self, name):
-            self.name = name
-
-        def send(self, *args):
-            events.append(f"{self.name} posted")
-
-        def abort(self):
-            events.append(f"{self.name} abort")
 
     def group_end():
         events.append("group end")
         raise RuntimeError("NCCL error: remote process exited or there was a network error")
 
-    t = object.__new__(NcclTransport)
-    t.rank, t.size, t._ranks, t._open, t.device = 0, 2, [0, 1], None, 0
-    t._members = t._ranks
-    t.comm, t.mail_comm = Comm("bulk"), Comm("mail")
-    t.stream = types.SimpleNamespace(wait_stream=lambda stream: None, cuda_stream=0)
-    t.nccl = types.SimpleNamespace(groupStart=lambda: None, NCCL_UINT8=1, groupEnd=group_end)
+    t = _logged_transport(events, group_end)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     with t.grouped():
         posted = t.isend(torch.empty(8, device="meta"), 1)
-    assert events[:2] == ["bulk posted", "group end"] and sorted(events[2:]) == ["bulk abort", "mail abort"], events
+    assert events[:3] == ["group start", "bulk posted", "group end"], events
+    assert sorted(events[3:]) == ["bulk abort", "mail abort"], events
     assert t.comm is t.mail_comm is None
     with pytest.raises(NcclError, match="aborted"):
         t.wait(posted)
@@ -685,24 +697,8 @@ def test_an_abort_from_another_thread_waits_for_the_open_group_to_end(monkeypatc
     from zipccl.transport import cupy_nccl
     events, posted, leave, ending = [], threading.Event(), threading.Event(), threading.Event()
 
-    class Comm:
-        def __init__(self, name):
-            self.name = name
-
-        def send(self, *args):
-            events.append(f"{self.name} posted")
-
-        def abort(self):
-            events.append(f"{self.name} abort")
-
     def transport(group_end):
-        t = object.__new__(cupy_nccl.NcclTransport)
-        t.rank, t.size, t._ranks, t._open, t.device = 0, 2, [0, 1], None, 0
-        t.comm, t.mail_comm = Comm("bulk"), Comm("mail")
-        t.stream = types.SimpleNamespace(wait_stream=lambda stream: None, cuda_stream=0)
-        t.nccl = types.SimpleNamespace(groupStart=lambda: events.append("group start"), NCCL_UINT8=1,
-                                       groupEnd=group_end)
-        return t
+        return _logged_transport(events, group_end)
 
     def group(t, body_waits: bool):
         with t.grouped():
