@@ -717,12 +717,14 @@ def test_a_group_end_that_waits_on_a_stopped_peer_is_aborted(monkeypatch, case):
     once the peer has posted its side: a peer stopped before it does holds the end, out of every
     wait's reach. The transport is aborted (which ends it) once the end has lasted
     heartbeat.stale_after() with rank 1 silent (1.5 s under ZIPCCL_TIMEOUT=3), or, with every rank
-    beating, ZIPCCL_TIMEOUT (0.5 s); the group's operations then raise as a lost peer's do."""
+    beating, a making's bound (ZIPCCL_TIMEOUT, at least MAKING_S: here 0.5 s); the group's
+    operations then raise as a lost peer's do."""
     from zipccl import config
     from zipccl.transport import cupy_nccl
     timeout = 3.0 if case == "silent peer" else 0.5
     monkeypatch.setattr(config, "TIMEOUT", timeout)
     monkeypatch.setattr(cupy_nccl, "GROUP_END_S", 0.1)
+    monkeypatch.setattr(cupy_nccl, "MAKING_S", 0.5 if case == "timeout" else 60.0)
     _board(monkeypatch, {1: (30.0, 5) if case == "silent peer" else (0.1, 5), 2: (0.1, 5), 3: (0.1, 5)})
     t, _ = _nccl_stand_in(monkeypatch)
     aborted = threading.Event()

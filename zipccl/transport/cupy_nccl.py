@@ -129,9 +129,10 @@ class _Ends:
     involves them, and returns once the peer has posted its side: a peer stopped or dead before
     it does would hold this rank there for good, out of reach of every wait's bound. The thread,
     started at the first end, looks four times a second: an end that has lasted past
-    config.wait_bound(), or past ``heartbeat.stale_after()`` while a rank of the group is silent,
-    has its transport aborted, which ends it (NCCL's connecting checks the abort flag), and
-    ``grouped`` ends that group as one with a failed post."""
+    ``heartbeat.stale_after()`` while a rank of the group is silent, or past a making's bound
+    (config.wait_bound(), at least MAKING_S: connecting is the rest of NCCL's making), has its
+    transport aborted, which ends it (NCCL's connecting checks the abort flag), and ``grouped``
+    ends that group as one with a failed post."""
 
     def __init__(self):
         self._open, self._why, self._lock, self._thread = {}, {}, threading.Lock(), None
@@ -156,7 +157,7 @@ class _Ends:
                 ending = list(self._open.items())
             for t, since in ending:
                 waited = time.monotonic() - since
-                if waited > config.wait_bound():
+                if waited > max(config.wait_bound(), MAKING_S):
                     why = f"NCCL's group end made no progress within {waited:.1f} s (ZIPCCL_TIMEOUT=" \
                           f"{config.TIMEOUT}, default {config.DEFAULT_TIMEOUT:g} s)"
                 else:
