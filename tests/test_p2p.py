@@ -419,6 +419,37 @@ def test_a_send_posted_after_a_later_collective_is_still_received(pool):
     assert pool.run(_send_posted_after_a_collective, timeout=60) == [True, True, None, None]
 
 
+def _send_behind_a_queued_call(rank, groups, key):
+    """Rank 0 queues a zipccl call that holds the async queue for 2 s (a collective still
+    running), then isends a framed message to rank 1. The isend returns at once: the send waits
+    for that call on its lane, not on the caller's thread; it leaves only once the call has ended
+    (rank 1's receive completes after the call's end, which rank 0 writes to the store), and
+    arrives intact."""
+    from zipccl import executor
+    if rank > 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    x = activations(50_000, seed=11)
+    if rank == 1:
+        got = torch.empty_like(x)
+        zipccl.recv(got, 0, codec="raw")
+        received = time.time()
+        store.wait([key], datetime.timedelta(seconds=30))
+        return torch.equal(bits(got), bits(x)) and received >= float(store.get(key))
+    held = executor.submit(lambda: time.sleep(2) or store.set(key, repr(time.time())))
+    start = time.monotonic()
+    h = zipccl.isend(x, 1, codec="raw")
+    returned = time.monotonic() - start
+    h.wait()
+    return returned < 1 and held.is_completed() or ("isend returned after", returned)
+
+
+def test_a_framed_send_waits_for_the_calls_queued_before_it_on_its_lane(pool):
+    import secrets
+    res = pool.run(_send_behind_a_queued_call, f"test/held-{secrets.token_hex(4)}", timeout=60)
+    assert res[:2] == [True, True], res
+
+
 def _unposted(rank, groups):
     """A framed message from rank 0 to rank 1 whose transport cannot be made (a stand-in refuses
     it on both ends, as an NcclPair's failure is agreed): the send's handle says it is completed
@@ -900,8 +931,10 @@ def _receives_only(rank, groups, n):
 
 
 def test_done_receives_are_freed(pool):
+    """200 more receives leave no more live handles than a few that other calls' background
+    work (a send completing behind its dropped handle, a lane's last task) may hold at a count."""
     live = pool.run(_receives_only, 200, timeout=120)[1]
-    assert live[1] <= live[0] < 20, live
+    assert live[1] - live[0] < 5 and live[0] < 20, live
 
 
 def _dropped_sends(rank, groups, n):

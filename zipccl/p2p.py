@@ -226,15 +226,24 @@ def after_collectives() -> None:
     (they only post receives, so no peer's order of messages changes), never a collective; nor
     may a collective that the drop-in passes to the backend underneath (zipccl.backend). At once
     on the thread that runs the async calls in order (waiting there would wait for itself)."""
+    h = collective_before()
+    if h is not None:
+        h.join()
+
+
+def collective_before() -> executor.Handle | None:
+    """What ``after_collectives`` waits for, taken now: the last async call queued before now that
+    is not a receive and has not ended (the calls before it end first), or None. A framed send
+    takes it where it is issued and waits for it on its lane, so that the caller's thread does not."""
     if executor.running_queue():
-        return
+        return None
     h = executor.last()
     while h is not None and not h.is_completed():
         entry = _receives.get(h)
         if entry is None:  # not a receive
-            h.join()
-            return
+            return h
         h = entry[0]
+    return None
 
 
 #: Held while a native message or a coalesced batch is posted to a backend that batches (NCCL):
@@ -393,12 +402,15 @@ class _SendHandle(executor.Handle):
 
 def _send(op: _Op):
     """Post ``op``'s message on its direction's lane (executor.on_lane), in issue order with the
-    direction's other sends: making the pair's transport with the first message waits for the
-    receiver, which must never block this thread (two ranks that each isend before they irecv
-    would wait for each other for good). Its handle."""
+    direction's other sends, once the collectives queued before it have ended (waited for there):
+    making the pair's transport with the first message waits for the receiver, which must never
+    block this thread (two ranks that each isend before they irecv would wait for each other for
+    good). A native message is posted here, once those collectives have ended. Its handle."""
     if op.plan is NATIVE:
+        after_collectives()
         record_native("send")
         return _native_send(op)
+    before = collective_before()
     op.seq = _next_seq(op)
     verdict = Verdict(_group_name(op.group), dist.get_rank(), op.peer_job, op.seq)
 
@@ -406,6 +418,8 @@ def _send(op: _Op):
     sent = []  # True once posting ended without an error
 
     def post() -> None:
+        if before is not None:
+            before.join()
         fate, acc, sends = Fate.of("send", op.transport(), (dist.get_rank(), op.peer_job)), new_acc(), []
         state.append((fate, acc, sends))  # before posting, which may wait for the receiver (_not_posted)
         sends += send_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)
@@ -560,9 +574,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     frame the message, and then fail (or wait) as the backend's own send and receive would."""
     if not_in(group, "isend"):
         return None
-    op = _Op("send", tensor, dst, group, tag, group_dst, codec)
-    after_collectives()  # at once where nothing is queued
-    return _send(op)
+    return _send(_Op("send", tensor, dst, group, tag, group_dst, codec))
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, group_src: int | None = None,
@@ -658,7 +670,7 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
     # the receives first: queued, they wait on the async thread while this thread encodes and posts
     # the sends (which never wait for them), so that this rank's decoding overlaps its encoding
     handles = {id(op): _post_receive(op, True) for op in receives if id(op) not in batched}
-    if len(handles) < len(ops):
+    if together:
         after_collectives()
     handles.update({id(op): _send(op) for op in ops if op.kind == "send" and id(op) not in batched})
     for batch in together:  # after the collectives queued before (after_collectives), as the sends
