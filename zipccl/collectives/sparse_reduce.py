@@ -14,6 +14,7 @@ from ..kernels import sparse
 from ..reference.packet import host_bytes, to_host
 from .algorithms import _acc_dtype
 from .metadata import _TAG_SPARSE, Call, _meta_bytes, timed
+from .pipeline import land_plain, post_plain
 from .resolve import _OPS, _RAW
 
 
@@ -112,7 +113,6 @@ def _to_owners(t, flat: torch.Tensor, selected, bounds: list, op, codec, call: C
     recv_splits = [0 if j == r else int(sizes[j, r]) for j in range(n)]
     send = torch.cat([parts[j] for j in range(n) if j != r])
     recv = _all_to_all(t, fate, acc, send, send_splits, recv_splits)
-    acc["wire_bytes"] += int(send.numel())
     mine = flat[bounds[r]:bounds[r + 1]]
     received = _in_rank_order(recv, recv_splits, parts[r], r)
     _validate(t, fate, received, codec, mine.numel())
@@ -162,31 +162,21 @@ def _sparse_all_gather(t, packet: torch.Tensor | None, call: Call, acc: dict, fa
     send_splits = [0 if j == r else packet.numel() for j in range(n)]
     recv_splits = [0 if j == r else sizes[j] for j in range(n)]
     recv = _all_to_all(t, fate, acc, packet.repeat(n - 1), send_splits, recv_splits)
-    acc["wire_bytes"] += (n - 1) * packet.numel()
     return _in_rank_order(recv, recv_splits, packet, r)
 
 
 def _all_to_all(t, fate: Fate, acc: dict, send, send_splits, recv_splits) -> torch.Tensor:
     """``send`` cut by ``send_splits``, one part to each rank, and the parts the ranks send here,
-    concatenated in rank order: point-to-point messages on zipccl's own tag, never the group's own
-    all-to-all, a collective that zipccl's thread would issue beside the caller's own collectives
-    on that group (DDP's all-reduce of its unused parameters' map, from autograd's thread) in
-    another order on each rank. A rank lost in it makes this rank raise RankFailure."""
-    def exchange() -> torch.Tensor:
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
-        works, so, ro = [], 0, 0
-        with t.grouped():
-            for j in range(t.size):
-                if send_splits[j]:
-                    works.append((j, fate.send(t, send[so:so + send_splits[j]], j, _TAG_SPARSE)))
-                if recv_splits[j]:
-                    works.append((j, fate.recv(t, recv[ro:ro + recv_splits[j]], j, _TAG_SPARSE)))
-                so, ro = so + send_splits[j], ro + recv_splits[j]
-        for j, work in works:
-            fate.wait(t, work, j)
-        return recv
-
-    recv = timed(acc, "comm_seconds", exchange)
+    concatenated in rank order: point-to-point messages on zipccl's own tag (the pipeline's plain
+    piece, its bytes counted there), never the group's own all-to-all, a collective that zipccl's
+    thread would issue beside the caller's own collectives on that group (DDP's all-reduce of its
+    unused parameters' map, from autograd's thread) in another order on each rank. A rank lost in
+    it makes this rank raise RankFailure."""
+    recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
+    sends = {j: part for j, part in enumerate(send.split(list(send_splits))) if send_splits[j]}
+    recvs = {j: part for j, part in enumerate(recv.split(list(recv_splits))) if recv_splits[j]}
+    posted, works = timed(acc, "comm_seconds", post_plain, t, sends, recvs, _TAG_SPARSE, acc, fate)
+    land_plain(t, posted, works, acc, fate)
     fate.check()
     return recv
 
