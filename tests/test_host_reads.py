@@ -321,3 +321,34 @@ def test_decode_into_writes_nothing_through_a_bad_header_or_index(corrupt):
     out = torch.full((x.numel(),), 7, dtype=torch.int16)
     assert codec.decode_into(packet, out.view(torch.bfloat16)).problem() == want
     assert torch.equal(out, torch.full_like(out, 7))
+
+
+def test_a_sparse_sum_reads_the_device_once_for_its_headers_and_once_for_its_indices():
+    """The top-k sum of n ranks' packets (the GPU path's: collectives._sum_pairs) reads the
+    device twice whatever n is: the packets' headers together, then their indices' checks
+    together; once where the headers were read already (sparse_reduce._validate's one read).
+    Its result: the dense sum of what each packet holds, by plain torch."""
+    from zipccl import format as F
+    from zipccl.codecs import TopK
+    from zipccl.collectives import _sum_pairs
+    g = torch.Generator().manual_seed(8)
+    codec, xs = TopK(0.1), [torch.randn(1000, generator=g) for _ in range(5)]
+    parts = [codec.encode(x) for x in xs]
+    want = torch.zeros(1000)
+    for x in xs:
+        keep = torch.topk(x.abs(), 100).indices
+        want[keep] += x[keep]
+    with host_reads() as seen:
+        total, _ = _sum_pairs(parts, codec, torch.empty(1000), dist_sum(), 5)
+    assert torch.equal(total, want)
+    assert sum(seen.values()) == 2, dict(seen)
+    headers = [F.parse_header(p[:F.HEADER_SIZE].numpy().tobytes(), None, p.numel()) for p in parts]
+    with host_reads() as seen:
+        again, _ = _sum_pairs(parts, codec, torch.empty(1000), dist_sum(), 5, headers)
+    assert torch.equal(again, want)
+    assert sum(seen.values()) == 1, dict(seen)
+
+
+def dist_sum():
+    import torch.distributed as dist
+    return dist.ReduceOp.SUM

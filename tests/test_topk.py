@@ -469,3 +469,31 @@ def test_a_lossy_call_that_top_k_would_make_larger_goes_dense(pool):
         assert torch.equal(r["z reduced"], (sent[0].float() + sent[1].float()).to(torch.bfloat16))
         assert torch.equal(r["z residual"], compensated[rank] - sent[rank].float())
         assert r["z residual"].any()
+
+
+def test_packets_parsed_together_are_each_checked():
+    """parse_many raises for a bad packet wherever it stands, as parse of that packet would, and
+    otherwise gives each packet's own pairs."""
+    c = TopK(0.5)
+    xs = [torch.arange(8, dtype=torch.float32) * s for s in (1, -2, 3)]
+    good = [c.encode(x) for x in xs]
+    for (h, idx, values), x in zip(c.parse_many(good, 8), xs):
+        assert h.numel == 8 and idx.tolist() == [4, 5, 6, 7] and torch.equal(values, x[4:])
+    assert c.parse_many([]) == []
+    for bad, match in ((_rewrite(good[1], idx=[4, 5, 6, 8]), "range"), (_rewrite(good[1], idx=[4, 5, 5, 7]), "ascending"),
+                       (good[1][:10].clone(), "shorter"), (zipccl.codecs.Raw().encode(xs[1]), "codec")):
+        with pytest.raises(zipccl.FormatError, match=match):
+            c.parse_many([good[0], bad, good[2]])
+    with pytest.raises(zipccl.FormatError, match="claims"):
+        c.parse_many(good, max_numel=7)
+
+
+def test_sample_positions_are_drawn_once_per_size_and_device():
+    """The sampled threshold's positions: the seeded draw of the size, the same tensor for every
+    call of that size and device (drawn and placed once, not uploaded for each selection)."""
+    c = TopK(0.01, sampled=True)
+    n = 5 * 65536
+    pos = c.sample_positions(n)
+    assert torch.equal(pos, torch.randint(0, n, (65536,), generator=torch.Generator().manual_seed(n)))
+    assert c.sample_positions(n, torch.device("cpu")) is pos and TopK(0.5, sampled=True).sample_positions(n) is pos
+    assert c.sample_positions(n + 1) is not pos and TopK(0.01).sample_positions(n) is None

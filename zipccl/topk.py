@@ -10,6 +10,7 @@ codec all-gather the packets and add them in rank order (zipccl.collectives).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from . import format as F
 from .format import check_input
 from .errors import FormatError, UnsupportedError
-from .reference.packet import assemble, host_bytes, to_host
+from .reference.packet import assemble, headers_of, host_bytes, to_host
 
 __all__ = ["TopK"]
 
@@ -45,6 +46,37 @@ def magnitude_keys(flat: torch.Tensor) -> torch.Tensor:
     """Each value's rank key (format.TOPK_NAN_KEY): |x|'s float32 bits as int32, NaN above Inf."""
     bits = flat.float().view(torch.int32) & 0x7FFFFFFF
     return torch.where(bits > 0x7F800000, F.TOPK_NAN_KEY, bits)
+
+
+@functools.lru_cache(maxsize=32)
+def _sample(numel: int, device: torch.device) -> torch.Tensor:
+    """``SAMPLE`` positions below ``numel``, drawn and placed on ``device`` once: drawn for each
+    call, they cost a draw on the host and, for a GPU, a copy from pageable memory, which waits
+    for it, before every selection."""
+    return torch.randint(0, numel, (SAMPLE,), generator=torch.Generator().manual_seed(numel)).to(device)
+
+
+def _check_packet(packet) -> None:
+    if not isinstance(packet, torch.Tensor) or packet.dtype != torch.uint8 or packet.dim() != 1:
+        raise FormatError("a packet is a 1-D torch.uint8 tensor")
+
+
+def _checked(h: F.Header, packet: torch.Tensor, max_numel: int | None) -> F.Header:
+    """A top-k packet's parsed header ``h``, its codec and section sizes checked against each other
+    and ``max_numel``; its payload CRC, where it has one, read from ``packet`` and checked."""
+    if h.codec != F.CODEC_TOPK:
+        raise FormatError(f"packet holds codec {h.codec}, expected codec {F.CODEC_TOPK}")
+    F.check_numel(h, max_numel)
+    if h.numel > MAX_NUMEL:
+        raise FormatError(f"top-k packet claims {h.numel} elements; int32 indices address at most {MAX_NUMEL}")
+    s0, s1, s2, s3 = h.sections
+    itemsize = F.LAYOUTS[h.dtype].itemsize
+    if s0 or s1 or s2 % 4 or s3 != s2 // 4 * itemsize or s2 // 4 > h.numel:
+        raise FormatError(f"top-k sections do not match: {s2} index bytes and {s3} value bytes "
+                          f"must pair up, at most one pair per element of {h.numel}")
+    if h.flags:
+        F.check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
+    return h
 
 
 class TopK:
@@ -98,12 +130,13 @@ class TopK:
         unmodified ``x``, as ``select(x, remember=True)`` would."""
         self._last = (x, x._version, (idx, values))
 
-    def sample_positions(self, numel: int) -> torch.Tensor | None:
+    def sample_positions(self, numel: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """The positions a sampled selection estimates its threshold from (the same for every
-        tensor of ``numel`` elements), or None where it selects exactly."""
+        tensor of ``numel`` elements), on ``device``, or None where it selects exactly. Not to be
+        written: one tensor per size and device serves every call."""
         if not self.sampled or numel <= 4 * SAMPLE:
             return None
-        return torch.randint(0, numel, (SAMPLE,), generator=torch.Generator().manual_seed(numel))
+        return _sample(numel, torch.device(device))
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_last"}
@@ -117,10 +150,10 @@ class TopK:
             idx = torch.arange(n, device=flat.device)
             return idx.to(torch.int32), flat[idx]
         mag = magnitude_keys(flat)
-        pos = self.sample_positions(n)
+        pos = self.sample_positions(n, flat.device)
         if pos is not None:
             kth = SAMPLE - self.sample_k() + 1
-            idx = torch.nonzero(mag >= torch.kthvalue(mag[pos.to(flat.device)], kth).values).reshape(-1)
+            idx = torch.nonzero(mag >= torch.kthvalue(mag[pos], kth).values).reshape(-1)
             if 0 < idx.numel() <= 2 * k:
                 return idx.to(torch.int32), flat[idx]
         # O(n): the k-th largest magnitude, everything above it, then ties by index.
@@ -142,42 +175,51 @@ class TopK:
         return assemble(header, [empty, empty, idx.contiguous().view(torch.uint8),
                                  values.contiguous().view(torch.uint8)])
 
-    def header(self, packet: torch.Tensor, max_numel: int | None = None) -> F.Header:
+    def header(self, packet: torch.Tensor, max_numel: int | None = None, head: bytes | None = None) -> F.Header:
         """Validate a packet's header and section sizes (not its indices: ``parse`` does).
         ``max_numel``: FormatError for a packet that claims more elements (a sparse packet's size
-        does not bound its numel: pass a bound, or ``out``, for packets from elsewhere)."""
-        if not isinstance(packet, torch.Tensor) or packet.dtype != torch.uint8 or packet.dim() != 1:
-            raise FormatError("a packet is a 1-D torch.uint8 tensor")
-        h = F.parse_header(host_bytes(packet, 0, F.HEADER_SIZE).tobytes(), F.CODEC_TOPK, packet.numel())
-        F.check_numel(h, max_numel)
-        if h.numel > MAX_NUMEL:
-            raise FormatError(f"top-k packet claims {h.numel} elements; int32 indices address at most {MAX_NUMEL}")
-        s0, s1, s2, s3 = h.sections
-        itemsize = F.LAYOUTS[h.dtype].itemsize
-        if s0 or s1 or s2 % 4 or s3 != s2 // 4 * itemsize or s2 // 4 > h.numel:
-            raise FormatError(f"top-k sections do not match: {s2} index bytes and {s3} value bytes "
-                              f"must pair up, at most one pair per element of {h.numel}")
-        if h.flags:
-            F.check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
-        return h
+        does not bound its numel: pass a bound, or ``out``, for packets from elsewhere). ``head``:
+        the packet's header bytes where the caller has read them (reference.packet.headers_of)."""
+        _check_packet(packet)
+        if head is None:
+            head = host_bytes(packet, 0, F.HEADER_SIZE).tobytes()
+        return _checked(F.parse_header(head, F.CODEC_TOPK, packet.numel()), packet, max_numel)
 
     def parse(self, packet: torch.Tensor,
               max_numel: int | None = None) -> tuple[F.Header, torch.Tensor, torch.Tensor]:
         """Validate a packet: (header, indices int64, values); ``max_numel`` as in ``header``."""
-        h = self.header(packet, max_numel)
-        s2, s3 = h.sections[2], h.sections[3]
-        k = s2 // 4
-        start = F.HEADER_SIZE
-        idx = packet[start:start + s2].clone().view(torch.int32).to(torch.int64)
-        values = packet[start + s2:start + s2 + s3].clone().view(h.dtype)
-        if k:  # the checks in one read of the device (bounded: reference.packet.to_host), not three
-            below, beyond, unordered = to_host(torch.stack([idx[0] < 0, idx[-1] >= h.numel,
-                                                            (idx[1:] <= idx[:-1]).any()])).tolist()
-            if below or beyond:
-                raise FormatError(f"top-k index out of range [0, {h.numel})")
-            if unordered:
-                raise FormatError("top-k indices must be strictly ascending (no duplicates)")
-        return h, idx, values
+        return self.parse_many([packet], max_numel)[0]
+
+    def parse_many(self, packets: list[torch.Tensor], max_numel: int | None = None,
+                   headers: list[F.Header] | None = None) -> list[tuple[F.Header, torch.Tensor, torch.Tensor]]:
+        """``parse`` of each packet (all on one device), in two reads of the device in all (their
+        headers, then their indices' checks), not two each: a sparse collective's packets from n
+        ranks wait for a GPU twice, not 2n times. ``headers``: the packets' headers where the
+        caller has read them already (parse_header; checked here as top-k's): one read. FormatError
+        for the first bad header, else the first packet whose indices are out of range or not
+        strictly ascending."""
+        for p in packets:
+            _check_packet(p)
+        if headers is None:
+            headers = [F.parse_header(head, F.CODEC_TOPK, p.numel()) for p, head in zip(packets, headers_of(packets))]
+        found = []
+        for p, h in zip(packets, headers):
+            h = _checked(h, p, max_numel)
+            s2, s3 = h.sections[2], h.sections[3]
+            start = F.HEADER_SIZE
+            idx = p[start:start + s2].clone().view(torch.int32).to(torch.int64)
+            values = p[start + s2:start + s2 + s3].clone().view(h.dtype)
+            found.append((h, idx, values))
+        checked = [(h, idx) for h, idx, _ in found if idx.numel()]
+        if checked:  # the checks of every packet in one read (bounded: reference.packet.to_host)
+            flags = to_host(torch.stack([torch.stack([idx[0] < 0, idx[-1] >= h.numel, (idx[1:] <= idx[:-1]).any()])
+                                         for h, idx in checked]))
+            for (h, _), (below, beyond, unordered) in zip(checked, flags.tolist()):
+                if below or beyond:
+                    raise FormatError(f"top-k index out of range [0, {h.numel})")
+                if unordered:
+                    raise FormatError("top-k indices must be strictly ascending (no duplicates)")
+        return found
 
     def decode(self, packet: torch.Tensor, out: torch.Tensor | None = None, *,
                max_numel: int | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from .. import format as F
 from ..errors import FormatError, MismatchError
 from ..failure import DECODE, ENCODE, Fate
 from ..kernels import sparse
-from ..reference.packet import host_bytes, to_host
+from ..reference.packet import headers_of, to_host
 from .algorithms import _acc_dtype
 from .metadata import _TAG_SPARSE, Call, _meta_bytes, timed
 from .pipeline import land_plain, post_plain
@@ -70,15 +70,21 @@ def _sparse_all_reduce(t, flat: torch.Tensor, op, codec, call: Call, acc: dict, 
     packet = timed(acc, "codec_seconds", fate.guard, ENCODE, lambda: encode_own(*own))
     gather = Call("all_reduce/gather", flat.dtype, numel, op, codec)
 
-    def unpack(parts):
-        for j, part in enumerate(parts):
-            chunk = flat[bounds[j]:bounds[j + 1]]
-            h = F.parse_header(host_bytes(part, 0, F.HEADER_SIZE).tobytes(), None, part.numel())
-            (_RAW if h.codec == F.CODEC_RAW else codec).decode(part, out=chunk)
+    def unpack(parts, headers):
+        """Each owner's chunk into place: raw ones copied, top-k ones parsed together (one read)."""
+        sparse_parts = [j for j, h in enumerate(headers) if h.codec != F.CODEC_RAW]
+        for j, h in enumerate(headers):
+            if h.codec == F.CODEC_RAW:
+                _RAW.decode(parts[j], out=flat[bounds[j]:bounds[j + 1]])
+        pairs = codec.parse_many([parts[j] for j in sparse_parts], m, [headers[j] for j in sparse_parts])
+        for j, (h, i, v) in zip(sparse_parts, pairs):
+            chunk = F.check_out(h, flat[bounds[j]:bounds[j + 1]])
+            chunk.zero_()
+            chunk[i] = v
 
     gathered = _sparse_all_gather(t, packet, gather, acc, fate)
-    _validate(t, fate, gathered, None, m)
-    timed(acc, "codec_seconds", fate.guard, DECODE, unpack, gathered)
+    headers = _validate(t, fate, gathered, None, m)
+    timed(acc, "codec_seconds", fate.guard, DECODE, unpack, gathered, headers)
 
 
 def _sparse_reduce_scatter(t, flat: torch.Tensor, out: torch.Tensor, op, codec, call: Call, acc: dict,
@@ -115,8 +121,8 @@ def _to_owners(t, flat: torch.Tensor, selected, bounds: list, op, codec, call: C
     recv = _all_to_all(t, fate, acc, send, send_splits, recv_splits)
     mine = flat[bounds[r]:bounds[r + 1]]
     received = _in_rank_order(recv, recv_splits, parts[r], r)
-    _validate(t, fate, received, codec, mine.numel())
-    return timed(acc, "codec_seconds", fate.guard, DECODE, _sum_pairs, received, codec, mine, op, n)
+    headers = _validate(t, fate, received, codec, mine.numel())
+    return timed(acc, "codec_seconds", fate.guard, DECODE, _sum_pairs, received, codec, mine, op, n, headers)
 
 
 def _cuts(idx: torch.Tensor, bounds: list) -> torch.Tensor:
@@ -126,16 +132,19 @@ def _cuts(idx: torch.Tensor, bounds: list) -> torch.Tensor:
 
 
 def _validate(t, fate: Fate, parts: list, codec, max_numel: int) -> list:
-    """Every rank's packet header (``codec.header``, or the common header where None), checked
-    to claim at most ``max_numel`` elements; one that fails is blamed on its sender
-    (zipccl.failure) and is None in the list."""
-    def common(p, bound):
-        h = F.parse_header(host_bytes(p, 0, F.HEADER_SIZE).tobytes(), None, p.numel())
+    """Every rank's packet header (``codec.header``, or the common header where None), read in
+    one read of the device, checked to claim at most ``max_numel`` elements; one that fails is
+    blamed on its sender (zipccl.failure) and is None in the list."""
+    def common(p, bound, head):
+        h = F.parse_header(head, None, p.numel())
         if h.numel > bound:
             raise FormatError(f"packet claims {h.numel} elements, more than the {bound} expected")
         return h
-    return [fate.decode(t, j, codec.header if codec is not None else common, part, max_numel)
-            for j, part in enumerate(parts)]
+    heads = fate.guard(DECODE, headers_of, parts)
+    if heads is None:
+        return [None] * len(parts)
+    return [fate.decode(t, j, codec.header if codec is not None else common, part, max_numel, head)
+            for j, (part, head) in enumerate(zip(parts, heads))]
 
 
 def _sum_gathered(parts, headers, codec, flat: torch.Tensor, op, n: int) -> None:
@@ -147,7 +156,7 @@ def _sum_gathered(parts, headers, codec, flat: torch.Tensor, op, n: int) -> None
             raise MismatchError("top-k packets of the ranks differ in dtype or element count")
         sparse.sum_pairs_into(parts, values_dtype, _OPS[op] == 2, n, flat)  # one pass, no fp32 copy
     else:
-        total, _ = _sum_pairs(parts, codec, flat, op, n)
+        total, _ = _sum_pairs(parts, codec, flat, op, n, headers)
         flat.copy_(total)
 
 
@@ -190,13 +199,13 @@ def _in_rank_order(recv: torch.Tensor, recv_splits: list[int], own: torch.Tensor
     return out
 
 
-def _sum_pairs(parts, codec, like: torch.Tensor, op, n: int):
+def _sum_pairs(parts, codec, like: torch.Tensor, op, n: int, headers: list | None = None):
     """(sum of the packets' pairs in rank order, averaged for AVG, in fp32 for 16-bit types; mask of
-    the positions any packet named). Indices are unique within a packet, so each add is exact."""
+    the positions any packet named). Indices are unique within a packet, so each add is exact.
+    ``headers``: the packets' headers, where _validate has read them."""
     total = torch.zeros(like.numel(), dtype=_acc_dtype(like.dtype), device=like.device)
     named = torch.zeros(like.numel(), dtype=torch.bool, device=like.device)
-    for part in parts:
-        _, i, v = codec.parse(part, like.numel())
+    for _, i, v in codec.parse_many(parts, like.numel(), headers):  # one read of the device in all
         total.index_add_(0, i, v.to(total.dtype))
         named[i] = True
     if _OPS[op] == 2:

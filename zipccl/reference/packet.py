@@ -109,6 +109,17 @@ def host_bytes(packet: torch.Tensor, start: int, stop: int) -> np.ndarray:
     return to_host(packet[start:stop])
 
 
+def headers_of(packets: list[torch.Tensor]) -> list[bytes]:
+    """Each packet's first HEADER_SIZE bytes (all it has where it is shorter), in one read of the
+    device for all of them (the packets are on one device)."""
+    if not packets:
+        return []
+    heads = [p[:HEADER_SIZE] for p in packets]
+    read = to_host(torch.cat(heads)).tobytes()
+    at = np.cumsum([0] + [h.numel() for h in heads]).tolist()
+    return [read[at[j]:at[j + 1]] for j in range(len(packets))]
+
+
 @dataclass
 class LosslessPacket:
     """A validated lossless packet: everything a decoder needs. The per-block rows are numpy
