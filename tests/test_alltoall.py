@@ -267,8 +267,9 @@ def test_an_invalid_call_under_auto_on_one_node_fails_as_the_backends(pool):
     assert res[0] is res[2] is res[3] is True, res
 
 
-def _decoder_fails(rank, groups):
-    """Rank 1's decoder raises in the middle of the call: RankFailure on every rank, naming it."""
+def _decoder_fails(rank, groups, codec, shape):
+    """Rank 1's decoder raises in the middle of the call (in pieces: several rounds follow):
+    RankFailure on every rank, naming it."""
     from zipccl.collectives import alltoall as A
     g = groups[4]
     real = A.decode_to
@@ -279,8 +280,9 @@ def _decoder_fails(rank, groups):
     if rank == 1:
         A.decode_to = broken
     try:
-        x = activations(1 << 12, seed=rank).to(torch.bfloat16)
-        zipccl.all_to_all_single(torch.empty_like(x), x, group=g, codec="lossless")
+        x = activations(1 << 16, seed=rank).to(torch.bfloat16)
+        with nodes(g, shape), piece_bytes(1 << 14):
+            zipccl.all_to_all_single(torch.empty_like(x), x, group=g, codec=CODECS[codec])
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, getattr(e, "rank", None), getattr(e, "kind", None), getattr(e, "broken", None)
     finally:
@@ -288,8 +290,11 @@ def _decoder_fails(rank, groups):
     return "ok", None, None, None
 
 
-def test_a_failure_reaches_every_rank(pool):
-    res = pool.run(_decoder_fails, timeout=120)
+@pytest.mark.parametrize("codec", ["lossless", "links"])
+def test_a_failure_reaches_every_rank(pool, codec):
+    """Lossless to every peer, and on 2 emulated nodes of 2 ranks plain bytes inside the node
+    (rank 0, rank 1's node peer, mails it nothing: it learns of the failure in the status round)."""
+    res = pool.run(_decoder_fails, codec, "2x2" if codec == "links" else None, timeout=120)
     assert all(r == ("RankFailure", 1, "decode", False) for r in res), res
     assert all(h is True for h in pool.run(_healthy, timeout=120))
 

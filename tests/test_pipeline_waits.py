@@ -282,3 +282,47 @@ def test_lossless_waits_once_per_piece_for_its_sizes(pool):
         # 1000 trailing zeros (2000 bytes) not on the wire, to each of the 3 peers, in the last piece's packets
         full = 3 * 2 * 40_000 + 3 * 8 * pieces
         assert out["all_gather"]["data"] == full - 3 * 2000, (rank, out["all_gather"]["data"], full)
+
+
+def _all_to_all(rank, groups, piece_bytes):
+    g = groups[4]
+    n = dist.get_world_size(g)
+    per = 40_000  # bf16 elements to each peer
+    x = (torch.randn(n * per, generator=torch.Generator().manual_seed(rank)) * 0.01).to(torch.bfloat16)
+    x.view(n, per)[:, -1000:] = 0  # each chunk ends in zeros: its packets are shorter
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x.clone(), group=g)  # plain torch
+    zipccl.all_to_all_single(torch.empty_like(x), x, group=g, codec="raw")  # the group's nodes found, once
+    out = {}
+    with device_like(g, {(pipeline, "PIECE_BYTES"): piece_bytes, (pipeline, "MIN_RAMP"): 1 << 30,
+                         (pipeline, "_without_host_reads"): lambda codec, x, method: isinstance(codec, Trim)}) as t:
+        pieces = len(pipeline.pieces(per, n, 2))
+        for name, codec in (("raw", "raw"), ("trim", Trim())):
+            t.wire.clear()
+            got = torch.empty_like(x)
+            waits, table = _counted(lambda: zipccl.all_to_all_single(got, x, group=g, codec=codec))
+            out[name] = dict(waits=waits, table=table, same=torch.equal(got.view(torch.int16), want.view(torch.int16)),
+                             data=sum(k for _, dtype, k in t.wire if dtype != torch.int64),
+                             mails=sum(dtype == torch.int64 for _, dtype, _ in t.wire))
+    return pieces, out
+
+
+def test_all_to_all_waits_once_per_piece_at_most(pool):
+    """zipccl's all-to-all in 4 pieces per peer: plain torch's result on every rank. Raw mails
+    nothing but the call's exchange of counts and its status round, and the host waits for those
+    alone; a codec that codes on the device (Trim) mails each piece's sizes, and the host waits
+    once per piece more, for its own sizes and its peers' in one (never once per peer or packet,
+    nor a read of its sizes before the mail)."""
+    res = pool.run(_all_to_all, 2 * 4 * 40_000 // 4, timeout=240)
+    for rank, r in enumerate(res):
+        assert not isinstance(r, BaseException), r
+        pieces, out = r
+        assert pieces == 4
+        raw, trim = out["raw"], out["trim"]
+        assert raw["same"] and trim["same"], rank
+        assert raw["waits"] <= 2, f"rank {rank} raw: {raw['waits']} host waits\n{raw['table']}"
+        assert raw["mails"] == 2 * 3 and raw["data"] == 3 * 2 * 40_000, (rank, raw["mails"], raw["data"])
+        assert trim["waits"] <= pieces + 2, f"rank {rank} trim: {trim['waits']} host waits\n{trim['table']}"
+        # each packet: 8 bytes and its piece up to the chunk's 1000 trailing zeros (2000 bytes, in the last piece)
+        assert trim["mails"] == (2 + pieces) * 3 and trim["data"] == 3 * (2 * 40_000 - 2000 + 8 * pieces), \
+            (rank, trim["mails"], trim["data"])

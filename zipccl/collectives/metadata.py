@@ -142,10 +142,11 @@ class _SizeMail:
     packet. Once the call has failed on this rank (zipccl.failure) every value is the poison
     code, negated, and the piece's packets are one-byte stand-ins (``poisoned``)."""
 
-    def __init__(self, t, values, tag: int, acc: dict, fate: Fate):
+    def __init__(self, t, values, tag: int, acc: dict, fate: Fate, peers: list[int] | None = None):
         """``values``: this rank's value for each rank, a list, or an int64 tensor on the device
         that the host has not read (pipeline.Deferred's sizes): each goes out as a DeviceMail,
-        and the host learns them (``own``) with the peers' values, in one wait."""
+        and the host learns them (``own``) with the peers' values, in one wait. ``peers``: the
+        ranks that mail each other on this tag (both ends name each other), all others if None."""
         self.t, self.acc, self.fate = t, acc, fate
         self.poisoned = fate.failed
         if self.poisoned:
@@ -155,7 +156,10 @@ class _SizeMail:
         self.out = values if device else torch.tensor(values, dtype=torch.int64)
         self.got = torch.zeros(t.size, dtype=torch.int64)
         self.mine = torch.empty(t.size, dtype=torch.int64) if device else self.out
-        peers = [j for j in _peers(t) if fate.alive(t, j)]
+        peers = [j for j in (_peers(t) if peers is None else peers) if fate.alive(t, j)]
+        self.sends, self.read, self.recvs = [], None, {}
+        if not peers and not device:
+            return
         with t.grouped():
             self.sends = [(j, fate.send(t, DeviceMail(self.out[j:j + 1]) if device else self.out[j:j + 1], j, tag))
                           for j in peers]

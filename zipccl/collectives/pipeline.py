@@ -49,7 +49,7 @@ def _split(a: int, b: int, weights: tuple[int, ...]) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:] + [b]))
 
 
-def _sizes(t, call: Call | None, tag: int, acc: dict, encode, fate: Fate):
+def _sizes(t, call: Call | None, tag: int, acc: dict, encode, fate: Fate, peers: list[int] | None = None):
     """(packets, sizes) from ``encode()``, which returns the packets and their sizes by
     destination, and a _SizeMail on ``tag`` of those sizes. With ``call`` (a call's first
     piece) the call's metadata exchange runs while the piece is encoded: nothing is on the
@@ -57,7 +57,7 @@ def _sizes(t, call: Call | None, tag: int, acc: dict, encode, fate: Fate):
     (with the smaller first and last pieces of ``pieces``, the 64 MiB all-reduce in the
     1 Gbit/s lab took 3-21 ms less, paired medians of four alternations: about 1%). Once
     the call has failed (here, or heard of), nothing is encoded: packets is None and the
-    sizes carry the poison code (zipccl.failure)."""
+    sizes carry the poison code (zipccl.failure). ``peers``: the ranks the mail goes to (_SizeMail)."""
     finish = call.start(t, fate=fate) if call is not None else None
     packets, sizes = None, [0] * t.size
     if not fate.failed:
@@ -68,7 +68,7 @@ def _sizes(t, call: Call | None, tag: int, acc: dict, encode, fate: Fate):
     if finish is not None:
         timed(acc, "comm_seconds", finish)
         acc["meta_bytes"] += _meta_bytes(t.size)
-    return packets, _SizeMail(t, sizes, tag, acc, fate)
+    return packets, _SizeMail(t, sizes, tag, acc, fate, peers)
 
 
 def post(t, packets, mail: _SizeMail, tag: int, acc: dict, device, bound: int) -> tuple[list, dict]:
