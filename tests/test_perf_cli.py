@@ -83,7 +83,7 @@ def test_a_checked_call_that_writes_nothing_counts_every_element_wrong():
 
     def timed_only(out, inp, op, group, codec, algorithm="auto"):
         calls.append(1)
-        if len(calls) <= 2:
+        if len(calls) <= 3:  # the untimed first call and the two timed ones
             out.copy_(inp)
 
     spec = dataclasses.replace(SPEC, run=timed_only)
@@ -95,7 +95,7 @@ def test_a_checked_call_that_writes_nothing_counts_every_element_wrong():
                                           0, 1)[0]
     finally:
         dist.destroy_process_group()
-    assert len(calls) == 3 and result["wrong"] == 64 and result["failed"] == 1, result
+    assert len(calls) == 4 and result["wrong"] == 64 and result["failed"] == 1, result
     clean = dict(result, wrong=0, failed=0)
     assert report.summary([{"out_of_place": result, "in_place": clean}])[0] == 1
 
@@ -129,6 +129,8 @@ def test_rank_order_reduce_is_the_promised_order():
     (["-I", "2"], "invalid choice"),
     (["--netlab", "1gbt"], "--netlab: rate '1gbt'"),
     (["--netlab", "0bit"], "at least 1kbit"),
+    (["-f", "1.5"], "not a whole number"),
+    (["-J", "/nonexistent/folder/out.json"], "cannot write there"),
 ])
 def test_flag_validation(args, message, capsys):
     from zipccl.bench.perf import main
@@ -208,7 +210,7 @@ def test_auto_learns_before_the_timed_calls(pool):
     learned = auto["learning_calls"]["out_of_place"]
     assert auto["learning_calls"]["in_place"] == 0
     assert set(last) == {"native", "raw", "lossless"} and learned >= 2 * len(last)  # each plan tried twice
-    assert total == learned + warmup + 2 * (iters + 1)  # + 1: the checked call of each placement
+    assert total == learned + warmup + 2 * (iters + 2)  # + 2: each placement's untimed first call and its check
     settled = max(last, key=last.get)
     assert last[settled] == total - 1 and all(i < learned for p, i in last.items() if p != settled), (last, learned)
     assert auto["timed_plans"] == {"out_of_place": [settled], "in_place": [settled]}
@@ -264,7 +266,7 @@ def test_nodes_must_divide_the_ranks(capsys):
     from zipccl.bench import perf
     with pytest.raises(SystemExit) as exit_:
         perf.main(["--nranks", "4", "--nodes", "3"])
-    assert exit_.value.code == 2 and "--nodes (3) must divide --nranks (4)" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--nodes (3) must divide the ranks (4: --nranks)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "alltoall", "pair"])
@@ -446,3 +448,88 @@ def test_make_bench_runs_alltoall_and_sendrecv_in_the_lab(tmp_path, monkeypatch)
             (collective, 16 << 20, 16 << 20, "auto", True, 2)
         assert str(args.data) == str(tmp_path / "activations.npy")
         assert str(args.output_file) == str(tmp_path / f"lab_{collective}.json")
+
+
+def test_data_that_is_no_tensor_or_empty_is_refused_before_any_rank_starts(tmp_path, capsys):
+    import numpy as np
+    from zipccl.bench.perf import main
+    (tmp_path / "empty.npy").write_bytes(b"")
+    np.save(tmp_path / "none.npy", np.zeros(0, np.float32))
+    for name, message in (("empty.npy", "not a tensor file"), ("none.npy", "holds no elements")):
+        with pytest.raises(SystemExit) as e:
+            main(["--data", str(tmp_path / name)])
+        assert e.value.code == 2 and message in capsys.readouterr().err, name
+
+
+def test_nodes_divide_the_launchers_ranks(monkeypatch, capsys):
+    """Under a launcher, --nodes is checked against the launcher's world (6 ranks), not --nranks."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    ap = common.parser("zipccl-perf")
+    common.validate(ap, ap.parse_args(["--nodes", "3"]))  # 4 (--nranks' default) it does not divide
+    with pytest.raises(SystemExit):
+        common.validate(ap, ap.parse_args(["--nodes", "4"]))
+    assert "must divide the ranks (6: the launcher's)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype_name,most", [("bfloat16", 32), ("float16", 256)])
+def test_check_data_sums_exactly_and_is_not_zeros_on_many_ranks(dtype_name, most):
+    """verifiable() on 2 to 1024 ranks: every sum over the ranks is representable (so no order
+    can change it), each element takes values from at most ``most`` ranks, and the data is no
+    grid of zeros: most elements of the sum, and each rank's share of its elements, are nonzero."""
+    import torch
+    dtype = getattr(torch, dtype_name)
+    for n in (2, most, most + 1, 256, 1024):
+        xs = torch.stack([common.verifiable(1024, dtype, r, n).double() for r in range(n)])
+        total = xs.sum(0)
+        assert torch.equal(total.to(dtype).double(), total), n
+        assert int((xs != 0).sum(0).max()) <= most, n
+        assert (total != 0).float().mean() > 0.9, n
+        assert (xs != 0).float().mean() > 0.7 * min(1.0, most / n), n
+
+
+def test_timed_data_does_not_depend_on_the_ranks():
+    """The timed calls' default data: the same on 2 ranks and on 256, with every bit of a
+    gaussian draw (its low mantissa bits set as often as not), not the checks' grid."""
+    import argparse
+
+    import torch
+    from zipccl.bench import all_reduce
+    from zipccl.bench.perf import _inputs
+    args = argparse.Namespace(check=1)
+    few = _inputs(all_reduce.SPEC, args, None, torch.bfloat16, None, 4096, 0, 2)
+    many = _inputs(all_reduce.SPEC, args, None, torch.bfloat16, None, 4096, 0, 256)
+    assert torch.equal(few[0].view(torch.int16), many[0].view(torch.int16))
+    assert 0.4 < float((few[0].view(torch.int16) & 1).float().mean()) < 0.6
+    assert torch.equal(few[1], common.verifiable(4096, torch.bfloat16, 0, 2))  # the checks' input
+
+
+def test_each_placements_first_call_is_untimed():
+    """A first call that takes 0.4 s (a buffer's first use) is in no row's time, even with -w 0."""
+    import argparse
+    import dataclasses
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from zipccl.bench.all_gather import SPEC
+    calls = []
+
+    def slow_first(out, inp, op, group, codec, algorithm="auto"):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.4)
+        out.copy_(inp)
+
+    spec = dataclasses.replace(SPEC, run=slow_first)
+    args = argparse.Namespace(iters=2, check=0, device="cpu", algorithm="auto", average=1, per_iter_timing=False,
+                              warmup_iters=0)
+    data = torch.arange(64, dtype=torch.bfloat16)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        result = common.measure_placement(spec, args, False, 64, 64, torch.bfloat16, None, None, data, None, 0, 1)[0]
+    finally:
+        dist.destroy_process_group()
+    assert len(calls) == 3 and result["time_us"] < 100_000, result

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,14 @@ def parse_size(text: str) -> int:
     return value
 
 
+def _whole(text: str) -> int:
+    """-f's value: a whole number, as nccl-tests reads it (its tables print the factor as one)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r} (nccl-tests' -f takes 2, 4, ...)") from None
+
+
 def sizes(min_bytes: int, max_bytes: int, factor: float, step: int) -> list[int]:
     """min_bytes, then each times ``factor`` (where > 1, at least one byte more: a fraction or a
     start at 0 must not end the sweep), else plus ``step``, up to max_bytes."""
@@ -109,7 +118,8 @@ def parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("16M"), help="maximum size (default 16M)")
     ap.add_argument("-i", "--stepbytes", type=parse_size, default=parse_size("1M"),
                     help="fixed increment between sizes (used when -f is 1; default 1M)")
-    ap.add_argument("-f", "--stepfactor", type=float, default=4.0, help="multiplication factor between sizes (default 4)")
+    ap.add_argument("-f", "--stepfactor", type=_whole, default=4, help="multiplication factor between sizes, a whole "
+                    "number as in nccl-tests (default 4)")
     ap.add_argument("-d", "--datatype", default="bfloat16", choices=[*DTYPES, "all"], help="default bfloat16")
     ap.add_argument("-o", "--op", default="sum", choices=[*OPS, "all"], help="reduction op (default sum)")
     ap.add_argument("-n", "--iters", type=int, default=10, help="timed iterations (default 10)")
@@ -180,25 +190,53 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.collective == "sendrecv" and (world.size if world else args.nranks) < 2:
         ap.error("--collective sendrecv needs two ranks or more (--nranks, or the launcher's): "
                  "torch.distributed sends to no rank itself")
-    if args.nodes is not None and (args.nodes < 1 or args.nranks % args.nodes):
-        ap.error(f"--nodes ({args.nodes}) must divide --nranks ({args.nranks})")
+    ranks = world.size if world else args.nranks
+    if args.nodes is not None and (args.nodes < 1 or ranks % args.nodes):
+        ap.error(f"--nodes ({args.nodes}) must divide the ranks ({ranks}: "
+                 f"{'the launcher' + chr(39) + 's' if world else '--nranks'})")
     if args.backend == "zipccl" and (args.baseline or args.codec not in ("all", "auto")):
         ap.error("--backend zipccl times plain dist.* calls (the drop-in's policy is ZIPCCL_CODEC): "
                  "leave out --baseline and --codec")
-    if args.data is not None and not args.data.exists():
-        ap.error(f"--data {args.data} does not exist")
+    if args.data is not None:
+        if not args.data.exists():
+            ap.error(f"--data {args.data} does not exist")
+        try:
+            found = load_data(args.data).numel()
+        except Exception as e:  # noqa: BLE001 - any file that is no tensor
+            ap.error(f"--data {args.data}: not a tensor file (.npy, or .pt of a tensor or a dict of them): {e}")
+        if found == 0:
+            ap.error(f"--data {args.data} holds no elements")
+    if args.output_file is not None:  # before any table is run, not when the first is written
+        folder = args.output_file.resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK) or args.output_file.is_dir():
+            ap.error(f"-J {args.output_file}: cannot write there (its folder must exist and be writable)")
 
 
 # ---- data --------------------------------------------------------------------------------------------------
 
 def verifiable(numel: int, dtype: torch.dtype, rank: int, nranks: int, seed: int = 0) -> torch.Tensor:
-    """Gaussian-like values on a grid coarse enough that any sum over the ranks is exact in ``dtype``
-    (nccl-tests' idea): multiples of 2**-q within +-2, q chosen from the precision and nranks."""
+    """The checks' data: gaussian-like values on a grid coarse enough that any sum over the ranks
+    is exact in ``dtype`` (nccl-tests' idea): multiples of 2**-q within +-2, q chosen from the
+    precision and the ranks that add into an element. Each element takes values from at most
+    2**(precision - 3) ranks (bf16: 32; the others give it 0), so that q stays >= 1 on any
+    number of ranks: on more, a finer grid cannot sum exactly, and a coarser one is all zeros."""
     precision = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}[dtype]
-    q = precision - 2 - math.ceil(math.log2(max(nranks, 2)))
+    adders = min(nranks, 1 << (precision - 3))
+    q = precision - 2 - math.ceil(math.log2(max(adders, 2)))
     g = torch.Generator().manual_seed(seed * 100003 + rank)
     x = torch.randn(numel, generator=g).clamp_(-2, 2)
-    return (torch.round(x * 2.0 ** q) / 2.0 ** q + 0.0).to(dtype)  # + 0.0: no -0.0, whose sums depend on order
+    x = torch.round(x * 2.0 ** q) / 2.0 ** q + 0.0  # + 0.0: no -0.0, whose sums depend on order
+    if adders < nranks:  # element i from ranks i, i+1, ..., i+adders-1 (mod nranks)
+        x[(rank - torch.arange(numel)) % nranks >= adders] = 0.0
+    return x.to(dtype)
+
+
+def gaussian(numel: int, dtype: torch.dtype, rank: int, seed: int = 0) -> torch.Tensor:
+    """The timed calls' default data: N(0, 1) in ``dtype``, every bit of the draw kept, so that
+    what a codec makes of it does not depend on the number of ranks (``verifiable``'s grid
+    coarsens with them, and its zeros and short mantissas code better than real tensors)."""
+    g = torch.Generator().manual_seed(seed * 100003 + rank + 7919)
+    return (torch.randn(numel, generator=g) + 0.0).to(dtype)
 
 
 def rank_order_reduce(inputs: list[torch.Tensor], op, nodes=None) -> torch.Tensor:
@@ -318,9 +356,11 @@ def placed(spec: Spec, in_place: bool, numel_in: int, numel_out: int, rank: int,
 
 def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out: int, dtype, op, codec,
                       data: torch.Tensor, reference: torch.Tensor | None, rank: int, nranks: int,
-                      group=None) -> tuple:
-    """Time ``args.iters`` calls one by one (the input restored before each, untimed, so that
-    every call sees the same data), then check ``args.check`` calls against ``reference``
+                      group=None, check_data: torch.Tensor | None = None) -> tuple:
+    """One untimed call (nccl-tests' first call of each placement: its one-off costs, such as a
+    buffer's first use, are never timed, whatever -w), then time ``args.iters`` calls one by one
+    (the input restored before each, untimed, so that every call sees the same data), then
+    check ``args.check`` calls on ``check_data`` (default ``data``) against ``reference``
     (bitwise; wrong elements summed over the ranks). Returns the placement's figures and
     zipccl's counters over the timed calls; for codec "auto", the figures also name the plans
     that the timed calls ran ("auto_plans")."""
@@ -328,6 +368,7 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     out, inp = placed(spec, in_place, numel_in, numel_out, rank, nranks, dtype, args.device)
     inp.copy_(data)
     restore = in_place and spec.name != "all_gather"  # a gather writes back this rank's own data
+    spec.run(out, inp, op, group, codec, args.algorithm)
     zipccl.reset_stats()
     clock = Clock(args.device)
     dist.barrier()
@@ -344,7 +385,7 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     wrong = failed = None  # as nccl-tests: the first check that finds a wrong element is the one reported
     for _ in range(args.check if reference is not None else 0):
         _unwritten(out)  # what the call leaves unwritten counts as wrong, not as the last call's result
-        inp.copy_(data)  # in place, after: the input is (part of) the output
+        inp.copy_(data if check_data is None else check_data)  # in place, after: the input is (part of) the output
         spec.run(out, inp, op, group, codec, args.algorithm)
         mine = count_wrong(out.cpu(), reference, op)
         wrong, failed = sums_over_ranks([mine, int(mine > 0)])  # its elements, and the ranks that found them
@@ -364,14 +405,16 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
 
 
 def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, data: torch.Tensor,
-            reference: torch.Tensor | None, rank: int, nranks: int, group=None, label: str | None = None) -> dict:
+            reference: torch.Tensor | None, rank: int, nranks: int, group=None, label: str | None = None,
+            check_data: torch.Tensor | None = None) -> dict:
     """One row of the table: codec "auto"'s learning (learn), warm up (out of place), then both
-    placements, nccl-tests' order. ``codec`` None: the plain torch.distributed call on
-    ``group`` (the drop-in backend's calls are those, on a zipccl group, and their zipccl
-    figures are reported too)."""
+    placements, nccl-tests' order: timed on ``data``, checked on ``check_data`` (default
+    ``data``). ``codec`` None: the plain torch.distributed call on ``group`` (the drop-in
+    backend's calls are those, on a zipccl group, and their zipccl figures are reported too)."""
     label, codec = label or codec or BASELINE, zipccl_codec(args, codec)
     dropin = codec is None and dist.get_backend(group) == "zipccl"
     data = data.to(args.device)
+    check_data = check_data.to(args.device) if check_data is not None else None
     learning = {key: learn(spec, args, in_place, numel_in, numel_out, dtype, op, data, rank, nranks, group)
                 for key, in_place in PLACES} if codec == "auto" else None
     out, inp = placed(spec, False, numel_in, numel_out, rank, nranks, dtype, args.device)
@@ -385,7 +428,7 @@ def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, d
     for key, in_place in PLACES:
         checked = reference if spec.checks_in_place or not in_place else None
         row[key], st = measure_placement(spec, args, in_place, numel_in, numel_out, dtype, op, codec, data,
-                                         checked, rank, nranks, group)
+                                         checked, rank, nranks, group, check_data)
         total = st["total"]  # a send/recv call is two records, a send's bytes and a receive's none
         wire, raw = wire + total["wire_bytes"], raw + total["raw_bytes"]
         calls += st.get("send", total)["calls"] if spec.name == "sendrecv" else total["calls"]

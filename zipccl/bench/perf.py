@@ -29,7 +29,7 @@ from ..errors import UnsupportedError
 from . import all_gather, all_reduce, alltoall, reduce_scatter, report, sendrecv
 from . import cuda
 from .common import (BASELINE, CODECS, DTYPES, OPS, load_data, measure, parser, plot, progress, rank_order_reduce,
-                     real, sizes, validate, verifiable)
+                     gaussian, real, sizes, validate, verifiable)
 
 SPECS = {s.name: s for s in (all_reduce.SPEC, reduce_scatter.SPEC, all_gather.SPEC, alltoall.SPEC, sendrecv.SPEC)}
 
@@ -57,8 +57,7 @@ def _plan(args):
 
 def run_config(args) -> dict:
     """nccl-tests' "config" (the run line's figures); booleans as nccl-tests writes them."""
-    step = {"step_factor": int(args.stepfactor) if args.stepfactor == int(args.stepfactor) else args.stepfactor} \
-        if args.stepfactor > 1 else {"step_bytes": args.stepbytes}
+    step = {"step_factor": args.stepfactor} if args.stepfactor > 1 else {"step_bytes": args.stepbytes}
     return dict(nthreads=args.nthreads, ngpus=args.ngpus, minimum_bytes=args.minbytes, maximum_bytes=args.maxbytes,
                 **step, warmup_iters=args.warmup_iters, iterations=args.iters, aggregated_iterations=1,
                 validation=args.check, graph=0, blocking_collectives="false",
@@ -78,15 +77,17 @@ def devices(device: str = "cpu") -> list[dict]:
 
 
 def _inputs(spec, args, data, dtype, op, numel_in, rank, nranks):
-    """This rank's input and, for verifiable data, its expected output (plain torch on every
-    rank's input); for real data, every rank's input (the reference depends on the codec)."""
+    """(this rank's timed input, the checks' input and expected output, every rank's input).
+    Without --data: gaussian data timed, and checked on verifiable data against plain torch on
+    every rank's; with it: the real tensors timed and checked, every rank's input given for
+    the reference, which depends on the codec (real_reference)."""
     if data is None:
-        inp = verifiable(numel_in, dtype, rank, nranks)
+        check = verifiable(numel_in, dtype, rank, nranks) if args.check else None
         ref = spec.expect([verifiable(numel_in, dtype, r, nranks) for r in range(nranks)], op, rank, nranks) \
             .to(dtype) if args.check else None
-        return inp, ref, None
+        return gaussian(numel_in, dtype, rank), check, ref, None
     inputs = [real(data, numel_in, dtype, r) for r in range(nranks)] if args.check else None
-    return real(data, numel_in, dtype, rank), None, inputs
+    return real(data, numel_in, dtype, rank), None, None, inputs
 
 
 def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[str] | None = None) -> list[dict]:
@@ -114,7 +115,7 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
                 DROPIN: f"plain torch.distributed on the zipccl backend (ZIPCCL_CODEC={config.CODEC})"}.get(
                     label, f"zipccl codec {label}")
         extra = [f"# zipccl-perf table: {what}; {spec.name}, {nranks} ranks ({how}), algorithm {args.algorithm}, "
-                 f"data {args.data or 'verifiable gaussian-like'}; busbw on uncompressed bytes"]
+                 f"data {args.data or 'gaussian, checked on a grid whose sums are exact'}; busbw on uncompressed bytes"]
         extra += cuda.table_lines(args, nranks)
         for line in report.preamble_lines(name, version, cfg, devs, extra) + report.header_lines(args.per_iter_timing):
             say(line, flush=True)
@@ -132,10 +133,11 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
             if variant is None and spec.reduces and op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo":
                 notes.append(f"{size} B {dtype}: avg skipped (gloo has no AVG)")
                 continue
-            inp, ref, inputs = _inputs(spec, args, data, dtype, op, numel_in, rank, nranks)
+            inp, check, ref, inputs = _inputs(spec, args, data, dtype, op, numel_in, rank, nranks)
             if data is not None and args.check:
                 ref = real_reference(spec, args, inputs, op, variant, rank, nranks)
-            row = measure(spec, args, numel_in, numel_out, dtype, op, variant, inp, ref, rank, nranks, group, label)
+            row = measure(spec, args, numel_in, numel_out, dtype, op, variant, inp, ref, rank, nranks, group, label,
+                          check)
             rows.append(row)
             say(report.row_line(row, args.per_iter_timing), flush=True)
             if variant == "auto" and rank == 0:  # which plans the row's calls ran, at once (a run cut
@@ -276,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.netlab:
         from .netlab import run_perf
         return run_perf(args.netlab, args.nranks, given, nodes=args.nodes)
-    if args.nodes is not None and args.nodes > 1:  # emulated nodes for the ranks spawned here (a launcher's variables take second place)
-        os.environ["ZIPCCL_TOPOLOGY"] = f"{args.nodes}x{args.nranks // args.nodes}"
-        config.TOPOLOGY = os.environ["ZIPCCL_TOPOLOGY"]
     world = launch.detect()
+    if args.nodes is not None and args.nodes > 1:  # emulated nodes for the ranks spawned here (a launcher's variables take second place)
+        os.environ["ZIPCCL_TOPOLOGY"] = f"{args.nodes}x{(world.size if world else args.nranks) // args.nodes}"
+        config.TOPOLOGY = os.environ["ZIPCCL_TOPOLOGY"]
     if world is not None:
         try:
             launch.init(args.backend, share_gpu=args.share_gpu)
