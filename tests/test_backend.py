@@ -1128,3 +1128,41 @@ def test_refresh_reads_what_an_import_reads(monkeypatch):
     with pytest.raises(ValueError, match="ZIPCCL_SHM='maybe'"):
         config.refresh()
     assert config.AUTO_MIN_BYTES == 1234 and resolve_codec("auto", torch.float32, 2000).name == "lossless"  # nothing
+
+
+def _coalesced_and_in_order(rank, groups):
+    """What torch allows on a group and the drop-in must keep. Collectives inside torch's
+    coalescing manager (whose state is the group's, not the caller's) reach the backend: gloo's
+    results. A receive of a type zipccl leaves to the backend (int32, float64), issued after a
+    float receive that waits behind a queued async all-reduce, takes its own message, not that
+    one's (ranks 1 and 3 send to 0 and 2)."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+    out = {}
+    outs = [torch.full((4,), -7.0) for _ in range(4)]
+    with _coalescing_manager():
+        dist.all_gather(outs, torch.full((4,), float(rank + 1)))
+    out["all_gather"] = [o.tolist() for o in outs] == [[float(r + 1)] * 4 for r in range(4)]
+    a, b = torch.full((4,), float(rank + 1)), torch.full((3,), float(rank + 1))
+    with _coalescing_manager():
+        dist.all_reduce_coalesced([a, b])
+    out["all_reduce_coalesced"] = a.tolist() == [10.0] * 4 and b.tolist() == [10.0] * 3
+    dist.all_reduce(torch.ones(1 << 20))
+    queued = dist.all_reduce(torch.ones(1 << 20), async_op=True)  # codec auto: on zipccl's queue
+    sent = [torch.tensor([1.5, 2.5, 3.5, 4.5]), torch.tensor([7, 8, 9, 10], dtype=torch.int32),
+            torch.tensor([3.25], dtype=torch.float64)]
+    if rank % 2 == 0:
+        got = [torch.zeros_like(x) for x in sent]
+        for w in [dist.irecv(x, src=rank + 1) for x in got]:
+            w.wait()
+        out["received"] = all(torch.equal(x, y) for x, y in zip(got, sent))
+    else:
+        for w in [dist.isend(x, dst=rank - 1) for x in sent]:
+            w.wait()
+    queued.wait()
+    return out
+
+
+def test_coalescing_manager_and_receives_the_backend_takes_alone_keep_torchs_semantics(zpool):
+    for rank, res in enumerate(zpool().run(_coalesced_and_in_order, timeout=120)):
+        assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
+        assert all(res.values()) and len(res) == 3 - rank % 2, (rank, res)

@@ -584,9 +584,16 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         return _p2p_work(p2p.isend(tensors[0], group=self, tag=tag, codec=codec, group_dst=dst), tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
+        """``dist.recv`` and ``irecv``: zipccl's where ``_message`` gives a codec; a caller's
+        tensor that the backend underneath takes alone goes there through zipccl.p2p's order all
+        the same (codec "native"): posted at once where nothing is queued, else behind the
+        receives queued before it, whose messages it would otherwise take (same peer, same tag).
+        zipccl's own messages (inside a call, or on its threads) go straight to it."""
         codec = self._message(tensors)
         if codec is None:
-            return self._inner_for(_first(tensors)).recv(tensors, src, tag)
+            if len(tensors) != 1 or getattr(_inside, "on", False) or executor.ours():
+                return self._inner_for(_first(tensors)).recv(tensors, src, tag)
+            codec = "native"
         return _p2p_work(p2p.irecv(tensors[0], group=self, tag=tag, codec=codec, group_src=src), tensors)
 
     def _message(self, tensors) -> str | None:

@@ -34,10 +34,9 @@ import torch.distributed as dist
 
 from . import config, lifetime
 from .errors import MismatchError, UnsupportedError
-from .torch_compat import all_gather_single
 from .transport import heartbeat
 from .transport.shm import NodeMemory
-from .transport.torch_dist import wire_device
+from .transport.torch_dist import group_collective, wire_device
 
 __all__ = ["Topology", "Levels", "topology", "levels", "known", "parse", "claim", "from_claims", "nvml_link",
            "link_between", "forget", "on_forget", "LINKS", "agreed_link", "shares_memory", "same_node", "publish_node"]
@@ -252,7 +251,7 @@ def topology(group=None) -> Topology:
     size = dist.get_world_size(group)
     rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
     ranks = dist.get_process_group_ranks(key)
-    heartbeat.bounded(lambda: all_gather_single(rows, mine.to(device), group=group), ranks,
+    heartbeat.bounded(lambda: group_collective("all_gather", group, rows, mine.to(device), async_op=False), ranks,
                       "finding the group's nodes, at its first call")
     claims = rows.view(size, -1).cpu().tolist()
     found = from_claims([row[:-2] for row in claims], ranks, dist.get_world_size())
@@ -309,7 +308,7 @@ def levels(group=None) -> Levels | None:
 
         def agree(ok: bool) -> bool:
             flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            group_collective("all_reduce", group, flag, op=dist.ReduceOp.MIN, async_op=False)
             return bool(flag.item())
 
         def make() -> Levels:

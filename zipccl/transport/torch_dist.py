@@ -53,6 +53,38 @@ def _all_gather(pg, tensors, op, async_op):
     return getattr(pg, ALL_GATHER)(tensors[0], tensors[1], options(AllgatherOptions, async_op))
 
 
+def group_collective(name: str, group, *tensors, op=None, async_op: bool = True):
+    """torch.distributed's all_reduce (tensors: the tensor), all_gather_single or
+    reduce_scatter_single (output, input) on ``group``; on a group of the drop-in backend, the
+    backend underneath's own call: torch.distributed's functions on that group would come back
+    into zipccl, and inside torch's coalescing manager on it (``_coalescing_manager``, whose
+    state is the group's, not the caller's) they only queue the call and return None, so that
+    it never runs. Its Work (None where blocking: done)."""
+    inner = underneath(group, tensors[0].device)
+    if inner is not None:
+        if name == "all_reduce":
+            work = inner.allreduce([tensors[0]], options(dist.AllreduceOptions, True,
+                                                         dist.ReduceOp.SUM if op is None else op))
+        elif name == "reduce_scatter":
+            work = inner._reduce_scatter_base(tensors[0], tensors[1], options(
+                dist.ReduceScatterOptions, True, dist.ReduceOp.SUM if op is None else op))
+        else:
+            work = inner._allgather_base(tensors[0], tensors[1], options(AllgatherOptions, True))
+        if async_op:
+            return work
+        work.wait()
+        return None
+    if name == "all_reduce":
+        return dist.all_reduce(tensors[0], op=dist.ReduceOp.SUM if op is None else op, group=group,
+                               async_op=async_op)
+    if name == "reduce_scatter":
+        return reduce_scatter_single(tensors[0], tensors[1], op=dist.ReduceOp.SUM if op is None else op, group=group,
+                                     async_op=async_op)
+    if name == "all_gather":
+        return all_gather_single(tensors[0], tensors[1], group=group, async_op=async_op)
+    raise ValueError(f"unknown collective {name!r}")
+
+
 #: ``TorchTransport.native``'s calls on the group itself, as torch.distributed's Python functions
 #: make them after their checks: 4-8 us less host time a call than through those functions (one
 #: gloo rank, thread CPU time; docs/PERFORMANCE.md).
@@ -334,15 +366,8 @@ class TorchTransport(Transport):
                 if work is not None:
                     work.wait()
                 work = None
-        elif name == "all_reduce":
-            work = dist.all_reduce(tensors[0], op=op, group=self.group, async_op=config.TIMEOUT is not None)
-        elif name == "reduce_scatter":
-            work = reduce_scatter_single(tensors[0], tensors[1], op=op, group=self.group,
-                                              async_op=config.TIMEOUT is not None)
-        elif name == "all_gather":
-            work = all_gather_single(tensors[0], tensors[1], group=self.group, async_op=config.TIMEOUT is not None)
         else:
-            raise ValueError(f"unknown collective {name!r}")
+            work = group_collective(name, self.group, *tensors, op=op, async_op=config.TIMEOUT is not None)
         if work is not None:
             self.wait(work)
         if avg:
