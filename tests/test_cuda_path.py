@@ -227,13 +227,39 @@ class _Made(Exception):
     """Raised where the stand-in makes an NcclTransport: the call stops there."""
 
 
+class _DropInGroup:
+    """A stand-in process group whose backend under the drop-in records the calls made on it."""
+
+    def __init__(self, seen):
+        group = self
+
+        class Underneath:
+            def allreduce(self, tensors, opts):
+                seen.append(("all_reduce", group, tensors[0], opts.reduceOp))
+                return _Work()
+
+            def _reduce_scatter_base(self, out, inp, opts):
+                seen.append(("reduce_scatter", group, inp, opts.reduceOp))
+                return _Work()
+
+            def _allgather_base(self, out, inp, opts):
+                seen.append(("all_gather", group, inp, None))
+                return _Work()
+        self.underneath = Underneath()
+
+    def _get_backend(self, device):
+        return self.underneath
+
+
 @pytest.fixture(params=["nccl", "zipccl"])
 def gpu_group(request, monkeypatch):
     """A group of four ranks of backend nccl (or the drop-in's) seen from rank 0, with the GPU
     extra installed: the group's own collectives (torch.distributed's, faked) write down
     (collective, group, tensor, op); making an NcclTransport (CuPy's communicators) writes
-    "communicator" down and fails, as it would on this machine."""
-    group, seen = object(), []
+    "communicator" down and fails, as it would on this machine. Under the drop-in ("zipccl") the
+    group's own collectives are those of the backend under it (``_get_backend``), faked alike."""
+    seen = []
+    group = _DropInGroup(seen)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
@@ -871,7 +897,7 @@ def test_planner_times_cuda_calls_by_events_on_the_callers_stream(monkeypatch, d
     group = object()
     autoplan.planned(group, "all_reduce", torch.bfloat16, nbytes, C.FLAT_PLANS, fake.call(0.001, 0.5), device)
     assert fake.syncs == 0 and fake.now == 100.001
-    key = auto.Policy.key("all_reduce", torch.bfloat16, nbytes)
+    key = auto.Policy.key("all_reduce", torch.bfloat16, nbytes, device)
     assert autoplan._auto_group(group).take() == [((key, "native"), expected_us)]
     assert fake.syncs == syncs
 
