@@ -128,6 +128,21 @@ def test_classes_are_separate_and_the_table_reports_them():
     assert p.explain()[0].endswith("(fastest)") and p.explain()[1].endswith("probing"), p.explain()
 
 
+def test_cpu_and_cuda_calls_of_one_size_are_classes_of_their_own():
+    """A group can carry CPU tensors (gloo) and CUDA ones (NCCL): their times never mix, any GPU
+    of a kind is one class, and the table says which device a class is."""
+    p = Policy()
+    cpu = Policy.key("all_reduce", torch.bfloat16, 16 * MiB, torch.device("cpu"))
+    cuda = Policy.key("all_reduce", torch.bfloat16, 16 * MiB, torch.device("cuda", 0))
+    assert cpu != cuda and cuda == Policy.key("all_reduce", torch.bfloat16, 16 * MiB, torch.device("cuda", 3))
+    for plan, seconds in (("native", 1.0), ("raw", 2.0), ("lossless", 3.0)):
+        p.learn(cpu, plan, seconds)
+        p.learn(cuda, plan, 4.0 - seconds)
+    assert p.table()[cpu]["native"] == 1.0 and p.table()[cuda]["native"] == 3.0
+    lines = p.explain()
+    assert len(lines) == 2 and sum("(cuda)" in line for line in lines) == 1 and "(cpu)" not in "".join(lines)
+
+
 def test_bad_settings_are_refused():
     import pytest
     with pytest.raises(ValueError):

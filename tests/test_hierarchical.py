@@ -214,11 +214,13 @@ def test_auto_follows_the_nodes_found_anew(pool):
 def _first_call_async_on_some_ranks(rank, groups):
     """A new group's first call, async on ranks 0 and 2 and not on 1 and 3 (torch lets each rank
     choose), over two emulated nodes: the groups that call makes (gloo's second group, the
-    nodes' levels) are made in one order on every rank. Data whose sums are exact in any order."""
+    nodes' levels) are made in one order on every rank, and a small call (64 KiB: the group's own collective
+    alone) makes none on either. Data whose sums are exact in any order."""
     out = []
-    for lossy in (False, True):  # auto's call, then a named top-k call (zipccl.lossy's compressor)
+    for case in ("auto", "small", "lossy"):  # auto's call, one below its probe floor, a named top-k call
+        lossy = case == "lossy"
         g = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
-        x = verifiable(1 << 19, torch.float32, rank, 4) if not lossy else \
+        x = verifiable(1 << 19 if case == "auto" else 1 << 14, torch.float32, rank, 4) if not lossy else \
             torch.randn(256, 256, generator=torch.Generator().manual_seed(rank))  # a matrix: the rules let it go lossy
         parts = gathered(x)
         if lossy:  # each rank's 1% largest magnitudes (the first call: no residual yet), summed in rank order
@@ -238,7 +240,7 @@ def _first_call_async_on_some_ranks(rank, groups):
 
 
 def test_a_first_call_async_on_some_ranks_only(pool):
-    assert pool.run(_first_call_async_on_some_ranks, timeout=120) == [[True, True]] * 4
+    assert pool.run(_first_call_async_on_some_ranks, timeout=120) == [[True, True, True]] * 4
 
 
 def _refusals(rank, groups, case):
@@ -479,3 +481,38 @@ def test_an_area_is_unlinked_where_a_barrier_breaks(tmp_path, monkeypatch):
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def _one_rank_invalid(rank, groups, shape, kwargs):
+    """Rank 0's call is invalid (a strided tensor) where its peers' valid calls go hierarchical
+    with the group's own collective between the nodes (auto's first hierarchical plan, or a
+    mapping's "inter": "native"), or are refused for want of levels: every rank raises at once,
+    and the group's next call is right on every rank."""
+    import time
+    n = 1 << 14
+    x = torch.ones(2 * n)[::2] if rank == 0 else torch.ones(n)
+    with emulated(shape):
+        t0 = time.monotonic()
+        try:
+            zipccl.all_reduce(x, **kwargs)
+            first = "no error"
+        except Exception as e:  # noqa: BLE001 - the test compares them
+            first = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - t0
+        y = torch.full((n,), float(rank + 1))
+        zipccl.all_reduce(y, codec="raw")
+    return first, took < 20, bool((y == 10).all())
+
+
+@pytest.mark.parametrize("shape,kwargs", [("2x2", dict(algorithm="hierarchical")),
+                                          ("2x2", dict(codec={"intra": "raw", "inter": "native"})),
+                                          (None, dict(algorithm="hierarchical"))],
+                         ids=["auto-hierarchical", "inter-native", "no-levels"])
+def test_an_invalid_call_where_the_peers_go_hierarchical_raises_on_every_rank_at_once(pool, shape, kwargs):
+    res = pool.run(_one_rank_invalid, shape, kwargs, timeout=120)
+    for rank, r in enumerate(res):
+        assert not isinstance(r, BaseException), (rank, r)
+        assert r[0] != "no error" and r[1:] == (True, True), (rank, r)
+    if shape is None:  # no rank waits for another: each raises its own error, the valid ones the levels'
+        assert "several nodes" not in res[0][0] and all(r[0].startswith("UnsupportedError: algorithm 'hier")
+                                                         for r in res[1:]), res

@@ -138,7 +138,7 @@ def _decide(name: str, group, output, input, op, codec, algorithm: str):
     topo, levels = topology.topology(group), topology.levels(group)
     plans = C.plans_for(C.FLAT_PLANS + (HIERARCHICAL_PLANS if levels is not None else ()), device.type, topo.link,
                         len(topo.nodes))
-    return True if plans == ("native",) else _Auto(auto.Policy.key(name, dtype, nbytes), nbytes, plans)
+    return True if plans == ("native",) else _Auto(auto.Policy.key(name, dtype, nbytes, device), nbytes, plans)
 
 
 def _route(name: str, group, output, input, op, codec, algorithm: str):
@@ -198,6 +198,12 @@ def _direct(name: str, group, output, input, op, codec, algorithm: str):
     return True
 
 
+def _native_alone(name: str, group, output, input, op) -> None:
+    """An async call whose route is the group's own collective alone (``_direct``'s, queued)."""
+    C.native(name, group, output, input, op)
+    record_native(name)
+
+
 def make_groups(group, codec="auto", algorithm: str = "auto") -> None:
     """Make on this thread the groups that a zipccl collective on ``group`` makes on its first
     call: its transport's (on gloo a second group, zipccl.transport.torch_dist._twin) and, where
@@ -226,7 +232,12 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
     output, input = _outside_autograd(output), _outside_autograd(input)
     if dist.is_initialized():
         topology.publish_node()  # a peer's first message under auto may wait for this rank's node
-    chosen = None if async_op else _direct(name, group, output, input, op, codec, algorithm)
+    if async_op:  # the route a sync call of this signature takes: the group's own collective alone
+        chosen = None  # makes no group (a peer's sync call, which torch lets it make, makes none either)
+        if _route(name, group, output, input, op, codec, algorithm) is True:
+            return _run(lambda: _native_alone(name, group, output, input, op), True, (output, input))
+    else:
+        chosen = _direct(name, group, output, input, op, codec, algorithm)
     if chosen is True:
         return None
     if dist.is_initialized() and dist.get_rank(group) < 0:  # before the topology's look-ups, which say less
@@ -258,9 +269,10 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
     def hier(levels, codecs, acc):
         whole = C.carrier(group, device, codecs[1])  # the group's own, or the nodes' level's carrier
         plan, fate = _Plan(codecs), Fate.of(name, whole)
-        if codecs[1] is not C.NATIVE or config.CHECK_NATIVE:  # signature and auto reports, whole group
-            C.Call(name, dtype, numel, op, plan).exchange(whole, [], None, fate)
-            acc["meta_bytes"] += _meta_bytes(whole.size)
+        # signature and auto reports, whole group, whatever the levels' codecs: an invalid call on
+        # one rank refuses through this exchange (its peers would wait in the levels for good)
+        C.Call(name, dtype, numel, op, plan).exchange(whole, [], None, fate)
+        acc["meta_bytes"] += _meta_bytes(whole.size)
         used = hierarchical.run(name, levels, output, input, op, codecs, acc, fate)
         fate.settled(whole, acc, used)  # a failure on any level, in any node, reaches every rank
         return plan
@@ -276,6 +288,12 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         return C.plans_for(plans, device.type, topo.link, len(topo.nodes))
 
     def run():
+        if algorithm == "hierarchical" and dist.is_initialized() and topology.levels(group) is None:
+            if error is not None:  # every rank raises here, with no exchange: this rank's own error first
+                raise error
+            raise UnsupportedError(f"algorithm 'hierarchical' needs a group of several nodes with several ranks "
+                                   f"each that spans the job, each local rank's ranks across the nodes in node "
+                                   f"order; this one is {topology.topology(group)}")
         if error is not None:
             def refusal():
                 C.refuse(name, C.carrier(group, device, c), input, op, error)
@@ -285,10 +303,6 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             refusal()
         acc, used = C.new_acc(), [None]
         levels = topology.levels(group)  # made above
-        if algorithm == "hierarchical" and levels is None:
-            raise UnsupportedError(f"algorithm 'hierarchical' needs a group of several nodes with several ranks "
-                                   f"each that spans the job, each local rank's ranks across the nodes in node "
-                                   f"order; this one is {topology.topology(group)}")
         if fixed is not None:  # the caller's codecs: hierarchical where there are two levels
             if levels is not None:
                 used[0] = hier(levels, fixed, acc)

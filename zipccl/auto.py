@@ -57,8 +57,10 @@ class Policy:
         self._schedule: dict = {}  # class -> (candidates, fastest, ((loser, re-try interval), ...)) until it learns
 
     @staticmethod
-    def key(collective: str, dtype, nbytes: int) -> tuple:
-        return collective, str(dtype), nbytes.bit_length()
+    def key(collective: str, dtype, nbytes: int, device="cpu") -> tuple:
+        """A class of calls: collective, dtype, power of two of the bytes, and the kind of device
+        (a group may carry CPU tensors on gloo and CUDA ones on NCCL, whose plans and times differ)."""
+        return collective, str(dtype), nbytes.bit_length(), getattr(device, "type", str(device))
 
     def measures(self, nbytes: int, candidates: tuple[str, ...]) -> bool:
         """Whether a call's time can change a choice: below ``probe_min_bytes`` or with one
@@ -132,10 +134,11 @@ class Policy:
         """One line per class: each plan's time and what the class runs now, and why."""
         lines = []
         for key, times in sorted(self.table().items()):
-            collective, dtype, bits = key
+            collective, dtype, bits, device = key
             shown = ", ".join(f"{p} {s * 1e3:.2f} ms" for p, s in sorted(times.items(), key=lambda kv: kv[1]))
             best = min(times, key=times.get)
             state = "probing" if self._exploring(key, self.calls.get(key, 0), tuple(times)) else f"-> {best} (fastest)"
-            lines.append(f"{collective} {dtype.replace('torch.', '')} {1 << (bits - 1)}-{(1 << bits) - 1} B: "
+            where = "" if device == "cpu" else f" ({device})"
+            lines.append(f"{collective} {dtype.replace('torch.', '')} {1 << (bits - 1)}-{(1 << bits) - 1} B{where}: "
                          f"{shown} {state}")
         return lines

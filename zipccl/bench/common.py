@@ -372,7 +372,7 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     zipccl.reset_stats()
     clock = Clock(args.device)
     dist.barrier()
-    auto = auto_class(spec, group, dtype, numel_in) if codec == "auto" else None
+    auto = auto_class(spec, group, dtype, numel_in, args.device) if codec == "auto" else None
     first = auto[0].calls.get(auto[1], 0) if auto else 0
     for _ in range(args.iters):
         if restore:
@@ -446,11 +446,11 @@ def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, d
 
 # ---- codec "auto": its learning, before the timed calls -------------------------------------------------------
 
-def auto_class(spec: Spec, group, dtype, numel_in: int) -> tuple:
+def auto_class(spec: Spec, group, dtype, numel_in: int, device="cpu") -> tuple:
     """(policy, class): codec "auto"'s policy on ``group`` and the class of this collective's
-    calls (zipccl.auto.Policy.key of the input's bytes, as zipccl's calls key it)."""
+    calls (zipccl.auto.Policy.key of the input's bytes and device, as zipccl's calls key it)."""
     return auto_policy(group), Policy.key(spec.policy_name or spec.name, dtype,
-                                          numel_in * torch.empty(0, dtype=dtype).element_size())
+                                          numel_in * torch.empty(0, dtype=dtype).element_size(), device)
 
 
 #: The calls that must run one plan, in a row, before auto's choice counts as settled.
@@ -486,7 +486,7 @@ def learn(spec: Spec, args, in_place: bool, numel_in: int, numel_out: int, dtype
     timed calls. So call it, untimed, until its choice has settled (or the class is one that
     auto does not learn: below Policy.probe_min_bytes); returns the calls that learned.
     Out-of-place and in-place calls of one size are one class: the second finds it learned."""
-    policy, key = auto_class(spec, group, dtype, numel_in)
+    policy, key = auto_class(spec, group, dtype, numel_in, args.device)
     out, inp = placed(spec, in_place, numel_in, numel_out, rank, nranks, dtype, args.device)
     calls = 0
     while calls < LEARN_LIMIT and not settled(policy, key):

@@ -144,7 +144,7 @@ def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], r
     on the caller's stream (DeviceSpan), not the host's: a CUDA call returns once its work is
     queued (a native call, queued on NCCL's stream, would look free), and waiting for the device
     at each end of every call, as this did before, added two host synchronisations per call."""
-    key = Policy.key(name, dtype, nbytes)
+    key = Policy.key(name, dtype, nbytes, device)
     auto = _auto_group(group)
     if plan is None:
         plan = auto.policy.choose(key, nbytes, candidates)
@@ -173,7 +173,7 @@ def refused(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], r
     collective, which its peers run without an exchange, ``native()`` (given where the call is
     refused for its layout alone), timed as theirs: the backend takes the tensors as they are
     or refuses them, as torch's call does; else ``refuse()``."""
-    plan = _auto_group(group).policy.choose(Policy.key(name, dtype, nbytes), nbytes, candidates)
+    plan = _auto_group(group).policy.choose(Policy.key(name, dtype, nbytes, device), nbytes, candidates)
     if plan != "native" or config.CHECK_NATIVE or native is None:
         refuse()
     planned(group, name, dtype, nbytes, candidates, lambda _: native(), device, plan)
