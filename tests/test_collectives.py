@@ -415,6 +415,38 @@ def test_mismatched_calls_raise_on_every_rank(pool, case):
     assert all(a is True for a in after)
 
 
+def _mismatch_in_a_subgroup(rank, groups, case):
+    """A group of job ranks 1-3: rank 3 passes more elements ("numel") or rank 2 a strided
+    tensor ("invalid"); what each member raised."""
+    g = dist.new_group([1, 2, 3])
+    if rank == 0:
+        return None
+    x = torch.ones(1000 + (rank == 3 and case == "numel"))
+    if rank == 2 and case == "invalid":
+        x = torch.ones(2000)[::2]
+    try:
+        zipccl.all_reduce(x, group=g, codec="lossless")
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return type(e).__name__, str(e)
+    finally:
+        dist.destroy_process_group(g)
+    return "ok", ""
+
+
+@pytest.mark.parametrize("case", ["numel", "invalid"])
+def test_a_mismatch_in_a_subgroup_names_the_job_ranks(pool, case):
+    """Ranks are named as the job names them (torch's and the launcher's), not by their place in
+    the group: job ranks 1 and 2 of the group [1, 2, 3] are not its ranks 0 and 1."""
+    res = pool.run(_mismatch_in_a_subgroup, case, timeout=60)
+    if case == "numel":
+        assert all(r == ("MismatchError", "zipccl.all_reduce: ranks disagree on numel (ranks [1, 2]: 1000; "
+                         "ranks [3]: 1001)") for r in res[1:]), res
+    else:
+        assert res[2][0] == "UnsupportedError" and all(
+            r == ("MismatchError", "zipccl.all_reduce: rank(s) [2] made an invalid call (see their error)")
+            for r in (res[1], res[3])), res
+
+
 def _healthy(rank, groups, size):
     x = torch.full((100,), float(rank))
     zipccl.all_reduce(x, group=groups[size])

@@ -257,7 +257,7 @@ def topology(group=None) -> Topology:
     found = from_claims([row[:-2] for row in claims], ranks, dist.get_world_size())
     shm = sorted({row[-2] for row in claims})
     if len(shm) > 1:  # the levels' shared memory is set up by the ranks that allow it, with each other
-        raise MismatchError(f"ranks disagree on ZIPCCL_SHM: ranks {[r for r, row in enumerate(claims) if not row[-2]]} "
+        raise MismatchError(f"ranks disagree on ZIPCCL_SHM: ranks {[ranks[r] for r, row in enumerate(claims) if not row[-2]]} "
                             "have it off, the others on")
     found = Topology(found.nodes, found.source, agreed_link([LINKS[row[-1]] for row in claims]))
     with _lock:

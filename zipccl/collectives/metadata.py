@@ -107,7 +107,7 @@ class Call:
                 ids, times = rows[:, first + 2 * k], rows[:, first + 2 * k + 1]
                 if bool((ids == ids[0]).all()) and bool((times >= 0).all()):
                     auto.policy.learn(key, plan, int(times.max()) / 1e6)
-            bad = [r for r in range(t.size) if rows[r, 0] == 1]
+            bad = [t.global_rank(r) for r in range(t.size) if rows[r, 0] == 1]  # named as the job names them
             if error is not None:
                 raise error
             if bad:
@@ -120,7 +120,7 @@ class Call:
                 if not bool((col == col[0]).all()):
                     groups = {}
                     for r in range(t.size):
-                        groups.setdefault(int(col[r]), []).append(r)
+                        groups.setdefault(int(col[r]), []).append(t.global_rank(r))
                     shown = "; ".join(f"ranks {rs}: {_shown(field, v)}" for v, rs in groups.items())
                     raise MismatchError(f"zipccl.{self.name}: ranks disagree on {field} ({shown})")
             return rows[:, first + 2 * REPORT_SLOTS:]

@@ -440,8 +440,9 @@ class NcclTransport(Transport):
         if failed:
             self._abort()
             first = texts[failed[0]]
-            raise NcclError(f"zipccl: no NCCL communicator for this group of {self.size} ranks: rank(s) {failed} "
-                            f"failed; rank {failed[0]}: {first} ({nccl_stack.detect()})")
+            raise NcclError(f"zipccl: no NCCL communicator for this group of {self.size} ranks: rank(s) "
+                            f"{[self.global_rank(r) for r in failed]} failed; rank {self.global_rank(failed[0])}: "
+                            f"{first} ({nccl_stack.detect()})")
 
     def _abort(self) -> None:
         _abort_all(self._detach())
