@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -142,6 +143,11 @@ def test_flag_validation(args, message, capsys):
 
 def test_sizes_and_verifiable_data():
     assert common.parse_size("64M") == 64 << 20 and common.parse_size("1K") == 1024
+    assert [common.parse_size(t) for t in ("64KB", "64kib", "1MB", "128B", "0.5GiB")] == [64 << 10, 64 << 10, 1 << 20,
+                                                                                          128, 1 << 29]
+    for bad in ("B", "KB", "MBB", "1KBB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            common.parse_size(bad)
     assert common.sizes(1 << 20, 16 << 20, 4, 0) == [1 << 20, 4 << 20, 16 << 20]
     assert common.sizes(1, 3, 1, 1) == [1, 2, 3]
     assert common.sizes(8, 16, 1.1, 0) == [8, 9, 10, 11, 12, 13, 14, 15, 16]  # a fraction never stalls the sweep

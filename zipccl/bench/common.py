@@ -51,16 +51,19 @@ class Spec:
 
 
 def parse_size(text: str) -> int:
-    """'64M' -> 67108864 (K, M, G are powers of 1024, as in nccl-tests)."""
+    """'64M' -> 67108864 (K, M, G are powers of 1024, as in nccl-tests, which reads '64KB' as
+    '64K'; so does this, and '64KiB')."""
+    given = text
     text = text.strip().upper()
+    text = text[:-2] if text.endswith("IB") else text[:-1] if text.endswith("B") else text
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
     number = text[:-1] if text[-1:] in "KMG" else text
     try:
         value = int(float(number) * mult)
     except (ValueError, OverflowError):  # 'inf' overflows
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 1M, 64K, 1G)") from None
+        raise argparse.ArgumentTypeError(f"not a size: {given!r} (use e.g. 1M, 64K, 1G)") from None
     if value < 0:
-        raise argparse.ArgumentTypeError(f"size must be >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"size must be >= 0, got {given!r}")
     return value
 
 
