@@ -392,6 +392,35 @@ def test_a_rank_without_shared_memory_makes_every_rank_raise(pool):
                for r in res), res
 
 
+def _a_setting_on_one_rank(rank, groups, name, value):
+    """Rank 2 alone has config ``name`` at ``value``: what the group's first auto call of a size
+    that auto measures (4 MiB) gave each rank."""
+    old = getattr(zipccl.config, name)
+    if rank == 2:
+        setattr(zipccl.config, name, value)
+    try:
+        with emulated("2x2"):
+            try:
+                zipccl.all_reduce(torch.ones(1 << 20))
+            except Exception as e:  # noqa: BLE001 - the test reads it
+                return type(e).__name__, str(e)
+    finally:
+        setattr(zipccl.config, name, old)
+    return "ok", ""
+
+
+@pytest.mark.parametrize("name,value,told", [
+    ("CHECK_NATIVE", True, "ZIPCCL_CHECK_NATIVE: ranks [0, 1, 3]: ZIPCCL_CHECK_NATIVE=0; ranks [2]: ZIPCCL_CHECK_NATIVE=1"),
+    ("AUTO_LEARN", False, "ZIPCCL_AUTO_LEARN: ranks [0, 1, 3]: ZIPCCL_AUTO_LEARN=1; ranks [2]: ZIPCCL_AUTO_LEARN=0"),
+    ("TRANSPORT", "torch", "ZIPCCL_TRANSPORT: ranks [0, 1, 3]: ZIPCCL_TRANSPORT=auto; ranks [2]: ZIPCCL_TRANSPORT=torch"),
+])
+def test_ranks_that_disagree_on_a_setting_their_calls_share_raise_on_every_rank(pool, name, value, told):
+    """One rank checking native calls (an exchange its peers never enter), or not learning where
+    they learn, would wait for good: the ranks compare these settings as they find their nodes."""
+    res = pool.run(_a_setting_on_one_rank, name, value, timeout=60)
+    assert all(r == ("MismatchError", f"ranks disagree on {told}") for r in res), res
+
+
 def _invalid_on_one_rank(rank, groups, inter):
     """Rank 0's tensor is not contiguous: with a zipccl level between nodes (or with
     ZIPCCL_CHECK_NATIVE=1) the whole group's exchange makes every rank raise, none hangs."""

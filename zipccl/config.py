@@ -194,3 +194,33 @@ TRANSPORT = _setting("TRANSPORT", _choice, "ZIPCCL_TRANSPORT", "auto", ("auto", 
 #: ZIPCCL_DATA: the folder of the real gradient bucket that the benchmarks (and the test suite)
 #: read; None: ``shared/data`` beside the checkout.
 DATA = _setting("DATA", _text, "ZIPCCL_DATA")
+
+
+#: Settings that decide what a group's calls exchange, which every rank of the group must share
+#: (one rank checking native calls, or learning, where its peers do not, waits for good): the
+#: ranks compare them when they first find their nodes (zipccl.topology: a group's first auto
+#: call of a size auto measures, or first hierarchical call). Calls that go native before that
+#: carry nothing to compare.
+SHARED = ("AUTO_LEARN", "AUTO_MIN_BYTES", "CHECK_NATIVE", "SPLIT_DIRECTIONS", "TRANSPORT")
+
+
+def codes(names=SHARED) -> list[int]:
+    """Each setting as a number that ``shown`` reads back: a flag 0 or 1, bytes as they are, a
+    choice by its place among the allowed values."""
+    out = []
+    for name in names:
+        value = getattr(sys.modules[__name__], name)
+        out.append(_SETTINGS[name][2][-1].index(value) if isinstance(value, str) else int(value))
+    return out
+
+
+def variable(name: str) -> str:
+    """The environment variable of setting ``name``."""
+    return _SETTINGS[name][1]
+
+
+def shown(name: str, code: int) -> str:
+    """``VARIABLE=value`` of setting ``name`` whose ``codes`` entry is ``code``."""
+    reader, variable, args, _ = _SETTINGS[name]
+    value = args[-1][code] if reader is _choice else code
+    return f"{variable}={value}"

@@ -12,8 +12,8 @@ from the first source that applies on this rank:
 3. the host name.
 
 Every rank sends its claim in one small all-gather; ranks that disagree (a different override,
-a different source, a launcher's local size that does not match the ranks found on the node)
-raise ``MismatchError`` on every rank. ``levels(group)`` then creates, once and in the same
+a different source, a launcher's local size that does not match the ranks found on the node,
+the settings their calls share: ``config.SHARED``) raise ``MismatchError`` on every rank. ``levels(group)`` then creates, once and in the same
 order on every rank, one gloo/NCCL group per node ("intra") and one per local index across the
 nodes ("inter"): the groups of the hierarchical algorithms (zipccl.hierarchical). Creating a
 group is a collective over the whole job, so levels exist only for groups that span the job.
@@ -246,22 +246,35 @@ def topology(group=None) -> Topology:
     source, node, local, local_size = claim()
     backend = dist.get_backend(group)
     mine = torch.tensor([*override, _SOURCES.index(source), node, local, local_size, int(shares_memory(backend)),
-                         LINKS.index(nvml_link())], dtype=torch.int64)
+                         LINKS.index(nvml_link()), *config.codes()], dtype=torch.int64)
     device = wire_device(backend)
     size = dist.get_world_size(group)
     rows = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
     ranks = dist.get_process_group_ranks(key)
     heartbeat.bounded(lambda: group_collective("all_gather", group, rows, mine.to(device), async_op=False), ranks,
                       "finding the group's nodes, at its first call")
-    claims = rows.view(size, -1).cpu().tolist()
+    table, shared = rows.view(size, -1).cpu().tolist(), len(config.SHARED)
+    claims, settings = [row[:-shared] for row in table], [row[-shared:] for row in table]
     found = from_claims([row[:-2] for row in claims], ranks, dist.get_world_size())
     shm = sorted({row[-2] for row in claims})
     if len(shm) > 1:  # the levels' shared memory is set up by the ranks that allow it, with each other
         raise MismatchError(f"ranks disagree on ZIPCCL_SHM: ranks {[ranks[r] for r, row in enumerate(claims) if not row[-2]]} "
                             "have it off, the others on")
+    _agree_on_settings(settings, ranks)
     found = Topology(found.nodes, found.source, agreed_link([LINKS[row[-1]] for row in claims]))
     with _lock:
         return _found.setdefault(key, found)
+
+
+def _agree_on_settings(rows: list[list[int]], ranks: list[int]) -> None:
+    """MismatchError, on every rank alike, where the ranks' ``config.codes()`` differ."""
+    for k, name in enumerate(config.SHARED):
+        held: dict[int, list[int]] = {}
+        for rank, row in zip(ranks, rows):
+            held.setdefault(row[k], []).append(rank)
+        if len(held) > 1:
+            raise MismatchError(f"ranks disagree on {config.variable(name)}: " + "; ".join(
+                f"ranks {rs}: {config.shown(name, code)}" for code, rs in held.items()))
 
 
 @dataclass(frozen=True)
