@@ -85,6 +85,13 @@ def test_disagreement_raises():
                           ("torchrun", 1, 1, 2)]))
 
 
+def test_ranks_spawned_under_one_slurm_task_share_its_local_id_and_keep_their_nodes():
+    """mp.spawn under one srun task per node: every child inherits SLURM_LOCALID 0, and its
+    SLURM_NODEID still tells the nodes (a launcher that repeats local ranks is refused above)."""
+    topo = from_claims(rows([("slurm", r // 2, 0, -1) for r in range(4)]))
+    assert topo.nodes == ((0, 1), (2, 3)) and topo.source == "slurm" and topo.hierarchical
+
+
 def test_uneven_and_single_level_topologies_have_no_hierarchy():
     uneven = from_claims(rows([("slurm", 0, 0, -1), ("slurm", 0, 1, -1), ("slurm", 0, 2, -1), ("slurm", 1, 0, -1)]))
     assert uneven.nodes == ((0, 1, 2), (3,)) and not uneven.uniform and not uneven.hierarchical

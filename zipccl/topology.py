@@ -8,7 +8,8 @@ from the first source that applies on this rank:
 1. ``ZIPCCL_TOPOLOGY=NxM``: N nodes of M consecutive ranks (emulation, or a user who knows better);
 2. the launcher: torchrun (``GROUP_RANK`` with ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``), Open MPI
    (the host name, with ``OMPI_COMM_WORLD_LOCAL_RANK``/``_LOCAL_SIZE``; not
-   ``OMPI_COMM_WORLD_NODE_RANK``, which is a rank within the node, not the node's number), Slurm (``SLURM_NODEID``, ``SLURM_LOCALID``);
+   ``OMPI_COMM_WORLD_NODE_RANK``, which is a rank within the node, not the node's number), Slurm (``SLURM_NODEID``, ``SLURM_LOCALID``; the
+   latter repeats where one task spawns the ranks, and then only the node counts);
 3. the host name.
 
 Every rank sends its claim in one small all-gather; ranks that disagree (a different override,
@@ -139,6 +140,10 @@ def from_claims(rows: list[list[int]], ranks: list[int] | None = None, world: in
     for ranks in nodes:
         locals_ = sorted(rows[r][4] for r in ranks)
         sizes = {rows[r][5] for r in ranks} - {-1}
+        if len(set(locals_)) != len(locals_) and _SOURCES[rows[0][2]] == "slurm":
+            # processes spawned under one Slurm task (mp.spawn, a launcher Slurm does not know) share
+            # its SLURM_LOCALID; its SLURM_NODEID still tells the node, which is all the levels need
+            continue
         if len(set(locals_)) != len(locals_) or (sizes and sizes != {len(ranks)} and n == _world()):
             raise MismatchError(f"the launcher's local ranks {locals_} (local size {sorted(sizes)}) do not match "
                                 f"the {len(ranks)} ranks found on one node ({list(ranks)})")
