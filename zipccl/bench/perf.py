@@ -117,7 +117,9 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
         extra = [f"# zipccl-perf table: {what}; {spec.name}, {nranks} ranks ({how}), algorithm {args.algorithm}, "
                  f"data {args.data or 'gaussian, checked on a grid whose sums are exact'}; busbw on uncompressed bytes"]
         extra += cuda.table_lines(args, nranks)
-        for line in report.preamble_lines(name, version, cfg, devs, extra) + report.header_lines(args.per_iter_timing):
+        clock = "CUDA-event" if args.device == "cuda" else "wall-clock"  # as bench.cuda.Clock times the calls
+        for line in report.preamble_lines(name, version, cfg, devs, extra, clock) + \
+                report.header_lines(args.per_iter_timing):
             say(line, flush=True)
         rows, notes = [], []
         for dtype, op, size in points:

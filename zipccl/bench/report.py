@@ -69,12 +69,14 @@ def device_line(dev: dict) -> str:
             f"device {dev['device']:2d} [{dev['device_hex']}] {dev['device_info']}")
 
 
-def preamble_lines(name: str, version: str, cfg: dict, devices: list[dict], extra: list[str] = ()) -> list[str]:
+def preamble_lines(name: str, version: str, cfg: dict, devices: list[dict], extra: list[str] = (),
+                   clock: str = "wall-clock") -> list[str]:
     """Version line, test start, run line (then ``extra`` `#` lines, as nccl-tests' optional
-    mode lines), the devices, up to the group header."""
+    mode lines), the devices, up to the group header. ``clock``: what times a call ("wall-clock"
+    on CPU; on CUDA, events on the stream)."""
     lines = [f"# {version}", f"# Collective test starting: {name}", run_line(cfg)]
     if cfg.get("per_iter_timing") == "true":
-        lines.append("# Per-Iteration Report: wall-clock timing per call; i_* uses max over process rows ")
+        lines.append(f"# Per-Iteration Report: {clock} timing per call; i_* uses max over process rows ")
     lines += [*extra, "#", "# Using devices", *map(device_line, devices)]
     return lines
 
