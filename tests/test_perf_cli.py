@@ -132,6 +132,7 @@ def test_rank_order_reduce_is_the_promised_order():
     (["--netlab", "0bit"], "at least 1kbit"),
     (["-f", "1.5"], "not a whole number"),
     (["-J", "/nonexistent/folder/out.json"], "cannot write there"),
+    (["-e", "1024G", "--nranks", "4"], "more than this host's memory"),  # 16 TiB of buffers, refused at once
 ])
 def test_flag_validation(args, message, capsys):
     from zipccl.bench.perf import main

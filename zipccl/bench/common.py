@@ -165,6 +165,19 @@ def parser(prog: str) -> argparse.ArgumentParser:
     return ap
 
 
+#: Buffers of the largest size that a rank holds at once: input, output, the timed data and
+#: the checks' reference (zipccl's packets and the checks' data come on top).
+BUFFERS_PER_RANK = 4
+
+
+def host_memory() -> int | None:
+    """This host's memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.minbytes > args.maxbytes:
         ap.error(f"-b ({args.minbytes}) must not be larger than -e ({args.maxbytes})")
@@ -209,6 +222,12 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(f"--data {args.data}: not a tensor file (.npy, or .pt of a tensor or a dict of them): {e}")
         if found == 0:
             ap.error(f"--data {args.data} holds no elements")
+    if world is None and args.device == "cpu":  # every rank on this host: their buffers must fit in it
+        need, have = args.nranks * BUFFERS_PER_RANK * args.maxbytes, host_memory()
+        if have and need > have:
+            ap.error(f"-e {args.maxbytes}: {args.nranks} ranks need at least {BUFFERS_PER_RANK} buffers of "
+                     f"{size_text(args.maxbytes)} each ({need / 2**30:.1f} GiB), more than this host's memory "
+                     f"({have / 2**30:.1f} GiB); lower -e or --nranks")
     if args.output_file is not None:  # before any table is run, not when the first is written
         folder = args.output_file.resolve().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK) or args.output_file.is_dir():
