@@ -1153,3 +1153,30 @@ def test_without_cuda_an_async_call_touches_no_stream(monkeypatch):
     handle.wait(timeout=30)
     assert handle.get_future().value() == ("zipccl-async", "None", "None")
     assert list(cuda.streams) == ["caller@3"] and cuda.streams["caller@3"].ops == [] and cuda.futures[-1] is None
+
+
+@pytest.mark.parametrize("codec", ["lossless", "raw"])
+def test_an_invalid_call_on_cuda_refuses_on_the_transport_its_peers_exchange_on(gpu_group, codec):
+    """Rank 0's CUDA tensor is strided where its peers' valid calls compress: they exchange on
+    the communicator that compressing plans run on (made in that call), so the refusal must go
+    there too; on the group's own it would wait for peers that never come."""
+    group, seen = gpu_group
+    with pytest.raises(_Made):
+        zipccl.all_reduce(_on_gpu(8)[::2], group=group, codec=codec, algorithm="flat")
+    assert seen == ["communicator"], seen
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "flat"])
+def test_an_invalid_call_where_auto_compresses_refuses_on_the_communicator(gpu_group, monkeypatch, algorithm):
+    """Over PCIe auto tries native, then lossless: rank 0's strided tensor at the lossless step
+    refuses where its peers' lossless calls exchange (the communicator, made there), and at the
+    native step goes to the group's own collective, as theirs."""
+    group, seen = gpu_group
+    monkeypatch.setattr(topology, "topology", lambda group=None: topology.Topology(((0, 1, 2, 3),), "test", "pcie"))
+    _Device(monkeypatch)
+    strided = _on_gpu(1 << 22)[::2]  # 4 MiB
+    zipccl.all_reduce(strided, group=group, algorithm=algorithm)  # native: the backend takes it as it is
+    assert [s[0] for s in seen] == ["all_reduce"], seen
+    with pytest.raises(_Made):
+        zipccl.all_reduce(strided, group=group, algorithm=algorithm)  # lossless
+    assert seen[-1] == "communicator", seen

@@ -295,8 +295,9 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
                                    f"each that spans the job, each local rank's ranks across the nodes in node "
                                    f"order; this one is {topology.topology(group)}")
         if error is not None:
-            def refusal():
-                C.refuse(name, C.carrier(group, device, c), input, op, error)
+            def refusal(plan=None):  # the peers' plan where auto's policy chose it, else the caller's codecs
+                inter = C.PLAN_CODECS[plan.split("/")[-1]] if plan else codec.get("inter") if per_level else codec
+                C.refuse(name, C.refusal_carrier(group, device, inter), input, op, error)
             if chosen is None and not per_level and dist.is_initialized():  # the fast path took the step already
                 return C.refuse_in_step(name, group, group, output, input, op, codec, numel, nbytes,
                                         lambda: auto_plans(topology.levels(group)), refusal)

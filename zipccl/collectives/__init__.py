@@ -55,7 +55,8 @@ from .metadata import Call, timed
 from .pipeline import pieces
 from .resolve import AUTO, NATIVE, PLAN_CODECS, check_op, resolve_codec
 from .sparse_reduce import _sum_pairs, sparse_algorithm, sparse_bytes
-from .validation import carrier, check_carrier, check_shapes, finish, input_size, new_acc, prepare, refuse
+from .validation import (carrier, check_carrier, check_shapes, finish, input_size, new_acc, prepare, refusal_carrier,
+                         refuse)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "auto_policy", "sparse_algorithm",
            "sparse_bytes", "submit", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned", "native", "refuse_in_step"]

@@ -168,14 +168,14 @@ def learns(codec, input) -> bool:
 def refused(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], refuse, native,
             device: torch.device) -> None:
     """An invalid call where its peers' valid calls learn: the policy's step that theirs take (or
-    every later choice of the ranks would differ). Where that step's plan is zipccl's, ``refuse()``
+    every later choice of the ranks would differ). Where that step's plan is zipccl's, ``refuse(plan)``
     (its peers wait in the plan's exchange: every rank raises); where it is the group's own
     collective, which its peers run without an exchange, ``native()`` (given where the call is
     refused for its layout alone), timed as theirs: the backend takes the tensors as they are
-    or refuses them, as torch's call does; else ``refuse()``."""
+    or refuses them, as torch's call does; else ``refuse(plan)``."""
     plan = _auto_group(group).policy.choose(Policy.key(name, dtype, nbytes, device), nbytes, candidates)
     if plan != "native" or config.CHECK_NATIVE or native is None:
-        refuse()
+        refuse(plan)
     planned(group, name, dtype, nbytes, candidates, lambda _: native(), device, plan)
 
 

@@ -18,7 +18,8 @@ from .metadata import Call
 from .pipeline import pieces, plain
 from .resolve import AUTO, NATIVE, PLAN_CODECS
 from .sparse_reduce import _sparse_all_reduce, _sparse_reduce_scatter
-from .validation import carrier, check_shapes, finish, input_size, new_acc, only_layout, prepare, refuse
+from .validation import (carrier, check_shapes, finish, input_size, new_acc, only_layout, prepare, refusal_carrier,
+                         refuse)
 
 # ---- one flat collective with a decided codec ----------------------------------------------------------------
 
@@ -146,9 +147,10 @@ def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
 
     def run():
         if error is not None:
+            def refusal(plan=None):  # the peers' plan where auto's policy chose it, else the caller's codec
+                refuse(name, refusal_carrier(group, device, PLAN_CODECS[plan] if plan else codec), input, op, error)
             return refuse_in_step(name, group, t.group, output, input, op, codec, numel, nbytes,
-                                  lambda: plans_for(FLAT_PLANS, device.type),
-                                  lambda: refuse(name, carrier(group, device, c), input, op, error))
+                                  lambda: plans_for(FLAT_PLANS, device.type), refusal)
         acc, used = new_acc(), [c]
         if c is AUTO:
             def go(plan):

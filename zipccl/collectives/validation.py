@@ -53,6 +53,20 @@ def carrier(group, device, codec):
     return transport_for(group, device)
 
 
+def refusal_carrier(group, device, inter):
+    """Where an invalid call joins its peers' exchange: the transport of their plan, as
+    ``carrier`` gives theirs. ``inter``: that plan's codec (between the nodes, for a hierarchical
+    one), or where no policy chose it, what the caller asked for (a name, an instance). On CUDA a
+    plan that compresses exchanges on the transport made for that, not on the group's own."""
+    if inter is NATIVE or (isinstance(inter, str) and inter == "native") or device is None or device.type != "cuda":
+        return carrier(group, device, NATIVE)
+    try:
+        check_carrier(group, device)
+    except UnsupportedError:
+        return carrier(group, device, NATIVE)  # nothing compresses here: the peers' calls neither
+    return transport_for(group, device)
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors may share memory (an in-place call's input and output): their byte
     ranges where both are contiguous, else their storage alone."""
