@@ -221,6 +221,5 @@ def variable(name: str) -> str:
 
 def shown(name: str, code: int) -> str:
     """``VARIABLE=value`` of setting ``name`` whose ``codes`` entry is ``code``."""
-    reader, variable, args, _ = _SETTINGS[name]
-    value = args[-1][code] if reader is _choice else code
-    return f"{variable}={value}"
+    reader, env, args, _ = _SETTINGS[name]
+    return f"{env}={args[-1][code] if reader is _choice else code}"
