@@ -267,6 +267,39 @@ def test_an_invalid_call_under_auto_on_one_node_fails_as_the_backends(pool):
     assert res[0] is res[2] is res[3] is True, res
 
 
+def _invalid_checked(rank, groups, codec):
+    """ZIPCCL_CHECK_NATIVE=1: the backend's all-to-all (codec "native", or "auto" on one node)
+    after the counts' exchange, so rank 1's invalid splits raise on every rank, and valid
+    calls still give the backend's result."""
+    g = groups[4]
+    x = torch.arange(8, dtype=torch.bfloat16) + 8 * rank
+    want = torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.bfloat16) + 8 * j for j in range(4)])
+    old = zipccl.config.CHECK_NATIVE, zipccl.config.TIMEOUT
+    zipccl.config.CHECK_NATIVE, zipccl.config.TIMEOUT = True, 20.0  # a broken check: RankFailure, not a hang
+    try:
+        y = torch.empty_like(x)
+        zipccl.all_to_all_single(y, x, group=g, codec=codec)
+        before = torch.equal(y, want)
+        try:
+            zipccl.all_to_all_single(y, x, [4, 3, 0, 2] if rank == 1 else None, None, group=g, codec=codec)
+            said = ("no error", "")
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            said = (type(e).__name__, str(e))
+        y = torch.empty_like(x)
+        zipccl.all_to_all(list(y.split(2)), list(x.split(2)), group=g, codec=codec)
+        return before, said, torch.equal(y, want), zipccl.stats()["last"]["codec"]
+    finally:
+        zipccl.config.CHECK_NATIVE, zipccl.config.TIMEOUT = old
+
+
+@pytest.mark.parametrize("codec", ["native", "auto"])
+def test_check_native_makes_an_invalid_call_raise_on_every_rank(pool, codec):
+    res = pool.run(_invalid_checked, codec, timeout=120)
+    assert all(r[0] is True and r[2] is True and r[3] == "native" for r in res), res
+    assert res[1][1][0] == "ValueError" and "output split sizes [4, 3, 0, 2]" in res[1][1][1], res[1]
+    assert all(r[1][0] == "MismatchError" and "rank(s) [1]" in r[1][1] for r in res[:1] + res[2:]), res
+
+
 def _decoder_fails(rank, groups, codec, shape):
     """Rank 1's decoder raises in the middle of the call (in pieces: several rounds follow):
     RankFailure on every rank, naming it."""
@@ -328,6 +361,25 @@ def test_async_handles(pool, last_codec):
         done, same, last = res
         assert done == [True] * 3, "a sync call runs after the async calls issued before it"
         assert same == [True] * 3 and last
+
+
+def _strided_lists(rank, groups, codec):
+    """The list form with strided inputs and outputs (columns of a row-major block), async,
+    against gloo's own dist.all_to_all of the same tensors (which takes them)."""
+    g = groups[4]
+    x = activations(4 * 6 * 512, seed=rank).to(torch.bfloat16)
+    ins = [x[k * 3072:(k + 1) * 3072].view(6, 512).t() for k in range(4)]
+    gots = [torch.empty(6, 512, dtype=x.dtype).t() for _ in range(4)]
+    wants = [torch.empty(6, 512, dtype=x.dtype).t() for _ in range(4)]
+    dist.all_to_all(wants, ins, group=g)
+    h = zipccl.all_to_all(gots, ins, group=g, async_op=True, codec=codec)
+    h.wait()
+    return all(not y.is_contiguous() and torch.equal(bits(y), bits(w)) for y, w in zip(gots, wants))
+
+
+@pytest.mark.parametrize("codec", ["lossless", "native", "auto"])
+def test_strided_lists_async(pool, codec):
+    assert pool.run(_strided_lists, codec, timeout=120) == [True] * 4
 
 
 def _in_place(rank, groups, codec):

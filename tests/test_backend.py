@@ -921,6 +921,48 @@ def test_all_to_all_and_point_to_point_through_the_drop_in(zpool, codec):
         assert (wire == raw) if codec == "raw" else (wire < 0.9 * raw), (codec, calls)  # raw: the bytes alone
 
 
+def _complex_and_the_list_form(rank, groups):
+    """On a drop-in group under auto (one node: the backend's all-to-all): zipccl.all_to_all_single
+    and all_to_all of complex64, which gloo takes only as real views, and dist.all_to_all, whose
+    even list goes to gloo at once; against gloo's own calls, bit for bit."""
+    import zipccl
+    from test_alltoall import bits
+    g, gloo, n = dist.new_group(backend="zipccl"), groups["gloo"], dist.get_world_size()
+    x = torch.complex(_activations(rank, 8 * n), _activations(rank + n, 8 * n))
+    bad = []
+    for form in ("single", "list"):
+        got, want = torch.empty_like(x), torch.empty_like(x)
+        if form == "single":
+            zipccl.all_to_all_single(got, x, group=g)
+            dist.all_to_all_single(want, x, group=gloo)
+        else:
+            zipccl.all_to_all(list(got.split(8)), list(x.split(8)), group=g)
+            dist.all_to_all(list(want.split(8)), list(x.split(8)), group=gloo)
+        if not torch.equal(torch.view_as_real(got), torch.view_as_real(want)):
+            bad.append(("complex", form))
+    y = _activations(rank, 64 * n).to(torch.bfloat16)
+    zipccl.reset_stats()
+    gots, wants = [torch.empty(64, dtype=y.dtype) for _ in range(n)], [torch.empty(64, dtype=y.dtype)
+                                                                       for _ in range(n)]
+    dist.all_to_all(gots, list(y.split(64)), group=g)
+    dist.all_to_all(wants, list(y.split(64)), group=gloo)
+    if not all(torch.equal(bits(a), bits(b)) for a, b in zip(gots, wants)):
+        bad.append(("bf16 list",))
+    s = zipccl.stats()
+    dist.destroy_process_group(g)
+    return bad, s["all_to_all"]["calls"], s["last"]["codec"], s["all_to_all"]["wire_bytes"]
+
+
+def test_complex_and_the_list_forms_backend_call_through_the_drop_in(zpool):
+    """Complex tensors reach gloo's all-to-all as real views (gloo takes no complex type), and an
+    even list all-to-all under auto on one node is gloo's, counted as native."""
+    for rank, res in enumerate(zpool().run(_complex_and_the_list_form, timeout=120)):
+        assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
+        bad, calls, codec, wire = res
+        assert bad == [], (rank, bad)
+        assert (calls, codec, wire) == (1, "native", 0), res
+
+
 def _empty_lists(rank, groups):
     """Empty tensor lists, which the drop-in passes to gloo: torch's errors (a RuntimeError: torch
     refuses an empty list to gloo's all_reduce_coalesced before gloo, which refuses it on the

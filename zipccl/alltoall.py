@@ -54,6 +54,7 @@ def _native_single(group, output, input, out_splits, in_splits) -> None:
     else through dist."""
     if overlaps(output, input):  # in place: the backend would overwrite parts not yet sent
         input = input.clone()
+    output, input = _real(output), _real(input)
     inner = underneath(group, input.device)
     pg = direct_group(group) if inner is None and as_they_are((output, input)) else None
     if inner is not None:
@@ -78,10 +79,17 @@ def _native_list(group, outputs, inputs) -> None:
             x.copy_(part.view_as(x))
         return
     inputs = [x.clone() if any(overlaps(x, y) for y in outputs) else x for x in inputs]  # in place, as above
+    outputs, inputs = [_real(x) for x in outputs], [_real(x) for x in inputs]
     inner = underneath(group, inputs[0].device)
     work = dist.all_to_all(outputs, inputs, group=group, async_op=True) if inner is None else \
         inner.alltoall(outputs, inputs, dist.AllToAllOptions())
     work.wait()
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view (one more dim of 2, the rows' splits unchanged), as
+    torch.distributed hands it to a backend: gloo's and NCCL's own calls take no complex type."""
+    return torch.view_as_real(x) if x.is_complex() else x
 
 
 def _level(c, dtype):
@@ -161,12 +169,14 @@ def goes_native(group, tensors, codec, algorithm: str) -> bool:
     return len(found.nodes) == 1 if found is not None else dist.get_world_size(group) == 1  # one rank: no nodes found
 
 
-def _natively(native, tensors, async_op: bool):
+def _natively(native, tensors, async_op: bool, after=None):
     """The backend's all-to-all, ``native()``, for ``goes_native``: after the async calls queued
-    before it, here or (``async_op``) queued behind them."""
+    before it, here or (``async_op``) queued behind them; then ``after()``."""
     def call():
         native()
         record_native(_NAME)
+        if after is not None:
+            after()
     return _run(call, async_op, tensors)
 
 
@@ -214,9 +224,9 @@ def _one_per_rank(outputs, inputs, n: int) -> None:
                          f"{len(inputs)} inputs")
 
 
-def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: bool):
+def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: bool, after=None):
     """One all-to-all: ``make_parts(t)`` cuts the caller's tensors into per-peer flat views
-    (sends, recvs) or raises; ``native()`` is the backend's call."""
+    (sends, recvs) or raises; ``native()`` is the backend's call; ``after()`` once it succeeded."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r}: use one of {ALGORITHMS}")
     first = next((x for x in tensors if isinstance(x, torch.Tensor)), None)
@@ -237,9 +247,13 @@ def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: b
         nodes = len(topo.nodes) if topo is not None else 1
         # auto on one node: every link outruns the codec
         if alone or (codec == "auto" and (nodes == 1 or dtype not in DTYPE_CODES or not _carried(group, first))):
-            if error is not None:  # the other ranks make the backend's call: fail as it does, here alone
+            fate = Fate.of(_NAME, own)
+            if config.CHECK_NATIVE:  # the counts first, on every rank: an invalid call raises on all of them
+                row = counts_row(sends, recvs) if error is None else [0] * (2 * n)
+                exchange_counts(own, Call(_NAME, dtype, 0, None, NATIVE), row, error, fate, acc)
+            elif error is not None:  # the other ranks make the backend's call: fail as it does, here alone
                 raise error
-            return _native(native, acc, Fate.of(_NAME, own), own)
+            return _native(native, acc, fate, own)
         # zipccl's packets (or auto's choice among them and the backend's call): on CUDA tensors
         # NCCL's communicators, made here, in the same call on every rank
         t = transport_for(group, first.device if first is not None else None)
@@ -277,7 +291,12 @@ def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: b
         planned(t.group, _NAME, dtype, nbytes, plans, go, first.device)
         return finish(_NAME, out[0], acc)
 
-    return _run(run, async_op, tensors)
+    def then():
+        result = run()
+        if after is not None:
+            after()
+        return result
+    return _run(then, async_op, tensors)
 
 
 def _carried(group, first) -> bool:
@@ -357,6 +376,13 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         return None
     outputs = [_outside_autograd(x) for x in output_tensor_list]
     inputs = [_outside_autograd(x) for x in input_tensor_list]
+    given, outputs = outputs, [_dense(x) for x in outputs]
+    inputs = [x.contiguous() if isinstance(x, torch.Tensor) and not x.is_sparse else x for x in inputs]
+    staged = [(x, y) for x, y in zip(given, outputs) if x is not y]
+
+    def back():  # strided outputs, received into contiguous ones
+        for x, y in staged:
+            x.copy_(y)
 
     def native():
         _native_list(group, outputs, inputs)
@@ -364,7 +390,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         _one_per_rank(outputs, inputs, dist.get_world_size(group))
         _tensors(outputs, inputs)
         _own_part(inputs, outputs, dist.get_rank(group))
-        return _natively(native, tuple(outputs + inputs), async_op)
+        return _natively(native, tuple(given + outputs + inputs), async_op, back if staged else None)
 
     def parts(t):
         _one_per_rank(outputs, inputs, t.size)
@@ -372,4 +398,14 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
         _own_part(inputs, outputs, t.rank)
         return [x.reshape(-1) for x in inputs], [x.reshape(-1) for x in outputs]
 
-    return _call(group, parts, native, tuple(outputs + inputs), codec, algorithm, async_op)
+    return _call(group, parts, native, tuple(given + outputs + inputs), codec, algorithm, async_op,
+                 back if staged else None)
+
+
+def _dense(x):
+    """``x``, or a contiguous tensor of its shape where it is strided (torch's list all-to-all
+    takes those; zipccl's packets and gloo's call take flat memory). Not a tensor: as it is,
+    for the call's checks to refuse."""
+    if not isinstance(x, torch.Tensor) or x.is_contiguous() or x.is_sparse:
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)

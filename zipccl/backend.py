@@ -568,9 +568,14 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if not (len(outputs) == len(inputs) == self.size() and self._takes(list(outputs) + list(inputs))):
             return self._passed(_first(inputs)).alltoall(outputs, inputs, _options(dist.AllToAllOptions, opts))
         outs, ins = _data(outputs), _data(inputs)
+        native = self._compressor is None and alltoall.goes_native(self, outs + ins, self.codec,
+                                                                   self.options.algorithm)
+        if native and executor.idle() and len({x.numel() for x in outs + ins}) == 1:  # uneven: zipccl's way round
+            record_native("all_to_all")  # gloo's list form, which takes one size only
+            return self._passed(_first(inputs)).alltoall(outputs, inputs, _options(dist.AllToAllOptions, opts))
         return self._run(lambda: alltoall.all_to_all(outs, ins, group=self, codec=self.codec,
                                                      algorithm=self.options.algorithm), list(outputs), async_op,
-                         list(inputs))
+                         list(inputs), groups=not native)
 
     def allgather_coalesced(self, outputs, inputs, *args, **kwargs):
         return self._forward("allgather_coalesced", _first(inputs), outputs, inputs, *args, **kwargs)
