@@ -180,12 +180,15 @@ def _mismatch(rank, groups, case):
     g, n = groups[4], 4
     ins, outs, dtype = [16] * n, [16] * n, torch.bfloat16
     x = torch.arange(64, dtype=torch.float32)
-    if case == "counts" and rank == 2:
+    if case in ("counts", "list counts") and rank == 2:
         outs = [16, 16, 16, 17]  # expects 17 from rank 3, which sends 16
     if case == "dtype" and rank == 1:
         dtype = torch.float32
     y = torch.empty(sum(outs), dtype=dtype)
     try:
+        if case == "list counts":
+            zipccl.all_to_all(list(y.split(outs)), list(x.to(dtype).split(ins)), group=g, codec="lossless")
+            return "ok", ""
         zipccl.all_to_all_single(y, x.to(dtype) if case != "noncontig" or rank else torch.zeros(64, 2)[:, 0],
                                  outs, ins, group=g, codec="lossless")
     except Exception as e:  # noqa: BLE001 - the test asserts on it
@@ -202,14 +205,14 @@ def _healthy(rank, groups):
                                      for j in range(4)]))
 
 
-@pytest.mark.parametrize("case", ["counts", "dtype"])
+@pytest.mark.parametrize("case", ["counts", "list counts", "dtype"])
 def test_mismatches_raise_on_every_rank(pool, case):
     """A count that rank 2 expects from rank 3 but rank 3 does not send, or a dtype: the same
     MismatchError on every rank, before any data moves; the group works afterwards."""
     res = pool.run(_mismatch, case, timeout=120)
     assert all(r[0] == "MismatchError" for r in res), res
     assert len({r[1] for r in res}) == 1, res
-    if case == "counts":
+    if case != "dtype":
         assert "rank 3 sends 16 elements to rank 2, which expects 17 from it" in res[0][1], res
     else:
         assert "dtype" in res[0][1], res
