@@ -4,6 +4,8 @@ result on that group."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -842,12 +844,16 @@ def _exchanges(rank, groups, codec):
     ZIPCCL_CODEC=``codec``, against the same calls on gloo: bit for bit; what zipccl counted."""
     import zipccl
     from test_alltoall import bits
-    old = zipccl.config.CODEC
-    zipccl.config.CODEC = codec  # what ZIPCCL_CODEC=codec sets: the new group's policy
+    old = os.environ.get("ZIPCCL_CODEC")
+    os.environ["ZIPCCL_CODEC"] = codec  # read again at the group's making, as torch's variables are
     try:
         g = dist.new_group(backend="zipccl")
     finally:
-        zipccl.config.CODEC = old
+        if old is None:
+            del os.environ["ZIPCCL_CODEC"]
+        else:
+            os.environ["ZIPCCL_CODEC"] = old
+        zipccl.config.refresh()  # the worker's setting as it was, for the tests after this one
     gloo, n = groups["gloo"], dist.get_world_size()
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     bad, base = [], _activations(rank, 1 << 16)
