@@ -159,3 +159,17 @@ def test_decode_many_takes_one_launch_sequence_for_all_its_packets():
     assert sum(seen.values()) <= LIMIT + 1, seen
     assert all(seen[f"triton:{k}"] == 1 for k in ("_index", "_decode_raw", "_decode_symbols", "_decode_join")), seen
     assert all(v.problem() is None for v in verdicts) and torch.equal(outs.view(torch.uint8), m.view(torch.uint8))
+
+
+def test_decode_reads_the_block_index_once():
+    """Lossless.decode (the caller's API, which validates the packet first) reads the index on
+    the device once: the read its validation made is the one its kernels decode through."""
+    x = _gradients(torch.bfloat16, 4096)
+    codec = Lossless("triton", block_size=256)
+    packet = codec.encode(x)
+    codec.decode(packet)
+    with device_ops() as seen:
+        back = codec.decode(packet)
+    assert torch.equal(back.view(torch.uint8), x.view(torch.uint8))
+    assert seen["triton:_index"] == 1 and all(seen[f"triton:{k}"] == 1 for k in (
+        "_decode_raw", "_decode_symbols", "_decode_join")), seen

@@ -390,10 +390,12 @@ def index_words(nb: int) -> int:
     return 8 * nb + 10
 
 
-def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout):
+def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout,
+               sizes: tuple[int, int] | None = None):
     """reference/packet.py's read_index on the packet's device (``index``): the same rows as int64
-    tensors there, and its check (the first invalid entry or the block count, stream words,
-    rest bytes) as a tensor there too, for the decoder to check."""
+    tensors there, its check (the first invalid entry or the block count, stream words, rest
+    bytes) as a tensor there too, for the decoder to check, and the Index, which the decoder
+    reads (``sizes``: the header's stream and rest bytes, as ``index`` takes them)."""
     nb = (stop - start) // INDEX_ENTRY
-    ix = index(packet, start, nb, n, bs, ntables, layout, sizes=(-1, -1))
-    return (*(row[:nb] for row in ix.rows[:5]), ix.rows[5], ix.rows[6]), ix.check
+    ix = index(packet, start, nb, n, bs, ntables, layout, sizes=sizes or (-1, -1))
+    return (*(row[:nb] for row in ix.rows[:5]), ix.rows[5], ix.rows[6]), ix.check, ix

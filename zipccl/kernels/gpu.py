@@ -632,15 +632,17 @@ def _encode_packets(x: torch.Tensor, parts: torch.Tensor | None, n: int, out: to
 
 @on_its_device
 def decode(packet: torch.Tensor, out: torch.Tensor, header: Header | LosslessPacket | None = None) -> torch.Tensor:
-    # The header is validated on the host before any launch; the block index on the device
-    # (device_plan.index), its verdict read with the blocks' errors at the end (_raise_first).
+    # The header is validated on the host before any launch; the block index on the device, once
+    # (read_index: device_plan.index), its verdict read with the blocks' errors at the end (_raise_first).
     p = parse_lossless(packet, header, read_index)
     h = p.header
     if h.numel == 0:
         _raise_first(p, None)
         return out
-    ix = device_plan.index(packet, HEADER_SIZE + h.sections[0], p.table.numel(), h.numel, h.block_size, h.ntables,
-                           p.layout, sizes=h.sections[2:])
+    ix = p.device_index
+    if ix is None:  # parsed on the host
+        ix = device_plan.index(packet, HEADER_SIZE + h.sections[0], p.table.numel(), h.numel, h.block_size,
+                               h.ntables, p.layout, sizes=h.sections[2:])
     _decode_blocks(packet[p.stream_offset:p.rest_offset], packet, ix, out, h.numel, h.block_size)
     _raise_first(p, ix.verdict[1 + HEADER_SIZE:])
     return out

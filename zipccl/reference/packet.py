@@ -141,12 +141,17 @@ class LosslessPacket:
     # rest bytes) there, not yet checked. The decoder checks it (index_error) with its one read at
     # the end and lets no kernel read through the index before it is known good.
     index_check: torch.Tensor | None = None
+    # What a device reader read the index into (its decoder's input, so that it reads it once).
+    device_index: object = None
 
 
-def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout):
+def read_index(packet: torch.Tensor, start: int, stop: int, n: int, bs: int, ntables: int, layout: FloatLayout,
+               sizes: tuple[int, int] | None = None):
     """The block index in packet[start:stop], read on the host: (rows as _read_index's, (the first
     invalid entry or the block count, stream words, rest bytes)). A reader on the device returns
-    that triple as a tensor there instead, for the decoder to check (LosslessPacket.index_check)."""
+    that triple as a tensor there instead, for the decoder to check (LosslessPacket.index_check),
+    and a third item, what its decoder reads the index from (LosslessPacket.device_index);
+    ``sizes``: the header's stream and rest bytes, which it checks against there."""
     fields, bad = _read_index(host_bytes(packet, start, stop), n, bs, ntables, layout.emax, layout.itemsize,
                               layout.rest_bytes, layout.side_bits)
     return fields, (fields.shape[1] - 1 if bad < 0 else bad, int(fields[5, -1]), int(fields[6, -1]))
@@ -192,7 +197,7 @@ def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None 
     n, bs = h.numel, h.block_size
     nb, (s0, s1, s2) = num_blocks(n, bs), h.sections[:3]
     pos = HEADER_SIZE + s0
-    fields, check = index_reader(packet, pos, pos + s1, n, bs, h.ntables, layout)
+    fields, check, *kept = index_reader(packet, pos, pos + s1, n, bs, h.ntables, layout, sizes=(s2, h.sections[3]))
     pos += s1
     deferred = isinstance(check, torch.Tensor) and not h.flags & FLAG_CRC  # the CRC reads the host anyway
     if not deferred and (problem := index_error(check.tolist() if isinstance(check, torch.Tensor) else check, h)):
@@ -201,7 +206,7 @@ def parse_lossless(packet: torch.Tensor, header: Header | LosslessPacket | None 
     if h.flags & FLAG_CRC:
         check_payload_crc(host_bytes(packet, 0, h.total_size).tobytes(), h)
     return LosslessPacket(h, layout, BANK[h.dtype], ref[:nb], table[:nb], nwords[:nb], nzero[:nb], nvalid[:nb],
-                          word_start, rest_start, pos, pos + s2, check if deferred else None)
+                          word_start, rest_start, pos, pos + s2, check if deferred else None, *kept)
 
 
 @njit(cache=True)
