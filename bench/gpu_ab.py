@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -173,7 +174,7 @@ def case(base: torch.Tensor, numel: int, dtype: str, block: int, repeat: int, de
                 "same_bytes": same_bytes, "same_bits": same_bits, "profiled": "one encode, one decode"}
     timed = {"encode": _profiled(lambda: gpu.encode(xc), repeat, device),
              "decode": _profiled(lambda: gpu.decode(packet, out), repeat, device)}
-    row = {"card": torch.cuda.get_device_name() if device == "cuda" else device, "zipccl": zipccl.__file__,
+    row = {"card": torch.cuda.get_device_name() if device == "cuda" else device, "zipccl": os.path.relpath(zipccl.__file__),
            "numel": numel, "dtype": dtype, "block": block, "ratio": round(packet.numel() / nbytes, 5),
            "same_bytes": same_bytes, "same_bits": same_bits}
     for side, (wall, kernels) in timed.items():

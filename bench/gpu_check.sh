@@ -444,6 +444,9 @@ declare -A spent=([1]=0 [2]=0)
 # phase, its output to OUTDIR/NAME.txt (and here) as it goes, its exit code and seconds to
 # OUTDIR/steps.txt. `timeout` ends the step's whole process group (the ranks it spawned too).
 phase_end=0 current=0
+# The checkout's and $OUT's paths as relative names in the logs: a record keeps no machine's paths.
+tidy=(-e "s#$PWD/##g")
+[[ -n ${OUT:-} ]] && tidy+=(-e "s#$OUT#\$OUT#g")
 step() {
     local name=$1 p=$2 limit=$3 t0=$SECONDS mps=0
     shift 3
@@ -464,7 +467,7 @@ step() {
     local defs="$(declare -f "$1" perf wait_numba run_memcheck); $(declare -p py dry out data gpu_suite lab_sizes AB_GRID hostile_py)"
     # ZIPCCL_STEP_END: the tests' spawned ranks give up before the step ends (tests/workers.py)
     ZIPCCL_STEP_END=$(($(date +%s) + limit)) timeout -k 2 "$limit" bash -c "$defs; $*" \
-        2>&1 | tee -a "$out/$name.txt"
+        2>&1 | sed -u "${tidy[@]}" | tee -a "$out/$name.txt"
     local rc=${PIPESTATUS[0]}
     ((mps)) && mps_stop > >(tee -a "$out/$name.txt") 2>&1
     echo "$name phase=$p rc=$rc seconds=$((SECONDS - t0)) limit=$limit" | tee -a "$out/steps.txt"

@@ -323,3 +323,17 @@ def test_the_format_version_the_docs_give_the_code_is_the_codes():
                                    doc.read_text(), re.M)]
     assert ("FORMAT.md", F.VERSION) in claims and ("GPU.md", F.VERSION) in claims, claims
     assert all(v == F.VERSION for _, v in claims), claims
+
+
+def test_no_file_holds_a_machines_paths_or_work_notes():
+    """The repository speaks of the software: no tracked text names a machine's home or work
+    folders (records give paths relative to the checkout, or $OUT), nor an issue by number."""
+    found = []
+    patterns = re.compile(r"(?<![\w.$])/(?:root|home|work)/|\bissue [0-9]+", re.I)
+    for t in TRACKED:
+        path = ROOT / t
+        if t == "tests/test_docs_claims.py" or path.suffix in (".png", ".npy", ".tgz", ".gz") or not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        found += [f"{t}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}" for m in patterns.finditer(text)]
+    assert not found, "\n".join(found)
