@@ -366,6 +366,49 @@ def test_async_handles(pool, last_codec):
         assert same == [True] * 3 and last
 
 
+def _list_shapes(rank, groups, codec):
+    """The list form with tensors of one size but not one shape: rank 1 receives into 2x4 blocks,
+    rank 2 sends 4x2 ones, the others flat; each output against the values its sender put in."""
+    g, n = groups[4], 4
+    ins = [torch.arange(8, dtype=torch.bfloat16) + 100 * rank + 10 * j for j in range(n)]
+    ins = [x.view(4, 2) for x in ins] if rank == 2 else ins
+    outs = [torch.full((2, 4) if rank == 1 else (8,), float("nan"), dtype=torch.bfloat16) for _ in range(n)]
+    zipccl.all_to_all(outs, ins, group=g, codec=codec)
+    return all(torch.equal(y.reshape(-1), torch.arange(8, dtype=torch.bfloat16) + 100 * j + 10 * rank)
+               for j, y in enumerate(outs))
+
+
+@pytest.mark.parametrize("codec", ["native", "auto", "lossless"])
+def test_list_tensors_of_one_size_in_other_shapes(pool, codec):
+    """Any sizes and shapes, as docs/USAGE.md says: gloo's own list call takes one shape only, so
+    the backend's call gets the tensors' flat views."""
+    assert pool.run(_list_shapes, codec, timeout=120) == [True] * 4
+
+
+def _conjugated(rank, groups):
+    """ZIPCCL_CHECK_NATIVE=1: rank 1 passes a conjugated view of complex64 (whose memory holds
+    the unconjugated values) to the backend's all-to-all: what each rank raises."""
+    g = groups[4]
+    x = torch.complex(torch.arange(8.0), torch.ones(8))
+    old = zipccl.config.CHECK_NATIVE, zipccl.config.TIMEOUT
+    zipccl.config.CHECK_NATIVE, zipccl.config.TIMEOUT = True, 20.0
+    try:
+        zipccl.all_to_all_single(torch.empty_like(x), x.conj() if rank == 1 else x, group=g, codec="native")
+        return "no error", ""
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        return type(e).__name__, str(e)
+    finally:
+        zipccl.config.CHECK_NATIVE, zipccl.config.TIMEOUT = old
+
+
+def test_a_conjugated_view_is_refused_on_every_rank(pool):
+    """A conjugated view is refused before the exchange (torch's own calls refuse it too, as
+    view_as_real does): under ZIPCCL_CHECK_NATIVE every rank raises, none waits in the backend."""
+    res = pool.run(_conjugated, timeout=120)
+    assert res[1][0] == "UnsupportedError" and "conjugated" in res[1][1], res
+    assert all(r[0] == "MismatchError" and "rank(s) [1]" in r[1] for r in res[:1] + res[2:]), res
+
+
 def _strided_lists(rank, groups, codec):
     """The list form with strided inputs and outputs (columns of a row-major block), async,
     against gloo's own dist.all_to_all of the same tensors (which takes them)."""

@@ -838,22 +838,29 @@ def _activations(rank: int, numel: int) -> torch.Tensor:
     return activations(numel, seed=rank)
 
 
+def _drop_in_group(codec: str):
+    """A new drop-in group made with ZIPCCL_CODEC=``codec`` (read at the group's making, as
+    torch's variables are); the worker's setting as it was afterwards, for the tests after this one."""
+    import zipccl
+    old = os.environ.get("ZIPCCL_CODEC")
+    os.environ["ZIPCCL_CODEC"] = codec
+    try:
+        return dist.new_group(backend="zipccl")
+    finally:
+        if old is None:
+            del os.environ["ZIPCCL_CODEC"]
+        else:
+            os.environ["ZIPCCL_CODEC"] = old
+        zipccl.config.refresh()
+
+
 def _exchanges(rank, groups, codec):
     """dist.all_to_all_single (even and uneven), dist.all_to_all, dist.send/recv, isend/irecv and
     batch_isend_irecv of bf16, fp16 and fp32 activations on a drop-in group made with
     ZIPCCL_CODEC=``codec``, against the same calls on gloo: bit for bit; what zipccl counted."""
     import zipccl
     from test_alltoall import bits
-    old = os.environ.get("ZIPCCL_CODEC")
-    os.environ["ZIPCCL_CODEC"] = codec  # read again at the group's making, as torch's variables are
-    try:
-        g = dist.new_group(backend="zipccl")
-    finally:
-        if old is None:
-            del os.environ["ZIPCCL_CODEC"]
-        else:
-            os.environ["ZIPCCL_CODEC"] = old
-        zipccl.config.refresh()  # the worker's setting as it was, for the tests after this one
+    g = _drop_in_group(codec)
     gloo, n = groups["gloo"], dist.get_world_size()
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     bad, base = [], _activations(rank, 1 << 16)
@@ -967,6 +974,67 @@ def test_complex_and_the_list_forms_backend_call_through_the_drop_in(zpool):
         bad, calls, codec, wire = res
         assert bad == [], (rank, bad)
         assert (calls, codec, wire) == (1, "native", 0), res
+
+
+def _layouts_through_the_drop_in(rank, groups):
+    """Through the drop-in, against gloo's own calls (out of place), bit for bit: in place, a
+    circulant all_to_all_single and a list all-to-all under auto (one node), each twice, the
+    second once the nodes are known, where an idle queue hands the backend's call over at once;
+    then under ZIPCCL_CODEC=lossless a list all-to-all in which rank 0's tensors are strided and
+    its peers' contiguous, as torch lets them differ."""
+    import zipccl
+    from test_alltoall import bits
+    gloo, n = groups["gloo"], dist.get_world_size()
+    bad, g = [], dist.new_group(backend="zipccl")
+    parts = [700, 9000, 150, 3100]
+    ins, outs = [parts[(j - rank) % n] for j in range(n)], [parts[(rank - j) % n] for j in range(n)]
+    x = _activations(rank, sum(ins)).to(torch.bfloat16)
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x, outs, ins, group=gloo)
+    pieces = [_activations(10 * rank + j, 256).to(torch.bfloat16) for j in range(n)]
+    expect = [torch.empty_like(p) for p in pieces]
+    dist.all_to_all(expect, pieces, group=gloo)
+    for call in range(2):
+        buf = x.clone()
+        dist.all_to_all_single(buf, buf, outs, ins, group=g)
+        if not torch.equal(bits(buf), bits(want)):
+            bad.append(("in place, single", call))
+        got = [p.clone() for p in pieces]
+        dist.all_to_all(got, got, group=g)
+        if not all(torch.equal(bits(a), bits(b)) for a, b in zip(got, expect)):
+            bad.append(("in place, list", call))
+    dist.destroy_process_group(g)
+    g = _drop_in_group("lossless")
+    block = _activations(rank, n * 6 * 512).to(torch.bfloat16)
+    ins = [block[k * 3072:(k + 1) * 3072].view(6, 512) for k in range(n)]
+    wants = [torch.empty(6, 512, dtype=block.dtype) for _ in range(n)]
+    dist.all_to_all(wants, ins, group=gloo)
+    if rank == 0:
+        ins, gots = [x.t().contiguous().t() for x in ins], [torch.empty(512, 6, dtype=block.dtype).t() for _ in range(n)]
+    else:
+        gots = [torch.empty(6, 512, dtype=block.dtype) for _ in range(n)]
+    before = zipccl.config.TIMEOUT
+    zipccl.config.TIMEOUT = 30.0  # ranks that took different paths: a RankFailure, not a hang
+    zipccl.reset_stats()
+    try:
+        dist.all_to_all(gots, ins, group=g)
+    finally:
+        zipccl.config.TIMEOUT = before
+    if not all(torch.equal(bits(a), bits(b)) for a, b in zip(gots, wants)):
+        bad.append(("strided on rank 0, lossless",))
+    wire = zipccl.stats()["all_to_all"]["wire_bytes"]
+    dist.destroy_process_group(g)
+    return bad, wire
+
+
+def test_layouts_through_the_drop_in(zpool):
+    """An in-place all-to-all through the drop-in keeps its input until sent, whether the call
+    goes through zipccl's queue or straight to the backend; a list all-to-all whose layouts
+    differ across ranks takes one path on every rank (zipccl's packets, compressed)."""
+    for rank, res in enumerate(zpool().run(_layouts_through_the_drop_in, timeout=180)):
+        assert not isinstance(res, BaseException), f"rank {rank}: {res!r}"
+        bad, wire = res
+        assert bad == [] and wire > 0, (rank, res)
 
 
 def _empty_lists(rank, groups):

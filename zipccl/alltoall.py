@@ -69,8 +69,8 @@ def _native_single(group, output, input, out_splits, in_splits) -> None:
 
 
 def _native_list(group, outputs, inputs) -> None:
-    """The backend's list all-to-all; where the tensors differ in size (gloo's takes one size
-    only), its all_to_all_single on the tensors put end to end."""
+    """The backend's list all-to-all on the tensors' flat views; where they differ in size
+    (gloo's takes one size only), its all_to_all_single on the tensors put end to end."""
     if len({x.numel() for x in outputs + inputs}) > 1:
         out = outputs[0].new_empty(sum(x.numel() for x in outputs))
         _native_single(group, out, torch.cat([x.reshape(-1) for x in inputs]), [x.numel() for x in outputs],
@@ -79,7 +79,8 @@ def _native_list(group, outputs, inputs) -> None:
             x.copy_(part.view_as(x))
         return
     inputs = [x.clone() if any(overlaps(x, y) for y in outputs) else x for x in inputs]  # in place, as above
-    outputs, inputs = [_real(x) for x in outputs], [_real(x) for x in inputs]
+    # flat: gloo's list call takes one shape, not only one size (contiguous here: ``_dense``)
+    outputs, inputs = [_real(x).view(-1) for x in outputs], [_real(x).view(-1) for x in inputs]
     inner = underneath(group, inputs[0].device)
     work = dist.all_to_all(outputs, inputs, group=group, async_op=True) if inner is None else \
         inner.alltoall(outputs, inputs, dist.AllToAllOptions())

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from . import alltoall, api, config, executor, p2p, topology
+from .collectives.validation import overlaps
 from .format import DTYPE_CODES
 from .lossy import Compressor
 from .stats import record_native
@@ -318,8 +319,9 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def _takes(self, tensors, op=None, contiguous: bool = True) -> bool:
         """zipccl takes the call: not from inside zipccl, a codec other than native, dense float
         tensors of one dtype on a device zipccl takes (``takes_device``), an op zipccl reduces with;
-        contiguous ones, but for a message (``contiguous=False``), which zipccl.p2p takes in any
-        layout: its two ends, whose layouts may differ, must decide alike."""
+        contiguous ones, but for a message or a list all-to-all (``contiguous=False``), which
+        zipccl.p2p and zipccl.all_to_all take in any layout: ranks whose layouts may differ must
+        decide alike."""
         if getattr(_inside, "on", False) or self.codec == "native":
             return False
         if op is not None and _red_type(op) not in _ZIPCCL_OPS:
@@ -548,7 +550,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         out, src = _data([output, input])
         outs, ins = (list(s) if s else None for s in (output_split_sizes, input_split_sizes))
         native = self._compressor is None and alltoall.goes_native(self, (out, src), self.codec, self.options.algorithm)
-        if native and executor.idle():
+        if native and executor.idle() and not overlaps(out, src):  # in place: zipccl's, which keeps the input
             record_native("all_to_all")  # the backend's own, directly, as _own hands the collectives
             return self._passed(input).alltoall_base(output, input, list(output_split_sizes or []),
                                                         list(input_split_sizes or []),
@@ -565,12 +567,14 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def alltoall(self, outputs, inputs, opts=None):
         """``dist.all_to_all`` (list form): zipccl's all-to-all for dense float tensors."""
         async_op = getattr(opts, "asyncOp", True)
-        if not (len(outputs) == len(inputs) == self.size() and self._takes(list(outputs) + list(inputs))):
+        if not (len(outputs) == len(inputs) == self.size()
+                and self._takes(list(outputs) + list(inputs), contiguous=False)):
             return self._passed(_first(inputs)).alltoall(outputs, inputs, _options(dist.AllToAllOptions, opts))
         outs, ins = _data(outputs), _data(inputs)
         native = self._compressor is None and alltoall.goes_native(self, outs + ins, self.codec,
                                                                    self.options.algorithm)
-        if native and executor.idle() and len({x.numel() for x in outs + ins}) == 1:  # uneven: zipccl's way round
+        if native and executor.idle() and len({x.numel() for x in outs + ins}) == 1 \
+                and not any(overlaps(x, y) for x in outs for y in ins):  # uneven or in place: zipccl's way round
             record_native("all_to_all")  # gloo's list form, which takes one size only
             return self._passed(_first(inputs)).alltoall(outputs, inputs, _options(dist.AllToAllOptions, opts))
         return self._run(lambda: alltoall.all_to_all(outs, ins, group=self, codec=self.codec,

@@ -21,6 +21,8 @@ def _check_tensor(name: str, x) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_contiguous():
         raise UnsupportedError(f"{name} must be contiguous")
+    if x.is_conj() or x.is_neg():  # its memory holds other values than it reads as: resolved, as torch's calls want
+        raise UnsupportedError(f"{name} is a conjugated (or negated) view: pass x.resolve_conj() (resolve_neg())")
 
 
 def _check_device(t, *tensors: torch.Tensor) -> None:
