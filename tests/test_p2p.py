@@ -675,6 +675,54 @@ def test_a_sends_wait_honours_its_timeout(pool):
     assert res[1] is True and res[0][1] is True and isinstance(res[0][0], float) and 0.3 <= res[0][0] < 1.2, res
 
 
+def _waited_from_callbacks(rank, groups):
+    """Rank 0: a framed send's ``wait()`` called from a callback chained on the send's own future
+    (which completes on the send's completion lane, rank 1 receiving 1 s late), then a second
+    send to the same peer. Ranks 0 and 1: a ``batch_isend_irecv`` of a send and a receive to each
+    other, issued from a callback of an async call that still runs (so on zipccl's async thread,
+    where a receive runs at once). Each within 30 s, the messages intact."""
+    from zipccl import executor
+    if rank > 1:
+        return None
+    peer, x = 1 - rank, activations(20_000, seed=rank).to(torch.bfloat16)
+    old, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 20.0  # a hang: RankFailure within the test's time
+    try:
+        if rank == 1:
+            time.sleep(1)
+            got = [torch.empty_like(x) for _ in range(2)]
+            for y in got:
+                zipccl.recv(y, 0, codec="raw")
+            sent = activations(20_000, seed=0).to(torch.bfloat16)
+            own = all(torch.equal(bits(y), bits(sent)) for y in got)
+        else:
+            h = zipccl.isend(x, 1, codec="raw")
+            chained = h.get_future().then(lambda _: h.wait())
+            waiter = threading.Thread(target=chained.wait, daemon=True)
+            waiter.start()
+            waiter.join(30)
+            if waiter.is_alive():
+                return "a send's wait() in its own future's callback hung"
+            zipccl.isend(x, 1, codec="raw").wait(30)
+            own = True
+        got = torch.empty_like(x)
+        held = executor.submit(lambda: time.sleep(0.5))
+        batch = held.get_future().then(lambda _: zipccl.batch_isend_irecv(
+            [zipccl.P2POp(zipccl.isend, x, peer, codec="raw"), zipccl.P2POp(zipccl.irecv, got, peer, codec="raw")]))
+        for w in batch.wait():
+            w.wait(30)
+        theirs = activations(20_000, seed=peer).to(torch.bfloat16)
+        return own and torch.equal(bits(got), bits(theirs))
+    finally:
+        zipccl.config.TIMEOUT = old
+
+
+def test_waits_and_batches_issued_from_callbacks_complete(pool):
+    """A send's ``wait()`` may be called from a callback of its own future (as a chained
+    ``collect_all(...).then`` does), and a batch issued from a callback of an async call
+    completes whatever its list's order: its sends are queued before its receives run."""
+    assert pool.run(_waited_from_callbacks, timeout=120) == [True, True, None, None]
+
+
 def test_a_send_waits_for_queued_collectives_on_a_lane_and_not_on_the_queues_own_thread():
     """after_collectives (before a send, or a batch's messages for the backend): on a lane (a
     callback chained on a send's future, say) it waits for the collective queued before, which

@@ -23,8 +23,10 @@ one ``batch_isend_irecv`` (whatever the list's order) or as separate isend and i
 backend's own messages follow the backend's rules: on NCCL a batch's go in one batch of
 torch's (``batch_isend_irecv``), while separate isend and irecv calls to one peer share torch's
 NCCL stream, as with torch alone. What does block: a blocking ``recv`` before the send its peer
-waits for (on any backend), and a collective issued between a receive and the send its peer
-waits for, on both ranks (the collective waits for the receive; docs/USAGE.md).
+waits for (on any backend), a blocking ``send`` of a framed message before the receive its peer
+waits for (it returns with the receiver's verdict), and a collective issued between a receive
+and the send its peer waits for, on both ranks (the collective waits for the receive;
+docs/USAGE.md).
 
 A framed message's transport is its direction's (``transport_for(..., pair=...)``), made by
 its two ranks alone with the first message in that direction, on the threads that issue it (the
@@ -345,7 +347,8 @@ class _SendHandle(executor.Handle):
         the executor lane that completes its direction's sends in the background (one thread, and
         one store connection, for all of them); ``device``: the tensor's CUDA device, where it has one."""
         super().__init__()
-        self._complete, self._verdict, self._lock = complete, verdict, threading.Lock()
+        # reentrant: the future's callbacks run inside completing, and one may call wait()
+        self._complete, self._verdict, self._lock = complete, verdict, threading.RLock()
         self._unposted, self._lane, self._device = unposted, lane, device
         self._behind, self._behind_lock = False, threading.Lock()
         _start_passing_dropped()
@@ -641,8 +644,9 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
 
 
 def batch_isend_irecv(p2p_op_list: list) -> list:
-    """Like ``dist.batch_isend_irecv``: the receives are queued, the sends posted on this thread,
-    so the list's order never blocks it (two ranks may send to each other in one batch). Takes
+    """Like ``dist.batch_isend_irecv``: the receives are queued, the sends posted on their
+    lanes, so the list's order never blocks it (two ranks may send to each other in one batch,
+    from a callback of an async call's future too). Takes
     zipccl's or torch's P2POp; returns one handle per operation (none for one on a group that this
     rank is not in, as torch's). On a backend that batches
     (NCCL), the messages that go to it are one batch of torch's, as torch's call would make them,
@@ -667,12 +671,14 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
             s.tensor = s.tensor.clone()
     together = _coalesced(ops)
     batched = {id(op) for batch in together for op in batch}
-    # the receives first: queued, they wait on the async thread while this thread encodes and posts
-    # the sends (which never wait for them), so that this rank's decoding overlaps its encoding
+    sends = [op for op in ops if op.kind == "send" and id(op) not in batched]
+    # the receives first, queued on the async thread, the sends then posted on their lanes; but on
+    # that thread (a callback of an async call's future) a receive runs at once, so the sends first
+    first = {id(op): _send(op) for op in sends} if executor.running_queue() else {}
     handles = {id(op): _post_receive(op, True) for op in receives if id(op) not in batched}
     if together:
         after_collectives()
-    handles.update({id(op): _send(op) for op in ops if op.kind == "send" and id(op) not in batched})
+    handles.update(first or {id(op): _send(op) for op in sends})
     for batch in together:  # after the collectives queued before (after_collectives), as the sends
         for op in batch:
             record_native(op.kind)
