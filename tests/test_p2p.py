@@ -491,6 +491,51 @@ def test_a_send_that_could_not_be_posted_completes_with_its_error(pool):
     assert res[:2] == [(True, "no transport for this direction (test)"), "no transport for this direction (test)"], res
 
 
+def _a_send_lost_before_its_header(rank, groups):
+    """Rank 0's first framed send to rank 1 fails before its header leaves (its transport refused
+    once, on rank 0 alone), and rank 0 sends again; rank 1 receives once and gets the second
+    message. The verdict goes back under the number the sender gave the message (its header
+    carries it), not under a count of the receiver's own that the lost send left one behind: the
+    second send completes within the short bound, the message intact."""
+    from zipccl import p2p
+    if rank > 1:
+        return None
+    x = activations(20_000, seed=3).to(torch.bfloat16)
+    old, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 10.0
+    try:
+        if rank == 1:
+            got = torch.empty_like(x)
+            zipccl.recv(got, 0, codec="lossless")
+            return torch.equal(bits(got), bits(x))
+        real, refusals = p2p.transport_for, [1]
+
+        def once(group, device, pair=None):
+            if refusals:
+                refusals.pop()
+                raise RuntimeError("no transport this time (test)")
+            return real(group, device, pair=pair)
+
+        p2p.transport_for = once
+        try:
+            first = zipccl.isend(torch.zeros_like(x), 1, codec="lossless")
+            try:
+                first.wait()
+                lost = "no error"
+            except RuntimeError as e:
+                lost = str(e)
+            zipccl.isend(x, 1, codec="lossless").wait()
+        finally:
+            p2p.transport_for = real
+        return lost
+    finally:
+        zipccl.config.TIMEOUT = old
+
+
+def test_a_send_lost_before_its_header_shifts_no_verdict(pool):
+    res = pool.run(_a_send_lost_before_its_header, timeout=90)
+    assert res == ["no transport this time (test)", True, None, None], res
+
+
 def _first_calls(rank: int, port: int, results) -> None:
     """In a fresh job of four, the first zipccl calls are framed messages between ranks 0 and 1,
     both ways in one batch, then a send and a receive; ranks 2 and 3 wait in a barrier, which

@@ -425,7 +425,7 @@ def _send(op: _Op):
             before.join()
         fate, acc, sends = Fate.of("send", op.transport(), (dist.get_rank(), op.peer_job)), new_acc(), []
         state.append((fate, acc, sends))  # before posting, which may wait for the receiver (_not_posted)
-        sends += send_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)
+        sends += send_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate, op.seq)
         sent.append(True)
 
     posted = executor.on_lane(("send", _group_name(op.group), op.peer_job), post, (op.tensor,))
@@ -481,7 +481,8 @@ def _receive(op: _Op):
         return None
     fate, acc = Fate.of("recv", op.transport(), (op.peer_job, dist.get_rank())), new_acc()
     me, peer = op.t.global_rank(op.t.rank), op.t.global_rank(op.peer)
-    problem = receive_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)
+    problem, seq = receive_message(op.t, op.tensor.reshape(-1), op.peer, op.plan, op.sig, acc, fate)
+    verdict = Verdict(_group_name(op.group), peer, me, op.seq if seq is None else seq)  # the sender's number
     try:
         fate.check()
         status = 1 if problem else 0
@@ -489,9 +490,9 @@ def _receive(op: _Op):
         status = fate.code or poison(me, LOST)
         if problem is None and fate.lost:  # the sender is gone: nobody reads a verdict
             raise
-        Verdict(_group_name(op.group), peer, me, op.seq).give(op.sig, status)
+        verdict.give(op.sig, status)
         raise
-    Verdict(_group_name(op.group), peer, me, op.seq).give(op.sig, status)
+    verdict.give(op.sig, status)
     if problem:
         raise MismatchError(problem)
     if op.staged is not None:

@@ -40,7 +40,7 @@ from .resolve import _codec_id
 __all__ = ["Signature", "send_message", "receive_message", "Verdict"]
 
 _MAGIC = 0x7A703270  # "zp2p"
-_HEADER = 8  # magic, status, dtype, numel, codec argument, codec used, tag, pieces
+_HEADER = 9  # magic, status, dtype, numel, codec argument, codec used, tag, pieces, the message's number
 _CODEC_NAMES = ("auto", "native", "raw", "lossless")
 
 
@@ -114,15 +114,15 @@ def _encode(codec, piece: torch.Tensor, acc: dict) -> torch.Tensor:
     return codec.encode(piece) if codec is PLAIN else timed(acc, "codec_seconds", codec.encode, piece)
 
 
-def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict, fate: Fate) -> list:
+def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict, fate: Fate, seq: int) -> list:
     """Post the message of ``x`` (flat, contiguous) to group rank ``peer``, each piece encoded with
     ``codec`` (PLAIN: its bytes) as the previous one leaves: the handles of its sends, to be waited
-    for later. Nothing here waits for the peer's data, but on NCCL a group call may wait for the
+    for later. ``seq``: the message's number on the pair, under which the receiver's verdict comes. Nothing here waits for the peer's data, but on NCCL a group call may wait for the
     peer to post its receive (the caller posts on a lane of its own: zipccl.p2p)."""
     itemsize = x.element_size()
     cuts = _cuts(x.numel(), itemsize, codec is PLAIN)
     header = torch.tensor([_MAGIC, fate.code, sig.dtype, sig.numel, sig.codec, _codec_used_id(codec), sig.tag,
-                           len(cuts)], dtype=torch.int64)
+                           len(cuts), seq], dtype=torch.int64)
     sends = []
     with t.grouped():
         sends.append(fate.send(t, header, peer, _TAG_P2P))
@@ -144,21 +144,24 @@ def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict
     return sends
 
 
-def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc: dict, fate: Fate) -> str | None:
+def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc: dict,
+                    fate: Fate) -> tuple[str | None, int | None]:
     """Receive group rank ``peer``'s message into ``out`` (flat, contiguous), waiting for each part
     (this blocks until the sender has posted it), decoded with ``codec`` (the one this end's
     signature and link choose: the sender's must be the same). Returns the mismatch's words where
-    the two signatures differ (the pieces were drained), else None; failures go to ``fate``."""
+    the two signatures differ (the pieces were drained), else None, and the message's number on
+    the pair as its sender counted it (None where no header came), under which the verdict goes
+    back; failures go to ``fate``."""
     header = torch.zeros(_HEADER, dtype=torch.int64)
     with t.grouped():
         work = fate.recv(t, header, peer, _TAG_P2P)
     if not timed(acc, "comm_seconds", fate.wait, t, work, peer):
-        return None
-    magic, status, *values, used, tag, count = header.tolist()
+        return None, None
+    magic, status, *values, used, tag, count, seq = header.tolist()
     if magic != _MAGIC:
         fate.fail(OTHER, FormatError(f"rank {t.global_rank(peer)} sent no zipccl message header (a send and a "
                                      f"receive with different codecs, one native?)"), rank=t.global_rank(peer))
-        return None
+        return None, None
     if status:
         fate.heard(status)
     theirs = Signature(*values[:3], tag)
@@ -172,7 +175,7 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
     if len(cuts) != count:
         fate.fail(OTHER, FormatError(f"rank {t.global_rank(peer)} announced {count} pieces for {theirs.numel} "
                                      f"elements, not {len(cuts)}"), rank=t.global_rank(peer))
-        return problem
+        return problem, seq
 
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in cuts]
     size_works, flights = {}, []  # flights: (k, size, buffer, work), oldest first
@@ -220,16 +223,16 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
         for k, buf, work in posted:
             size = size_of(k)
             if size is None:
-                return problem
+                return problem, seq
             land(k, size, buf, work)
-        return problem
+        return problem, seq
     if cuts:
         with t.grouped():
             size_works[0] = fate.recv(t, sizes[0], peer, _TAG_P2P)
     for k in range(len(cuts)):
         size = size_of(k)
         if size is None:
-            return problem
+            return problem, seq
         buf = landing(k, size)
         with t.grouped():  # this piece's packet, and the next piece's size behind it
             flights.append((k, size, buf, fate.recv(t, buf, peer, _TAG_P2P)))
@@ -239,7 +242,7 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
             land(*flights.pop(0))
     while flights:
         land(*flights.pop(0))
-    return problem
+    return problem, seq
 
 
 def _decode(codec, packet: torch.Tensor, out: torch.Tensor, fate: Fate, t, peer: int, acc: dict) -> None:
@@ -253,7 +256,8 @@ class Verdict:
     """The receiver's word on one message, through the job's store (on this thread's own
     connection: zipccl.transport.store): its signature and status (0, 1 for a mismatch, else a
     poison code of zipccl.failure). Key: the group, the pair (job ranks) and the message's number
-    on that pair, counted alike by both ends."""
+    on that pair, as its sender counted it and its header says (a send that failed before its
+    header left, or messages on two transports of one pair, never shift the receiver's verdicts)."""
 
     def __init__(self, group_name: str, src: int, dst: int, seq: int):
         self.key = f"zipccl/p2p/{group_name}/{src}>{dst}/{seq}"
