@@ -316,7 +316,29 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
             work.wait()
         return int((got.cpu() != ids(peer)).sum())
 
+    def premul_sum():
+        """dist.all_reduce and reduce_scatter_tensor with NCCL's PREMUL_SUM (a factor of 1/3, which
+        bf16 rounds) on a drop-in group under auto (8 KiB: the backend's own), with nothing queued
+        and behind an async call in zipccl's queue, against a plain NCCL group's calls: elements
+        differing. Rank 0's values alone are nonzero, so that no order of the sum rounds."""
+        zgroup, ngroup = dist.new_group(list(range(n)), backend="zipccl"), dist.new_group(list(range(n)), backend="nccl")
+        x = (torch.arange(4096, dtype=torch.float32).remainder(301) * (rank == 0)).to(torch.bfloat16).cuda()
+        want_ar, want_rs = x.clone(), torch.empty(4096 // n, dtype=torch.bfloat16, device="cuda")
+        dist.all_reduce(want_ar, op=dist._make_nccl_premul_sum(1 / 3), group=ngroup)
+        dist.reduce_scatter_tensor(want_rs, x, op=dist._make_nccl_premul_sum(1 / 3), group=ngroup)
+        diffs = []
+        for queued in (False, True):
+            busy = zipccl.executor.submit(lambda: time.sleep(0.3)) if queued else None
+            y, rs = x.clone(), torch.empty_like(want_rs)
+            dist.all_reduce(y, op=dist._make_nccl_premul_sum(1 / 3), group=zgroup)
+            dist.reduce_scatter_tensor(rs, x, op=dist._make_nccl_premul_sum(1 / 3), group=zgroup)
+            if busy is not None:
+                busy.wait()
+            diffs += [int((y != want_ar).sum()), int((rs != want_rs).sum())]
+        return diffs
+
     check("flat", flat)
+    check("premul_sum", premul_sum)
     check("all_to_all_and_point_to_point", all_to_all_and_point_to_point)
     check("hierarchical", hierarchical)
     check("topk", topk)
@@ -333,7 +355,8 @@ def _entry_points(rank: int, n: int, port: int, results) -> None:
 def test_every_entry_point_on_cuda_tensors(monkeypatch):
     """4 ranks, two emulated nodes of two (ZIPCCL_TOPOLOGY=2x2): flat and hierarchical (async)
     all-reduce, reduce-scatter and all-gather, lossless, raw and native-inside/lossless-between,
-    give plain torch's bits (values whose sums are exact in any order); all-to-all and send/recv
+    give plain torch's bits (values whose sums are exact in any order); NCCL's PREMUL_SUM through
+    the drop-in is NCCL's whether or not a call is queued before it; all-to-all and send/recv
     (where this checkout has them) move the bits; top-k 1% equals each rank's top 1% added in
     rank order; DDP and FSDP2 over the drop-in backend (DDP's default policy and lossless;
     FSDP2's own comms and zipccl.fsdp's) match plain torch's mean gradient to fp32 rounding, DDP
@@ -353,6 +376,7 @@ def test_every_entry_point_on_cuda_tensors(monkeypatch):
     for r, out in enumerate(res):
         assert all(d == [0, 0, 0] for d in out["flat"].values()), (r, out["flat"])
         assert out["all_to_all_and_point_to_point"] == (0, 0, 0, 0, 0), (r, out["all_to_all_and_point_to_point"])
+        assert out["premul_sum"] == [0, 0, 0, 0], (r, out["premul_sum"])
         assert all(d == [0, 0, 0] for d in out["hierarchical"].values()), (r, out["hierarchical"])
         for name in ("fsdp2_dropin", "fsdp2_zipccl_comms"):
             assert out[name] < 1e-5, (r, name, out[name])

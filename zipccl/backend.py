@@ -390,9 +390,13 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                                                                                     op)):
             return self._passed(_first(tensors)).allreduce(tensors, _options(dist.AllreduceOptions, opts, op))
         zop, factor, x = _ZIPCCL_OPS[_red_type(op)], _factor(op), tensors[0].data
-        lossy = self._lossy_name(x, zop)
+        lossy, options = self._lossy_name(x, zop), _options(dist.AllreduceOptions, opts, op)
 
         def fn():
+            if own is None:  # the backend's, as an idle rank's (NCCL's PREMUL_SUM too), behind the queued calls
+                record_native("all_reduce")
+                self._passed(x).allreduce(tensors, options).wait()
+                return
             if factor is not None:
                 x.mul_(factor)
             if lossy is not None:
@@ -441,8 +445,13 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                 output, input, _options(dist.ReduceScatterOptions, opts, op))
         zop, factor = _ZIPCCL_OPS[_red_type(op)], _factor(op)
         out, data = _data([output, input])
+        options = _options(dist.ReduceScatterOptions, opts, op)
 
         def fn():
+            if own is None:  # the backend's, as an idle rank's (NCCL's PREMUL_SUM too), behind the queued calls
+                record_native("reduce_scatter")
+                self._passed(input)._reduce_scatter_base(output, input, options).wait()
+                return
             src = data if factor is None else data * factor
             api.reduce_scatter(out, src, zop, group=self, codec=self.codec, algorithm=self.options.algorithm)
         return self._run(fn, [output], async_op, [input], groups=own is False)
