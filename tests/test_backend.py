@@ -486,6 +486,41 @@ def test_a_passed_through_call_follows_the_queued_ones(zpool):
     assert zpool().run(_pass_through_behind_queued, timeout=120) == [True] * 4
 
 
+def _callback_issues_a_call(rank, groups):
+    """An async all-reduce of the drop-in (lossless, queued behind a held call), a callback chained
+    on its future that all-reduces a tensor of its own (rank 0's callback 0.5 s late), and, once
+    ``wait()`` returns, a blocking all-reduce of another size on the caller's thread: torch wakes
+    the waiter before it runs the callbacks, so the caller's call must still come after the
+    callback's, on every rank, or the two meet crosswise (a mismatch, or a hang)."""
+    import time
+
+    import zipccl
+    g = groups["lossless"]
+    old, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 20.0
+    try:
+        held = zipccl.executor.submit(lambda: time.sleep(0.3))
+
+        def callback(_):
+            if rank == 0:
+                time.sleep(0.5)
+            a = torch.full((8,), rank + 1.0)
+            dist.all_reduce(a, group=g)
+            return a
+        w = dist.all_reduce(torch.ones(1 << 16), group=g, async_op=True)
+        f = w.get_future().then(callback)
+        w.wait()
+        b = torch.full((16,), 10.0 * (rank + 1))
+        dist.all_reduce(b, group=g)
+        held.wait()
+        return bool((f.wait() == 10).all()) and bool((b == 100).all())
+    finally:
+        zipccl.config.TIMEOUT = old
+
+
+def test_a_call_after_wait_comes_after_the_calls_of_the_futures_callbacks(zpool):
+    assert zpool().run(_callback_issues_a_call, timeout=120) == [True] * 4
+
+
 def _slow_peer(rank, groups, seconds):
     """Rank 1 enters the call ``seconds`` late: the others' Work.wait(timeout) runs out first,
     then their wait() returns with the result."""

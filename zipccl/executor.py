@@ -48,6 +48,14 @@ class Handle:
         done = self._done  # not self: the future's callback lives in C++, where the collector cannot
         self._future.add_done_callback(lambda _: done.set())  # see a cycle back to this handle
         self._device_end = None  # (device, CUDA event after the call's device work), set by the worker
+        self._settled = None  # a worker's task: set once its future's callbacks have run too (``_ended``)
+
+    def _ended(self) -> threading.Event:
+        """Set once the call has ended and, for a call that a worker thread ran, its future's
+        callbacks have returned: torch wakes a future's waiters before it runs the callbacks, and a
+        callback may issue calls of its own (a DDP hook's ``then``), which must come before any
+        call that a caller issues once the queue is idle (``idle``, ``drain``)."""
+        return self._settled or self._done
 
     def wait(self, timeout=None) -> bool:
         """Wait for the call (and raise its error); the current CUDA stream then waits for its
@@ -134,6 +142,7 @@ def _worker(q: queue.Queue, lane=None) -> None:
         except BaseException as e:  # surfaced by wait()
             handle._future.set_exception(e)
         finally:  # nothing of a finished task kept while this thread waits for the next (its tensors)
+            handle._settled.set()  # the future's callbacks, run inside set_result, have returned
             fn = handle = start = tensors = result = task = None
 
 
@@ -186,7 +195,7 @@ def drain() -> None:
     thread, which runs them."""
     last = _last
     if last is not None and not running_queue():
-        last._done.wait()
+        last._ended().wait()
 
 
 def running_queue() -> bool:
@@ -202,7 +211,7 @@ def on_its_lane(key) -> bool:
 def idle() -> bool:
     """Whether no async call is queued or running: a call issued now is next on the group."""
     last = _last
-    return last is None or last._done.is_set()
+    return last is None or last._ended().is_set()
 
 
 def on_lane(key, fn, tensors=()) -> Handle:
@@ -232,7 +241,9 @@ def _task(fn, tensors) -> tuple:
     its CUDA tensors)."""
     tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
     start = _issued_on(tensors)
-    return fn, Handle(device=None if start is None else start[0]), start, tensors
+    handle = Handle(device=None if start is None else start[0])
+    handle._settled = threading.Event()
+    return fn, handle, start, tensors
 
 
 def _inline(fn) -> Handle:
@@ -288,7 +299,7 @@ def wait_all(timeout: float | None = None) -> bool:
         handles = [h for h in (_last, *_lane_last.values()) if h is not None]
     deadline = None if timeout is None else time.monotonic() + timeout
     for handle in handles:
-        if not handle._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if not handle._ended().wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
             return False
     return True
 
