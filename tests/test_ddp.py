@@ -209,6 +209,20 @@ class _TwoLinear(torch.nn.Module):
         return self.b(self.a(x))
 
 
+class _TwoWeights(torch.nn.Module):
+    """One bucket of two weights of one shape, which DDP's rebuild swaps (b, a before it; a's
+    gradient ready first): the bucket's shapes in order, so its key, stay the same."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.b = torch.nn.Linear(64, 64, bias=False)
+        self.a = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.a(self.b(x))
+
+
 def _after_rebuild(rank, groups):
     """Three backward passes of the same input under the top-k hook with rules that keep the
     biases exact: each step's gradients, the bucket's order each step, the residuals kept; and
@@ -270,7 +284,7 @@ def test_rules_and_residuals_follow_ddps_rebuilt_bucket(pool):
     assert res[0]["restored_numel"] == [2 * 4096] and res[0]["named"] is True, res[0]
 
 
-def _resumed(rank, groups, steps, saved_after):
+def _resumed(rank, groups, steps, saved_after, like_shapes=False):
     """``steps`` backward passes of the same input under the top-k hook (biases kept exact),
     each step's weight gradients as the hook leaves them; with ``saved_after``, the state is
     pickled after that many steps and restored into a new model and DDP (its buckets as before
@@ -280,8 +294,10 @@ def _resumed(rank, groups, steps, saved_after):
     g = groups[2]
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
 
+    make = _TwoWeights if like_shapes else _TwoLinear
+
     def job(state=None):
-        model = _TwoLinear()
+        model = make()
         if state is None:
             state = zipccl.ddp.State(group=g, codec="topk", density=0.05, model=model,
                                      rules=zipccl.rules.LayerRules(min_numel=0))
@@ -299,7 +315,7 @@ def _resumed(rank, groups, steps, saved_after):
         ddp.zero_grad()
         ddp(x).square().mean().backward()
         got.append({n: p.grad.clone() for n, p in model.named_parameters() if n.endswith("weight")})
-    local = _TwoLinear()
+    local = make()
     local(x).square().mean().backward()
     return dict(got=got, local={n: p.grad.clone() for n, p in local.named_parameters() if n.endswith("weight")})
 
@@ -330,13 +346,15 @@ def _error_feedback(local: list[dict], steps: int, density: float) -> list[dict]
     return out
 
 
+@pytest.mark.parametrize("like_shapes", [False, True], ids=["biases", "like shapes"])
 @pytest.mark.parametrize("saved_after", [None, 2])
-def test_error_feedback_is_exact_across_ddps_rebuild_and_a_restored_checkpoint(pool, saved_after):
+def test_error_feedback_is_exact_across_ddps_rebuild_and_a_restored_checkpoint(pool, saved_after, like_shapes):
     """Each step's weight gradients are plain torch's top-k with error feedback: across DDP's
     bucket rebuild after the first step (the residual follows its parameters into the new
-    bucket), and (``saved_after``) across a checkpoint saved after the rebuild and restored into
+    bucket, under another key, or under the same one where the bucket's shapes in order are the
+    same), and (``saved_after``) across a checkpoint saved after the rebuild and restored into
     a new DDP, whose first step has the buckets as before it."""
-    res = pool.run(_resumed, 4, saved_after, timeout=120)[:2]
+    res = pool.run(_resumed, 4, saved_after, like_shapes, timeout=120)[:2]
     assert all(not isinstance(r, BaseException) for r in res), res
     want = _error_feedback([r["local"] for r in res], 4, 0.05)
     for step in range(4):
@@ -426,17 +444,32 @@ def test_the_entropy_rate_decides_where_the_first_bucket_is_exact(pool):
     assert res[0]["densities"] == res[1]["densities"]
 
 
-def test_a_bucket_of_the_same_shapes_but_other_parameters_starts_afresh():
+def test_a_bucket_of_the_same_shapes_but_other_parameters_takes_its_residual_by_name():
     """Two weights of one shape swapped in a bucket keep its key (shapes in order), but not its
-    residual or layout, which belong to the parameters that were there."""
-    state = zipccl.ddp.State(codec="topk", density=0.1)
+    layout, and its residual follows the parameters (by their names), not the positions; without
+    names (no model given) it starts afresh."""
+    from zipccl.ddp import _key, _parts, _relayout, _take_residual
     w1, w2, bias = (torch.nn.Parameter(torch.zeros(s)) for s in ((4, 4), (4, 4), (4,)))
-    key = zipccl.ddp._key(state, 0, [w1, w2, bias])
-    state.residuals.store[key], state.layouts[key] = torch.ones(36), ([(0, 32)], [(32, 36)])
-    assert zipccl.ddp._key(state, 0, [w1, w2, bias]) == key and key in state.residuals.store  # the same bucket
-    assert zipccl.ddp._key(state, 0, [w2, w1, bias]) == key
-    assert key not in state.residuals.store and key not in state.layouts
-    assert zipccl.ddp._key(state, 0, [bias, w1, w2]) != key  # another order of shapes: another key
+    for named in (True, False):
+        state = zipccl.ddp.State(codec="topk", density=0.1, rules=None)  # every parameter lossy
+        state.names = {id(w1): "w1", id(w2): "w2", id(bias): "bias"} if named else {}
+
+        def step(params):
+            key, changed = _key(state, 0, params)
+            _relayout(state, key, _parts(state, params, 36), changed)
+            _take_residual(state, key)
+            return key
+        key = step([w1, w2, bias])
+        state.residuals.store[key], state.layouts[key] = torch.arange(36.0), ([(0, 32)], [(32, 36)])
+        assert step([w1, w2, bias]) == key and torch.equal(state.residuals.store[key], torch.arange(36.0))
+        assert step([w2, w1, bias]) == key and key not in state.layouts
+        if named:  # w2's residual first now, then w1's, then the bias's
+            want = torch.cat([torch.arange(16.0, 32.0), torch.arange(16.0), torch.arange(32.0, 36.0)])
+            assert torch.equal(state.residuals.store[key], want), state.residuals.store[key]
+            assert list(state.residuals.store) == [key] and list(state.parts) == [key]  # nothing left aside
+        else:
+            assert key not in state.residuals.store
+        assert _key(state, 0, [bias, w1, w2])[0] != key  # another order of shapes: another key
 
 
 def test_segments_of_a_bucket():

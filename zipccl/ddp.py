@@ -156,12 +156,11 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     if bucket.is_last():
         state.iterations += 1
     if state.lossy:
-        key = _key(state, index, bucket.parameters())
+        key, changed = _key(state, index, bucket.parameters())
         if state.rules is not None and key not in state.layouts:
             state.layouts[key] = segments(state.rules, bucket.parameters(), state.names, buffer.numel())
         layout = state.layouts.get(key)
-        if key not in state.parts:
-            state.parts[key] = _parts(state, bucket.parameters(), buffer.numel())
+        parts = _parts(state, bucket.parameters(), buffer.numel())
         # the entropy rate decides on the step's first bucket with a lossy part (the same on every
         # rank: the same model, the same layouts), not on bucket 0, which the rules may keep exact
         first = (layout is None or bool(layout[0])) and state.first_lossy != step
@@ -176,7 +175,7 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
                 del state.members[k]
                 state.layouts.pop(k, None)
         api.make_groups(state.group, "lossless", "flat")  # what _split's flat collectives make, made here
-        handle = collectives.submit(lambda: _split(state, step, key, buffer, layout, first, stale))
+        handle = collectives.submit(lambda: _split(state, step, key, buffer, layout, first, stale, parts, changed))
     else:
         handle = api.all_reduce(buffer, op=dist.ReduceOp.AVG, group=state.group, async_op=True,
                                 codec=state.codec, algorithm=state.algorithm)
@@ -189,29 +188,50 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     return handle.get_future().then(done)
 
 
-def _key(state: State, index: int, params: list) -> tuple:
+def _key(state: State, index: int, params: list) -> tuple[tuple, bool]:
     """A bucket's key for its layout and residual: its index and its parameters' shapes in order,
     which DDP's rebuild after the first step changes (the order in which gradients became ready:
     a bias before its weight), so that neither is applied at another parameter's positions (a new
     key's residual is made of the old one's: ``_take_residual``), and which a checkpoint's
-    residuals keep. Where the same shapes now hold other parameters (this
-    process's ids), the key's layout and residual start afresh."""
+    residuals keep; and whether the same shapes now hold other parameters (this process's ids:
+    DDP's rebuild of a bucket of like shapes), whose layout is then made afresh and whose
+    residual moves to them by name (``_relayout``)."""
     key = (index, tuple(tuple(p.shape) for p in params))
     members = tuple(id(p) for p in params)
-    if state.members.get(key, members) != members:
+    changed = state.members.get(key, members) != members
+    if changed:
         state.layouts.pop(key, None)
-        state.parts.pop(key, None)
-        state.residuals.store.pop(key, None)
     state.members[key] = members
-    return key
+    return key, changed
 
 
-def _split(state: State, step: int, key, buffer: torch.Tensor, layout, first: bool, stale: list) -> dict:
+def _relayout(state: State, key, parts, changed: bool) -> None:
+    """Bucket ``key``'s parameters as this step has them, ``parts`` (``_parts``): where they are
+    not those its residual holds, in that order (DDP's rebuild of a bucket of like shapes; a
+    checkpoint's bucket restored into a DDP before its rebuild), the residual moves aside, under
+    its parameters' names, for ``_take_residual`` to take by name; without names (no ``model``
+    given), where ``changed`` says the parameters changed, it is dropped. On zipccl's thread,
+    which alone touches the residuals while the step's buckets run."""
+    held = state.parts.get(key, parts)
+    if held != parts or (parts is None and changed):
+        residual = state.residuals.store.pop(key, None)
+        if residual is not None and held:
+            n = 0
+            while ("moved", key, n) in state.parts:
+                n += 1
+            state.residuals.store["moved", key, n], state.parts["moved", key, n] = residual, held
+    state.parts[key] = parts
+
+
+def _split(state: State, step: int, key, buffer: torch.Tensor, layout, first: bool, stale: list, parts,
+           changed: bool) -> dict:
     """On zipccl's thread (so the entropy estimate's small all-reduces cannot race the traffic):
-    the lossy ranges of the bucket through top-k, the exact ones lossless (in the same packet
-    where zipccl.lossy can: one collective per bucket instead of two), counters summed; then the
+    the bucket's residual where its parameters are (``_relayout``, ``_take_residual``); the lossy
+    ranges of the bucket through top-k, the exact ones lossless (in the same packet where
+    zipccl.lossy can: one collective per bucket instead of two), counters summed; then the
     residuals of ``stale`` keys (buckets the step no longer has) are dropped."""
     try:
+        _relayout(state, key, parts, changed)
         _take_residual(state, key)
         return _split_one(state, step, key, buffer, layout, first)
     finally:
