@@ -254,6 +254,8 @@ def _replicate(module: FSDPModule, group, codec, held: dict, output: torch.Tenso
         output += partial
     factor = getattr(group_state, "gradient_divide_factor", None)
     op = dist.ReduceOp.SUM if factor is not None else dist.ReduceOp.AVG
+    if output.is_cuda:  # made on FSDP's reduce-scatter stream, which may drop it (a cast to the parameters'
+        output.record_stream(torch.cuda.current_stream(output.device))  # dtype) while this stream still reduces it
     api.all_reduce(output, op=op, group=group, codec=_exact_codec(codec, output.dtype))
 
 
