@@ -117,8 +117,10 @@ def _encode(codec, piece: torch.Tensor, acc: dict) -> torch.Tensor:
 def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict, fate: Fate, seq: int) -> list:
     """Post the message of ``x`` (flat, contiguous) to group rank ``peer``, each piece encoded with
     ``codec`` (PLAIN: its bytes) as the previous one leaves: the handles of its sends, to be waited
-    for later. ``seq``: the message's number on the pair, under which the receiver's verdict comes. Nothing here waits for the peer's data, but on NCCL a group call may wait for the
-    peer to post its receive (the caller posts on a lane of its own: zipccl.p2p)."""
+    for later. ``seq``: the message's number on the pair, which its header carries and under
+    which the receiver's verdict comes. Nothing here waits for the peer's data, but on NCCL a
+    group call may wait for the peer to post its receive (the caller posts on a lane of its own:
+    zipccl.p2p)."""
     itemsize = x.element_size()
     cuts = _cuts(x.numel(), itemsize, codec is PLAIN)
     header = torch.tensor([_MAGIC, fate.code, sig.dtype, sig.numel, sig.codec, _codec_used_id(codec), sig.tag,
