@@ -161,6 +161,29 @@ def test_native_levels_on_verifiable_data(pool):
         assert all(r.values()), r
 
 
+def _levels_timeouts(rank, groups):
+    """A group of the whole job made with a 7 s timeout, its first hierarchical call on two
+    emulated nodes: the timeouts of its levels and of its second gloo group (torch's new_group
+    gives a group its backend's default, 30 minutes, unless told)."""
+    import datetime
+
+    from zipccl.transport import torch_dist
+    g = dist.new_group(list(range(4)), timeout=datetime.timedelta(seconds=7))
+    with emulated("2x2"):
+        x = torch.ones(5000)
+        zipccl.all_reduce(x, group=g, codec="lossless", algorithm="hierarchical")
+        lv, cpu = zipccl.topology.levels(g), torch.device("cpu")
+        made = [torch_dist._own_timeout(h, cpu) for h in (lv.intra, lv.inter, torch_dist._twin(g))]
+    dist.destroy_process_group(g)
+    return bool((x == 4).all()), made
+
+
+def test_levels_keep_their_groups_timeout(pool):
+    """A rank that stops inside a level is waited for as long as on the group itself, not 30 minutes."""
+    res = pool.run(_levels_timeouts, timeout=120)
+    assert res == [(True, [7.0, 7.0, 7.0])] * 4, res
+
+
 def _auto(rank, groups, shape, calls):
     """codec="auto" on two levels: every plan is tried, the same way on every rank, and every
     result is exact (verifiable data: all plans give the same bits)."""

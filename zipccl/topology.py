@@ -37,7 +37,7 @@ from . import config, lifetime
 from .errors import MismatchError, UnsupportedError
 from .transport import heartbeat
 from .transport.shm import NodeMemory
-from .transport.torch_dist import group_collective, wire_device
+from .transport.torch_dist import group_collective, timeout_of, wire_device
 
 __all__ = ["Topology", "Levels", "topology", "levels", "known", "parse", "claim", "from_claims", "nvml_link",
            "link_between", "forget", "on_forget", "LINKS", "agreed_link", "shares_memory", "same_node", "publish_node"]
@@ -330,8 +330,9 @@ def levels(group=None) -> Levels | None:
             return bool(flag.item())
 
         def make() -> Levels:
-            intra = [dist.new_group([ranks[r] for r in node], backend=backend) for node in topo.nodes]
-            inter = [dist.new_group([ranks[node[j]] for node in topo.nodes], backend=backend)
+            timeout = timeout_of(group)  # the group's own: new_group's default is its backend's
+            intra = [dist.new_group([ranks[r] for r in node], backend=backend, **timeout) for node in topo.nodes]
+            inter = [dist.new_group([ranks[node[j]] for node in topo.nodes], backend=backend, **timeout)
                      for j in range(topo.local_size)]
             node, local = topo.node_of(me), topo.local_rank(me)
             memory = NodeMemory.available(intra[node], local, topo.local_size, agree) if shares_memory(backend) \

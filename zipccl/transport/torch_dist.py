@@ -143,6 +143,15 @@ def _own_timeout(group, device: torch.device) -> float | None:
         return None
 
 
+def timeout_of(group) -> dict:
+    """``new_group``'s keyword for a group made for ``group`` (its levels, its twin): the group's
+    own timeout, which torch's new_group does not inherit (it takes its backend's default, 30
+    minutes), so that a wait there is bounded as on ``group`` itself; none where ``group``'s
+    backend does not say (the drop-in's)."""
+    seconds = _own_timeout(group, wire_device(dist.get_backend(group)))
+    return {} if seconds is None else {"timeout": datetime.timedelta(seconds=seconds)}
+
+
 def underneath(group, device: torch.device):
     """For a group of zipccl's drop-in backend ("zipccl"), the backend under it for tensors on
     ``device`` (gloo, NCCL), whose calls never come back into zipccl; None for any other group
@@ -183,7 +192,7 @@ def _twin(group):
     with _twins_lock:
         if key not in _twins:
             ranks = dist.get_process_group_ranks(key)
-            twin = heartbeat.bounded(lambda: dist.new_group(ranks, backend="gloo"), ranks,
+            twin = heartbeat.bounded(lambda: dist.new_group(ranks, backend="gloo", **timeout_of(key)), ranks,
                                      "making the group's second gloo group, at its first call")
             _twins[key] = twin if dist.get_process_group_ranks(twin) == ranks else None  # same rank order
         return _twins[key]
