@@ -294,6 +294,7 @@ def test_gpu_for():
     assert launch.gpu_for(0, 1) == 0
     assert launch.gpu_for(3, 8) == 3                       # one GPU per local rank
     assert launch.gpu_for(3, 1, share_gpu=True) == 0       # the lab: every rank on GPU 0
+    assert launch.gpu_for(3, 1) == 0                       # one GPU per task (srun --gpus-per-task=1)
     with pytest.raises(UnsupportedError, match="local rank 2 has no CUDA device of its own.*share_gpu=True"):
         launch.gpu_for(2, 2)
     for share in (False, True):

@@ -110,11 +110,14 @@ def lab_env(rank: int, ifname: str = "lo") -> dict[str, str]:
 
 
 def gpu_for(local_rank: int, ngpus: int, share_gpu: bool = False) -> int:
-    """The CUDA device of a rank: 0 for every rank of the one-GPU lab, else one GPU per local rank."""
+    """The CUDA device of a rank: 0 for every rank of the one-GPU lab, and where the process sees
+    one GPU alone (a launcher that gives each rank its own through CUDA_VISIBLE_DEVICES, as
+    ``srun --gpus-per-task=1`` does; ranks that in fact share it meet NCCL's own refusal of one
+    GPU twice), else one GPU per local rank."""
     if ngpus < 1:
         raise UnsupportedError("these ranks run on CUDA, and torch finds no CUDA device here "
                                "(torch.cuda.is_available() is False)")
-    if share_gpu:
+    if share_gpu or ngpus == 1:
         return 0
     if local_rank >= ngpus:
         raise UnsupportedError(f"local rank {local_rank} has no CUDA device of its own ({ngpus} here): run at most "
