@@ -825,6 +825,49 @@ def _strided_once_under_auto(rank, groups):
     return seen
 
 
+def _mismatch_across_classes(rank, groups):
+    """codec "auto" on a new group of ranks 0 and 1: a valid 2 MiB fp32 call and a valid 1 MiB
+    bf16 one (two classes of the policy), then one where rank 0 passes the first and rank 1 the
+    second (a MismatchError on both: each rank stepped its own class), then three valid 2 MiB
+    fp32 calls: their results, and both ranks' policy steps."""
+    from zipccl import collectives as C
+    g = dist.new_group([0, 1])
+    if rank > 1:
+        return None
+    old, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 20.0  # ranks out of step: an error, not a hang
+
+    def call(kind):
+        x = torch.full((1 << 19,), float(rank + 1)) if kind == "fp32" else \
+            torch.full((1 << 19,), float(rank + 1), dtype=torch.bfloat16)
+        zipccl.all_reduce(x, group=g)
+        return bool((x == 3).all())
+    try:
+        got = [call("fp32"), call("bf16")]
+        try:
+            call("fp32" if rank == 0 else "bf16")
+            got.append("no error")
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            got.append(type(e).__name__)
+        for _ in range(3):
+            try:
+                got.append(call("fp32"))
+            except Exception as e:  # noqa: BLE001 - the test asserts on it
+                got.append(type(e).__name__)
+        return got, sorted(C.auto_policy(g).calls.items())
+    finally:
+        zipccl.config.TIMEOUT = old
+
+
+def test_a_mismatch_across_classes_keeps_auto_in_step(pool):
+    """A call whose ranks disagree on its class (dtype, size) steps a different class of auto's
+    policy on each rank: the step is taken back where the call raises, or the ranks' later
+    choices differ (a spurious mismatch, then one rank in the backend's collective and the other
+    in zipccl's exchange)."""
+    res = pool.run(_mismatch_across_classes, timeout=180)[:2]
+    assert res[0][0] == res[1][0] == [True, True, "MismatchError", True, True, True], res
+    assert res[0][1] == res[1][1], res
+
+
 def test_a_call_that_one_rank_gets_wrong_keeps_auto_in_step(pool):
     res = pool.run(_strided_once_under_auto, timeout=120)[:2]
     assert [c for c, _ in res[0]] == [c for c, _ in res[1]], res  # the same policy steps

@@ -10,6 +10,7 @@ module sits above collectives, hierarchical and lossy and dispatches to them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -301,7 +302,8 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             if chosen is None and not per_level and dist.is_initialized():  # the fast path took the step already
                 return C.refuse_in_step(name, group, group, output, input, op, codec, numel, nbytes,
                                         lambda: auto_plans(topology.levels(group)), refusal)
-            refusal()
+            with C.undone(C.auto_policy(group), chosen) if chosen is not None else contextlib.nullcontext():
+                refusal()  # where the fast path took the policy's step (zipccl's plan): its peers raise too
         acc, used = C.new_acc(), [None]
         levels = topology.levels(group)  # made above
         if fixed is not None:  # the caller's codecs: hierarchical where there are two levels

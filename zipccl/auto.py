@@ -55,6 +55,7 @@ class Policy:
         self.recent: dict = {}  # (class, plan) -> the last two times of a call
         self.timed: dict = {}   # (class, plan) -> how many of its calls' times have come back
         self._schedule: dict = {}  # class -> (candidates, fastest, ((loser, re-try interval), ...)) until it learns
+        self._step = None  # what the last ``choose`` changed, for ``undo``
 
     @staticmethod
     def key(collective: str, dtype, nbytes: int, device="cpu") -> tuple:
@@ -70,6 +71,7 @@ class Policy:
     def choose(self, key: tuple, nbytes: int, candidates: tuple[str, ...]) -> str:
         """The plan of the class's next call, among ``candidates`` (the first is the default)."""
         if not self.measures(nbytes, candidates):
+            self._step = None
             return candidates[0]
         i = self.calls.get(key, 0)
         self.calls[key] = i + 1
@@ -77,8 +79,23 @@ class Policy:
             plan = candidates[i % len(candidates)]
         else:
             plan = self._exploit(key, i, candidates)
+        self._step = key, i, plan, self.last.get((key, plan))
         self.last[(key, plan)] = i
         return plan
+
+    def undo(self) -> None:
+        """Take back the last ``choose``: its call failed on every rank (a mismatch found in its
+        exchange, whose ranks may have chosen in different classes), so that the ranks' next
+        choices are alike again. Once only; nothing where the last call took no step."""
+        if self._step is None:
+            return
+        key, i, plan, last = self._step
+        self._step = None
+        self.calls[key] = i
+        if last is None:
+            self.last.pop((key, plan), None)
+        else:
+            self.last[(key, plan)] = last
 
     def _exploring(self, key, i: int, candidates) -> bool:
         """Whether call ``i`` still takes the candidates in turn: ``explore`` rounds, then until

@@ -49,7 +49,7 @@ One module per idea, imports pointing down this list:
 
 from ..executor import Handle, submit
 from .algorithms import reduce_in_rank_order
-from .autoplan import FLAT_PLANS, auto_policy, planned, plans_for
+from .autoplan import FLAT_PLANS, auto_policy, planned, plans_for, undone
 from .flat import all_gather, all_reduce, flat_collective, native, reduce_scatter, refuse_in_step, run_flat
 from .metadata import Call, timed
 from .pipeline import pieces
@@ -59,4 +59,5 @@ from .validation import (carrier, check_carrier, check_shapes, finish, input_siz
                          refuse)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "resolve_codec", "auto_policy", "sparse_algorithm",
-           "sparse_bytes", "submit", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned", "native", "refuse_in_step"]
+           "sparse_bytes", "submit", "Handle", "NATIVE", "FLAT_PLANS", "run_flat", "planned", "undone", "native",
+           "refuse_in_step"]

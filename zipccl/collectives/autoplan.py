@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import zlib
@@ -148,15 +149,31 @@ def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], r
     auto = _auto_group(group)
     if plan is None:
         plan = auto.policy.choose(key, nbytes, candidates)
-    if device.type == "cuda" and auto.policy.measures(nbytes, candidates):
-        stream = torch.cuda.current_stream(device)
-        span = DeviceSpan(stream)
+    with undone(auto.policy, plan):
+        if device.type == "cuda" and auto.policy.measures(nbytes, candidates):
+            stream = torch.cuda.current_stream(device)
+            span = DeviceSpan(stream)
+            run(plan)
+            auto.done(key, plan, span.close(stream))
+            return
+        t0 = time.perf_counter()
         run(plan)
-        auto.done(key, plan, span.close(stream))
-        return
-    t0 = time.perf_counter()
-    run(plan)
     auto.done(key, plan, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def undone(policy: Policy, plan: str):
+    """The policy's last step taken back where the call raises in a plan of zipccl's (or the
+    group's own after ZIPCCL_CHECK_NATIVE's exchange): every rank raises there, each having
+    stepped the class of its own call, which a mismatch makes differ (MismatchError on every
+    rank), so every rank takes its step back. Not where the plan is the group's own collective
+    alone, which its peers may have finished."""
+    try:
+        yield
+    except BaseException:
+        if plan != "native" or config.CHECK_NATIVE:
+            policy.undo()
+        raise
 
 
 def learns(codec, input) -> bool:
@@ -173,9 +190,11 @@ def refused(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], r
     collective, which its peers run without an exchange, ``native()`` (given where the call is
     refused for its layout alone), timed as theirs: the backend takes the tensors as they are
     or refuses them, as torch's call does; else ``refuse(plan)``."""
-    plan = _auto_group(group).policy.choose(Policy.key(name, dtype, nbytes, device), nbytes, candidates)
+    policy = _auto_group(group).policy
+    plan = policy.choose(Policy.key(name, dtype, nbytes, device), nbytes, candidates)
     if plan != "native" or config.CHECK_NATIVE or native is None:
-        refuse(plan)
+        with undone(policy, plan):
+            refuse(plan)
     planned(group, name, dtype, nbytes, candidates, lambda _: native(), device, plan)
 
 
