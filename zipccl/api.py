@@ -301,7 +301,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
                 C.refuse(name, C.refusal_carrier(group, device, inter), input, op, error)
             if chosen is None and not per_level and dist.is_initialized():  # the fast path took the step already
                 return C.refuse_in_step(name, group, group, output, input, op, codec, numel, nbytes,
-                                        lambda: auto_plans(topology.levels(group)), refusal)
+                                        lambda: auto_plans(topology.levels(group)), refusal, error)
             with C.undone(C.auto_policy(group), chosen) if chosen is not None else contextlib.nullcontext():
                 refusal()  # where the fast path took the policy's step (zipccl's plan): its peers raise too
         acc, used = C.new_acc(), [None]

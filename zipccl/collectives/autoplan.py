@@ -183,16 +183,19 @@ def learns(codec, input) -> bool:
 
 
 def refused(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], refuse, native,
-            device: torch.device) -> None:
+            device: torch.device, error: BaseException) -> None:
     """An invalid call where its peers' valid calls learn: the policy's step that theirs take (or
     every later choice of the ranks would differ). Where that step's plan is zipccl's, ``refuse(plan)``
     (its peers wait in the plan's exchange: every rank raises); where it is the group's own
     collective, which its peers run without an exchange, ``native()`` (given where the call is
     refused for its layout alone), timed as theirs: the backend takes the tensors as they are
-    or refuses them, as torch's call does; else ``refuse(plan)``."""
+    or refuses them, as torch's call does; else the call's own ``error``, at once, as torch's
+    call raises it (an exchange that no peer joins would wait out the bound first)."""
     policy = _auto_group(group).policy
     plan = policy.choose(Policy.key(name, dtype, nbytes, device), nbytes, candidates)
-    if plan != "native" or config.CHECK_NATIVE or native is None:
+    if plan == "native" and not config.CHECK_NATIVE and native is None:
+        raise error
+    if plan != "native" or config.CHECK_NATIVE:
         with undone(policy, plan):
             refuse(plan)
     planned(group, name, dtype, nbytes, candidates, lambda _: native(), device, plan)

@@ -123,16 +123,17 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def refuse_in_step(name: str, group, policy_group, output, input, op, codec, numel: int, nbytes: int, candidates,
-                   refusal) -> dict:
-    """An invalid call. Where its peers' valid calls take a step of ``policy_group``'s auto policy
-    (``learns``), the same step among ``candidates()`` (autoplan.refused: where that step is the
-    group's own collective, a call refused for its layout alone goes there, as on its peers, and
-    returns its counters); else ``refusal()``, which raises here and on every peer."""
+                   refusal, error: BaseException) -> dict:
+    """An invalid call (its local ``error``). Where its peers' valid calls take a step of
+    ``policy_group``'s auto policy (``learns``), the same step among ``candidates()``
+    (autoplan.refused: where that step is the group's own collective, a call refused for its
+    layout alone goes there, as on its peers, and returns its counters); else ``refusal()``,
+    which raises here and on every peer."""
     if learns(codec, input):
         tensors = (input,) if name == "all_reduce" else (output, input)
         as_they_are = only_layout(name, group, tensors, op, codec, numel, nbytes, check_shapes(name, output, input))
         refused(policy_group, name, input.dtype, nbytes, candidates(), refusal,
-                (lambda: native(name, group, output, input, op)) if as_they_are else None, input.device)
+                (lambda: native(name, group, output, input, op)) if as_they_are else None, input.device, error)
         return finish(name, None, new_acc())
     refusal()
 
@@ -150,7 +151,7 @@ def flat_collective(name: str, group, output, input, op, codec, async_op: bool):
             def refusal(plan=None):  # the peers' plan where auto's policy chose it, else the caller's codec
                 refuse(name, refusal_carrier(group, device, PLAN_CODECS[plan] if plan else codec), input, op, error)
             return refuse_in_step(name, group, t.group, output, input, op, codec, numel, nbytes,
-                                  lambda: plans_for(FLAT_PLANS, device.type), refusal)
+                                  lambda: plans_for(FLAT_PLANS, device.type), refusal, error)
         acc, used = new_acc(), [c]
         if c is AUTO:
             def go(plan):
