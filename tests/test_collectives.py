@@ -949,29 +949,34 @@ def test_a_rank_outside_the_group_is_warned_and_its_call_does_nothing_as_torchs(
         assert set(r) == {"auto", "native", "raw"} and all(torch.equal(v, mean) for v in r.values()), r
 
 
-def _invalid_beside_native_peers(rank, groups):
-    """codec "auto" on a new group with a 5 s timeout, a 4 MiB reduce-scatter whose policy step is
-    the group's own collective (its first call): rank 0's input has an element too many. Its
-    peers run the backend's call, with no exchange; rank 0 raises its own error at once, as
-    torch's call would, not after waiting in an exchange that nobody joins. What each raised,
-    and in how many seconds."""
+def _invalid_beside_native_peers(rank, groups, per_level):
+    """A 4 MiB call on a new group with a 5 s timeout whose peers run the group's own collective,
+    with no exchange: rank 0's is invalid. Under auto (``per_level`` False: the policy's first
+    step, a reduce-scatter whose input has an element too many) or a per-level codec on one
+    node (its level "native": an all-reduce of a strided tensor), rank 0 raises its own error at
+    once, as torch's call would, not after waiting in an exchange that nobody joins. What each
+    raised, and in how many seconds."""
     import datetime
     import time
     g = dist.new_group(list(range(4)), timeout=datetime.timedelta(seconds=5))
-    out = torch.empty(1 << 18)
-    inp = torch.ones(4 * (1 << 18) + (1 if rank == 0 else 0))
     t0 = time.monotonic()
     try:
-        zipccl.reduce_scatter(out, inp, group=g)
+        if per_level:
+            x = torch.ones(1 << 20, 2)[:, 0] if rank == 0 else torch.ones(1 << 20)
+            zipccl.all_reduce(x, group=g, codec={"intra": "native", "inter": "lossless"})
+        else:
+            out = torch.empty(1 << 18)
+            zipccl.reduce_scatter(out, torch.ones(4 * (1 << 18) + (1 if rank == 0 else 0)), group=g)
         said = "no error"
     except Exception as e:  # noqa: BLE001 - the test asserts on it
         said = type(e).__name__
     return said, time.monotonic() - t0
 
 
-def test_an_invalid_call_beside_peers_in_the_backends_collective_raises_at_once(pool):
-    res = pool.run(_invalid_beside_native_peers, timeout=120)
-    assert res[0][0] == "ValueError" and res[0][1] < 2.5, res
+@pytest.mark.parametrize("per_level", [False, True], ids=["auto", "per-level"])
+def test_an_invalid_call_beside_peers_in_the_backends_collective_raises_at_once(pool, per_level):
+    res = pool.run(_invalid_beside_native_peers, per_level, timeout=120)
+    assert res[0][0] == ("UnsupportedError" if per_level else "ValueError") and res[0][1] < 2.5, res
     assert all(r[0] != "no error" for r in res[1:]), res  # the backend's timeout
     assert all(r is True for r in pool.run(_healthy, 4)), "the pool's own groups still work"
 

@@ -298,6 +298,10 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         if error is not None:
             def refusal(plan=None):  # the peers' plan where auto's policy chose it, else the caller's codecs
                 inter = C.PLAN_CODECS[plan.split("/")[-1]] if plan else codec.get("inter") if per_level else codec
+                if not plan and per_level and topology.levels(group) is None:  # one level: its codec, run flat
+                    inter = codec["intra" if len(topology.topology(group).nodes) == 1 else "inter"]
+                    if inter in ("native", "shm") or inter is C.NATIVE or inter is hierarchical.SHM:
+                        raise error  # the peers run the group's own collective, with no exchange: as torch's call
                 C.refuse(name, C.refusal_carrier(group, device, inter), input, op, error)
             if chosen is None and not per_level and dist.is_initialized():  # the fast path took the step already
                 return C.refuse_in_step(name, group, group, output, input, op, codec, numel, nbytes,
