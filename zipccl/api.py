@@ -74,6 +74,12 @@ def _level_codecs(codec, dtype, nbytes: int) -> tuple:
     return tuple(out)
 
 
+def _one_level(group, codecs: tuple):
+    """Which of (intra, inter) serves a group of one level: a single node's "intra", else (nodes
+    of one rank each) "inter"."""
+    return codecs[0] if len(topology.topology(group).nodes) == 1 else codecs[1]
+
+
 def _intra(levels, device: torch.device) -> object:
     """The intra-node level of auto's hierarchical plans: for CPU tensors the node's shared
     memory where it has one, else (and always for CUDA tensors: NCCL's own) the backend's
@@ -297,11 +303,14 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
                                    f"order; this one is {topology.topology(group)}")
         if error is not None:
             def refusal(plan=None):  # the peers' plan where auto's policy chose it, else the caller's codecs
-                inter = C.PLAN_CODECS[plan.split("/")[-1]] if plan else codec.get("inter") if per_level else codec
-                if not plan and per_level and topology.levels(group) is None:  # one level: its codec, run flat
-                    inter = codec["intra" if len(topology.topology(group).nodes) == 1 else "inter"]
+                if plan:
+                    inter = C.PLAN_CODECS[plan.split("/")[-1]]
+                elif per_level and topology.levels(group) is None:  # one level: its codec, run flat
+                    inter = _one_level(group, (codec.get("intra"), codec.get("inter")))
                     if inter in ("native", "shm") or inter is C.NATIVE or inter is hierarchical.SHM:
                         raise error  # the peers run the group's own collective, with no exchange: as torch's call
+                else:
+                    inter = codec.get("inter") if per_level else codec
                 C.refuse(name, C.refusal_carrier(group, device, inter), input, op, error)
             if chosen is None and not per_level and dist.is_initialized():  # the fast path took the step already
                 return C.refuse_in_step(name, group, group, output, input, op, codec, numel, nbytes,
@@ -314,7 +323,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
             if levels is not None:
                 used[0] = hier(levels, fixed, acc)
             else:  # one level: a single node's codec is "intra" ("shm": the backend's collective), single-rank
-                one = fixed[0] if len(topology.topology(group).nodes) == 1 else fixed[1]  # nodes' "inter"
+                one = _one_level(group, fixed)
                 used[0] = flat(C.NATIVE if one is hierarchical.SHM else one, acc)
         elif c is not C.AUTO:  # not a float type, or ZIPCCL_AUTO_LEARN=0: what "auto" resolved to
             used[0] = hier(levels, (_intra(levels, device), c), acc) if algorithm == "hierarchical" \

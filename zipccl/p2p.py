@@ -675,11 +675,13 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
     sends = [op for op in ops if op.kind == "send" and id(op) not in batched]
     # the receives first, queued on the async thread, the sends then posted on their lanes; but on
     # that thread (a callback of an async call's future) a receive runs at once, so the sends first
-    first = {id(op): _send(op) for op in sends} if executor.running_queue() else {}
-    handles = {id(op): _post_receive(op, True) for op in receives if id(op) not in batched}
+    sends_first = executor.running_queue()
+    handles = {id(op): _send(op) for op in sends} if sends_first else {}
+    handles.update({id(op): _post_receive(op, True) for op in receives if id(op) not in batched})
     if together:
         after_collectives()
-    handles.update(first or {id(op): _send(op) for op in sends})
+    if not sends_first:
+        handles.update({id(op): _send(op) for op in sends})
     for batch in together:  # after the collectives queued before (after_collectives), as the sends
         for op in batch:
             record_native(op.kind)

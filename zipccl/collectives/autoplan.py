@@ -193,11 +193,11 @@ def refused(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], r
     call raises it (an exchange that no peer joins would wait out the bound first)."""
     policy = _auto_group(group).policy
     plan = policy.choose(Policy.key(name, dtype, nbytes, device), nbytes, candidates)
-    if plan == "native" and not config.CHECK_NATIVE and native is None:
-        raise error
     if plan != "native" or config.CHECK_NATIVE:
         with undone(policy, plan):
-            refuse(plan)
+            refuse(plan)  # raises, here and on every peer
+    if native is None:
+        raise error
     planned(group, name, dtype, nbytes, candidates, lambda _: native(), device, plan)
 
 
