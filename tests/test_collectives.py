@@ -608,6 +608,46 @@ def test_auto_probes_both_codecs_the_same_way_on_every_rank(pool):
     assert table0 == table1 and ["lossless", "native", "raw"] in table0.values()
 
 
+def _auto_after_its_settings_change(rank, groups):
+    """Two ranks' first three 2 MiB bf16 all-reduces under auto (the policy's first round of
+    tries), then the same call after ZIPCCL_AUTO_LEARN=0 and a floor of 1 MiB are read again (as
+    a drop-in group's making reads them): auto's fixed rule (lossless above the floor), not the
+    policy's next try (the backend's collective)."""
+    import os
+
+    from zipccl import config
+    g = dist.new_group([0, 1])
+    if rank >= 2:
+        return None
+    x0 = data(rank, 1 << 20, torch.bfloat16)
+    old = {v: os.environ.get(v) for v in ("ZIPCCL_AUTO_LEARN", "ZIPCCL_AUTO_MIN_BYTES")}
+    used = []
+    try:
+        for _ in range(3):
+            zipccl.all_reduce(x0.clone(), group=g)
+            used.append(zipccl.stats()["last"]["codec"])
+        os.environ.update(ZIPCCL_AUTO_LEARN="0", ZIPCCL_AUTO_MIN_BYTES=str(1 << 20))
+        config.refresh()
+        zipccl.all_reduce(x0.clone(), group=g)
+        used.append(zipccl.stats()["last"]["codec"])
+    finally:
+        for variable, value in old.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
+        config.refresh()
+        dist.destroy_process_group(g)
+    return used
+
+
+def test_auto_follows_settings_read_again(pool):
+    """A call signature's route, decided under one setting, is decided again when the settings
+    are read again: the same call then follows ZIPCCL_AUTO_LEARN=0 instead of the policy."""
+    res = pool.run(_auto_after_its_settings_change, timeout=120)
+    assert res[:2] == [["native", "raw", "lossless", "lossless"]] * 2 and res[2:] == [None, None], res
+
+
 def _native_alone(rank, groups):
     from zipccl import failure
     settle, calls = failure.Fate.settle, []

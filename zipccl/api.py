@@ -90,10 +90,12 @@ def _intra(levels, device: torch.device) -> object:
 #: How each call signature runs (``_route``), decided once: (collective, group (the world's object
 #: for None, so that a new world decides anew), op, codec, algorithm, input and output dtypes,
 #: input numel, output numel, on CUDA, on the CPU) -> True (the group's own collective, always), an
-#: _Auto (auto chooses per call) or False (the full path). At most MAX_ROUTES, then forgotten.
+#: _Auto (auto chooses per call) or False (the full path). At most MAX_ROUTES, then forgotten; all
+#: forgotten when a setting changes (config.refresh) or a topology is found again.
 _routes: dict = lifetime.keep({}, group_of=lambda key: key[1])
 MAX_ROUTES = 4096
 topology.on_forget(_routes.clear)
+config.on_refresh(_routes.clear)
 
 
 class _Auto(NamedTuple):

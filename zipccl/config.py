@@ -10,6 +10,7 @@ import re
 import sys
 
 _SETTINGS: dict = {}  # attribute -> (reader, variable, the reader's other arguments, the variable's value read)
+_on_refresh: list = []
 
 
 def _setting(attribute: str, reader, variable: str, *args):
@@ -21,6 +22,12 @@ def _setting(attribute: str, reader, variable: str, *args):
 def changed() -> list[str]:
     """The variables whose value in the environment changed since they were last read."""
     return [variable for reader, variable, args, seen in _SETTINGS.values() if os.environ.get(variable) != seen]
+
+
+def on_refresh(callback) -> None:
+    """Call ``callback()`` whenever ``refresh`` changes a setting: what was decided from the
+    settings (the collectives' routes) is decided again."""
+    _on_refresh.append(callback)
 
 
 def refresh() -> list[str]:
@@ -35,6 +42,9 @@ def refresh() -> list[str]:
     for attribute, (value, setting) in new.items():
         setattr(sys.modules[__name__], attribute, value)
         _SETTINGS[attribute] = setting
+    if new:
+        for callback in _on_refresh:
+            callback()
     return [setting[1] for _, setting in new.values()]
 
 
