@@ -219,6 +219,39 @@ def test_a_plain_message_between_two_ranks_needs_no_other_rank(pool):
     assert res == ["ok", "ok", None, None], res
 
 
+def _auto_below_its_fixed_floor(rank, groups):
+    """Under ZIPCCL_AUTO_LEARN=0, an auto send of 2 MiB of bf16 between two emulated nodes (below
+    the 8 MiB floor: raw) travels as codec "raw" does, its own bytes with no packet to code: no
+    codec time at either end, and the sender's bits."""
+    from zipccl import config
+    g = groups[4]
+    x = activations(1 << 20, seed=rank).to(torch.bfloat16)
+    got = torch.empty_like(x)
+    old = config.AUTO_LEARN
+    config.AUTO_LEARN = False
+    zipccl.reset_stats()
+    try:
+        with nodes(g, "2x2"):
+            if rank == 0:
+                zipccl.send(x, 2, group=g)
+            elif rank == 2:
+                zipccl.recv(got, 0, group=g)
+    finally:
+        config.AUTO_LEARN = old
+    s = zipccl.stats()
+    kind = {0: "send", 2: "recv"}.get(rank)
+    if kind is None:
+        return None
+    return s[kind]["codec_seconds"], s[kind]["wire_bytes"], rank != 2 or torch.equal(bits(got), bits(
+        activations(1 << 20, seed=0).to(torch.bfloat16)))
+
+
+def test_auto_below_its_fixed_floor_sends_the_plain_bytes(pool):
+    res = pool.run(_auto_below_its_fixed_floor, timeout=60)
+    assert res[1] is None and res[3] is None, res
+    assert res[0] == (0, 2 << 20, True) and res[2] == (0, 0, True), res  # (the bytes each end sent)
+
+
 def _plain_bytes_of_any_dtype(rank, groups):
     """Framed plain bytes (codec "raw") of integer, bool and complex tensors, the way the drop-in
     carries non-float CUDA messages: each rank receives before it sends in one batch, and gets

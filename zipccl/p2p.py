@@ -191,7 +191,8 @@ def _decide(codec, x: torch.Tensor, group, peer: int):
         elif x.dtype not in DTYPE_CODES or nbytes < auto.PROBE_MIN_BYTES or topology.same_node(group, peer) \
                 or not frames_messages(group, x.device):
             return NATIVE
-        return resolve_codec("lossless" if config.AUTO_LEARN else "auto", x.dtype, nbytes)
+        r = resolve_codec("lossless" if config.AUTO_LEARN else "auto", x.dtype, nbytes)
+        return PLAIN if plain(r) else r  # auto's fixed rule below its floor: raw, as codec "raw" sends it
     r = resolve_codec(codec, x.dtype, nbytes)
     if r is not None and not plain(r) and not getattr(r, "exact", True):
         raise UnsupportedError(f"lossy codec {r!r} reduces: all_reduce and reduce_scatter only, not send/recv")
