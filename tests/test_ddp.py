@@ -148,6 +148,43 @@ def test_find_unused_parameters_beside_the_hooks_calls(pool, codec):
     assert torch.equal(a, b), (a - b).abs().max()
 
 
+def _unused_last_bucket_skipped(rank, groups):
+    """DDP's skip_all_reduce_unused_params with the model's first layer unused: its bucket, DDP's
+    last, never reaches the hook, so no bucket of a step says it is the last. Three steps of
+    top-k: each counted, each deciding its density once."""
+    if rank >= 2:
+        return None
+    g = groups[2]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.unused = torch.nn.Linear(64, 64)
+            self.rest = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
+
+        def forward(self, x):
+            return self.rest(x)
+
+    ddp = DDP(Model(), process_group=g, find_unused_parameters=True, bucket_cap_mb=0.001,
+              skip_all_reduce_unused_params=True)
+    state = zipccl.ddp.State(group=g, codec="topk", density=0.1, rules=None)
+    ddp.register_comm_hook(state, zipccl.ddp.hook)
+    gen = torch.Generator().manual_seed(7 + rank)
+    for _ in range(3):
+        ddp.zero_grad()
+        ddp(torch.randn(8, 64, generator=gen)).square().mean().backward()
+    return state.stats(), torch.cat([p.grad.reshape(-1) for p in ddp.parameters() if p.grad is not None])
+
+
+def test_steps_are_counted_where_ddp_skips_the_last_bucket(pool):
+    (a, ga), (b, gb) = pool.run(_unused_last_bucket_skipped, timeout=120)[:2]
+
+    assert a["iterations"] == b["iterations"] == 3, (a, b)
+    assert a["densities"] == b["densities"] == [0.1] * 3, (a, b)
+    assert torch.equal(ga, gb)
+
+
 def _rules_grads(rank, groups, rules):
     """One backward under DDP's own all-reduce and one under the top-k hook: the gradients."""
     if rank >= 2:

@@ -57,7 +57,7 @@ class State:
 
     __slots__ = ("group", "codec", "algorithm", "iterations", "raw_bytes", "wire_bytes", "codec_seconds", "comm_seconds",
                  "density", "compressor", "rate", "residuals", "densities", "rules", "names", "layouts", "members",
-                 "used", "first_lossy", "parts", "saved_by")
+                 "used", "first_lossy", "parts", "saved_by", "last_index")
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, codec="lossless", density: float = 0.01,
                  rate: Optional[EntropyRate] = None, residual_dtype: torch.dtype = torch.float32,
@@ -88,6 +88,7 @@ class State:
         self.layouts: dict = {}  # bucket key -> (lossy index, exact index) or None
         self.members: dict = {}  # bucket key -> the ids of its parameters, in order (this process's)
         self.used: set = set()  # the keys of this step's buckets so far
+        self.last_index = -1  # the index of this step's latest bucket so far (DDP runs them in order)
         self.parts: dict = {}  # bucket key -> its residual's parameters in order, as (name, numel); None: taken
         self.saved_by = None  # (rank, world size) of the group that pickled this state, for attach's check
         self.first_lossy = -1  # the step whose first bucket with a lossy part has been seen
@@ -129,13 +130,13 @@ class State:
         return self
 
     def __getstate__(self):  # parameter ids and bucket layouts belong to this process: rebuilt on use
-        local = ("group", "names", "layouts", "members", "used")
+        local = ("group", "names", "layouts", "members", "used", "last_index")
         return {**{k: getattr(self, k) for k in self.__slots__ if k not in local}, "saved_by": rank_in(self.group)}
 
     def __setstate__(self, state):
         self.group, self.names, self.layouts, self.algorithm = None, {}, {}, "auto"  # older checkpoints: no algorithm
         self.parts = {}  # nor parts
-        self.members, self.used, self.first_lossy, self.saved_by = {}, set(), -1, None
+        self.members, self.used, self.first_lossy, self.saved_by, self.last_index = {}, set(), -1, None, -1
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -152,9 +153,13 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     buffer = bucket.buffer()
     if not buffer.is_floating_point():
         raise UnsupportedError(f"gradient bucket of dtype {buffer.dtype}")
-    step, index = state.iterations, bucket.index()  # read now: the lossy work runs later, on another thread
-    if bucket.is_last():
+    index, stale = bucket.index(), []
+    if index <= state.last_index:  # a new step whose last bucket did not come (DDP's
+        stale = _step_ended(state)  # skip_all_reduce_unused_params skips a bucket of unused parameters)
+    if state.last_index < 0:  # a step's first bucket: the step counts from here
         state.iterations += 1
+    step = state.iterations - 1  # read now: the lossy work runs later, on another thread
+    state.last_index = index
     if state.lossy:
         key, changed = _key(state, index, bucket.parameters())
         if state.rules is not None and key not in state.layouts:
@@ -167,13 +172,9 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         if first:
             state.first_lossy = step
         state.used.add(key)
-        stale = []
-        if bucket.is_last():  # the keys of buckets before DDP's rebuild go, with their residuals; not
-            # a checkpoint's, kept for the buckets after the rebuild (this process has not seen them)
-            stale, state.used = [k for k in state.members if k not in state.used], set()
-            for k in stale:
-                del state.members[k]
-                state.layouts.pop(k, None)
+    if bucket.is_last():
+        stale += _step_ended(state)
+    if state.lossy:
         api.make_groups(state.group, "lossless", "flat")  # what _split's flat collectives make, made here
         handle = collectives.submit(lambda: _split(state, step, key, buffer, layout, first, stale, parts, changed))
     else:
@@ -186,6 +187,20 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         return buffer
 
     return handle.get_future().then(done)
+
+
+def _step_ended(state: State) -> list:
+    """The keys of buckets the step that ended did not have, dropped here and returned (their
+    residuals go on zipccl's thread): those of the buckets before DDP's rebuild, but not a
+    checkpoint's, kept for the buckets after the rebuild (this process has not seen them)."""
+    state.last_index = -1
+    if not state.lossy:
+        return []
+    stale, state.used = [k for k in state.members if k not in state.used], set()
+    for k in stale:
+        del state.members[k]
+        state.layouts.pop(k, None)
+    return stale
 
 
 def _key(state: State, index: int, params: list) -> tuple[tuple, bool]:
