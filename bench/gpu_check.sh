@@ -106,12 +106,13 @@ lab_sizes=(-b 64K -e 256M -f "${LAB_FACTOR:-16}" -n 3 -w 1)  # 64 KiB, 1, 16 and
 ((dry)) && lab_sizes=(-b 64K -e 64K -n 1 -w 0)
 
 # The one-GPU lab's zipccl-perf (4 ranks on cuda:0, each its own NCCL host; torch's NCCL table
-# first, then raw, lossless and auto), or in a dry run 2 CPU ranks over gloo.
+# first, then auto, lossless and raw: LAB_CODECS, the one its question is about first, where the
+# step's limit may cut the last short), or in a dry run 2 CPU ranks over gloo.
 perf() {
     if ((dry)); then
         $py -m zipccl.bench.perf --nranks 2 -d bfloat16 --codec raw "${lab_sizes[@]}" "$@"
     else
-        $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 -d bfloat16 --codec all \
+        $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 -d bfloat16 --codec "${LAB_CODECS:-auto,lossless,raw}" \
             "${lab_sizes[@]}" ${data:+--data "$data"} "$@"
     fi
 }
@@ -123,6 +124,9 @@ mps_start() {
     if ((dry)); then echo "# dry run: the MPS daemon is not started"; return; fi
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/zipccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/zipccl-mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    # a daemon left up by a run killed from outside (its own session outlives the step): quit first,
+    # or this start fails and the step runs time-sliced beside it
+    [[ -p $CUDA_MPS_PIPE_DIRECTORY/control ]] && { echo quit | timeout 5 nvidia-cuda-mps-control > /dev/null 2>&1; sleep 1; }
     if ! timeout 5 nvidia-cuda-mps-control -d; then
         echo "# the MPS daemon did not start: the step runs time-sliced"
         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY  # the tables' JSON (env) then names no MPS
@@ -133,6 +137,8 @@ mps_stop() {
     # its own pipe, named: a start that timed out may have left the daemon up with the variables unset
     echo quit | CUDA_MPS_PIPE_DIRECTORY=/tmp/zipccl-mps timeout 5 nvidia-cuda-mps-control \
         || echo "# the MPS daemon did not stop within 5 s"
+    # what the daemon said (clients served, errors): whether MPS ran the step's ranks
+    [[ -f /tmp/zipccl-mps-log/control.log ]] && { echo "# MPS control log, last lines:"; tail -n 8 /tmp/zipccl-mps-log/control.log; }
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
@@ -415,7 +421,7 @@ run_shaped() {
             "${lab_sizes[@]}" --collective "$1" -J "$out/shaped_$1.json"
     else
         $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 --netlab "${SHAPED_RATE:-10gbit}" \
-            -d bfloat16 --codec all -b 64M -e 256M -f 4 -n 3 -w 1 ${data:+--data "$data"} --collective "$1" \
+            -d bfloat16 --codec "${SHAPED_CODECS:-lossless,auto,raw}" -b 64M -e 256M -f 4 -n 3 -w 1 ${data:+--data "$data"} --collective "$1" \
             -J "$out/shaped_$1.json"
     fi
 }

@@ -133,6 +133,8 @@ def test_rank_order_reduce_is_the_promised_order():
     (["-f", "1.5"], "not a whole number"),
     (["-J", "/nonexistent/folder/out.json"], "cannot write there"),
     (["-e", "1024G", "--nranks", "4"], "more than this host's memory"),  # 16 TiB of buffers, refused at once
+    (["--codec", "lossless,zip"], "give 'all', or codecs of raw, lossless, auto once each"),
+    (["--codec", "auto,raw,auto"], "once each"),
 ])
 def test_flag_validation(args, message, capsys):
     from zipccl.bench.perf import main
@@ -140,6 +142,22 @@ def test_flag_validation(args, message, capsys):
         main(args)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given,tables", [
+    ([], ["raw", "lossless", "auto"]),
+    (["--codec", "all", "--baseline"], ["torch", "raw", "lossless", "auto"]),
+    (["--codec", "lossless,auto", "--baseline"], ["torch", "lossless", "auto"]),
+    (["--codec", "auto,raw"], ["auto", "raw"]),
+])
+def test_codecs_are_timed_in_the_order_given(given, tables):
+    from zipccl.bench import cuda
+    from zipccl.bench.perf import _plan
+    ap = common.parser("zipccl-perf")
+    cuda.add_options(ap)
+    args = ap.parse_args(given)
+    common.validate(ap, args)
+    assert [label for label, _, _ in _plan(args)[2]] == tables
 
 
 def test_sizes_and_verifiable_data():

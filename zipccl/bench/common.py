@@ -75,6 +75,20 @@ def _whole(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r} (nccl-tests' -f takes 2, 4, ...)") from None
 
 
+def _codecs(text: str) -> tuple[str, ...]:
+    """--codec: "all" (every codec of CODECS, in its order), or names of CODECS, comma-separated,
+    in the order their tables run (the one that matters most first, where a time limit may cut
+    the run short)."""
+    if text == "all":
+        return CODECS
+    names = tuple(text.split(","))
+    wrong = [n for n in names if n not in CODECS]
+    if wrong or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'all', or codecs of {', '.join(CODECS)} once each, "
+                                         "comma-separated")
+    return names
+
+
 def sizes(min_bytes: int, max_bytes: int, factor: float, step: int) -> list[int]:
     """min_bytes, then each times ``factor`` (where > 1, at least one byte more: a fraction or a
     start at 0 must not end the sweep), else plus ``step``, up to max_bytes."""
@@ -141,8 +155,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--collective", default="all_reduce",
                     choices=["all_reduce", "reduce_scatter", "all_gather", "alltoall", "sendrecv"],
                     help="the collective (alltoall, sendrecv: nccl-tests' alltoall_perf and sendrecv_perf)")
-    ap.add_argument("--codec", default="all", choices=[*CODECS, "all"],
-                    help="zipccl codec (default all: one table per codec)")
+    ap.add_argument("--codec", default="all", type=_codecs,
+                    help=f"zipccl codec, or several in the order to time them, comma-separated (one table each; "
+                         f"default all: {','.join(CODECS)})")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "zipccl"],
                     help="the ranks' torch.distributed backend; zipccl: time plain dist.* calls on the drop-in "
                          "backend (policy ZIPCCL_CODEC, default auto) against the same calls on a gloo group "
@@ -210,7 +225,7 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.nodes is not None and (args.nodes < 1 or ranks % args.nodes):
         ap.error(f"--nodes ({args.nodes}) must divide the ranks ({ranks}: "
                  f"{'the launcher' + chr(39) + 's' if world else '--nranks'})")
-    if args.backend == "zipccl" and (args.baseline or args.codec not in ("all", "auto")):
+    if args.backend == "zipccl" and (args.baseline or args.codec not in (CODECS, ("auto",))):
         ap.error("--backend zipccl times plain dist.* calls (the drop-in's policy is ZIPCCL_CODEC): "
                  "leave out --baseline and --codec")
     if args.data is not None:

@@ -47,7 +47,7 @@ def _plan(args):
         return dtypes, ops, [(GLOO, None, "gloo"), (DROPIN, None, "world")]
     # on CUDA zipccl runs on the NCCL group, as a user's would: "native" is that group's own NCCL
     where = cuda.NCCL_GROUP if args.device == "cuda" else "world"
-    variants = [(c, c, where) for c in (list(CODECS) if args.codec == "all" else [args.codec])]
+    variants = [(c, c, where) for c in args.codec]
     if args.baseline:
         variants = [(BASELINE, None, "world")] + variants
     if args.device == "cuda":
