@@ -256,7 +256,9 @@ def plan(sampled: torch.Tensor, exact: torch.Tensor, ref: torch.Tensor, numel: i
 VERDICT_ERRORS = 1 + HEADER_SIZE + 3
 
 
-@triton.jit
+# not specialized on what a packet's sizes make of them (a multiple of 16 or not): one compiled
+# kernel for every packet of a tensor's size, not a second compile when a received size first differs
+@triton.jit(do_not_specialize=["room", "s2", "s3"])
 def _index(pkt_ptr, start, nb, n, bs, ntables, rows_ptr, order_ptr, meta_ptr, verdict_ptr, tmpl_ptr, room, s2, s3,
            parts_ptr, part_words, EMAX: tl.constexpr, ITEMSIZE: tl.constexpr, REST_BYTES: tl.constexpr,
            SIDE_BITS: tl.constexpr, RAW: tl.constexpr, SCAN: tl.constexpr, HEADER: tl.constexpr,
@@ -344,7 +346,7 @@ def _index(pkt_ptr, start, nb, n, bs, ntables, rows_ptr, order_ptr, meta_ptr, ve
     tl.store(verdict_ptr + ERRORS - 1, rest)
     tl.store(meta_ptr, tl.where(good, ncoded, 0))
     tl.store(meta_ptr + 1, tl.where(good, ncoded, nb))
-    tl.store(meta_ptr + 2, start + nb * 8 + s2)
+    tl.store(meta_ptr + 2, zero + start + nb * 8 + s2)  # in int64: the host's s2 comes as int32 below 2**31
 
 
 class Index(NamedTuple):

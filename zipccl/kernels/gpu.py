@@ -283,7 +283,9 @@ def _in_block(x, lanes, sub, INCLUSIVE: tl.constexpr):
     return (run if INCLUSIVE else before) - first
 
 
-@triton.jit
+# not specialized on what a packet's sizes make of them (a multiple of 16 or not): one compiled
+# kernel for every packet of a tensor's size, not a second compile when a received size first differs
+@triton.jit(do_not_specialize=["nwords"])
 def _decode_symbols(words_ptr, nwords, pkt_ptr, code_ptr, count_ptr, coded_ptr, meta_ptr, first, span, n, rows_ptr,
                     stride, lut_ptr, err_ptr, parts_ptr, part_words, err_stride, BS: tl.constexpr,
                     LANES: tl.constexpr, CHUNK: tl.constexpr, EBITS: tl.constexpr, BIAS: tl.constexpr,
