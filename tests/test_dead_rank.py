@@ -291,7 +291,8 @@ def _run_killed(monkeypatch, tmp_path, plan: dict) -> None:
 
 class _Round:
     """A stand-in transport for one rank's status round: ``statuses[j]``, what peer j sends
-    (None: its operations fail, as a dead rank's do; "hung": the wait runs out)."""
+    (None: its operations fail, as a dead rank's do; "hung": the wait runs out; "nccl": as NCCL's
+    do, naming no peer)."""
 
     def __init__(self, rank: int, statuses: dict):
         self.rank, self.size, self.statuses, self.log = rank, N, statuses, []
@@ -327,6 +328,10 @@ class _Round:
         peer, tensor = work
         if self.statuses[peer] is None:
             raise RuntimeError(f"Connection closed by peer {peer}")
+        if self.statuses[peer] == "nccl":  # NcclError: the group's, whichever peer failed
+            error = RuntimeError("NCCL error: remote process exited or there was a network error")
+            error.anonymous = True
+            raise error
         if self.statuses[peer] == "hung":  # as TorchTransport.wait marks a wait that ran out
             error = RuntimeError(f"Timed out waiting 5000ms for recv operation to complete (peer {peer})")
             error.timed_out = True
@@ -408,6 +413,15 @@ def test_status_round_timeout_still_raises():
     the group on this rank, which could name no one in a next call) fails the call here, as
     on every survivor that waits on the hung rank."""
     assert _settle(2, {0: 0, 1: 0, 3: "hung"}) == (3, "lost", True)
+
+
+def test_a_loss_in_the_round_that_nccl_reports_still_raises():
+    """NCCL's data waits are the device's, and the abort ends a receive pending on a dead peer as
+    if it had come: a loss in the round does not say that the call's messages came, so the call
+    raises (a raw call returned sums with a dead peer's part missing). NCCL's error names no peer,
+    and without a heartbeat naming one, neither does the RankFailure (not the peer waited on)."""
+    assert _settle(2, {0: 0, 1: 0, 3: "nccl"}) == (-1, "lost", True)
+    assert _settle(0, {1: "nccl", 2: 0, 3: 0}) == (-1, "lost", True)
 
 
 class _Waits:

@@ -497,6 +497,22 @@ def test_a_device_wait_leaves_the_host_free(monkeypatch, setting):
     assert stream.waited == [work.event] and not _Comm.aborted and time.monotonic() - start < 0.3
 
 
+@pytest.mark.parametrize("mail", [True, False], ids=["mail", "device"])
+def test_a_wait_after_the_abort_raises_whatever_its_event_says(monkeypatch, mail):
+    """An operation issued before the communicators were aborted (another wait of the call gave
+    up): the abort ends its kernel, so its event passes whether or not its data came; its wait
+    raises as a lost peer's does, and a mail copies nothing from its never-written staging."""
+    from zipccl.transport.cupy_nccl import NcclError
+    t, work, stream = _pending_transport(monkeypatch, mail=mail)
+    work.event = type("Passed", (), {"query": lambda self: True})()
+    work.pinned = torch.full((1,), 123456, dtype=torch.int64)  # what the staging held: never received
+    t._fenced = ()
+    t.abort()
+    with pytest.raises(NcclError, match="aborted"):
+        t.wait(work)
+    assert not stream.waited and (not mail or int(work.host) == 0)
+
+
 def test_the_status_round_leaves_after_the_calls_packets(monkeypatch):
     """fence: the mail stream waits for the bulk stream, so that a peer's status says its packets
     have gone; abort ends both communicators."""

@@ -221,13 +221,15 @@ class Fate:
 
     def _culprit(self, t, peer: int, error: BaseException) -> int:
         """The job rank to blame for a loss on ``t``: the one the group's heartbeats name
-        (silent, or never in the call), else ``peer`` where ``error`` identifies it, else -1;
+        (silent, or never in the call), else ``peer`` (where ``error`` is not NCCL's), else -1;
         but where ``peer`` reported a loss of its own during this call, the rank it lost.
         An error that identifies its peer is taken at once where no rank is silent yet (a
         killed rank's beat is fresh when its sockets close); one that does not waits up to
         ``stale_after()`` and a beat for a rank to fall silent (NCCL learns of a killed peer before
         its beat is stale)."""
-        named = t.global_rank(peer) if peer >= 0 else -1
+        # NCCL's errors (``anonymous``): every operation of the group ends together, so the peer
+        # waited on is the first in this rank's order, not the one that failed: none is named
+        named = t.global_rank(peer) if peer >= 0 and not getattr(error, "anonymous", False) else -1
         b = heartbeat.board()
         if b is None:
             return named
@@ -311,7 +313,9 @@ class Fate:
         where this rank gave up waiting on any peer of the call (``gave_up``): the transport has
         closed this rank's connections then (gloo: all of the group's), so it could not name
         the peer in a next call; it raises here, as every survivor that waits on a hung rank does.
-        The verdicts of packets decoded without a host read are read first, so that a corrupt
+        Nor where the loss is NCCL's (an ``anonymous`` error): there the call's data waits are the
+        device's, and the abort that ends a receive pending on a dead peer ends it as if it had
+        come, so nothing says that every message came; it raises here. The verdicts of packets decoded without a host read are read first, so that a corrupt
         one goes out in this rank's status."""
         self._read_verdicts(t)
         if t.size > 1:
@@ -330,7 +334,9 @@ class Fate:
             finally:
                 t.unfence()  # the round is over: a later failure on t aborts no level of this call
             lost_here = known is None and self.first is not None and self.first[1] == LOST
-            if lost_here and not (self.gave_up or timed_out(self.error)):
+            # only where the loss is a closed connection (gloo's): the host then waited for every
+            # message before the round; NCCL's data waits are the device's, confirmed by nothing
+            if lost_here and not self.gave_up and identifies(self.error):
                 self.first, self.error, self.evidence = None, None, ""  # lost in the round: see above (self.lost keeps it)
             for value in heard:
                 self.heard(value)

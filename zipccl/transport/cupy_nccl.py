@@ -623,8 +623,8 @@ class NcclTransport(Transport):
         lasted ``heartbeat.stale_after()``, the group's heartbeats; a timeout, an error or a
         silent rank aborts the communicator (ncclCommAbort), and the error of a timeout says so
         (``timed_out``, as for TorchTransport)."""
-        if work.broken:
-            raise _aborted()
+        if work.broken or self.comm is None:  # aborted since: its event passes as the abort ends the kernels,
+            raise _aborted()  # whether or not the data came (a mail would copy stale staging memory)
         if work.event is None:
             raise ZipcclError("NcclTransport: an operation waited for inside its group, before NCCL issued it")
         if not work.mail:
