@@ -786,11 +786,28 @@ def test_nccl_names_a_live_rank_that_never_reached_the_call(monkeypatch):
     assert "alive but has not reached this call (4 calls on the group there, 5 here)" in str(e)
 
 
-def test_with_no_evidence_the_peer_waited_on_is_named_and_said_to_be(monkeypatch):
+def test_with_no_evidence_nccl_names_no_rank(monkeypatch):
     """Every rank beats and has entered the call (a rank hung inside it, or a link down): no
-    evidence, so the peer whose operation ran out is named, and the message says so."""
+    evidence, and NCCL's operations of one group end together, so the peer whose operation this
+    rank waited on (rank 1, the first in its order) is not named: no rank is."""
     e, _ = _named(monkeypatch, {1: (0.1, 5), 2: (0.1, 5), 3: (0.2, 6)}, timeout=0.5)
-    assert e.rank == 1 and "no heartbeat names another rank" in str(e), e
+    assert e.rank == -1 and "a rank the backend could not name failed" in str(e), e
+
+
+def test_with_no_evidence_a_pairs_timeout_names_its_peer_and_says_so(monkeypatch):
+    """The same on a transport of two ranks (an NCCL pair of a message): its one peer is the one
+    whose operation ran out, named, and the message says so."""
+    from zipccl import config
+    monkeypatch.setattr(config, "TIMEOUT", 0.5)
+    _board(monkeypatch, {1: (0.1, 5)})
+    t, work = _nccl_stand_in(monkeypatch)
+    t.size, t._ranks, t._members = 2, [0, 1], [0, 1]
+    fate = failure.Fate("send", 0, members=(0, 1))
+    fate.began = NOW - 10
+    assert not fate.wait(t, work, 1)
+    with pytest.raises(RankFailure) as e:
+        fate.check()
+    assert e.value.rank == 1 and "no heartbeat names another rank" in str(e.value), e.value
 
 
 def test_a_closed_connection_names_its_peer_at_once_unless_a_rank_is_silent(monkeypatch):

@@ -221,15 +221,18 @@ class Fate:
 
     def _culprit(self, t, peer: int, error: BaseException) -> int:
         """The job rank to blame for a loss on ``t``: the one the group's heartbeats name
-        (silent, or never in the call), else ``peer`` (where ``error`` is not NCCL's), else -1;
+        (silent, or never in the call), else ``peer`` (where ``error`` is not NCCL's, or ``t`` is a
+        pair), else -1;
         but where ``peer`` reported a loss of its own during this call, the rank it lost.
         An error that identifies its peer is taken at once where no rank is silent yet (a
         killed rank's beat is fresh when its sockets close); one that does not waits up to
         ``stale_after()`` and a beat for a rank to fall silent (NCCL learns of a killed peer before
         its beat is stale)."""
         # NCCL's errors (``anonymous``): every operation of the group ends together, so the peer
-        # waited on is the first in this rank's order, not the one that failed: none is named
-        named = t.global_rank(peer) if peer >= 0 and not getattr(error, "anonymous", False) else -1
+        # waited on is the first in this rank's order, not the one that failed: none is named, but
+        # on a pair (a message's two ends), whose one peer it is
+        guess = peer >= 0 and (t.size == 2 or not getattr(error, "anonymous", False))
+        named = t.global_rank(peer) if guess else -1
         b = heartbeat.board()
         if b is None:
             return named
