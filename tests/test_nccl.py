@@ -513,6 +513,51 @@ def test_a_wait_after_the_abort_raises_whatever_its_event_says(monkeypatch, mail
     assert not stream.waited and (not mail or int(work.host) == 0)
 
 
+def test_communicators_still_held_at_exit_are_aborted_not_destroyed():
+    """At exit every communicator that zipccl still holds ends by ncclCommAbort (bounded), never
+    by CuPy's garbage collection, whose ncclCommDestroy waits for good for operations pending on
+    a peer that died: both communicators of each transport, the cache emptied."""
+    from zipccl.transport.cupy_nccl import NcclTransport, ended_at_exit
+    ends = []
+
+    class Comm:
+        def __init__(self, name):
+            self.name = name
+
+        def abort(self):
+            ends.append(("abort", self.name))
+
+        def destroy(self):
+            ends.append(("destroy", self.name))
+
+    cache = {}
+    for key in ("world", "pair"):
+        t = object.__new__(NcclTransport)
+        t.comm, t.mail_comm = Comm(f"{key} bulk"), Comm(f"{key} mail")
+        cache[key] = t
+    held = list(cache.values())
+    ended_at_exit(cache)()
+    assert sorted(ends) == [("abort", f"{k} {c}") for k in ("pair", "world") for c in ("bulk", "mail")], ends
+    assert cache == {} and all(t.comm is None and t.mail_comm is None for t in held)
+    # and the interpreter's exit does it, for the groups' transports and the messages' pairs
+    code = """if True:
+        import os
+        from zipccl.transport import cupy_nccl, nccl_pair
+        class Comm:  # one write a line: the aborts run on threads of their own, at once
+            def __init__(self, name): self.name = name
+            def abort(self): os.write(1, f"abort {self.name}\\n".encode())
+            def destroy(self): os.write(1, f"destroy {self.name}\\n".encode())
+        for cache, key in ((cupy_nccl._transports, "group"), (nccl_pair._pairs, "pair")):
+            t = object.__new__(cupy_nccl.NcclTransport)
+            t.comm, t.mail_comm = Comm(key + " bulk"), Comm(key + " mail")
+            cache[key] = t
+        """
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(run.stdout.split("\n")[:-1]) == [f"abort {k} {c}" for k in ("group", "pair")
+                                                   for c in ("bulk", "mail")], run.stdout
+
+
 def test_the_status_round_leaves_after_the_calls_packets(monkeypatch):
     """fence: the mail stream waits for the bulk stream, so that a peer's status says its packets
     have gone; abort ends both communicators."""

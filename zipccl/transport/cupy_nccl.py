@@ -62,7 +62,6 @@ from .torch_dist import TorchTransport
 __all__ = ["NcclTransport", "NcclError", "abort_together"]
 
 _transports: dict = lifetime.keep({})
-atexit.register(_transports.clear)
 
 #: The shortest wait for NCCL to make a group's communicators: ZIPCCL_TIMEOUT may be a few
 #: seconds, and a first making (CUDA's and NCCL's start-up, several ranks on one GPU) can take
@@ -177,6 +176,24 @@ _ENDS = _Ends()
 def _abort_one(comm) -> None:
     with contextlib.suppress(Exception):
         comm.abort()
+
+
+def ended_at_exit(cache: dict):
+    """For atexit: the communicators of ``cache``'s transports ended by ncclCommAbort (all at once,
+    within ABORT_S), then ``cache`` cleared. Left to CuPy's garbage collection, each would end by
+    ncclCommDestroy, which waits for the operations still pending on it: on a peer that died (a
+    level or a pair that the failed call did not abort), for good. torch aborts its own NCCL
+    communicators that were not destroyed, alike."""
+    def end() -> None:
+        comms = []
+        for t in list(cache.values()):
+            comms += t._detach()
+        cache.clear()
+        _abort_all(comms)
+    return end
+
+
+atexit.register(ended_at_exit(_transports))
 
 
 def abort_together(transports) -> None:

@@ -37,14 +37,14 @@ import torch.distributed as dist
 from .. import config, lifetime
 from ..errors import RankFailure, ZipcclError
 from . import heartbeat, nccl_stack, store
-from .cupy_nccl import NcclError, NcclTransport, _error_of, _made_word
+from .cupy_nccl import NcclError, NcclTransport, _error_of, _made_word, ended_at_exit
 
 __all__ = ["NcclPair"]
 
 _pairs: dict = lifetime.keep({})
 _making: dict = lifetime.keep({})
 _lock = threading.Lock()
-atexit.register(_pairs.clear)
+atexit.register(ended_at_exit(_pairs))
 
 
 class NcclPair(NcclTransport):
