@@ -112,7 +112,9 @@ perf() {
     if ((dry)); then
         $py -m zipccl.bench.perf --nranks 2 -d bfloat16 --codec raw "${lab_sizes[@]}" "$@"
     else
-        $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 -d bfloat16 --codec "${LAB_CODECS:-auto,lossless,raw}" \
+        # zipccl's waits bounded inside the step: a rank that hangs is named before the step's kill
+        ZIPCCL_TIMEOUT=${ZIPCCL_TIMEOUT:-30} $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 -d bfloat16 \
+            --codec "${LAB_CODECS:-auto,lossless,raw}" \
             "${lab_sizes[@]}" ${data:+--data "$data"} "$@"
     fi
 }
@@ -420,7 +422,8 @@ run_shaped() {
         $py -m zipccl.bench.perf --nranks 4 --netlab "${SHAPED_RATE:-10gbit}" -d bfloat16 --codec raw \
             "${lab_sizes[@]}" --collective "$1" -J "$out/shaped_$1.json"
     else
-        $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 --netlab "${SHAPED_RATE:-10gbit}" \
+        ZIPCCL_TIMEOUT=${ZIPCCL_TIMEOUT:-30} $py -m zipccl.bench.perf --device cuda --share-gpu --nranks 4 \
+            --netlab "${SHAPED_RATE:-10gbit}" \
             -d bfloat16 --codec "${SHAPED_CODECS:-lossless,auto,raw}" -b 64M -e 256M -f 4 -n 3 -w 1 ${data:+--data "$data"} --collective "$1" \
             -J "$out/shaped_$1.json"
     fi
