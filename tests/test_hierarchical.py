@@ -323,6 +323,54 @@ def test_nodes_of_interleaved_ranks_have_levels_only_in_node_order(pool, nodes, 
     assert res == [(made, None if made else "UnsupportedError")] * 4, res
 
 
+def _unsorted(rank, groups, order):
+    """A group of the whole job made with its ranks in ``order`` (new_group's sort_ranks=False),
+    two emulated nodes: levels only where each node's group numbers its ranks in local order
+    (then every hierarchical collective equal to torch's on the group, bit for bit); elsewhere
+    a hierarchical call refused on every rank, and the flat ones torch's."""
+    from test_alltoall import nodes
+
+    from zipccl import topology as T
+    g = dist.new_group(order, sort_ranks=False)
+    try:
+        with nodes(g, "2x2"):
+            made = T.levels(g) is not None
+            how = dict(group=g, codec={"intra": "raw", "inter": "raw"}, algorithm="hierarchical") if made else \
+                dict(group=g, codec="raw", algorithm="flat")
+            me, n = dist.get_rank(g), 8
+            x = torch.arange(4 * n, dtype=torch.float32) * (rank + 1) + 100 * rank
+            want, got = torch.empty(n), torch.empty(n)
+            dist.reduce_scatter_tensor(want, x.clone(), group=g)
+            zipccl.reduce_scatter(got, x.clone(), **how)
+            same = torch.equal(got, want)
+            want, got = torch.empty(4 * n), torch.empty(4 * n)
+            dist.all_gather_into_tensor(want, x[:n].clone(), group=g)
+            zipccl.all_gather(got, x[:n].clone(), **how)
+            same &= torch.equal(got, want)
+            want, got = x.clone(), x.clone()
+            dist.all_reduce(want, group=g)
+            zipccl.all_reduce(got, **how)
+            same &= torch.equal(got, want)
+            refused = None
+            if not made:
+                try:
+                    zipccl.all_reduce(x.clone(), group=g, codec={"intra": "raw", "inter": "raw"},
+                                      algorithm="hierarchical")
+                except Exception as e:  # noqa: BLE001 - the test asserts on it
+                    refused = type(e).__name__
+            return me, made, same, refused
+    finally:
+        dist.destroy_process_group(g)
+
+
+@pytest.mark.parametrize("order,made", [([0, 1, 2, 3], True), ([2, 3, 0, 1], True), ([1, 0, 2, 3], False),
+                                        ([1, 0, 3, 2], False)])
+def test_a_group_of_unsorted_ranks_has_levels_only_in_local_order(pool, order, made):
+    res = pool.run(_unsorted, order, timeout=120)
+    assert [r[0] for r in res] == [order.index(rank) for rank in range(4)], res
+    assert all(r[1:] == (made, True, None if made else "UnsupportedError") for r in res), res
+
+
 def _levels_of_one_node(rank, groups):
     """A per-level codec on a group of one level: one node takes its "intra" codec ("shm": the
     backend's own collective), nodes of one rank their "inter" one; the sums are plain torch's

@@ -318,8 +318,11 @@ def levels(group=None) -> Levels | None:
     made = None
     ranks = dist.get_process_group_ranks(key)  # group rank -> global rank
     # torch numbers a new group's ranks in ascending order: each local rank's group across the nodes
-    # must then be in node order, as the algorithms take it (nodes of interleaved ranks are not)
-    in_order = all(sorted(column) == list(column) for column in zip(*[[ranks[r] for r in n] for n in topo.nodes]))
+    # must then be in node order, as the algorithms take it (nodes of interleaved ranks are not),
+    # and each node's group in local order (a group made with sort_ranks=False may number a node's
+    # ranks otherwise: its intra rank would not be its local rank)
+    placed = [[ranks[r] for r in n] for n in topo.nodes]
+    in_order = all(sorted(line) == list(line) for line in (*placed, *zip(*placed)))
     if topo.hierarchical and in_order and dist.get_world_size(group) == dist.get_world_size():
         backend = dist.get_backend(group)
         me = dist.get_rank(group)
