@@ -231,7 +231,7 @@ class Fate:
         # NCCL's errors (``anonymous``): every operation of the group ends together, so the peer
         # waited on is the first in this rank's order, not the one that failed: none is named, but
         # on a pair (a message's two ends), whose one peer it is
-        guess = peer >= 0 and (t.size == 2 or not getattr(error, "anonymous", False))
+        guess = peer >= 0 and (not getattr(error, "anonymous", False) or t.size == 2)
         named = t.global_rank(peer) if guess else -1
         b = heartbeat.board()
         if b is None:

@@ -75,18 +75,20 @@ def _whole(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r} (nccl-tests' -f takes 2, 4, ...)") from None
 
 
-def _codecs(text: str) -> tuple[str, ...]:
-    """--codec: "all" (every codec of CODECS, in its order), or names of CODECS, comma-separated,
-    in the order their tables run (the one that matters most first, where a time limit may cut
-    the run short)."""
-    if text == "all":
-        return CODECS
-    names = tuple(text.split(","))
-    wrong = [n for n in names if n not in CODECS]
-    if wrong or len(set(names)) != len(names):
+def codecs_of(text: str) -> tuple[str, ...]:
+    """--codec's codecs in the order their tables run: "all" (CODECS, in its order), or names of
+    CODECS, comma-separated (the one that matters most first, where a time limit may cut the
+    run short)."""
+    return CODECS if text == "all" else tuple(text.split(","))
+
+
+def _codecs(text: str) -> str:
+    """--codec, checked (``codecs_of`` reads it)."""
+    names = codecs_of(text)
+    if any(n not in CODECS for n in names) or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"{text!r}: give 'all', or codecs of {', '.join(CODECS)} once each, "
                                          "comma-separated")
-    return names
+    return text
 
 
 def sizes(min_bytes: int, max_bytes: int, factor: float, step: int) -> list[int]:
@@ -225,7 +227,7 @@ def validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.nodes is not None and (args.nodes < 1 or ranks % args.nodes):
         ap.error(f"--nodes ({args.nodes}) must divide the ranks ({ranks}: "
                  f"{'the launcher' + chr(39) + 's' if world else '--nranks'})")
-    if args.backend == "zipccl" and (args.baseline or args.codec not in (CODECS, ("auto",))):
+    if args.backend == "zipccl" and (args.baseline or args.codec not in ("all", "auto")):
         ap.error("--backend zipccl times plain dist.* calls (the drop-in's policy is ZIPCCL_CODEC): "
                  "leave out --baseline and --codec")
     if args.data is not None:

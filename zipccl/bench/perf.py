@@ -28,7 +28,7 @@ from ..collectives import auto_policy
 from ..errors import UnsupportedError
 from . import all_gather, all_reduce, alltoall, reduce_scatter, report, sendrecv
 from . import cuda
-from .common import (BASELINE, CODECS, DTYPES, OPS, load_data, measure, parser, plot, progress, rank_order_reduce,
+from .common import (BASELINE, DTYPES, OPS, codecs_of, load_data, measure, parser, plot, progress, rank_order_reduce,
                      gaussian, real, sizes, validate, verifiable)
 
 SPECS = {s.name: s for s in (all_reduce.SPEC, reduce_scatter.SPEC, all_gather.SPEC, alltoall.SPEC, sendrecv.SPEC)}
@@ -47,7 +47,7 @@ def _plan(args):
         return dtypes, ops, [(GLOO, None, "gloo"), (DROPIN, None, "world")]
     # on CUDA zipccl runs on the NCCL group, as a user's would: "native" is that group's own NCCL
     where = cuda.NCCL_GROUP if args.device == "cuda" else "world"
-    variants = [(c, c, where) for c in args.codec]
+    variants = [(c, c, where) for c in codecs_of(args.codec)]
     if args.baseline:
         variants = [(BASELINE, None, "world")] + variants
     if args.device == "cuda":
