@@ -185,6 +185,44 @@ def test_steps_are_counted_where_ddp_skips_the_last_bucket(pool):
     assert torch.equal(ga, gb)
 
 
+def _a_bucket_skipped_for_a_step(rank, groups):
+    """skip_all_reduce_unused_params with layer ``b`` unused in step 3 alone: its bucket skips the
+    hook that step; its residual (what top-k has not sent of b's gradients) is kept whole for
+    step 4, not dropped as a bucket that DDP's rebuild replaced. The sums of |residual| of b's
+    bucket after steps 2 and 3, and whether it is there after step 4."""
+    if rank >= 2:
+        return None
+    g = groups[2]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.c = (torch.nn.Linear(64, 64) for _ in range(3))
+
+        def forward(self, x, use_b):
+            x = self.a(x)
+            return self.c(self.b(x) if use_b else x)
+
+    model = Model()
+    ddp = DDP(model, process_group=g, find_unused_parameters=True, bucket_cap_mb=0.0001,
+              skip_all_reduce_unused_params=True)
+    state = zipccl.ddp.State(group=g, codec="topk", density=0.1, rules=None, model=model)
+    ddp.register_comm_hook(state, zipccl.ddp.hook)
+    gen, sums = torch.Generator().manual_seed(7 + rank), []
+    for use_b in (True, True, True, False, True):
+        ddp.zero_grad()
+        ddp(torch.randn(8, 64, generator=gen), use_b).square().mean().backward()
+        keys = [k for k, parts in state.parts.items() if parts and any(n == "b.weight" for n, _ in parts)]
+        sums.append(sum(float(state.residuals.store[k].abs().sum()) for k in keys if k in state.residuals.store))
+    return sums
+
+
+def test_a_bucket_that_ddp_skips_for_a_step_keeps_its_residual(pool):
+    for sums in pool.run(_a_bucket_skipped_for_a_step, timeout=120)[:2]:
+        assert sums[2] > 0 and sums[3] == sums[2] and sums[4] > 0, sums
+
+
 def _rules_grads(rank, groups, rules):
     """One backward under DDP's own all-reduce and one under the top-k hook: the gradients."""
     if rank >= 2:

@@ -190,13 +190,17 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
 
 
 def _step_ended(state: State) -> list:
-    """The keys of buckets the step that ended did not have, dropped here and returned (their
-    residuals go on zipccl's thread): those of the buckets before DDP's rebuild, but not a
-    checkpoint's, kept for the buckets after the rebuild (this process has not seen them)."""
+    """The keys of buckets that the step that ended did not have and whose parameters its buckets
+    now hold (DDP's rebuild regrouped them), dropped here and returned (their residuals go on
+    zipccl's thread). Not a bucket that DDP skipped this step (skip_all_reduce_unused_params: its
+    parameters unused), whose residual waits for its next step, nor a checkpoint's, kept for the
+    buckets after the rebuild (this process has not seen them)."""
     state.last_index = -1
     if not state.lossy:
         return []
-    stale, state.used = [k for k in state.members if k not in state.used], set()
+    held = {p for k in state.used for p in state.members.get(k, ())}
+    stale = [k for k in state.members if k not in state.used and not held.isdisjoint(state.members[k])]
+    state.used = set()
     for k in stale:
         del state.members[k]
         state.layouts.pop(k, None)
