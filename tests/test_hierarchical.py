@@ -557,6 +557,50 @@ def test_a_full_dev_shm_raises_instead_of_killing_the_ranks(tmp_path):
     assert "left: []" in r.stdout, r.stdout
 
 
+def _auto_beside_a_small_dev_shm(rank, groups):
+    """Two emulated nodes, a new group (its own levels and policy); /dev/shm on node 1 too small
+    for an area over 1 MiB (its local rank 0's allocation refused, as a full tmpfs refuses it):
+    16 auto all-reduces of 4 MiB of fp32. The call whose shared-memory plan cannot grow its area
+    raises on every rank; auto's later hierarchical calls keep the node level to the backend's
+    collective, and give torch's sums (whole numbers: exact in any order)."""
+    from test_alltoall import nodes
+
+    from zipccl.errors import RankFailure
+    from zipccl.transport import shm
+    real = shm._allocate
+
+    def small(path: str, size: int) -> None:
+        if size > 1 << 20:
+            raise OSError(28, "No space left on device")
+        real(path, size)
+
+    g = dist.new_group([0, 1, 2, 3])
+    shm._allocate = small if rank == 2 else real
+    outcomes = []
+    try:
+        with nodes(g, "2x2"):
+            x = (torch.arange(1 << 20, dtype=torch.float32) % 97) * (rank + 1)
+            want = x.clone()
+            dist.all_reduce(want, group=g)
+            for _ in range(16):
+                got = x.clone()
+                try:
+                    zipccl.all_reduce(got, group=g)
+                    outcomes.append("same" if torch.equal(got, want) else "wrong")
+                except RankFailure as e:
+                    outcomes.append(e.kind)
+        return outcomes
+    finally:
+        shm._allocate = real
+        dist.destroy_process_group(g)
+
+
+def test_auto_keeps_to_the_backend_inside_a_node_once_its_shared_memory_could_not_grow(pool):
+    res = pool.run(_auto_beside_a_small_dev_shm, timeout=180)
+    assert all(r == res[0] for r in res), res
+    assert res[0].count("memory") == 1 and res[0].count("same") == 15, res[0]
+
+
 def test_an_area_is_unlinked_where_a_barrier_breaks(tmp_path, monkeypatch):
     """A peer lost while the area grows (the barrier after the mapping raises): local rank 0
     still unlinks the file, so nothing is left in /dev/shm."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from . import auto, config, hierarchical, lifetime, lossy, topology
 from . import collectives as C
 from .collectives.metadata import _meta_bytes
-from .errors import UnsupportedError
+from .errors import RankFailure, UnsupportedError
 from .executor import drain as _drain, run as _run
 from .failure import Fate
 from .format import DTYPE_CODES
@@ -82,9 +82,11 @@ def _one_level(group, codecs: tuple):
 
 def _intra(levels, device: torch.device) -> object:
     """The intra-node level of auto's hierarchical plans: for CPU tensors the node's shared
-    memory where it has one, else (and always for CUDA tensors: NCCL's own) the backend's
-    collective."""
-    return hierarchical.SHM if levels.memory is not None and device.type == "cpu" else C.NATIVE
+    memory where it has one and no call's area failed to grow in it (a /dev/shm too small: every
+    rank knows alike, from that call's RankFailure), else (and always for CUDA tensors: NCCL's
+    own) the backend's collective."""
+    memory = levels.memory
+    return hierarchical.SHM if memory is not None and not memory.failed and device.type == "cpu" else C.NATIVE
 
 
 #: How each call signature runs (``_route``), decided once: (collective, group (the world's object
@@ -283,7 +285,12 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
         C.Call(name, dtype, numel, op, plan).exchange(whole, [], None, fate)
         acc["meta_bytes"] += _meta_bytes(whole.size)
         used = hierarchical.run(name, levels, output, input, op, codecs, acc, fate)
-        fate.settled(whole, acc, used)  # a failure on any level, in any node, reaches every rank
+        try:
+            fate.settled(whole, acc, used)  # a failure on any level, in any node, reaches every rank
+        except RankFailure as e:
+            if e.kind == "memory" and levels.memory is not None:  # raised on every rank of the group alike:
+                levels.memory.failed = True  # auto's later calls keep the node level to the backend's (_intra)
+            raise
         return plan
 
     def flat(codec, acc):

@@ -56,6 +56,7 @@ class NodeMemory:
     def __init__(self, group, local_rank: int, local_size: int, name: str):
         self.group, self.local_rank, self.local_size, self.name = group, local_rank, local_size, name
         self.capacity, self.generation, self.area, self.phase = 0, 0, None, 0
+        self.failed = False  # a call's area could not grow: auto keeps this group's node level to the backend's
 
     @classmethod
     def available(cls, group, local_rank: int, local_size: int, agree) -> "NodeMemory | None":
