@@ -437,6 +437,14 @@ def _where_topk_would_not_pay(rank, groups):
     out["z"] = z.clone()
     half.all_reduce(z, "z", op=dist.ReduceOp.SUM, group=g)
     out["z reduced"], out["z residual"] = z, half.residuals.store["z"].clone()
+    # sampled at 0.45 (up to 0.9 sent): 30% large, 50% tied at the threshold, 20% small, fp32
+    n, big, tied = 300_000, 90_000, 150_000
+    t = torch.cat([3 + torch.rand(big, generator=gen), torch.ones(tied), torch.rand(n - big - tied, generator=gen) / 10])
+    t = t[torch.randperm(n, generator=torch.Generator().manual_seed(5))]
+    out["t"], u = t.clone(), t.clone()
+    zipccl.lossy.Compressor("topk", density=0.45, rules=None, sampled=True).all_reduce(u, "t", op=dist.ReduceOp.SUM,
+                                                                                        group=g)
+    out["t reduced"], out["t stats"] = u, dict(zipccl.stats()["last"])
     return out
 
 
@@ -445,7 +453,8 @@ def test_a_lossy_call_that_top_k_would_make_larger_goes_dense(pool):
     """Top-k never moves more than the plain collective: where its pairs would (a bucket mostly
     of exact ranges, a density of 0.5 in bf16), the call goes whole and lossless, as if every
     entry were selected: the exact sum (plain torch's, fp32 of two bf16 rounded once), no more
-    wire bytes than the dense call's, and a residual of zeros, or with a residual going in, of
+    wire bytes than the dense call's (a sampled selection counted at its most, twice its
+    density), and a residual of zeros, or with a residual going in, of
     what rounding gradient and residual to bf16 left."""
     res = pool.run(_where_topk_would_not_pay)[:2]
     assert all(not isinstance(r, BaseException) for r in res), res
@@ -460,8 +469,9 @@ def test_a_lossy_call_that_top_k_would_make_larger_goes_dense(pool):
     for rank, r in enumerate(res):
         assert torch.equal(r["x reduced"], want)
         assert torch.equal(r["xs reduced"], want.view(-1)[1500 * rank:1500 * (rank + 1)])
-        for name in ("x stats", "xs stats"):
+        for name in ("x stats", "xs stats", "t stats"):
             assert 0 < r[name]["wire_bytes"] <= r[name]["raw_bytes"], (name, r[name])
+        assert torch.equal(r["t reduced"], res[0]["t"] + res[1]["t"])  # whole, lossless: exact in fp32
     # every entry of gradient + residual sent, rounded to bf16; the residual keeps that rounding
     compensated = [r["z"].float() + r["z residual before"] for r in res]
     sent = [c.to(torch.bfloat16) for c in compensated]

@@ -27,7 +27,7 @@ from .feedback import Residuals
 from .kernels import sparse
 from .rules import LayerRules
 from .stats import stats as _snapshot
-from .topk import TopK, check_addressable
+from .topk import SAMPLE, TopK, check_addressable
 from .transport import transport_for
 from .transport.torch_dist import wire_device
 
@@ -175,8 +175,11 @@ class Compressor:
     def _pays(self, name: str, flat: torch.Tensor, density: float, codec: TopK, group) -> bool:
         """Whether top-k at ``density`` (pairs per element of what is sent) moves no more bytes per
         rank than the plain collective of ``flat``'s dtype: not at high densities, nor for a bucket
-        mostly of ranges the rules keep exact. Sizes alone decide, the same on every rank."""
+        mostly of ranges the rules keep exact. Sizes alone decide, the same on every rank. A sampled
+        selection counts at its most, twice the density (``TopK``'s sampled threshold)."""
         value_size, dense_size, n = self._value_size(flat), flat.element_size(), dist.get_world_size(group)
+        if codec.sampled and flat.numel() > 4 * SAMPLE:  # where it samples (TopK.sample_positions)
+            density = min(1.0, 2 * density)
         if name == "reduce_scatter":  # both move (n-1)/n of their bytes
             return density * (4 + value_size) <= dense_size
         moved = collectives.sparse_bytes(n, density, value_size)
