@@ -481,6 +481,26 @@ def test_a_lossy_call_that_top_k_would_make_larger_goes_dense(pool):
         assert r["z residual"].any()
 
 
+def _empty_tensors(rank, groups):
+    """An empty gradient through each lossy codec and dtype (rules=None: nothing keeps it exact)."""
+    import zipccl.lossy
+    from zipccl.entropy import EntropyRate
+    done = []
+    for codec in ("topk", "entropy"):
+        comp = zipccl.lossy.Compressor(codec, rules=None, rate=EntropyRate(warmup=0) if codec == "entropy" else None)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.zeros(0, dtype=dtype)
+            comp.all_reduce(x, f"e{dtype}", group=groups[2])
+            done.append((codec, str(dtype), x.numel()))
+    return done
+
+
+def test_an_empty_gradient_goes_through_every_lossy_codec(pool):
+    res = pool.run(_empty_tensors, timeout=120)[:2]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    assert res[0] == res[1] and len(res[0]) == 6 and all(n == 0 for _, _, n in res[0]), res
+
+
 def test_packets_parsed_together_are_each_checked():
     """parse_many raises for a bad packet wherever it stands, as parse of that packet would, and
     otherwise gives each packet's own pairs."""

@@ -61,7 +61,7 @@ class EntropyRate:
         flat = grad.reshape(-1)
         count = min(flat.numel(), max(4096, int(self.sample * flat.numel())))
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        values = flat[torch.randint(0, flat.numel(), (count,), generator=gen)].float()
+        values = flat[torch.randint(0, flat.numel(), (count,), generator=gen)].float() if count else flat.float()
         values = values[torch.isfinite(values)]
         # Robust scale (a heavy-tailed sample biases the standard deviation): 1.4826 x median |v|,
         # quantised to 1/16 of a binade and averaged over ranks in integers, so all ranks agree.

@@ -323,7 +323,8 @@ def compensated_topk(grad: torch.Tensor, residual: torch.Tensor | None, k: int, 
     taken = _select(g, res, has_res, bf16_values, threshold, ties, idx, _bits(values).view(
         np.uint16 if bf16_values else np.uint32), _bits(out))
     assert taken == count, (taken, count)
-    return torch.from_numpy(idx), values, out
+    # torch.from_numpy of an empty array has a stride of 0, which the packet's byte view refuses
+    return (torch.from_numpy(idx) if count else torch.zeros(0, dtype=torch.int32)), values, out
 
 
 @njit(**_NOGIL)
