@@ -173,12 +173,11 @@ def test_a_nan_is_selected_before_numbers_as_an_inf_is(one_rank, monkeypatch, ke
 
 @pytest.mark.parametrize("kernels,bad,value_dtype", [
     *((k, bad, torch.float32) for k in (True, False) for bad in (float("inf"), float("-inf"), float("nan"))),
-    (False, 1e5, torch.float16)])  # float16 values (the torch path alone): 1e5 overflows to Inf
+    (False, float("inf"), torch.float16)])  # float16 values: the torch path alone
 def test_an_overflowed_step_is_not_carried_into_later_steps(one_rank, monkeypatch, kernels, bad, value_dtype):
-    """A step whose gradient holds Inf or NaN (or overflows where sent as float16) leaves a finite
-    residual, 0 there, so that the next steps send that coordinate again: GradScaler skips the
-    overflowed step, but a NaN kept in the residual (Inf - Inf) would cut the coordinate out for
-    good."""
+    """A step whose gradient holds Inf or NaN leaves a finite residual, 0 there, so that the next
+    steps send that coordinate again: GradScaler skips the overflowed step, but a NaN kept in the
+    residual (Inf - Inf) would cut the coordinate out for good."""
     g = _gradient(1000, torch.float32, 6)
     g[7] = bad
     idx, values, residual, _ = _reduce(monkeypatch, g, None, 0.05, False, value_dtype, torch.float32, kernels)
@@ -188,6 +187,16 @@ def test_an_overflowed_step_is_not_carried_into_later_steps(one_rank, monkeypatc
         g[7] = 1.0  # the largest from now on
         idx, values, residual, _ = _reduce(monkeypatch, g, residual, 0.05, False, value_dtype, torch.float32, kernels)
         assert 7 in idx.tolist() and bool(residual.isfinite().all()), (step, residual[7])
+
+
+def test_a_value_beyond_the_sent_dtypes_range_is_sent_at_its_end_and_the_rest_kept(one_rank, monkeypatch):
+    """fp32 gradients sent as float16 values: 1e5, finite, is sent as 65,504 (not Inf, which the
+    plain fp32 collective would not have made), and 34,496 waits in the residual."""
+    g = _gradient(1000, torch.float32, 6)
+    g[7] = 1e5
+    idx, values, residual, reduced = _reduce(monkeypatch, g, None, 0.05, False, torch.float16, torch.float32, False)
+    assert values[idx.tolist().index(7)] == 65504.0 and residual[7] == 1e5 - 65504.0, residual[7]
+    assert bool(values.isfinite().all()) and bool(reduced.isfinite().all())
 
 
 def _packets(n, numel, k, dtype, seed):

@@ -481,6 +481,31 @@ def test_a_lossy_call_that_top_k_would_make_larger_goes_dense(pool):
         assert r["z residual"].any()
 
 
+def _fp16_beyond_its_range(rank, groups):
+    """fp16 top-k (k = 1 of 10) whose gradient plus residual passes fp16's largest finite value:
+    rank 0's 60,000 waits in the residual behind 65,000, then comes back with 10,000 more."""
+    import zipccl.lossy
+    comp, out = zipccl.lossy.Compressor("topk", density=0.1, rules=None), []
+    for first in (True, False):
+        g = torch.zeros(10, dtype=torch.float16)
+        if rank == 0:
+            g[0], g[1] = (60000, 65000) if first else (10000, 0)
+        comp.all_reduce(g, "w", op=dist.ReduceOp.SUM, group=groups[2])
+        out.append((g.tolist(), comp.residuals.store["w"].tolist()))
+    return out
+
+
+def test_fp16_error_feedback_sends_what_fp16_carries_and_keeps_the_rest(pool):
+    """The second step's 70,000 is sent as 65,504 (not Inf, which would make a GradScaler skip a
+    step the plain collective would not, and drop the carried mass), 4,496 kept for later."""
+    res = pool.run(_fp16_beyond_its_range, timeout=120)[:2]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    (step1, residual1), (step2, residual2) = res[0]
+    assert step1[1] == 64992.0 and residual1[0] == 60000.0, res[0]  # 65,000 rounded to fp16
+    assert step2[0] == 65504.0 and residual2[0] == 4496.0, res[0]
+    assert [s for s, _ in res[1]] == [step1, step2], res
+
+
 def _empty_tensors(rank, groups):
     """An empty gradient through each lossy codec and dtype (rules=None: nothing keeps it exact)."""
     import zipccl.lossy

@@ -192,7 +192,7 @@ class Compressor:
         ``flat``'s dtype. With ``exact``, the whole bucket goes in the one call."""
         try:
             compensated = self.residuals.compensate(key, flat)
-            flat.copy_(compensated)
+            flat.copy_(_in_range(compensated, flat.dtype))
             self.residuals.update(key, compensated, flat)
             if exact is not None:  # the compensated lossy ranges back into the bucket
                 _place(flat, exact[0], exact[1])
@@ -241,7 +241,7 @@ class Compressor:
             codec.remember(wire, idx, values)  # the collective sends it
         else:
             compensated = self.residuals.compensate(key, flat)
-            wire.copy_(compensated)
+            wire.copy_(_in_range(compensated, wire.dtype))
             idx, values = codec.select(wire, remember=True)  # the collective reuses it
             sent = torch.zeros_like(compensated)
             sent[idx.long()] = values.float()
@@ -279,6 +279,17 @@ def _sums_only(name: str, flat, group, op) -> None:
     if not sums(op):
         collectives.refuse(name, transport_for(group, flat.device), flat, op,
                            UnsupportedError(f"lossy all-reduce and reduce-scatter sum (SUM or AVG), not {op}"))
+
+
+def _in_range(compensated: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad + residual`` (fp32) as ``dtype`` can carry it: a finite value beyond its range (fp16's
+    65504) sent at the range's end, the rest kept in the residual, not sent as Inf, which would
+    make the scaler skip a step the plain collective would not have, and lose the carried mass;
+    an Inf or NaN of the gradient itself is sent as it is."""
+    top = torch.finfo(dtype).max
+    if top >= torch.finfo(torch.float32).max:
+        return compensated
+    return torch.where(torch.isfinite(compensated), compensated.clamp(-top, top), compensated)
 
 
 @contextlib.contextmanager
