@@ -606,6 +606,16 @@ def test_state_pickles_and_validates():
     assert back.rate is not None and torch.equal(back.residuals.store[(0, 3)], torch.ones(3))
     with pytest.raises(ValueError):
         zipccl.ddp.State(codec=object())
+    # residuals held by parameter name (a state made with model=...): attached without the model,
+    # they could not be placed, and would be dropped; refused, with what to do
+    model = torch.nn.Linear(3, 1)
+    named = zipccl.ddp.State(codec="topk", model=model, rules=None)
+    named.residuals.update((0, ((1, 3), (1,))), torch.ones(4), torch.zeros(4))
+    named.parts[(0, ((1, 3), (1,)))] = (("weight", 3), ("bias", 1))
+    back = pickle.loads(pickle.dumps(named))
+    with pytest.raises(ValueError, match=r"held by parameter name .*attach\(group, model=model\)"):
+        back.attach()
+    assert back.attach(model=model).names == {id(p): n for n, p in model.named_parameters()}
 
 
 def _foreign_group(rank, groups):

@@ -120,9 +120,14 @@ class State:
     def attach(self, group: Optional[dist.ProcessGroup] = None, model: Optional[torch.nn.Module] = None) -> "State":
         """Give a state loaded from a checkpoint this process's group and ``model``'s parameter
         names (the layer rules' names), which pickling drops; returns the state. Residuals are
-        rank-local: a state that holds some, saved by another rank or world size, is refused."""
+        rank-local: a state that holds some, saved by another rank or world size, is refused; so
+        is one whose residuals are held by parameter name, attached without ``model``."""
         _check_member(group)
-        check_saved_by(self.saved_by, rank_in(group), self.residuals is not None and bool(self.residuals.store))
+        held = self.residuals is not None and bool(self.residuals.store)
+        check_saved_by(self.saved_by, rank_in(group), held)
+        if held and model is None and not self.names and any(self.parts.values()):
+            raise ValueError("these error-feedback residuals are held by parameter name (the state was made with "
+                             "model=...): attach(group, model=model), or they would be dropped, not applied")
         self.group = group
         if model is not None:
             self.names = {id(p): n for n, p in model.named_parameters()}
