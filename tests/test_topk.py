@@ -381,7 +381,7 @@ def _bf16_values(rank, groups):
     comp = zipccl.lossy.Compressor("topk", density=0.05, value_dtype=torch.bfloat16)
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(rank))
     compensated = w.reshape(-1).clone()
-    comp.all_reduce(w, "w", group=g)
+    call = comp.all_reduce(w, "w", group=g)
     wire = compensated.to(torch.bfloat16)
     idx, values = TopK(0.05).select(wire)
     sent = torch.zeros_like(compensated)
@@ -390,7 +390,7 @@ def _bf16_values(rank, groups):
     dist.all_gather(both, sent, group=g)  # the average of what each rank sent, by plain torch, in bf16
     average = ((both[0] + both[1]) / 2).to(torch.bfloat16).float()
     return w, bool(torch.equal(comp.residuals.store["w"], compensated - sent)), stats_bytes(), \
-        bool(torch.equal(w.reshape(-1), average))
+        bool(torch.equal(w.reshape(-1), average)), call["raw_bytes"]
 
 
 def stats_bytes():
@@ -407,6 +407,7 @@ def test_bf16_values_shrink_entries_to_six_bytes(pool):
     assert res[0][3] and res[1][3], "not the bf16-rounded average of what the ranks sent"
     k = TopK(0.05).k(64 * 128)
     assert res[0][2] == F.HEADER_SIZE + 6 * k  # one packet to the one other rank
+    assert res[0][4] == 2 * (2 - 1) * (64 * 128 // 2) * 4  # against the plain fp32 all-reduce's bytes
     assert torch.equal(res[0][0], res[0][0].to(torch.bfloat16).float())
 
 

@@ -251,7 +251,12 @@ class Compressor:
         def after():
             if wire is not flat:
                 flat.copy_(wire)
-            return None if exact is not None else _snapshot()["last"]
+            if exact is not None:
+                return None
+            last = _snapshot()["last"]
+            if wire is not flat:  # what the plain collective of the gradients' own dtype would send
+                last = dict(last, raw_bytes=last["raw_bytes"] // wire.element_size() * flat.element_size())
+            return last
         return wire, after, unsent
 
     def all_reduce(self, tensor: torch.Tensor, name: str, op=dist.ReduceOp.AVG, group=None) -> dict:
