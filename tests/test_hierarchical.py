@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -599,6 +600,37 @@ def test_auto_keeps_to_the_backend_inside_a_node_once_its_shared_memory_could_no
     res = pool.run(_auto_beside_a_small_dev_shm, timeout=180)
     assert all(r == res[0] for r in res), res
     assert res[0].count("memory") == 1 and res[0].count("same") == 15, res[0]
+
+
+def test_an_area_left_by_a_killed_maker_is_removed_by_the_next(tmp_path, monkeypatch):
+    """An area file names the process that made it; the next area made on the machine removes
+    the files of makers that are gone, once older than a minute (not a live process's, not a
+    young one's, not a file of another name)."""
+    import subprocess
+    import time
+
+    import torch.distributed as dist
+    from zipccl.transport import shm
+    monkeypatch.setattr(shm, "_DIR", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    token = "0123456789abcdef" * 2
+    files = {"dead, old": f"zipccl-{gone.pid}-{token}-0", "dead, young": f"zipccl-{gone.pid}-{token}-1",
+             "live, old": f"zipccl-{os.getpid()}-{token}-0", "another name": f"zipccl-x{gone.pid}-{token}-0"}
+    for what, name in files.items():
+        (tmp_path / name).write_bytes(b"area")
+        if what != "dead, young":
+            os.utime(tmp_path / name, (time.time() - 120, time.time() - 120))
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        memory = shm.NodeMemory.available(dist.group.WORLD, 0, 1, lambda ok: ok)
+        assert memory is not None and re.fullmatch(rf"zipccl-{os.getpid()}-[0-9a-f]{{32}}", memory.name), memory.name
+    finally:
+        if created:
+            dist.destroy_process_group()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for w, n in files.items() if w != "dead, old")
 
 
 def test_an_area_is_unlinked_where_a_barrier_breaks(tmp_path, monkeypatch):

@@ -14,14 +14,18 @@ rank (sizes come from the call, the same on every rank). Local rank 0 allocates 
 before any rank maps it, so that a full /dev/shm (a container's 64 MiB) fails there, on every
 rank alike, instead of killing the ranks with SIGBUS at their first write into pages that tmpfs
 cannot back. Files are unlinked as soon as every rank has mapped them, or failed to: nothing is
-left behind where a peer dies meanwhile, nor after a crash that follows.
+left behind where a peer dies meanwhile, nor after a crash that follows. A file whose local
+rank 0 was killed in that window (SIGKILL, the OOM killer) names that process: the next area
+made on the machine removes it once the process is gone (``_remove_left_behind``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
+import time
 
 import torch
 import torch.distributed as dist
@@ -36,6 +40,37 @@ _MAGIC_BYTES = 8
 
 def _round_up(n: int) -> int:
     return max(_ALIGN, 1 << (max(1, n) - 1).bit_length())
+
+
+#: An area file: its local rank 0's process id, the area's random name, its generation.
+_AREA = re.compile(r"zipccl-(\d+)-[0-9a-f]{32}-\d+")
+#: Seconds an area file of a process that is gone stays before another removes it: its node's
+#: ranks map it within a call's barriers, and its maker unlinks it then.
+LEFT_BEHIND_S = 60.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _remove_left_behind() -> None:
+    """Remove the area files in _DIR whose local rank 0 died before it could unlink them (killed
+    while its node's ranks mapped them): its process is gone and the file is older than
+    LEFT_BEHIND_S. Where a process of that id lives (reused, or one of another job's in the same
+    /dev/shm), its files stay."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(_DIR):
+            match = _AREA.fullmatch(entry.name)
+            if match and not _alive(int(match[1])):
+                with contextlib.suppress(OSError):
+                    if time.time() - entry.stat(follow_symlinks=False).st_mtime > LEFT_BEHIND_S:
+                        os.unlink(entry.path)
 
 
 def _allocate(path: str, size: int) -> None:
@@ -65,9 +100,11 @@ class NodeMemory:
         all nodes choose alike). None where any failed."""
         name = torch.zeros(64, dtype=torch.uint8)
         if local_rank == 0:
-            name[:32] = torch.frombuffer(bytearray(secrets.token_hex(16).encode()), dtype=torch.uint8)
+            _remove_left_behind()
+            text = f"{os.getpid()}-{secrets.token_hex(16)}".encode()  # the maker's id: _remove_left_behind
+            name[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         dist.broadcast(name, group=group, group_src=0)
-        memory = cls(group, local_rank, local_size, f"zipccl-{bytes(name[:32].tolist()).decode()}")
+        memory = cls(group, local_rank, local_size, f"zipccl-{bytes(name.tolist()).rstrip(bytes(1)).decode()}")
         return memory if agree(memory._map(_ALIGN, check=True)) else None
 
     def _path(self) -> str:
