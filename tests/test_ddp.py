@@ -179,7 +179,6 @@ def _unused_last_bucket_skipped(rank, groups):
 
 def test_steps_are_counted_where_ddp_skips_the_last_bucket(pool):
     (a, ga), (b, gb) = pool.run(_unused_last_bucket_skipped, timeout=120)[:2]
-
     assert a["iterations"] == b["iterations"] == 3, (a, b)
     assert a["densities"] == b["densities"] == [0.1] * 3, (a, b)
     assert torch.equal(ga, gb)

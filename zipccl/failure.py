@@ -318,8 +318,9 @@ class Fate:
         the peer in a next call; it raises here, as every survivor that waits on a hung rank does.
         Nor where the loss is NCCL's (an ``anonymous`` error): there the call's data waits are the
         device's, and the abort that ends a receive pending on a dead peer ends it as if it had
-        come, so nothing says that every message came; it raises here. The verdicts of packets decoded without a host read are read first, so that a corrupt
-        one goes out in this rank's status."""
+        come, so nothing says that every message came; it raises here. The verdicts of packets
+        decoded without a host read are read first, so that a corrupt one goes out in this rank's
+        status."""
         self._read_verdicts(t)
         if t.size > 1:
             known = self.first

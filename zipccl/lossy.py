@@ -27,7 +27,7 @@ from .feedback import Residuals
 from .kernels import sparse
 from .rules import LayerRules
 from .stats import stats as _snapshot
-from .topk import SAMPLE, TopK, check_addressable
+from .topk import TopK, check_addressable
 from .transport import transport_for
 from .transport.torch_dist import wire_device
 
@@ -178,7 +178,7 @@ class Compressor:
         mostly of ranges the rules keep exact. Sizes alone decide, the same on every rank. A sampled
         selection counts at its most, twice the density (``TopK``'s sampled threshold)."""
         value_size, dense_size, n = self._value_size(flat), flat.element_size(), dist.get_world_size(group)
-        if codec.sampled and flat.numel() > 4 * SAMPLE:  # where it samples (TopK.sample_positions)
+        if codec.samples(flat.numel()):
             density = min(1.0, 2 * density)
         if name == "reduce_scatter":  # both move (n-1)/n of their bytes
             return density * (4 + value_size) <= dense_size

@@ -130,11 +130,15 @@ class TopK:
         unmodified ``x``, as ``select(x, remember=True)`` would."""
         self._last = (x, x._version, (idx, values))
 
+    def samples(self, numel: int) -> bool:
+        """Whether a selection of ``numel`` elements is sampled (about k entries, at most 2k), not exact."""
+        return self.sampled and numel > 4 * SAMPLE
+
     def sample_positions(self, numel: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """The positions a sampled selection estimates its threshold from (the same for every
         tensor of ``numel`` elements), on ``device``, or None where it selects exactly. Not to be
         written: one tensor per size and device serves every call."""
-        if not self.sampled or numel <= 4 * SAMPLE:
+        if not self.samples(numel):
             return None
         return _sample(numel, torch.device(device))
 
