@@ -623,9 +623,12 @@ def test_shared_memory_only_off_nccl(monkeypatch):
 
 
 def test_auto_intra_level_is_native_on_cuda():
-    with_memory, without = types.SimpleNamespace(memory=object()), types.SimpleNamespace(memory=None)
+    with_memory, without = types.SimpleNamespace(memory=types.SimpleNamespace(failed=False)), \
+        types.SimpleNamespace(memory=None)
     assert api._intra(with_memory, torch.device("cpu")) is hierarchical.SHM
     assert api._intra(with_memory, torch.device("cuda", 0)) is C.NATIVE
+    failed = types.SimpleNamespace(memory=types.SimpleNamespace(failed=True))  # its area could not grow once
+    assert api._intra(failed, torch.device("cpu")) is C.NATIVE
     assert api._intra(without, torch.device("cpu")) is C.NATIVE
     assert api._intra(without, torch.device("cuda", 0)) is C.NATIVE
 
