@@ -539,6 +539,18 @@ def test_communicators_still_held_at_exit_are_aborted_not_destroyed():
     ended_at_exit(cache)()
     assert sorted(ends) == [("abort", f"{k} {c}") for k in ("pair", "world") for c in ("bulk", "mail")], ends
     assert cache == {} and all(t.comm is None and t.mail_comm is None for t in held)
+    # where no thread can start (Python 3.12's interpreter shutdown), each is aborted all the same
+    ends.clear()
+    t = object.__new__(NcclTransport)
+    t.comm, t.mail_comm = Comm("late bulk"), Comm("late mail")
+
+    def refused(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(threading.Thread, "start", refused)
+        ended_at_exit({"late": t})()
+    assert sorted(ends) == [("abort", "late bulk"), ("abort", "late mail")], ends
     # and the interpreter's exit does it, for the groups' transports and the messages' pairs
     code = """if True:
         import os

@@ -90,11 +90,19 @@ def _abort_all(comms) -> None:
     good: NCCL frees a communicator's device memory as it aborts it, CUDA's free waits for every
     kernel of the process on the device, and a kernel of a communicator not yet aborted that
     waits on a dead peer never ends; each abort sets its own communicator's flag, which ends its
-    kernels, before it frees."""
-    threads = [threading.Thread(target=_abort_one, args=(comm,), name="zipccl-nccl-abort", daemon=True)
-               for comm in comms if comm is not None]
-    for thread in threads:
-        thread.start()
+    kernels, before it frees. At the interpreter's exit, where Python 3.12 starts no thread, each
+    on this thread, one after another (``ended_at_exit``: the best left there)."""
+    threads = []
+    for comm in comms:
+        if comm is None:
+            continue
+        thread = threading.Thread(target=_abort_one, args=(comm,), name="zipccl-nccl-abort", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            _abort_one(comm)
+        else:
+            threads.append(thread)
     deadline = time.monotonic() + ABORT_S
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
