@@ -126,7 +126,7 @@ mps_start() {
     if ((dry)); then echo "# dry run: the MPS daemon is not started"; return; fi
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/zipccl-mps CUDA_MPS_LOG_DIRECTORY=/tmp/zipccl-mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    # a daemon left up by a run killed from outside (its own session outlives the step): quit first,
+    # a daemon left up by a run killed from outside (its own process group outlives the step): quit first,
     # or this start fails and the step runs time-sliced beside it
     [[ -p $CUDA_MPS_PIPE_DIRECTORY/control ]] && { echo quit | timeout 5 nvidia-cuda-mps-control > /dev/null 2>&1; sleep 1; }
     if ! timeout 5 nvidia-cuda-mps-control -d; then

@@ -112,6 +112,18 @@ class _SlowOnRankZero(torch.autograd.Function):
         return g
 
 
+def _steps(ddp, rank: int, forward_args, after=None) -> torch.Tensor:
+    """One backward pass of ``ddp`` per item of ``forward_args`` (the forward's arguments after the
+    input, 8 x 64 values seeded by rank), ``after()`` after each; the gradients, flat."""
+    gen = torch.Generator().manual_seed(7 + rank)
+    for args in forward_args:
+        ddp.zero_grad()
+        ddp(torch.randn(8, 64, generator=gen), *args).square().mean().backward()
+        if after is not None:
+            after()
+    return torch.cat([p.grad.reshape(-1) for p in ddp.parameters() if p.grad is not None])
+
+
 def _unused_parameters(rank, groups, codec):
     """DDP with find_unused_parameters=True (a layer no rank uses) and zipccl's hook: DDP
     all-reduces its map of used parameters on the group from autograd's thread, beside the
@@ -132,11 +144,7 @@ def _unused_parameters(rank, groups, codec):
 
     ddp = DDP(Model(), process_group=g, find_unused_parameters=True, bucket_cap_mb=0.02)
     ddp.register_comm_hook(zipccl.ddp.State(group=g, codec=codec, density=0.1, rules=None), zipccl.ddp.hook)
-    gen = torch.Generator().manual_seed(7 + rank)
-    for _ in range(3):
-        ddp.zero_grad()
-        ddp(torch.randn(8, 64, generator=gen)).square().mean().backward()
-    return torch.cat([p.grad.reshape(-1) for p in ddp.parameters() if p.grad is not None])
+    return _steps(ddp, rank, [()] * 3)
 
 
 @pytest.mark.parametrize("codec", ["topk", "lossless"])
@@ -170,11 +178,8 @@ def _unused_last_bucket_skipped(rank, groups):
               skip_all_reduce_unused_params=True)
     state = zipccl.ddp.State(group=g, codec="topk", density=0.1, rules=None)
     ddp.register_comm_hook(state, zipccl.ddp.hook)
-    gen = torch.Generator().manual_seed(7 + rank)
-    for _ in range(3):
-        ddp.zero_grad()
-        ddp(torch.randn(8, 64, generator=gen)).square().mean().backward()
-    return state.stats(), torch.cat([p.grad.reshape(-1) for p in ddp.parameters() if p.grad is not None])
+    grads = _steps(ddp, rank, [()] * 3)
+    return state.stats(), grads
 
 
 def test_steps_are_counted_where_ddp_skips_the_last_bucket(pool):
@@ -208,12 +213,13 @@ def _a_bucket_skipped_for_a_step(rank, groups):
               skip_all_reduce_unused_params=True)
     state = zipccl.ddp.State(group=g, codec="topk", density=0.1, rules=None, model=model)
     ddp.register_comm_hook(state, zipccl.ddp.hook)
-    gen, sums = torch.Generator().manual_seed(7 + rank), []
-    for use_b in (True, True, True, False, True):
-        ddp.zero_grad()
-        ddp(torch.randn(8, 64, generator=gen), use_b).square().mean().backward()
+    sums = []
+
+    def b_residual() -> None:
         keys = [k for k, parts in state.parts.items() if parts and any(n == "b.weight" for n, _ in parts)]
         sums.append(sum(float(state.residuals.store[k].abs().sum()) for k in keys if k in state.residuals.store))
+
+    _steps(ddp, rank, [(use_b,) for use_b in (True, True, True, False, True)], b_residual)
     return sums
 
 
