@@ -116,6 +116,25 @@ def test_the_default_plan_leaves_room_for_the_mps_daemon(tmp_path):
     assert sorted(f.name for f in out.iterdir()) == ["plan.txt", "steps.txt"] and not (out / "steps.txt").read_text()
 
 
+def test_phase_two_alone_on_a_cold_triton_cache_compiles_the_labs_kernels_first(tmp_path):
+    """--phase 2 where Triton's cache holds no zipccl kernel (a fresh machine, not phase 1's)
+    plans a `warm` step first, compiling bf16's kernels once rather than in every rank inside the
+    timed lab; with phase 1's cache it plans none."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    planned = {}
+    for state in ("cold", "warm"):
+        out = tmp_path / state
+        env = {k: v for k, v in os.environ.items() if not k.endswith("_S")}
+        r = subprocess.run(["bash", "bench/gpu_check.sh", "--plan", "--phase", "2", str(out)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env=dict(env, TRITON_CACHE_DIR=str(cache)))
+        assert r.returncode == 0, r.stderr
+        planned[state] = _plan(out)[1]
+        (cache / "0a1b").mkdir(exist_ok=True)
+        (cache / "0a1b" / "_decode_symbols.cubin").write_bytes(b"")  # what Triton writes beside its other files
+    assert planned == {"cold": ["warm"] + PHASE2, "warm": PHASE2}, planned
+
+
 def test_phase_one_alone_and_skip_adds_to_the_defaults(tmp_path):
     """--phase 1 runs phase 1's steps only; SKIP adds to DEFAULT_SKIP (here it skips all of
     phase 1 but the stack's versions); a phase's steps get no more than what is left of it;
