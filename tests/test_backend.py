@@ -521,6 +521,46 @@ def test_a_call_after_wait_comes_after_the_calls_of_the_futures_callbacks(zpool)
     assert zpool().run(_callback_issues_a_call, timeout=120) == [True] * 4
 
 
+def _callback_then_a_passed_through_call(rank, groups):
+    """As ``_callback_issues_a_call``, but the callback's all-reduce and the call after ``wait()``
+    are of int64 tensors, which the drop-in passes to the backend underneath, and the callback
+    averages the call's own tensor in place: as on gloo, ``wait()`` returns once the callbacks
+    have run, so the caller reads the averaged tensor and its broadcast comes after the callback's
+    all-reduce on every rank (else: the two meet crosswise, gloo's timeout)."""
+    import time
+
+    import zipccl
+    g = groups["lossless"]
+    old, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 20.0
+    try:
+        held = zipccl.executor.submit(lambda: time.sleep(0.3))
+        x = torch.full((1 << 16,), rank + 1.0)
+
+        def callback(future):
+            if rank == 0:
+                time.sleep(0.5)
+            a = torch.full((8,), rank + 1, dtype=torch.int64)
+            dist.all_reduce(a, group=g)
+            future.value()[0].div_(4)
+            return a
+        w = dist.all_reduce(x, group=g, async_op=True)
+        f = w.get_future().then(callback)
+        w.wait()
+        averaged = bool((x == 2.5).all())  # (1 + 2 + 3 + 4) / 4: the callback has run
+        b = torch.full((16,), 10 * (rank + 1), dtype=torch.int64)
+        if rank == 1:
+            time.sleep(0.5)
+        dist.broadcast(b, src=0, group=g)
+        held.wait()
+        return averaged, bool((f.wait() == 10).all()), bool((b == 10).all())
+    finally:
+        zipccl.config.TIMEOUT = old
+
+
+def test_wait_returns_once_the_futures_callbacks_have_run_as_on_gloo(zpool):
+    assert zpool().run(_callback_then_a_passed_through_call, timeout=120) == [(True, True, True)] * 4
+
+
 def _slow_peer(rank, groups, seconds):
     """Rank 1 enters the call ``seconds`` late: the others' Work.wait(timeout) runs out first,
     then their wait() returns with the result."""
@@ -864,6 +904,39 @@ def test_hsdp_on_a_2d_device_mesh(zpool):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         calls = hsdp[rank][1]
         assert calls["all_gather"] > 0 and calls["reduce_scatter"] > 0 and calls["all_reduce"] > 0, calls
+
+
+def _settings_changed_then_a_subgroup(rank, groups):
+    """Every rank sets ZIPCCL_AUTO_LEARN=0, then the world makes a drop-in group of ranks 0 and 1:
+    torch runs the backend's constructor on those two alone, yet the setting, which every rank of a
+    group must share (config.SHARED), is read again on all four, so the world's next auto
+    all-reduce goes one way on every rank and sums as gloo does (else: ranks 0 and 1 wait in
+    zipccl's plan for the two others, which went to the backend's own)."""
+    import zipccl
+    old = {k: os.environ.get(k) for k in ("ZIPCCL_AUTO_LEARN",)}
+    timeout, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 20.0
+    os.environ["ZIPCCL_AUTO_LEARN"] = "0" if zipccl.config.AUTO_LEARN else "1"
+    try:
+        dist.new_group([0, 1], backend="zipccl")
+        learn = zipccl.config.AUTO_LEARN
+        x = torch.full((1000,), rank + 1.0)
+        dist.all_reduce(x)
+        expected = torch.full((1000,), rank + 1.0)
+        dist.all_reduce(expected, group=groups["gloo"])
+        return learn, bool(torch.equal(x, expected))
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        zipccl.config.refresh()
+        zipccl.config.TIMEOUT = timeout
+
+
+def test_settings_changed_before_a_subgroup_are_read_again_on_every_rank(zpool):
+    res = zpool().run(_settings_changed_then_a_subgroup, timeout=120)
+    assert len({r[0] for r in res}) == 1 and all(r[1] for r in res), res
 
 
 # ---- all-to-all and point-to-point through the drop-in ---------------------------------------------------------

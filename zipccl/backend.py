@@ -157,15 +157,21 @@ class _Work(dist.Work):
     def wait(self, timeout=None) -> bool:
         """Wait for the call and raise its error; ``timeout`` (a timedelta or seconds; zero or
         None, as torch's C++ callers pass: none): zipccl.errors.TimeoutError past it. Then for
-        ``get_future()``'s value too, which torch sets after waking the call's waiters."""
+        ``get_future()``'s value too, which torch sets after waking the call's waiters, and for
+        the callbacks chained on it, which gloo runs before its Work completes: a call that they
+        issue (one the drop-in passes to the backend too) comes before the caller's next, and what
+        they write is there to read."""
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
         self._handle.wait(timeout if seconds and seconds > 0 else None)
         self._future.wait()
+        if not executor.ours():  # a callback waiting on its own call: its thread runs the callbacks
+            self._handle._ended().wait()
         return True
 
     def is_completed(self) -> bool:
-        """Once ``get_future()`` is done too: its value is there to read."""
-        return self._future.done()
+        """Once ``get_future()`` is done and the callbacks chained on it have run, as gloo's: what
+        they issue or write comes before what the caller does next."""
+        return self._future.done() and self._handle._ended().is_set()
 
     def get_future(self) -> torch.futures.Future:
         return self._future
@@ -268,9 +274,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout, options: Options | None = None,
                  global_ranks=None, group_name: str = ""):
         super().__init__(rank, size)
-        if config.changed():  # ZIPCCL_* set after zipccl's import take effect here, as torch's own at a group's making,
-            executor.drain()  # after the calls issued before, which keep the settings they were issued under
-            config.refresh()
+        _read_settings_again()  # a group made otherwise than through torch's helper (_making_group)
         self.options = options or Options()
         self.codec = self.options.codec or config.CODEC
         gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -705,9 +709,32 @@ def _create(opts, pg_options) -> ProcessGroupZipccl:
                               opts.global_ranks_in_group, opts.group_id)
 
 
+def _read_settings_again() -> None:
+    """ZIPCCL_* variables set after zipccl's import take effect at a zipccl group's making, as
+    torch's own do, after the calls issued before, which keep the settings they were issued under."""
+    if config.changed():
+        executor.drain()
+        config.refresh()
+
+
+_torch_makes_group = dist.distributed_c10d._new_process_group_helper
+
+
+def _making_group(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs):
+    """torch's helper that every rank of the world runs for a new group (``init_process_group``,
+    ``new_group``), its members and the others alike: a zipccl group's making reads the settings
+    again on all of them, not only where torch makes the backend (its members), so that those
+    which every rank must share (config.SHARED) stay alike on the groups made before."""
+    if NAME in str(backend).lower():
+        _read_settings_again()
+    return _torch_makes_group(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs)
+
+
 def register() -> None:
-    """Register the "zipccl" backend with torch.distributed (``import zipccl`` does it; again
-    is a no-op)."""
+    """Register the "zipccl" backend with torch.distributed, and read the settings again where
+    any rank makes a zipccl group (``import zipccl`` does it; again is a no-op)."""
+    if dist.distributed_c10d._new_process_group_helper is _torch_makes_group:
+        dist.distributed_c10d._new_process_group_helper = _making_group
     if NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])

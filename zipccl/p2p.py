@@ -231,17 +231,18 @@ def after_collectives() -> None:
     on the thread that runs the async calls in order (waiting there would wait for itself)."""
     h = collective_before()
     if h is not None:
-        h.join()
+        h._ended().wait()
 
 
 def collective_before() -> executor.Handle | None:
     """What ``after_collectives`` waits for, taken now: the last async call queued before now that
-    is not a receive and has not ended (the calls before it end first), or None. A framed send
+    is not a receive and has not ended, its future's callbacks included (the calls before it end
+    first), or None. A framed send
     takes it where it is issued and waits for it on its lane, so that the caller's thread does not."""
     if executor.running_queue():
         return None
     h = executor.last()
-    while h is not None and not h.is_completed():
+    while h is not None and not h._ended().is_set():  # its future's callbacks, which may issue calls, too
         entry = _receives.get(h)
         if entry is None:  # not a receive
             return h
