@@ -270,6 +270,38 @@ def test_an_invalid_call_under_auto_on_one_node_fails_as_the_backends(pool):
     assert res[0] is res[2] is res[3] is True, res
 
 
+def _own_part_wrong_in_a_subgroup(rank, groups):
+    """On a group of job ranks 2 and 3, rank 3 (the group's rank 1) would not receive from itself
+    what it sends itself, compressed (lossless: its peer raises MismatchError) and natively
+    (auto on one node: at once); each error names it by its rank in the job, as its peer's does."""
+    g = dist.new_group([2, 3])
+    if rank < 2:
+        return None
+    timeout, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 20.0
+    said = []
+    try:
+        x = torch.arange(4, dtype=torch.bfloat16) + 4 * rank
+        for codec in ("lossless", "auto") if rank == 3 else ("lossless",):  # auto raises before any exchange
+            y = torch.empty(4 if rank == 2 else 3, dtype=x.dtype)
+            outs = None if rank == 2 else [2, 1]
+            try:
+                zipccl.all_to_all_single(y, x, outs, None, group=g, codec=codec)
+                said.append(("no error",))
+            except Exception as e:  # noqa: BLE001 - the test asserts on it
+                said.append((type(e).__name__, str(e)))
+        return said
+    finally:
+        zipccl.config.TIMEOUT = timeout
+
+
+def test_an_invalid_call_in_a_subgroup_names_the_rank_in_the_job(pool):
+    res = pool.run(_own_part_wrong_in_a_subgroup, timeout=120)
+    assert len(res[3]) == 2, res[3]
+    for kind, text in res[3]:
+        assert kind == "ValueError" and "rank 3 sends itself 2 elements but receives 1" in text, res[3]
+    assert res[2][0][0] == "MismatchError" and "rank(s) [3]" in res[2][0][1], res[2]
+
+
 def _invalid_checked(rank, groups, codec):
     """ZIPCCL_CHECK_NATIVE=1: the backend's all-to-all (codec "native", or "auto" on one node)
     after the counts' exchange, so rank 1's invalid splits raise on every rank, and valid

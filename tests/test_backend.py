@@ -962,6 +962,27 @@ def _drop_in_group(codec: str):
         zipccl.config.refresh()
 
 
+def _native_from_any_source(rank, groups):
+    """On a drop-in group whose codec is lossless, zipccl.send and a receive from any source with
+    codec "native" meet as the backend's own message: the bits, and the sender named (else: the
+    drop-in's own any-source check, which reads the group's codec, refused the receive)."""
+    import zipccl
+    g = _drop_in_group("lossless")
+    x = _activations(0, 1000)
+    if rank == 0:
+        zipccl.send(x, 1, group=g, codec="native")
+        return True
+    if rank == 1:
+        got = torch.empty_like(x)
+        sender = zipccl.recv(got, group=g, codec="native")
+        return sender == 0 and bool(torch.equal(got, x))
+    return True
+
+
+def test_a_native_receive_from_any_source_on_a_compressing_drop_in_group(zpool):
+    assert zpool().run(_native_from_any_source, timeout=120) == [True] * 4
+
+
 def _exchanges(rank, groups, codec):
     """dist.all_to_all_single (even and uneven), dist.all_to_all, dist.send/recv, isend/irecv and
     batch_isend_irecv of bf16, fp16 and fp32 activations on a drop-in group made with

@@ -214,6 +214,38 @@ def _two_of_four(rank, groups):
         p2p.transport_for = real
 
 
+def _behind_slow_queued_calls(rank, groups):
+    """Rank 0 queues three async lossless all-reduces, then sends to rank 1, which joins each
+    all-reduce 2.5 s late and then receives, under a bound of 4 s: each call waits within the
+    bound, the three together do not, and the send's bound counts from its posting, not from
+    the calls queued before it (else: RankFailure blaming rank 1 for a message it received)."""
+    old, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 4.0
+    try:
+        xs = [torch.full((1 << 14,), float(rank + k)) for k in range(3)]
+        msg = activations(1 << 15, seed=7).to(torch.bfloat16)
+        if rank == 0:
+            works = [zipccl.all_reduce(x, codec="lossless", async_op=True) for x in xs]
+            zipccl.isend(msg, 1, codec="lossless").wait()
+            for w in works:
+                w.wait()
+            return True
+        for x in xs:
+            if rank == 1:
+                time.sleep(2.5)
+            zipccl.all_reduce(x, codec="lossless")
+        if rank == 1:
+            got = torch.empty_like(msg)
+            zipccl.recv(got, 0, codec="lossless")
+            return bool(torch.equal(bits(got), bits(msg)))
+        return True
+    finally:
+        zipccl.config.TIMEOUT = old
+
+
+def test_a_sends_bound_counts_from_its_posting_not_from_the_calls_queued_before_it(pool):
+    assert pool.run(_behind_slow_queued_calls, timeout=120) == [True] * 4
+
+
 def test_a_plain_message_between_two_ranks_needs_no_other_rank(pool):
     res = pool.run(_two_of_four, timeout=60)
     assert res == ["ok", "ok", None, None], res

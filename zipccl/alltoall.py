@@ -213,9 +213,10 @@ def _check_single(group, output, input, out_splits, in_splits) -> None:
 def _own_part(sends: list, recvs: list, rank: int) -> None:
     """What a rank sends itself is what it receives from itself: the one count of the call that a
     rank can check alone (the backend's own check, gloo's "inLengthPerRank[myRank] ==
-    outLengthPerRank[myRank]", would raise as a lost connection)."""
+    outLengthPerRank[myRank]", would raise as a lost connection). ``rank``: its place in the
+    call's group; the error names its rank in the job, as its peers' errors do."""
     if sends[rank].numel() != recvs[rank].numel():
-        raise ValueError(f"rank {rank} sends itself {sends[rank].numel()} elements but receives "
+        raise ValueError(f"rank {dist.get_rank()} sends itself {sends[rank].numel()} elements but receives "
                          f"{recvs[rank].numel()} from itself: its input and output splits disagree")
 
 

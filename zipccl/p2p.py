@@ -291,6 +291,15 @@ def _native_recv(op: _Op):
         return dist.irecv(op.tensor, group=op.group, group_src=op.peer, tag=op.tag)
 
 
+def _native_recv_any(tensor: torch.Tensor, group, tag: int):
+    """A receive from any source on the backend's own: on a drop-in group, the backend under it
+    (whose own check would judge the message by the group's codec, not the call's)."""
+    inner = underneath(group, tensor.device)
+    if inner is not None:
+        return inner.recv_anysource([tensor], tag)
+    return dist.irecv(tensor, group=group, tag=tag)
+
+
 # ---- handles --------------------------------------------------------------------------------------------------
 
 def _complete_send(future: torch.futures.Future, complete, lock: threading.Lock, stream=None) -> None:
@@ -433,6 +442,8 @@ def _send(op: _Op):
     posted = executor.on_lane(("send", _group_name(op.group), op.peer_job), post, (op.tensor,))
 
     def complete():
+        if before is not None:  # the calls queued before, each waiting within its own bound: the posting's counts after them
+            before.join()
         try:
             posted.wait(config.wait_bound())  # raises where posting failed (the pair's transport could not be made)
         except ZipcclTimeout:
@@ -597,7 +608,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
             raise _no_native(group, tensor.device)
         check_any_source(tensor, group, codec)
         record_native("recv")
-        return after_queued(lambda: dist.irecv(tensor, group=group, tag=tag), tensor)
+        return after_queued(lambda: _native_recv_any(tensor, group, tag), tensor)
     return _post_receive(_Op("recv", tensor, src, group, tag, group_src, codec), True)
 
 
