@@ -75,9 +75,13 @@ def destroy_process_group(group=None):
     """torch's ``destroy_process_group``, once zipccl's async calls issued before it have ended,
     as torch destroys a group only after its own pending work: a call still queued would run on
     a destroyed world (``group=None``: on the next one) and leave its peers waiting. A bounded
-    wait (executor.END_WAIT): a send that no peer receives does not hold the destroy."""
+    wait (executor.END_WAIT): a send that no peer receives does not hold the destroy. What zipccl
+    made for the group (its transport, its second gloo group and their sockets) goes with it,
+    not at the next call that zipccl has not seen before."""
     executor.wait_to_end("destroy_process_group")
-    return torch_destroy(group)
+    out = torch_destroy(group)
+    sweep()
+    return out
 
 
 def wait_on_destroy() -> None:
