@@ -320,6 +320,37 @@ def _feedback(rank, groups, n, split):
     return info
 
 
+def _frozen_mid_training(rank, groups, n):
+    """Lossy steps; at step 2 fc's bias is frozen, so FSDP2 reduce-scatters fc's weight alone: fc's
+    residual restarts from zeros then, and a RuntimeWarning naming fc says so, at that step only."""
+    import warnings
+    if rank >= n:
+        return None
+    model = _sharded(groups[n])
+    comms = zipccl.fsdp.compress(model, codec="lossless", lossy="topk", min_numel=0, density=0.05, sampled=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    said = []
+    for step in range(4):
+        if step == 2:
+            model.fc.bias.requires_grad_(False)
+        x, y = _inputs(rank, step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        said.append([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "zipccl.fsdp" in
+                     str(w.message)])
+        opt.step()
+        opt.zero_grad()
+    return said, comms.state_dict()["mlp"]["residuals"]["fc"].numel(), model.fc.weight.numel()
+
+
+def test_a_parameter_frozen_mid_training_restarts_its_modules_residual_and_says_so(pool):
+    for r in pool.run(_frozen_mid_training, 2, timeout=300)[:2]:
+        said, residual, weight = r
+        assert [len(s) for s in said] == [0, 0, 1, 0] and "module 'fc'" in said[2][0], said
+        assert residual == weight, r  # the weight alone now (bias: 256 elements fewer)
+
+
 def _another_ranks_state(rank, groups, n):
     """One lossy step, then each rank loads the state that its neighbour saved, then its own."""
     if rank >= n:

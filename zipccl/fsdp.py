@@ -21,6 +21,7 @@ FSDP1: ``model.register_comm_hook(zipccl.fsdp.State1(group), zipccl.fsdp.hook1)`
 from __future__ import annotations
 
 import copy
+import warnings
 import weakref
 from dataclasses import dataclass
 from functools import partial
@@ -217,6 +218,7 @@ class ReduceScatter(_ReduceScatterABC):
             if factor is not None:
                 input_tensor.mul_(factor)  # FSDP's scratch copy of the gradients: ours to change
             if self.lossy is not None and input_tensor.dtype in DTYPE_CODES:
+                _warn_if_restarting(self.lossy, self.name, input_tensor.numel())
                 step, first = self.lossy.begin(self.name)  # FSDP's backward order: the same on every rank
                 call = self.lossy.reduce_scatter(input_tensor.view(-1), output_tensor.view(-1), self.name,
                                                             step, first, group, plain)
@@ -229,6 +231,19 @@ class ReduceScatter(_ReduceScatterABC):
             return _issue(reduce, (output_tensor, input_tensor), group, _exact_codec(self.codec, input_tensor.dtype))
         executor.run(reduce, False)  # after the async calls issued before it (the all-gathers)
         return None
+
+
+def _warn_if_restarting(lossy: Compressor, name: str, numel: int) -> None:
+    """FSDP2 reduce-scatters a module's parameters that have a gradient this step, so a parameter
+    frozen (or without a gradient) changes the size of what comes: the module's residual, kept
+    by its name, restarts from zeros then, the unsent gradient of its other parameters with it.
+    Said, not silent."""
+    old = lossy.residuals.store.get(name)
+    if old is not None and old.numel() != numel:
+        warnings.warn(f"zipccl.fsdp: module {name!r} reduce-scatters {numel} elements where its residual holds "
+                      f"{old.numel()} (a parameter frozen, or without a gradient this step): its residual restarts "
+                      "from zeros, what its other parameters had not sent yet lost; keep such a parameter exact "
+                      "(rules) or in a module of its own", RuntimeWarning, stacklevel=2)
 
 
 def _replicate(module: FSDPModule, group, codec, held: dict, output: torch.Tensor) -> None:
