@@ -391,6 +391,10 @@ def _mismatch(rank, groups, size, case):
         kwargs["op"] = dist.ReduceOp.PRODUCT
     elif case == "premul_sum":
         kwargs["op"] = dist._make_nccl_premul_sum(2.0)
+    elif case == "none_op":  # only rank 0 passes op=None
+        kwargs["op"] = None if rank == 0 else dist.ReduceOp.SUM
+    elif case == "none_op_native":  # every rank, codec "native": refused, not summed
+        kwargs.update(op=None, codec="native")
     elif case == "per_level_int":  # only rank 0 passes a type that a level's codec does not take
         x = torch.ones(1000, dtype=torch.int32) if rank == 0 else x
         kwargs["codec"] = {"intra": "lossless", "inter": "lossless"}
@@ -458,6 +462,8 @@ def _healthy(rank, groups, size):
     ("int_lossless", "UnsupportedError", "UnsupportedError"),
     ("product", "UnsupportedError", "UnsupportedError"),
     ("premul_sum", "UnsupportedError", "UnsupportedError"),
+    ("none_op", "UnsupportedError", "MismatchError"),
+    ("none_op_native", "UnsupportedError", "UnsupportedError"),
     ("device", "UnsupportedError", "MismatchError"),
     ("noncontig", "UnsupportedError", "MismatchError"),
     ("per_level_int", "UnsupportedError", "MismatchError"),
@@ -468,8 +474,9 @@ def test_invalid_calls_raise_clearly_without_hanging(pool, case, local, others):
     assert res[culprit][0] == local, res
     if case == "noncontig":
         assert res[0][1] == "tensor must be contiguous", res
-    if case in ("product", "premul_sum"):  # the op by its name
-        assert res[0][1].startswith(f"reduce op {'PREMUL_SUM' if case == 'premul_sum' else 'RedOpType.PRODUCT'} is"), res
+    if case in ("product", "premul_sum", "none_op", "none_op_native"):  # the op by its name
+        named = {"premul_sum": "PREMUL_SUM", "product": "RedOpType.PRODUCT"}.get(case, "None")
+        assert res[0][1].startswith(f"reduce op {named} is"), res
     assert all(r[0] == others for i, r in enumerate(res) if i != culprit), res
     healthy = pool.run(_healthy, 4)
     assert all(r is True for r in healthy), healthy  # the pool returns exceptions as values: truthy
@@ -1160,6 +1167,10 @@ def _bytes_sent(rank, port, results):
                 call()
                 last = zipccl.stats()["last"]
                 out[numel, codec, name] = (sent[0], last["wire_bytes"] + last["meta_bytes"])
+    sent[0] = 0  # raw on a dtype no codec takes: the signatures' exchange, then the backend's own collective
+    zipccl.all_reduce(torch.arange(1000) * (rank + 1), op=dist.ReduceOp.MAX, codec="raw")
+    last = zipccl.stats()["last"]
+    out["int64", "raw", "all_reduce"] = (sent[0], last["wire_bytes"] + last["meta_bytes"])
     results.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
@@ -1168,12 +1179,13 @@ def _bytes_sent(rank, port, results):
 @pytest.mark.timeout(120)
 def test_stats_count_every_byte_a_call_sends():
     """wire_bytes + meta_bytes is what the call handed its transport to send, counted under it
-    on every rank: the status round at each call's end was left out of meta_bytes, and a
-    hierarchical call's signature exchange over the whole group."""
+    on every rank: the status round at each call's end was left out of meta_bytes, a
+    hierarchical call's signature exchange over the whole group, and the exchange before the
+    backend's own collective where raw meets a dtype no codec takes."""
     from workers import spawn
     from zipccl.launch import free_port
     got, _ = spawn(_bytes_sent, 4, (free_port(),), seconds=90)
     assert sorted(got) == [0, 1, 2, 3], got
     for rank, res in got.items():
         wrong = {k: v for k, v in res.items() if v[0] != v[1]}
-        assert not wrong and len(res) == 24, (rank, sorted(wrong.items()))
+        assert not wrong and len(res) == 25, (rank, sorted(wrong.items(), key=str))

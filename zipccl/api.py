@@ -116,7 +116,8 @@ def _decide(name: str, group, output, input, op, codec, algorithm: str):
     valid auto call whose plan the policy chooses each time. False where the full path is
     needed (it also explains a bad call). None where that may change (the group's topology is
     not known yet)."""
-    if op not in _NATIVE_OPS or algorithm not in ("auto", "flat") or codec not in ("native", "auto"):
+    if op not in _NATIVE_OPS or (op is None and name != "all_gather") or algorithm not in ("auto", "flat") \
+            or codec not in ("native", "auto"):
         return False
     dtype, device = input.dtype, input.device
     try:

@@ -14,7 +14,7 @@ from ..failure import REDUCE, Fate
 from ..transport.torch_dist import TorchTransport
 from .algorithms import _Gather, _reduce_scatter_chunks
 from .autoplan import FLAT_PLANS, learns, planned, plans_for, refused
-from .metadata import Call
+from .metadata import Call, _meta_bytes
 from .pipeline import pieces, plain
 from .resolve import AUTO, NATIVE, PLAN_CODECS
 from .sparse_reduce import _sparse_all_reduce, _sparse_reduce_scatter
@@ -69,6 +69,7 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
         t0 = time.perf_counter()
         if codec is None or config.CHECK_NATIVE:
             Call(name, input.dtype, numel, op, None).exchange(t, [], None, fate)
+            acc["meta_bytes"] += _meta_bytes(t.size)
         tensors = (input.view(-1),) if name == "all_reduce" else (output.view(-1), input.view(-1))
         try:  # in a failed call too: the peers are in it
             if not fate.broken(t):

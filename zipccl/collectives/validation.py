@@ -112,7 +112,7 @@ def prepare(name, group, tensors, op, codec, numel, nbytes, check):
         for label, x in zip(("tensor",) if len(tensors) == 1 else ("output", "input"), tensors):
             _check_tensor(label, x)
         _check_device(t, *tensors)
-        if op is not None:
+        if op is not None or name != "all_gather":  # a reduction's op=None: refused on every rank, as torch's
             check_op(op)
             if _OPS[op] == 2 and not (dtype.is_floating_point or dtype.is_complex):
                 raise UnsupportedError("AVG of integer tensors is not supported; use SUM and divide")
