@@ -939,6 +939,37 @@ def test_settings_changed_before_a_subgroup_are_read_again_on_every_rank(zpool):
     assert len({r[0] for r in res}) == 1 and all(r[1] for r in res), res
 
 
+def test_settings_are_read_again_on_zipccl_threads_without_waiting_for_the_queue():
+    """A queued call that makes a zipccl group (a hierarchical call's levels, on a thread acting
+    for zipccl's) reads changed settings at once: waiting there for the queue, which waits for
+    that call, would hold it to the bound."""
+    import threading
+
+    from zipccl import backend, config, executor
+    release, read = threading.Event(), []
+    held = executor.submit(lambda: release.wait(30))
+    old = os.environ.get("ZIPCCL_AUTO_MIN_BYTES")
+    os.environ["ZIPCCL_AUTO_MIN_BYTES"] = str(config.AUTO_MIN_BYTES + 1)
+
+    def on_ours():
+        executor._threads.ours = True
+        backend._read_settings_again()
+        read.append(config.AUTO_MIN_BYTES)
+    try:
+        thread = threading.Thread(target=on_ours)
+        thread.start()
+        thread.join(5)
+        assert read == [int(os.environ["ZIPCCL_AUTO_MIN_BYTES"])], read
+    finally:
+        release.set()
+        held.wait()
+        if old is None:
+            os.environ.pop("ZIPCCL_AUTO_MIN_BYTES")
+        else:
+            os.environ["ZIPCCL_AUTO_MIN_BYTES"] = old
+        config.refresh()
+
+
 # ---- all-to-all and point-to-point through the drop-in ---------------------------------------------------------
 
 def _activations(rank: int, numel: int) -> torch.Tensor:

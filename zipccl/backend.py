@@ -711,9 +711,12 @@ def _create(opts, pg_options) -> ProcessGroupZipccl:
 
 def _read_settings_again() -> None:
     """ZIPCCL_* variables set after zipccl's import take effect at a zipccl group's making, as
-    torch's own do, after the calls issued before, which keep the settings they were issued under."""
+    torch's own do, after the calls issued before, which keep the settings they were issued under;
+    on zipccl's own threads (a queued call making its levels' groups) at once: the queue they would
+    wait for is waiting for them."""
     if config.changed():
-        executor.drain()
+        if not executor.ours():
+            executor.drain()
         config.refresh()
 
 
