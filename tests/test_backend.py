@@ -913,24 +913,18 @@ def _settings_changed_then_a_subgroup(rank, groups):
     all-reduce goes one way on every rank and sums as gloo does (else: ranks 0 and 1 wait in
     zipccl's plan for the two others, which went to the backend's own)."""
     import zipccl
-    old = {k: os.environ.get(k) for k in ("ZIPCCL_AUTO_LEARN",)}
+    from workers import environ
     timeout, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 20.0
-    os.environ["ZIPCCL_AUTO_LEARN"] = "0" if zipccl.config.AUTO_LEARN else "1"
     try:
-        dist.new_group([0, 1], backend="zipccl")
-        learn = zipccl.config.AUTO_LEARN
-        x = torch.full((1000,), rank + 1.0)
-        dist.all_reduce(x)
-        expected = torch.full((1000,), rank + 1.0)
-        dist.all_reduce(expected, group=groups["gloo"])
-        return learn, bool(torch.equal(x, expected))
+        with environ(ZIPCCL_AUTO_LEARN="0" if zipccl.config.AUTO_LEARN else "1"):
+            dist.new_group([0, 1], backend="zipccl")
+            learn = zipccl.config.AUTO_LEARN
+            x = torch.full((1000,), rank + 1.0)
+            dist.all_reduce(x)
+            expected = torch.full((1000,), rank + 1.0)
+            dist.all_reduce(expected, group=groups["gloo"])
+            return learn, bool(torch.equal(x, expected))
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        zipccl.config.refresh()
         zipccl.config.TIMEOUT = timeout
 
 
@@ -945,29 +939,24 @@ def test_settings_are_read_again_on_zipccl_threads_without_waiting_for_the_queue
     that call, would hold it to the bound."""
     import threading
 
+    from workers import environ
     from zipccl import backend, config, executor
     release, read = threading.Event(), []
     held = executor.submit(lambda: release.wait(30))
-    old = os.environ.get("ZIPCCL_AUTO_MIN_BYTES")
-    os.environ["ZIPCCL_AUTO_MIN_BYTES"] = str(config.AUTO_MIN_BYTES + 1)
 
     def on_ours():
         executor._threads.ours = True
         backend._read_settings_again()
         read.append(config.AUTO_MIN_BYTES)
     try:
-        thread = threading.Thread(target=on_ours)
-        thread.start()
-        thread.join(5)
-        assert read == [int(os.environ["ZIPCCL_AUTO_MIN_BYTES"])], read
+        with environ(ZIPCCL_AUTO_MIN_BYTES=str(config.AUTO_MIN_BYTES + 1)):
+            thread = threading.Thread(target=on_ours)
+            thread.start()
+            thread.join(5)
+            assert read == [int(os.environ["ZIPCCL_AUTO_MIN_BYTES"])], read
     finally:
         release.set()
         held.wait()
-        if old is None:
-            os.environ.pop("ZIPCCL_AUTO_MIN_BYTES")
-        else:
-            os.environ["ZIPCCL_AUTO_MIN_BYTES"] = old
-        config.refresh()
 
 
 # ---- all-to-all and point-to-point through the drop-in ---------------------------------------------------------
@@ -980,17 +969,9 @@ def _activations(rank: int, numel: int) -> torch.Tensor:
 def _drop_in_group(codec: str):
     """A new drop-in group made with ZIPCCL_CODEC=``codec`` (read at the group's making, as
     torch's variables are); the worker's setting as it was afterwards, for the tests after this one."""
-    import zipccl
-    old = os.environ.get("ZIPCCL_CODEC")
-    os.environ["ZIPCCL_CODEC"] = codec
-    try:
+    from workers import environ
+    with environ(ZIPCCL_CODEC=codec):
         return dist.new_group(backend="zipccl")
-    finally:
-        if old is None:
-            del os.environ["ZIPCCL_CODEC"]
-        else:
-            os.environ["ZIPCCL_CODEC"] = old
-        zipccl.config.refresh()
 
 
 def _native_from_any_source(rank, groups):

@@ -620,30 +620,22 @@ def _auto_after_its_settings_change(rank, groups):
     tries), then the same call after ZIPCCL_AUTO_LEARN=0 and a floor of 1 MiB are read again (as
     a drop-in group's making reads them): auto's fixed rule (lossless above the floor), not the
     policy's next try (the backend's collective)."""
-    import os
-
+    from workers import environ
     from zipccl import config
     g = dist.new_group([0, 1])
     if rank >= 2:
         return None
     x0 = data(rank, 1 << 20, torch.bfloat16)
-    old = {v: os.environ.get(v) for v in ("ZIPCCL_AUTO_LEARN", "ZIPCCL_AUTO_MIN_BYTES")}
     used = []
     try:
         for _ in range(3):
             zipccl.all_reduce(x0.clone(), group=g)
             used.append(zipccl.stats()["last"]["codec"])
-        os.environ.update(ZIPCCL_AUTO_LEARN="0", ZIPCCL_AUTO_MIN_BYTES=str(1 << 20))
-        config.refresh()
-        zipccl.all_reduce(x0.clone(), group=g)
-        used.append(zipccl.stats()["last"]["codec"])
+        with environ(ZIPCCL_AUTO_LEARN="0", ZIPCCL_AUTO_MIN_BYTES=str(1 << 20)):
+            config.refresh()
+            zipccl.all_reduce(x0.clone(), group=g)
+            used.append(zipccl.stats()["last"]["codec"])
     finally:
-        for variable, value in old.items():
-            if value is None:
-                os.environ.pop(variable, None)
-            else:
-                os.environ[variable] = value
-        config.refresh()
         dist.destroy_process_group(g)
     return used
 

@@ -1352,11 +1352,11 @@ def _uneven_torchrun_nodes(rank, groups):
     """torchrun's variables for nodes of 1 and 3 ranks (rank 0 alone, ranks 1-3 together): every
     rank answers ``same_node`` for every peer as the nodes are, so the two ends of a message agree
     (counted with its own node's size, rank 3 once put rank 1 on another node, and rank 1 not)."""
+    from workers import environ
     from zipccl import topology
     g = groups[4]
     env = {"GROUP_RANK": "0" if rank == 0 else "1", "LOCAL_RANK": str(max(0, rank - 1)),
            "LOCAL_WORLD_SIZE": "1" if rank == 0 else "3"}
-    saved = {k: os.environ.get(k) for k in env}
 
     def claims_anew():
         topology.forget(g)
@@ -1364,16 +1364,11 @@ def _uneven_torchrun_nodes(rank, groups):
         topology.publish_node()
         dist.barrier(group=g)
 
-    os.environ.update(env)
     try:
-        claims_anew()
-        return [None if peer == rank else topology.same_node(g, peer) for peer in range(4)]
+        with environ(**env):
+            claims_anew()
+            return [None if peer == rank else topology.same_node(g, peer) for peer in range(4)]
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         dist.barrier(group=g)  # every rank has read the claims before they change back
         claims_anew()
 

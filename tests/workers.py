@@ -10,6 +10,7 @@ and fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
@@ -19,6 +20,27 @@ import time
 import torch.multiprocessing as mp
 
 from zipccl.launch import fork_server, free_port
+
+
+@contextlib.contextmanager
+def environ(**values: str):
+    """The environment variables ``values`` set (None: unset) for the block, then as they were;
+    zipccl's settings read again after, as a drop-in group's making would read them."""
+    from zipccl import config
+
+    def put(settings: dict) -> None:
+        for k, v in settings.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        put(values)
+        yield
+    finally:
+        put(old)
+        config.refresh()
 
 
 def _serve(rank: int, nranks: int, port: int, tasks, results, backend: str, more_groups) -> None:
