@@ -428,8 +428,16 @@ def _hsdp(rank, groups, comm, how="default", steps=10):
             m.set_gradient_divide_factor(2.0 if how == "factor" else 8.0)
             m.set_force_sum_reduction_for_comms(how == "force_sum")
     zipccl.reset_stats()
-    if how == "accumulate":  # three microbatches a step, the replicate group reduced after the last
+    if how in ("accumulate", "reset"):  # three microbatches a step, the replicate group reduced after the last
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if how == "reset":  # two microbatches, then the recovery from an exception mid-step: they are discarded
+            for micro in range(2):
+                model.set_requires_all_reduce(False)
+                x, y = _inputs(rank, 100 + micro)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            model.reset_iter_state()
+            opt.zero_grad()
+            zipccl.reset_stats()
         for step in range(steps):
             for micro in range(3):
                 model.set_requires_all_reduce(micro == 2)
@@ -451,17 +459,18 @@ def test_hsdp_replicate_all_reduce_through_zipccl(pool):
     torch.testing.assert_close(runs["raw"][0][1], runs["torch"][0][1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("how", ["factor", "force_sum", "accumulate"])
+@pytest.mark.parametrize("how", ["factor", "force_sum", "accumulate", "reset"])
 def test_hsdp_replicate_all_reduce_keeps_the_divide_factor_and_accumulation(pool, how):
     """With a divide factor the replicate group sums (the factor is the whole division), as
     torch's own HSDP: the same parameters after two steps. With gradient accumulation
     (``set_requires_all_reduce(False)`` but on each step's last microbatch) the replicate group
-    is reduced once a step, each FSDP module's shard of the step's microbatches together."""
+    is reduced once a step, each FSDP module's shard of the step's microbatches together; after
+    ``reset_iter_state()`` (an exception mid-step) without what the reset discarded."""
     runs = {c: pool.run(_hsdp, c, how, 2, timeout=300) for c in ("torch", "raw")}
     for c, res in runs.items():
         assert all(not isinstance(r, BaseException) for r in res), (c, res)
     torch.testing.assert_close(runs["raw"][0][1], runs["torch"][0][1], rtol=1e-5, atol=1e-6)
-    if how == "accumulate":
+    if how in ("accumulate", "reset"):
         assert runs["raw"][0][2] == 2 * 5, runs["raw"][0][2]  # a step's: the model's and its four modules'
 
 

@@ -246,6 +246,23 @@ def _warn_if_restarting(lossy: Compressor, name: str, numel: int) -> None:
                       "(rules) or in a module of its own", RuntimeWarning, stacklevel=2)
 
 
+def _dropped_on_reset(module: FSDPModule, held: dict) -> None:
+    """``reset_iter_state()`` (after an exception mid-step) discards the microbatches' partial
+    reduction that native HSDP keeps; so does it with ``_replicate``'s ``held``, the one of the
+    comms installed last (compress again: another dict)."""
+    group_state = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    if group_state is None or not hasattr(group_state, "_reset_iter_state"):
+        return
+    if not hasattr(group_state, "_zipccl_held"):
+        reset = group_state._reset_iter_state
+
+        def reset_and_drop() -> None:
+            group_state._zipccl_held.clear()
+            reset()
+        group_state._reset_iter_state = reset_and_drop
+    group_state._zipccl_held = held
+
+
 def _replicate(module: FSDPModule, group, codec, held: dict, output: torch.Tensor) -> None:
     """HSDP's replicate all-reduce, as FSDP's all-reduce hook of a 1-D FSDP on the shard group,
     which divides by the shard size alone (or by the module's divide factor). Native HSDP sums
@@ -364,7 +381,9 @@ def compress(model: torch.nn.Module, *, codec="auto", lossy: str | None = None, 
         module.set_custom_all_gather(ag)
         module.set_custom_reduce_scatter(rs)
         if replicate_group is not None:
-            module.set_all_reduce_hook(partial(_replicate, module, replicate_group, codec, {}))
+            held = {}
+            module.set_all_reduce_hook(partial(_replicate, module, replicate_group, codec, held))
+            _dropped_on_reset(module, held)
         installed[name] = (group, ag, rs)
     earlier = _MARKS.pop(model, None)  # compress called again: the earlier comms' marks (and residuals) go
     if earlier is not None:
