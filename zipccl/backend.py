@@ -723,14 +723,15 @@ def _read_settings_again() -> None:
 _torch_makes_group = dist.distributed_c10d._new_process_group_helper
 
 
-def _making_group(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs):
+def _making_group(*args, **kwargs):
     """torch's helper that every rank of the world runs for a new group (``init_process_group``,
     ``new_group``), its members and the others alike: a zipccl group's making reads the settings
     again on all of them, not only where torch makes the backend (its members), so that those
     which every rank must share (config.SHARED) stay alike on the groups made before."""
+    backend = kwargs.get("backend", args[3] if len(args) > 3 else "")  # (size, rank, ranks, backend, ...)
     if NAME in str(backend).lower():
         _read_settings_again()
-    return _torch_makes_group(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs)
+    return _torch_makes_group(*args, **kwargs)
 
 
 def register() -> None:
