@@ -959,6 +959,39 @@ def test_settings_are_read_again_on_zipccl_threads_without_waiting_for_the_queue
         held.wait()
 
 
+def _zipccl_calls_on_the_drop_in_world(rank, groups):
+    """zipccl's own calls on a drop-in world: their messages go to the backend under it, not
+    through the drop-in again, so what zipccl counts is the calls made (a lossless all-reduce
+    was counted with six native receives on rank 0, a blocking receive with three), and they
+    sum and deliver as gloo does."""
+    import zipccl
+    x = torch.full((1 << 16,), rank + 1.0)
+    expected = x.clone()
+    dist.all_reduce(expected, group=groups["gloo"])
+    zipccl.reset_stats()
+    zipccl.all_reduce(x, codec="lossless")
+    counted = {k: v["calls"] for k, v in zipccl.stats().items() if isinstance(v, dict) and "calls" in v}
+    msg = _activations(0, 1 << 12)
+    zipccl.reset_stats()
+    got = None
+    if rank == 0:
+        zipccl.send(msg, 1, codec="lossless")
+    elif rank == 1:
+        got = torch.empty_like(msg)
+        zipccl.recv(got, 0, codec="lossless")
+    messages = {k: v["calls"] for k, v in zipccl.stats().items() if isinstance(v, dict) and "calls" in v}
+    return (counted, bool(torch.equal(x, expected)), messages,
+            got is None or bool(torch.equal(got.view(torch.int16), msg.view(torch.int16))))
+
+
+def test_zipccls_own_calls_on_a_drop_in_world_count_as_one_call(zpool):
+    res = zpool().run(_zipccl_calls_on_the_drop_in_world, timeout=120)
+    for rank, (counted, summed, messages, delivered) in enumerate(res):
+        assert counted == {"all_reduce": 1, "total": 1} and summed and delivered, (rank, res[rank])
+        want = {0: {"send": 1, "total": 1}, 1: {"recv": 1, "total": 1}}.get(rank, {"total": 0})
+        assert messages == want, (rank, messages)
+
+
 # ---- all-to-all and point-to-point through the drop-in ---------------------------------------------------------
 
 def _activations(rank: int, numel: int) -> torch.Tensor:

@@ -280,6 +280,9 @@ class TorchTransport(Transport):
         """A send (``send``) or receive of ``tensor`` now, or into this thread's open batch."""
         batch, tag = getattr(self._local, "batch", None), WIRE_TAGS + tag
         if batch is None:
+            inner = underneath(group, tensor.device)  # a drop-in group: the backend under it, not zipccl again
+            if inner is not None:
+                return inner.send([tensor], peer, tag) if send else inner.recv([tensor], peer, tag)
             if send:
                 return dist.isend(tensor, group=group, group_dst=peer, tag=tag)
             return dist.irecv(tensor, group=group, group_src=peer, tag=tag)
