@@ -250,6 +250,7 @@ class TorchTransport(Transport):
         self.loose_receives = self.tags = gloo and self.strict is None
         self._pg = direct_group(group)  # native's direct calls
         self.batches = self.backend == "nccl"  # grouped() issues its operations together (_batched)
+        self._drop_in = self.backend == "zipccl"  # its messages go to the backend under it (_issue)
         self._local = threading.local()  # this thread's open batch: the async calls' thread has its own
 
     def grouped(self):
@@ -280,8 +281,8 @@ class TorchTransport(Transport):
         """A send (``send``) or receive of ``tensor`` now, or into this thread's open batch."""
         batch, tag = getattr(self._local, "batch", None), WIRE_TAGS + tag
         if batch is None:
-            inner = underneath(group, tensor.device)  # a drop-in group: the backend under it, not zipccl again
-            if inner is not None:
+            if self._drop_in and group is self.group:  # the backend under it, not zipccl again (the twin is gloo's)
+                inner = underneath(group, tensor.device)
                 return inner.send([tensor], peer, tag) if send else inner.recv([tensor], peer, tag)
             if send:
                 return dist.isend(tensor, group=group, group_dst=peer, tag=tag)
