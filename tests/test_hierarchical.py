@@ -693,3 +693,48 @@ def test_an_invalid_call_where_the_peers_go_hierarchical_raises_on_every_rank_at
     if shape is None:  # no rank waits for another: each raises its own error, the valid ones the levels'
         assert "several nodes" not in res[0][0] and all(r[0].startswith("UnsupportedError: algorithm 'hier")
                                                          for r in res[1:]), res
+
+
+
+class _Nameless:
+    """A user's exact codec with no ``name``: plain bytes."""
+    exact = True
+
+    def __init__(self):
+        from zipccl.codecs import Raw
+        self.raw = Raw()
+
+    def encode(self, x):
+        return self.raw.encode(x)
+
+    def decode(self, packet, out=None):
+        return self.raw.decode(packet, out)
+
+    def max_encoded_size(self, numel, dtype):
+        return self.raw.max_encoded_size(numel, dtype)
+
+
+def _zipccl_here_native_there(rank, groups, dtype, codec):
+    """Rank 0's levels go through zipccl (per level an exchange, then the backend's collective
+    or packets), its peers' are the backend's collective alone ("native"): the whole group's
+    exchange must tell the plans apart, or rank 0's exchanges meet its peers' data. "raw" on an
+    int tensor and a user's codec without a name were both once named "native"."""
+    n = 1 << 10
+    dtype = getattr(torch, dtype)
+    mine = {"raw": "raw", "nameless": _Nameless()}[codec] if rank == 0 else "native"
+    x = torch.arange(n, dtype=dtype) * (rank + 1)
+    with emulated("2x2"):
+        try:
+            zipccl.all_reduce(x, codec=mine, algorithm="hierarchical")
+            first = "no error"
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            first = type(e).__name__
+        y = torch.arange(n, dtype=dtype) * (rank + 1)
+        zipccl.all_reduce(y, codec="native", algorithm="hierarchical")
+    return first, torch.equal(y, torch.arange(n, dtype=dtype) * 10)
+
+
+@pytest.mark.parametrize("dtype,codec", [("int32", "raw"), ("float32", "nameless")])
+def test_zipccl_levels_on_one_rank_and_native_on_the_others_raise_on_every_rank(pool, dtype, codec):
+    res = pool.run(_zipccl_here_native_there, dtype, codec, timeout=60)
+    assert res == [("MismatchError", True)] * 4, res

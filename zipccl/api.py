@@ -41,11 +41,13 @@ _NATIVE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.Red
 
 
 class _Plan:
-    """A hierarchical call's codecs, named for the signature check and the statistics."""
+    """A hierarchical call's codecs, named for the signature check and the statistics. None (the
+    backend's collective after zipccl's exchange: "raw" on a dtype no codec takes) is "raw", not
+    "native" (the backend's collective alone): ranks that differ there would each wait for good."""
     __slots__ = ("name",)
 
     def __init__(self, codecs: tuple):
-        self.name = "hierarchical/" + "+".join(getattr(c, "name", "native") if c is not None else "native"
+        self.name = "hierarchical/" + "+".join("raw" if c is None else getattr(c, "name", type(c).__name__)
                                                for c in codecs)
 
 
