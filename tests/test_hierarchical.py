@@ -738,3 +738,27 @@ def _zipccl_here_native_there(rank, groups, dtype, codec):
 def test_zipccl_levels_on_one_rank_and_native_on_the_others_raise_on_every_rank(pool, dtype, codec):
     res = pool.run(_zipccl_here_native_there, dtype, codec, timeout=60)
     assert res == [("MismatchError", True)] * 4, res
+
+
+def _levels_whose_codecs_differ_in_a_setting(rank, groups):
+    """Rank 0's intra-node level checksums its packets, its peers' does not: the same codec
+    name, another wire. The whole group's exchange must tell them apart; each level's own
+    check alone made rank 0's node raise while the other node waited at the next level."""
+    from zipccl.codecs import Lossless
+    n = 1 << 12
+    x = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    intra = Lossless(checksum=True) if rank == 0 else "lossless"
+    with emulated("2x2"):
+        try:
+            zipccl.all_reduce(x, codec={"intra": intra, "inter": "lossless"}, algorithm="hierarchical")
+            first = "no error"
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            first = type(e).__name__
+        y = torch.arange(n, dtype=torch.float32) * (rank + 1)
+        zipccl.all_reduce(y, codec={"intra": Lossless(checksum=True), "inter": "lossless"}, algorithm="hierarchical")
+    return first, torch.equal(y, torch.arange(n, dtype=torch.float32) * 10)
+
+
+def test_levels_whose_codecs_differ_in_a_setting_raise_on_every_rank(pool):
+    res = pool.run(_levels_whose_codecs_differ_in_a_setting, timeout=60)
+    assert res == [("MismatchError", True)] * 4, res

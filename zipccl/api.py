@@ -41,12 +41,15 @@ _NATIVE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.Red
 
 
 class _Plan:
-    """A hierarchical call's codecs, named for the signature check and the statistics. None (the
-    backend's collective after zipccl's exchange: "raw" on a dtype no codec takes) is "raw", not
-    "native" (the backend's collective alone): ranks that differ there would each wait for good."""
-    __slots__ = ("name",)
+    """A hierarchical call's codecs: ``levels`` for the signature check (each level's codec as
+    its own calls check it: settings such as a checksum included, else one node would raise at
+    its level and the other wait at the next for good), ``name`` for the statistics. None (the
+    backend's collective after zipccl's exchange: "raw" on a dtype no codec takes) is named
+    "raw", not "native" (the backend's collective alone)."""
+    __slots__ = ("name", "levels")
 
     def __init__(self, codecs: tuple):
+        self.levels = codecs
         self.name = "hierarchical/" + "+".join("raw" if c is None else getattr(c, "name", type(c).__name__)
                                                for c in codecs)
 
