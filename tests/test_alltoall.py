@@ -591,3 +591,27 @@ def test_calls_that_differ_only_where_torch_lets_them_take_one_path(pool, shape)
     counts across nodes) would wait for good."""
     res = pool.run(_rank_local_differences, shape, timeout=120)
     assert res == [[True] * 4] * 4, res
+
+
+def _auto_of_another_algorithm(rank, groups):
+    """codec="auto" everywhere, but rank 0 asks for algorithm "flat" where its peers ask for
+    "hierarchical": their candidates differ, so would their plans (rank 0 ran the backend's
+    all-to-all while its peers ran zipccl's packets, each waiting for good). Then a valid call."""
+    g = dist.new_group(list(range(4)))
+    x = torch.arange(4 * 1024, dtype=torch.float32) + 10_000 * rank
+    out = torch.empty_like(x)
+    with nodes(g, "2x2"):
+        try:
+            zipccl.all_to_all_single(out, x, group=g, codec="auto", algorithm="flat" if rank == 0 else "hierarchical")
+            first = "no error"
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            first = type(e).__name__
+        zipccl.all_to_all_single(out, x, group=g, codec="auto", algorithm="hierarchical")
+    want = torch.cat([torch.arange(1024 * rank, 1024 * (rank + 1), dtype=torch.float32) + 10_000 * j
+                      for j in range(4)])
+    return first, torch.equal(out, want)
+
+
+def test_auto_of_another_algorithm_on_one_rank_raises_on_every_rank(pool):
+    res = pool.run(_auto_of_another_algorithm, timeout=60)
+    assert res == [("MismatchError", True)] * 4, res

@@ -1181,3 +1181,26 @@ def test_stats_count_every_byte_a_call_sends():
     for rank, res in got.items():
         wrong = {k: v for k, v in res.items() if v[0] != v[1]}
         assert not wrong and len(res) == 25, (rank, sorted(wrong.items(), key=str))
+
+
+def _auto_beside_a_fixed_codec(rank, groups):
+    """Rank 3 asks for "raw", then "lossless", where its peers ask for "auto" (which explores
+    native, raw, lossless, ...): the wire may match, but only the peers' policy steps, and
+    their next calls, all "auto", would run different plans, each waiting for good. Every rank
+    raises at each such call; then auto on every rank works, and the sums are plain torch's."""
+    g = dist.new_group(list(range(4)))
+    said = []
+    for k, codec in enumerate(["auto", "raw", "lossless", "auto", "auto", "auto"]):
+        x = torch.full((1 << 19,), float(rank + 1)) + k
+        try:
+            zipccl.all_reduce(x, group=g, codec=codec if rank == 3 else "auto", algorithm="flat")
+            said.append(("ok", bool(torch.equal(x, torch.full((1 << 19,), 10.0 + 4 * k)))))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            said.append((type(e).__name__, None))
+    return said
+
+
+def test_auto_beside_a_fixed_codec_raises_on_every_rank_and_the_policies_stay_in_step(pool):
+    res = pool.run(_auto_beside_a_fixed_codec, timeout=120)
+    want = [("ok", True), ("MismatchError", None), ("MismatchError", None)] + [("ok", True)] * 3
+    assert res == [want] * 4, res

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import config, executor, topology
 from .api import _outside_autograd
 from .collectives.alltoall import counts_row, exchange_counts, run_all_to_all
-from .collectives.autoplan import planned
+from .collectives.autoplan import among, planned
 from .collectives.links import PLAIN, Links, per_peer
 from .collectives.metadata import Call, timed
 from .collectives.pipeline import plain
@@ -269,11 +269,12 @@ def _call(group, make_parts, native, tensors, codec, algorithm: str, async_op: b
             plan = levels[1] if one else Links(*levels)
             matrix = exchange_counts(t, Call(_NAME, dtype, 0, None, plan), row, None, fate, acc)
             return _pipeline(t, sends, recvs, codecs, matrix, plan, acc, fate)
-        matrix = exchange_counts(t, Call(_NAME, dtype, 0, None, AUTO), row, None, fate, acc)
-        nbytes = sum(sum(r[:n]) for r in matrix) * sends[0].element_size() // n
         local = any(len(node) > 1 for node in topo.nodes)
         plans = {"flat": AUTO_PLANS[:2], "hierarchical": AUTO_PLANS[2:]}.get(algorithm, AUTO_PLANS if local else
                                                                                AUTO_PLANS[:2])
+        with among(plans):  # the signature names the candidates: ranks of another algorithm raise
+            matrix = exchange_counts(t, Call(_NAME, dtype, 0, None, AUTO), row, None, fate, acc)
+        nbytes = sum(sum(r[:n]) for r in matrix) * sends[0].element_size() // n
         if not config.AUTO_LEARN:
             inter = resolve_codec("auto", dtype, nbytes)
             codecs = per_peer(topo.nodes, t.rank, PLAIN, inter)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import time
 import zlib
@@ -136,6 +137,28 @@ def plans_for(plans: tuple[str, ...], device: str, link: str = "unknown", nodes:
     return (plans[0], slow) if slow in plans else plans[:1]
 
 
+#: The candidates of the auto step that the calls made now on this thread belong to, which their
+#: signatures carry (metadata.Call): a rank whose codec was fixed and one whose auto chose that
+#: codec run the same wire, but only the latter's policy steps, and the next call in which both
+#: are auto would run different plans, each waiting for good; so would ranks whose candidates
+#: differ (another ``algorithm``).
+_among: contextvars.ContextVar = contextvars.ContextVar("zipccl_auto_among", default=None)
+
+
+@contextlib.contextmanager
+def among(candidates: tuple[str, ...]):
+    """The calls made inside are steps of auto among ``candidates`` (their signature says so)."""
+    token = _among.set("|".join(candidates))
+    try:
+        yield
+    finally:
+        _among.reset(token)
+
+
+def among_id() -> str | None:
+    return _among.get()
+
+
 def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], run,
             device: torch.device = torch.device("cpu"), plan: str | None = None) -> None:
     """``run(plan)`` with the plan that the group's auto policy chooses for this call among
@@ -149,7 +172,7 @@ def planned(group, name: str, dtype, nbytes: int, candidates: tuple[str, ...], r
     auto = _auto_group(group)
     if plan is None:
         plan = auto.policy.choose(key, nbytes, candidates)
-    with undone(auto.policy, plan):
+    with undone(auto.policy, plan), among(candidates):
         if device.type == "cuda" and auto.policy.measures(nbytes, candidates):
             stream = torch.cuda.current_stream(device)
             span = DeviceSpan(stream)

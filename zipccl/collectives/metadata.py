@@ -13,7 +13,7 @@ from .. import format as F
 from ..errors import MismatchError
 from ..failure import Fate
 from ..transport.base import DeviceMail
-from .autoplan import REPORT_SLOTS, _auto_group, _report_id
+from .autoplan import REPORT_SLOTS, _auto_group, _report_id, among_id
 from .resolve import _OPS, _codec_id
 
 
@@ -62,12 +62,20 @@ def dtype_code(dtype: torch.dtype) -> int:
     return 1000 * torch.empty(0, dtype=dtype).element_size() + zlib.crc32(str(dtype).encode()) % 1000
 
 
+def _signed_codec(codec) -> int:
+    """The codec's id, and whether auto chose it and among which plans (autoplan.among)."""
+    candidates = among_id()
+    if candidates is None:
+        return _codec_id(codec)
+    return zlib.crc32(f"{_codec_id(codec)}/auto:{candidates}".encode()) & 0x7FFFFFFF
+
+
 class Call:
     """The signature of one phase of a call, checked against every rank's."""
 
     def __init__(self, name: str, dtype: torch.dtype, numel: int, op, codec):
         self.name = name
-        self.values = [_COLLECTIVES[name], dtype_code(dtype), numel, _OPS.get(op, 0), _codec_id(codec),
+        self.values = [_COLLECTIVES[name], dtype_code(dtype), numel, _OPS.get(op, 0), _signed_codec(codec),
                        _ALGORITHMS[config.REDUCE_SCATTER]]
 
     def exchange(self, t, sizes: list[int], error: Exception | None = None, fate: Fate | None = None) -> torch.Tensor:
