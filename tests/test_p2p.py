@@ -1487,3 +1487,25 @@ def test_a_send_whose_posting_waits_for_good_fails_within_the_bound():
     assert sorted(got) == [0, 1], got
     assert got[0][:2] == ("RankFailure", 1) and got[0][2] < TIMEOUT + 5.0, got
     assert got[1][0] == "RankFailure" and got[1][2] < TIMEOUT + 5.0, got
+
+
+def _to_a_rank_that_is_not_there(rank, groups, codec):
+    """A send to rank 7 or a receive from group rank -1 of 4: a ValueError naming the rank
+    (the world's ranks map to themselves unchecked; an IndexError came from deep inside)."""
+    said = []
+    x = torch.ones(1000)
+    for call in (lambda: zipccl.send(x, 7, codec=codec), lambda: zipccl.irecv(x, group_src=-1, codec=codec),
+                 lambda: zipccl.isend(x, group=groups[4], group_dst=4, codec=codec)):
+        try:
+            call()
+            said.append("no error")
+        except ValueError as e:
+            said.append(str(e))
+    return said
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless", "auto"])
+def test_a_peer_that_is_not_a_rank_of_the_group_is_a_value_error(pool, codec):
+    res = pool.run(_to_a_rank_that_is_not_there, codec, timeout=60)
+    assert res == [["send: rank 7 is not a rank of the group (4 ranks)", "recv: rank -1 is not a rank of the group "
+                    "(4 ranks)", "send: rank 4 is not a rank of the group (4 ranks)"]] * 4, res

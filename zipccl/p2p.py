@@ -96,6 +96,9 @@ class _Op:
         if (peer is None) == (group_peer is None):
             raise ValueError(f"{kind}: give exactly one of the peer's rank in the job and its rank in the group")
         self.peer = group_peer if group_peer is not None else dist.get_group_rank(pg, peer)
+        if not 0 <= self.peer < dist.get_world_size(pg):  # the world's ranks map to themselves, unchecked
+            raise ValueError(f"{kind}: rank {peer if peer is not None else group_peer} is not a rank of the group "
+                             f"({dist.get_world_size(pg)} ranks)")
         self.peer_job = peer if peer is not None else dist.get_global_rank(pg, group_peer)
         topology.publish_node()  # before anything here may wait on a peer that looks ours up
         self.me = dist.get_rank(pg)
