@@ -615,3 +615,21 @@ def _auto_of_another_algorithm(rank, groups):
 def test_auto_of_another_algorithm_on_one_rank_raises_on_every_rank(pool):
     res = pool.run(_auto_of_another_algorithm, timeout=60)
     assert res == [("MismatchError", True)] * 4, res
+
+
+def _zero_dimensional(rank, groups):
+    said = {}
+    for codec in ("raw", "lossless", "auto", "native"):
+        try:
+            zipccl.all_to_all_single(torch.zeros(()), torch.tensor(float(rank)), codec=codec)
+            said[codec] = "no error"
+        except ValueError as e:
+            said[codec] = str(e)
+    return said
+
+
+def test_a_zero_dimensional_tensor_is_refused_as_it_has_no_rows(pool):
+    """gloo's all_to_all_single returns whatever its buffers held for a 0-dimensional tensor."""
+    res = pool.run(_zero_dimensional, timeout=60)
+    want = "input has 0 rows: without split sizes they must divide evenly among the group's 4 ranks"
+    assert res == [dict.fromkeys(("raw", "lossless", "auto", "native"), want)] * 4, res
