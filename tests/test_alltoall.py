@@ -633,3 +633,30 @@ def test_a_zero_dimensional_tensor_is_refused_as_it_has_no_rows(pool):
     res = pool.run(_zero_dimensional, timeout=60)
     want = "input has 0 rows: without split sizes they must divide evenly among the group's 4 ranks"
     assert res == [dict.fromkeys(("raw", "lossless", "auto", "native"), want)] * 4, res
+
+
+def _links_whose_codecs_differ_in_a_setting(rank, groups):
+    """Per-link codecs on 2x2: rank 0's packets between the nodes carry a checksum, its peers'
+    do not. The plans shared a name ("links/plain+lossless"), so nothing was refused, where a
+    flat call's check refuses the same difference (a CUDA receiver decodes with its own
+    settings). Then a call that agrees: torch's result."""
+    from zipccl.codecs import Lossless
+    g = dist.new_group(list(range(4)))
+    x = torch.arange(4 * 1024, dtype=torch.float32) + 10_000 * rank
+    out = torch.empty_like(x)
+    inter = Lossless(checksum=True) if rank == 0 else "lossless"
+    with nodes(g, "2x2"):
+        try:
+            zipccl.all_to_all_single(out, x, group=g, codec={"intra": "native", "inter": inter})
+            first = "no error"
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            first = type(e).__name__
+        zipccl.all_to_all_single(out, x, group=g, codec={"intra": "native", "inter": "lossless"})
+    want = torch.cat([torch.arange(1024 * rank, 1024 * (rank + 1), dtype=torch.float32) + 10_000 * j
+                      for j in range(4)])
+    return first, torch.equal(out, want)
+
+
+def test_links_whose_codecs_differ_in_a_setting_raise_on_every_rank(pool):
+    res = pool.run(_links_whose_codecs_differ_in_a_setting, timeout=60)
+    assert res == [("MismatchError", True)] * 4, res

@@ -50,12 +50,14 @@ def per_peer(nodes, rank: int, intra, inter) -> list:
 
 
 class Links:
-    """The plan of a call whose peers use different codecs, named for the signature check and
-    the statistics ("links/plain+lossless": inside the nodes, between them)."""
-    __slots__ = ("name",)
+    """The plan of a call whose peers use different codecs: ``levels`` (intra, inter) for the
+    signature check (each codec's settings included, as a flat call's check has them),
+    ``name`` for the statistics ("links/plain+lossless": inside the nodes, between them)."""
+    __slots__ = ("name", "levels")
 
     def __init__(self, intra, inter):
-        self.name = f"links/{getattr(intra, 'name', intra)}+{getattr(inter, 'name', inter)}"
+        self.levels = (intra, inter)
+        self.name = "links/" + "+".join(getattr(c, "name", type(c).__name__) for c in self.levels)
 
     def __repr__(self) -> str:
         return self.name
