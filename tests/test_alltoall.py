@@ -593,27 +593,39 @@ def test_calls_that_differ_only_where_torch_lets_them_take_one_path(pool, shape)
     assert res == [[True] * 4] * 4, res
 
 
-def _auto_of_another_algorithm(rank, groups):
-    """codec="auto" everywhere, but rank 0 asks for algorithm "flat" where its peers ask for
-    "hierarchical": their candidates differ, so would their plans (rank 0 ran the backend's
-    all-to-all while its peers ran zipccl's packets, each waiting for good). Then a valid call."""
+def _one_rank_differs(rank, groups, case):
+    """On 2x2, rank 0's call differs from its peers' where their plans' names agreed:
+    ``algorithm``: codec="auto" everywhere, but rank 0 asks for "flat" where its peers ask for
+    "hierarchical", so their candidates differ, and so would their plans (rank 0 ran the
+    backend's all-to-all while its peers ran zipccl's packets, each waiting for good).
+    ``setting``: per-link codecs, rank 0's packets between the nodes checksummed, its peers'
+    not ("links/plain+lossless" on every rank), which a flat call's check refuses (a CUDA
+    receiver decodes with its own settings). Then a call that agrees: torch's result."""
+    from zipccl.codecs import Lossless
     g = dist.new_group(list(range(4)))
     x = torch.arange(4 * 1024, dtype=torch.float32) + 10_000 * rank
     out = torch.empty_like(x)
+    if case == "algorithm":
+        agreed = dict(codec="auto", algorithm="hierarchical")
+        mine = dict(agreed, algorithm="flat") if rank == 0 else agreed
+    else:
+        agreed = dict(codec={"intra": "native", "inter": "lossless"})
+        mine = dict(codec={"intra": "native", "inter": Lossless(checksum=True)}) if rank == 0 else agreed
     with nodes(g, "2x2"):
         try:
-            zipccl.all_to_all_single(out, x, group=g, codec="auto", algorithm="flat" if rank == 0 else "hierarchical")
+            zipccl.all_to_all_single(out, x, group=g, **mine)
             first = "no error"
         except Exception as e:  # noqa: BLE001 - the test reads it
             first = type(e).__name__
-        zipccl.all_to_all_single(out, x, group=g, codec="auto", algorithm="hierarchical")
+        zipccl.all_to_all_single(out, x, group=g, **agreed)
     want = torch.cat([torch.arange(1024 * rank, 1024 * (rank + 1), dtype=torch.float32) + 10_000 * j
                       for j in range(4)])
     return first, torch.equal(out, want)
 
 
-def test_auto_of_another_algorithm_on_one_rank_raises_on_every_rank(pool):
-    res = pool.run(_auto_of_another_algorithm, timeout=60)
+@pytest.mark.parametrize("case", ["algorithm", "setting"])
+def test_a_rank_whose_auto_candidates_or_link_codecs_differ_raises_on_every_rank(pool, case):
+    res = pool.run(_one_rank_differs, case, timeout=60)
     assert res == [("MismatchError", True)] * 4, res
 
 
@@ -633,30 +645,3 @@ def test_a_zero_dimensional_tensor_is_refused_as_it_has_no_rows(pool):
     res = pool.run(_zero_dimensional, timeout=60)
     want = "input has 0 rows: without split sizes they must divide evenly among the group's 4 ranks"
     assert res == [dict.fromkeys(("raw", "lossless", "auto", "native"), want)] * 4, res
-
-
-def _links_whose_codecs_differ_in_a_setting(rank, groups):
-    """Per-link codecs on 2x2: rank 0's packets between the nodes carry a checksum, its peers'
-    do not. The plans shared a name ("links/plain+lossless"), so nothing was refused, where a
-    flat call's check refuses the same difference (a CUDA receiver decodes with its own
-    settings). Then a call that agrees: torch's result."""
-    from zipccl.codecs import Lossless
-    g = dist.new_group(list(range(4)))
-    x = torch.arange(4 * 1024, dtype=torch.float32) + 10_000 * rank
-    out = torch.empty_like(x)
-    inter = Lossless(checksum=True) if rank == 0 else "lossless"
-    with nodes(g, "2x2"):
-        try:
-            zipccl.all_to_all_single(out, x, group=g, codec={"intra": "native", "inter": inter})
-            first = "no error"
-        except Exception as e:  # noqa: BLE001 - the test reads it
-            first = type(e).__name__
-        zipccl.all_to_all_single(out, x, group=g, codec={"intra": "native", "inter": "lossless"})
-    want = torch.cat([torch.arange(1024 * rank, 1024 * (rank + 1), dtype=torch.float32) + 10_000 * j
-                      for j in range(4)])
-    return first, torch.equal(out, want)
-
-
-def test_links_whose_codecs_differ_in_a_setting_raise_on_every_rank(pool):
-    res = pool.run(_links_whose_codecs_differ_in_a_setting, timeout=60)
-    assert res == [("MismatchError", True)] * 4, res

@@ -696,24 +696,6 @@ def test_an_invalid_call_where_the_peers_go_hierarchical_raises_on_every_rank_at
 
 
 
-class _Nameless:
-    """A user's exact codec with no ``name``: plain bytes."""
-    exact = True
-
-    def __init__(self):
-        from zipccl.codecs import Raw
-        self.raw = Raw()
-
-    def encode(self, x):
-        return self.raw.encode(x)
-
-    def decode(self, packet, out=None):
-        return self.raw.decode(packet, out)
-
-    def max_encoded_size(self, numel, dtype):
-        return self.raw.max_encoded_size(numel, dtype)
-
-
 def _zipccl_here_native_there(rank, groups, dtype, codec):
     """Rank 0's levels go through zipccl (per level an exchange, then the backend's collective
     or packets), its peers' are the backend's collective alone ("native"): the whole group's
@@ -721,7 +703,8 @@ def _zipccl_here_native_there(rank, groups, dtype, codec):
     int tensor and a user's codec without a name were both once named "native"."""
     n = 1 << 10
     dtype = getattr(torch, dtype)
-    mine = {"raw": "raw", "nameless": _Nameless()}[codec] if rank == 0 else "native"
+    from workers import UserCodec
+    mine = {"raw": "raw", "nameless": UserCodec(name=None)}[codec] if rank == 0 else "native"
     x = torch.arange(n, dtype=dtype) * (rank + 1)
     with emulated("2x2"):
         try:

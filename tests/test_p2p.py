@@ -315,26 +315,6 @@ def test_plain_messages_of_any_dtype_match_their_sends(pool):
     assert pool.run(_plain_bytes_of_any_dtype, timeout=60) == ["ok", "ok", None, None]
 
 
-class _UserCodec:
-    """A codec as the Codec protocol asks for (name, encode, decode, max_encoded_size), with no
-    repr of its own: Python's default names an address, another in every process."""
-    name = "user-plain"
-    exact = True
-
-    def __init__(self):
-        from zipccl.codecs import Raw
-        self.raw = Raw()
-
-    def encode(self, x):
-        return self.raw.encode(x)
-
-    def decode(self, packet, out=None):
-        return self.raw.decode(packet, out)
-
-    def max_encoded_size(self, numel, dtype):
-        return self.raw.max_encoded_size(numel, dtype)
-
-
 def _user_codec(rank, groups):
     """A message in each direction with a codec instance of each rank's own, alone and in a
     per-link mapping: the peer's bits."""
@@ -343,7 +323,8 @@ def _user_codec(rank, groups):
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(5000, generator=gen).to(torch.bfloat16)
     out = []
-    for codec in (_UserCodec(), {"intra": _UserCodec(), "inter": _UserCodec()}):
+    from workers import UserCodec
+    for codec in (UserCodec(), {"intra": UserCodec(), "inter": UserCodec()}):
         got = torch.empty_like(x)
         for h in zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.irecv, got, 1 - rank, codec=codec),
                                            zipccl.P2POp(zipccl.isend, x, 1 - rank, codec=codec)]):
