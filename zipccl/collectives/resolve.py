@@ -65,7 +65,7 @@ def resolve_codec(codec, dtype: torch.dtype, nbytes: int):
 def _codec_id(codec) -> int:
     if codec is None:
         return 0
-    levels = getattr(codec, "levels", None)  # a hierarchical plan: its levels' codecs
+    levels = getattr(codec, "levels", None)  # a plan of several codecs: a hierarchical call's levels, a2a links
     if levels is not None:
         return zlib.crc32(":".join(str(_codec_id(c)) for c in levels).encode()) & 0x7FFFFFFF
     # impl and checksum too: a receiver on CUDA decodes with decode_into, which takes the packets
