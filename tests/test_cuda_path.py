@@ -413,6 +413,7 @@ def _batch_stand_ins(monkeypatch, backend: str, batches: bool):
     """torch.distributed's ranks, groups and P2POp for a batch of rank 0's with peer 1, the
     backend ``backend`` (batching where ``batches``); the work every post returns."""
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_group_rank", lambda group, rank: rank)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
