@@ -695,16 +695,25 @@ def test_an_invalid_call_where_the_peers_go_hierarchical_raises_on_every_rank_at
                                                          for r in res[1:]), res
 
 
-
-def _zipccl_here_native_there(rank, groups, dtype, codec):
-    """Rank 0's levels go through zipccl (per level an exchange, then the backend's collective
-    or packets), its peers' are the backend's collective alone ("native"): the whole group's
-    exchange must tell the plans apart, or rank 0's exchanges meet its peers' data. "raw" on an
-    int tensor and a user's codec without a name were both once named "native"."""
-    n = 1 << 10
-    dtype = getattr(torch, dtype)
+def _one_rank_differs(rank, groups, case):
+    """On 2x2, rank 0's hierarchical call differs from its peers' where the plans' names once
+    agreed, so the whole group's exchange passed and the levels parted, each waiting for good:
+    ``raw``: rank 0's levels go through zipccl's exchange ("raw" on an int tensor), its peers'
+    are the backend's collective alone ("native"); ``nameless``: rank 0's levels are a user's
+    codec without a name, its peers' "native" (both were named "native"); ``setting``: rank
+    0's intra-node level checksums its packets, its peers' does not (one name, another wire:
+    rank 0's node raised at its level while the other waited at the next). Then a call that
+    agrees: plain torch's sum."""
+    from zipccl.codecs import Lossless
     from workers import UserCodec
-    mine = {"raw": "raw", "nameless": UserCodec(name=None)}[codec] if rank == 0 else "native"
+    n = 1 << 10
+    dtype = torch.int32 if case == "raw" else torch.float32
+    if case == "setting":
+        agreed = {"intra": Lossless(checksum=True), "inter": "lossless"}
+        mine = agreed if rank == 0 else {"intra": "lossless", "inter": "lossless"}
+    else:
+        agreed = "native"
+        mine = {"raw": "raw", "nameless": UserCodec(name=None)}[case] if rank == 0 else agreed
     x = torch.arange(n, dtype=dtype) * (rank + 1)
     with emulated("2x2"):
         try:
@@ -713,35 +722,11 @@ def _zipccl_here_native_there(rank, groups, dtype, codec):
         except Exception as e:  # noqa: BLE001 - the test reads it
             first = type(e).__name__
         y = torch.arange(n, dtype=dtype) * (rank + 1)
-        zipccl.all_reduce(y, codec="native", algorithm="hierarchical")
+        zipccl.all_reduce(y, codec=agreed, algorithm="hierarchical")
     return first, torch.equal(y, torch.arange(n, dtype=dtype) * 10)
 
 
-@pytest.mark.parametrize("dtype,codec", [("int32", "raw"), ("float32", "nameless")])
-def test_zipccl_levels_on_one_rank_and_native_on_the_others_raise_on_every_rank(pool, dtype, codec):
-    res = pool.run(_zipccl_here_native_there, dtype, codec, timeout=60)
-    assert res == [("MismatchError", True)] * 4, res
-
-
-def _levels_whose_codecs_differ_in_a_setting(rank, groups):
-    """Rank 0's intra-node level checksums its packets, its peers' does not: the same codec
-    name, another wire. The whole group's exchange must tell them apart; each level's own
-    check alone made rank 0's node raise while the other node waited at the next level."""
-    from zipccl.codecs import Lossless
-    n = 1 << 12
-    x = torch.arange(n, dtype=torch.float32) * (rank + 1)
-    intra = Lossless(checksum=True) if rank == 0 else "lossless"
-    with emulated("2x2"):
-        try:
-            zipccl.all_reduce(x, codec={"intra": intra, "inter": "lossless"}, algorithm="hierarchical")
-            first = "no error"
-        except Exception as e:  # noqa: BLE001 - the test reads it
-            first = type(e).__name__
-        y = torch.arange(n, dtype=torch.float32) * (rank + 1)
-        zipccl.all_reduce(y, codec={"intra": Lossless(checksum=True), "inter": "lossless"}, algorithm="hierarchical")
-    return first, torch.equal(y, torch.arange(n, dtype=torch.float32) * 10)
-
-
-def test_levels_whose_codecs_differ_in_a_setting_raise_on_every_rank(pool):
-    res = pool.run(_levels_whose_codecs_differ_in_a_setting, timeout=60)
+@pytest.mark.parametrize("case", ["raw", "nameless", "setting"])
+def test_a_rank_whose_levels_differ_raises_on_every_rank(pool, case):
+    res = pool.run(_one_rank_differs, case, timeout=60)
     assert res == [("MismatchError", True)] * 4, res

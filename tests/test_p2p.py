@@ -1472,7 +1472,7 @@ def test_a_send_whose_posting_waits_for_good_fails_within_the_bound():
 
 def _to_a_rank_that_is_not_there(rank, groups, codec):
     """A send to rank 7 or a receive from group rank -1 of 4: a ValueError naming the rank
-    (the world's ranks map to themselves unchecked; an IndexError came from deep inside)."""
+    (the world's ranks map to themselves unchecked: a send to rank 7 crashed the ranks)."""
     said = []
     x = torch.ones(1000)
     for call in (lambda: zipccl.send(x, 7, codec=codec), lambda: zipccl.irecv(x, group_src=-1, codec=codec),

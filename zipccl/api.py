@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import auto, config, hierarchical, lifetime, lossy, topology
 from . import collectives as C
 from .collectives.metadata import _meta_bytes
+from .collectives.resolve import Composite
 from .errors import RankFailure, UnsupportedError
 from .executor import drain as _drain, run as _run
 from .failure import Fate
@@ -38,20 +39,6 @@ HIERARCHICAL_PLANS = ("hierarchical/native", "hierarchical/raw", "hierarchical/l
 LEVELS = ("intra", "inter")
 _FLOATS = frozenset(DTYPE_CODES)
 _NATIVE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN, None)
-
-
-class _Plan:
-    """A hierarchical call's codecs: ``levels`` for the signature check (each level's codec as
-    its own calls check it: settings such as a checksum included, else one node would raise at
-    its level and the other wait at the next for good), ``name`` for the statistics. None (the
-    backend's collective after zipccl's exchange: "raw" on a dtype no codec takes) is named
-    "raw", not "native" (the backend's collective alone)."""
-    __slots__ = ("name", "levels")
-
-    def __init__(self, codecs: tuple):
-        self.levels = codecs
-        self.name = "hierarchical/" + "+".join("raw" if c is None else getattr(c, "name", type(c).__name__)
-                                               for c in codecs)
 
 
 def _level_codecs(codec, dtype, nbytes: int) -> tuple:
@@ -285,7 +272,7 @@ def _call(name: str, group, output, input, op, codec, algorithm: str, async_op: 
 
     def hier(levels, codecs, acc):
         whole = C.carrier(group, device, codecs[1])  # the group's own, or the nodes' level's carrier
-        plan, fate = _Plan(codecs), Fate.of(name, whole)
+        plan, fate = Composite("hierarchical", codecs), Fate.of(name, whole)
         # signature and auto reports, whole group, whatever the levels' codecs: an invalid call on
         # one rank refuses through this exchange (its peers would wait in the levels for good)
         C.Call(name, dtype, numel, op, plan).exchange(whole, [], None, fate)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import FormatError
+from .resolve import Composite
 
 
 class _Plain:
@@ -49,15 +50,9 @@ def per_peer(nodes, rank: int, intra, inter) -> list:
     return [None if j == rank else intra if j in mine else inter for j in range(size)]
 
 
-class Links:
-    """The plan of a call whose peers use different codecs: ``levels`` (intra, inter) for the
-    signature check (each codec's settings included, as a flat call's check has them),
-    ``name`` for the statistics ("links/plain+lossless": inside the nodes, between them)."""
-    __slots__ = ("name", "levels")
+class Links(Composite):
+    """The plan of a call whose peers use different codecs: inside the nodes, between them."""
+    __slots__ = ()
 
     def __init__(self, intra, inter):
-        self.levels = (intra, inter)
-        self.name = "links/" + "+".join(getattr(c, "name", type(c).__name__) for c in self.levels)
-
-    def __repr__(self) -> str:
-        return self.name
+        super().__init__("links", (intra, inter))

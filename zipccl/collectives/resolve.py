@@ -62,12 +62,28 @@ def resolve_codec(codec, dtype: torch.dtype, nbytes: int):
     return codec
 
 
+class Composite:
+    """A plan of several codecs (a hierarchical call's levels, an all-to-all's links):
+    ``levels`` for the signature check (``_codec_id``: each codec as its own calls check it,
+    settings such as a checksum included), ``name`` for the statistics ("links/plain+lossless").
+    None (the backend's collective after zipccl's exchange: "raw" on a dtype no codec takes)
+    is named "raw", not "native" (the backend's collective alone)."""
+    __slots__ = ("name", "levels")
+
+    def __init__(self, kind: str, codecs):
+        self.levels = tuple(codecs)
+        self.name = f"{kind}/" + "+".join("raw" if c is None else getattr(c, "name", type(c).__name__)
+                                          for c in self.levels)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
 def _codec_id(codec) -> int:
     if codec is None:
         return 0
-    levels = getattr(codec, "levels", None)  # a plan of several codecs: a hierarchical call's levels, a2a links
-    if levels is not None:
-        return zlib.crc32(":".join(str(_codec_id(c)) for c in levels).encode()) & 0x7FFFFFFF
+    if isinstance(codec, Composite):
+        return zlib.crc32(":".join(str(_codec_id(c)) for c in codec.levels).encode()) & 0x7FFFFFFF
     # impl and checksum too: a receiver on CUDA decodes with decode_into, which takes the packets
     # of its own implementation's block size and no payload checksum (collectives.pipeline.defers)
     key = f"{getattr(codec, 'name', type(codec).__name__)}:{getattr(codec, 'block_size', 0)}:" \
