@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -158,6 +159,11 @@ def test_alltoall_and_sendrecv_tables(tmp_path, collective):
         for r in t.rows:
             assert r["redop"] == ("none" if collective == "alltoall" else "sum") and r["root"] == -1, r
             assert r["out_of_place"]["wrong"] == 0 and r["in_place"]["wrong"] is None, r
+    # auto's learning lines: no size here is one auto learns (below 1 MiB), and messages it never learns
+    said = re.findall(r"^#   \d+ B \w+ \w+: 0 \+ 0 calls; (.*)$", res.stdout, re.M)
+    expect = ("auto does not learn messages: it sends by link and size (rank 0's last: native)"
+              if collective == "sendrecv" else "a size auto does not learn: the backend's own call")
+    assert said == [expect] * 6, said
     # alltoall: 25000 B over 3 ranks is 8333 B per peer, 8320 in whole 16-byte lines (nccl-tests' paramcount)
     assert [r["size"] for r in tables[0].rows] == ([24960, 99984] if collective == "alltoall" else [25000, 100000]) * 3
     doc = json.loads(out_json.read_text())

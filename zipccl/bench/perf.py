@@ -204,8 +204,12 @@ def learning_lines(rows: list[dict]) -> list[str]:
     for r in learned:
         a = r["zipccl"]["auto"]
         calls, ran = a["learning_calls"], a["timed_plans"]
-        done = (f"timed calls ran {'+'.join(ran['out_of_place'])} / {'+'.join(ran['in_place'])}"
-                if ran["out_of_place"] and ran["in_place"] else "a size auto does not learn: the backend's own call")
+        if ran["out_of_place"] and ran["in_place"]:
+            done = f"timed calls ran {'+'.join(ran['out_of_place'])} / {'+'.join(ran['in_place'])}"
+        elif r["zipccl"]["collective"] == "sendrecv":  # zipccl.p2p: no learning, a rule per link and size
+            done = f"auto does not learn messages: it sends by link and size (rank 0's last: {r['zipccl']['plan']})"
+        else:
+            done = "a size auto does not learn: the backend's own call"
         lines.append(f"#   {r['size']} B {r['type']} {r['redop']}: {calls['out_of_place']} + {calls['in_place']} "
                      f"calls; {done}")
     return lines
