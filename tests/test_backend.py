@@ -620,12 +620,19 @@ def _lossy(rank, groups, lossy, n, steps):
     return out, reference.densities
 
 
+def _fresh_topk():
+    """A new lossy top-k group of every rank: no residuals, steps nor first backward pass left by
+    the tests before in these long-lived workers."""
+    from zipccl.backend import Options
+    return dist.new_group(backend="zipccl", pg_options=Options(lossy="topk", lossy_min_numel=50_000))
+
+
 def _ddp_lossy(rank, groups, steps):
     """DDP over the lossy top-k group, no ``step()`` calls: after its first step DDP rebuilds its
     buckets, whose sizes then differ from the first step's. Per step the residuals' keys and the
     compressor's step; the parameters' bits against every other rank."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    g = groups["topk"]
+    g = _fresh_topk()
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]), process_group=g,
                 bucket_cap_mb=0.6)
@@ -642,16 +649,59 @@ def _ddp_lossy(rank, groups, steps):
 
 
 def test_lossy_ddp_keeps_one_residual_per_bucket_across_its_rebuild(zpool):
-    """Each backward pass is a step: the rebuilt buckets keep their keys from the second step on,
-    one residual each (not new keys every step, which would leak a bucket's copy a step and drop
-    its error feedback), and the compressor counts every step."""
+    """Each backward pass is a step: the first, before DDP's rebuild, is sent exact (no residual,
+    no lossy step); the rebuilt buckets then keep their keys, one residual each (not new keys
+    every step, which would leak a bucket's copy a step and drop its error feedback), and the
+    compressor counts every step."""
     out = zpool().run(_ddp_lossy, 5, timeout=120)
     seen, params = out[0]
     assert all(torch.equal(params, other[1]) for other in out[1:])
     keys = [set(k) for k, _ in seen]
-    assert [s for _, s in seen] == [0, 1, 2, 3, 4], seen
-    rebuilt = keys[2] - keys[0]
-    assert rebuilt and keys[2] == keys[3] == keys[4] and len(keys[4]) <= len(keys[0]) + len(rebuilt), seen
+    assert [s for _, s in seen] == [-1, 0, 1, 2, 3], seen
+    assert not keys[0] and keys[1] and keys[1] == keys[2] == keys[3] == keys[4], seen
+
+
+def _ddp_lossy_sums(rank, groups, steps, drain):
+    """DDP over the lossy top-k group: ``steps`` backward passes in which only rank 0 has
+    gradients (the others' losses times 0), then ``drain`` passes in which none has, enough for
+    top-k at density 0.01 to send every residual. Per parameter, the largest difference between
+    the sum of what DDP left in its gradients and rank 0's own gradients by plain torch summed
+    over the steps and divided by the world size; the largest residual left; |that sum| max."""
+    import copy
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    g = _fresh_topk()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+    local, model = copy.deepcopy(net), DDP(net, process_group=g, bucket_cap_mb=0.6)
+    got = [torch.zeros_like(p) for p in net.parameters()]
+    for step in range(steps + drain):
+        x = torch.randn(16, 256, generator=torch.Generator().manual_seed(100 * step))
+        live = float(rank == 0 and step < steps)
+        (model(x).square().mean() * live).backward()
+        if step < steps:
+            local(x).square().mean().backward()  # rank 0's, on every rank
+        for total, p in zip(got, net.parameters()):
+            total += p.grad
+            p.grad = None
+    want = [p.grad / dist.get_world_size(g) if p.grad is not None else torch.zeros_like(p) for p in local.parameters()]
+    return ([float((a - b).abs().max()) for a, b in zip(got, want)],
+            max(float(r.abs().max()) for r in g._compressor.residuals.store.values()),
+            max(float(w.abs().max()) for w in want))
+
+
+def test_lossy_ddp_sends_every_parameters_gradient_once_across_its_rebuild(zpool):
+    """Error feedback per parameter across DDP's bucket rebuild, which the drop-in cannot see (it
+    gets flat buckets): whatever top-k did not send at a step reaches the same parameter later,
+    so once the residuals are sent, each parameter's sum over the steps is plain torch's, to fp32
+    rounding. The first backward pass (DDP's buckets before the rebuild) is sent exact, or its
+    residual would be added at other parameters' positions or stranded under a size no bucket has
+    again."""
+    out = zpool().run(_ddp_lossy_sums, 3, 100, timeout=180)
+    for rank, value in enumerate(out):
+        assert not isinstance(value, BaseException), f"rank {rank}: {value!r}"
+        differences, left, largest = value
+        assert max(differences) < 1e-5 * largest, (rank, differences, largest)
+        assert largest > 1e-4 and left < 1e-6 * largest, (rank, left, largest)
 
 
 @pytest.mark.parametrize("lossy,n,steps", [("topk", 100_000, 2), ("entropy", 20_000, 23)])

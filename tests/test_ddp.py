@@ -364,11 +364,12 @@ def test_rules_and_residuals_follow_ddps_rebuilt_bucket(pool):
     assert res[0]["restored_numel"] == [2 * 4096] and res[0]["named"] is True, res[0]
 
 
-def _resumed(rank, groups, steps, saved_after, like_shapes=False):
+def _resumed(rank, groups, steps, saved_after, like_shapes=False, named=True):
     """``steps`` backward passes of the same input under the top-k hook (biases kept exact),
     each step's weight gradients as the hook leaves them; with ``saved_after``, the state is
     pickled after that many steps and restored into a new model and DDP (its buckets as before
-    DDP's rebuild) for the rest. Also this rank's own gradients by plain torch."""
+    DDP's rebuild) for the rest; ``named=False``: the state made without ``model``. Also this
+    rank's own gradients by plain torch."""
     if rank >= 2:
         return None
     g = groups[2]
@@ -379,7 +380,7 @@ def _resumed(rank, groups, steps, saved_after, like_shapes=False):
     def job(state=None):
         model = make()
         if state is None:
-            state = zipccl.ddp.State(group=g, codec="topk", density=0.05, model=model,
+            state = zipccl.ddp.State(group=g, codec="topk", density=0.05, model=model if named else None,
                                      rules=zipccl.rules.LayerRules(min_numel=0))
         else:
             state = pickle.loads(pickle.dumps(state)).attach(g, model)
@@ -443,6 +444,20 @@ def test_error_feedback_is_exact_across_ddps_rebuild_and_a_restored_checkpoint(p
             assert torch.equal(res[1]["got"][step][name], w), (step, name)
 
 
+@pytest.mark.parametrize("like_shapes", [False, True], ids=["biases", "like shapes"])
+def test_error_feedback_is_exact_across_ddps_rebuild_without_parameter_names(pool, like_shapes):
+    """The same without ``model=``: the residual follows its parameters into DDP's rebuilt bucket
+    by this process's parameters, not dropped (step 0's unsent gradient was lost) nor applied at
+    another parameter's positions."""
+    res = pool.run(_resumed, 4, None, like_shapes, False, timeout=120)[:2]
+    assert all(not isinstance(r, BaseException) for r in res), res
+    want = _error_feedback([r["local"] for r in res], 4, 0.05)
+    for step in range(4):
+        for name, w in want[step].items():
+            assert torch.equal(res[0]["got"][step][name], w), (step, name)
+            assert torch.equal(res[1]["got"][step][name], w), (step, name)
+
+
 def test_a_new_buckets_residual_is_taken_from_the_buckets_that_held_its_parameters():
     """Bucket "new" holds w2 and w1 (in that order), which buckets "old1" (w1, w0) and "old2" (w2)
     held: its residual is theirs, parameter by parameter; "old2", emptied, goes; "old1" keeps
@@ -465,6 +480,48 @@ def test_a_new_buckets_residual_is_taken_from_the_buckets_that_held_its_paramete
     state.parts["none"] = (("w8", 4),)
     _take_residual(state, "none")
     assert "none" not in store
+
+
+class _SparseEmbedding(torch.nn.Module):
+    """A sparse embedding (its gradients sparse tensors) beside a dense layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16, sparse=True)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def _sparse_gradients(rank, groups, codec):
+    """One backward pass of a model with sparse embedding gradients under the hook: its
+    gradients, densified; and this rank's own by plain torch."""
+    if rank >= 2:
+        return None
+    g = groups[2]
+    ids = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(rank))
+    ddp = DDP(_SparseEmbedding(), process_group=g)
+    ddp.register_comm_hook(zipccl.ddp.State(group=g, codec=codec), zipccl.ddp.hook)
+    ddp(ids).square().sum().backward()
+    local = _SparseEmbedding()
+    local(ids).square().sum().backward()
+    dense = {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad) for n, p in ddp.module.named_parameters()}
+    return dense, {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad) for n, p in local.named_parameters()}
+
+
+@pytest.mark.parametrize("codec", ["lossless", "topk"])
+def test_sparse_gradients_are_averaged_by_the_backend(pool, codec):
+    """A bucket of sparse gradients (nn.Embedding(sparse=True)) is averaged by the group's own
+    backend, as torch's allreduce_hook does (zipccl's codecs take dense tensors); the dense
+    buckets beside it still go through zipccl (top-k's rules keep this small one exact). Every
+    gradient is the two ranks' average of plain torch's (summed sparse: to 1e-6), the same on both."""
+    (a, la), (b, lb) = pool.run(_sparse_gradients, codec, timeout=120)[:2]
+    for n in la:
+        want = (la[n] + lb[n]) / 2
+        assert torch.allclose(a[n], want, atol=1e-6) and torch.equal(a[n], b[n]), n
+    assert int((la["emb.weight"] != 0).any(1).sum()) < 50  # sparse: some rows untouched
 
 
 def _another_ranks_ddp_state(rank, groups):
@@ -526,8 +583,8 @@ def test_the_entropy_rate_decides_where_the_first_bucket_is_exact(pool):
 
 def test_a_bucket_of_the_same_shapes_but_other_parameters_takes_its_residual_by_name():
     """Two weights of one shape swapped in a bucket keep its key (shapes in order), but not its
-    layout, and its residual follows the parameters (by their names), not the positions; without
-    names (no model given) it starts afresh."""
+    layout, and its residual follows the parameters (by their names; without names, no model
+    given, by this process's parameters), not the positions."""
     from zipccl.ddp import _key, _parts, _relayout, _take_residual
     w1, w2, bias = (torch.nn.Parameter(torch.zeros(s)) for s in ((4, 4), (4, 4), (4,)))
     for named in (True, False):
@@ -543,13 +600,27 @@ def test_a_bucket_of_the_same_shapes_but_other_parameters_takes_its_residual_by_
         state.residuals.store[key], state.layouts[key] = torch.arange(36.0), ([(0, 32)], [(32, 36)])
         assert step([w1, w2, bias]) == key and torch.equal(state.residuals.store[key], torch.arange(36.0))
         assert step([w2, w1, bias]) == key and key not in state.layouts
-        if named:  # w2's residual first now, then w1's, then the bias's
-            want = torch.cat([torch.arange(16.0, 32.0), torch.arange(16.0), torch.arange(32.0, 36.0)])
-            assert torch.equal(state.residuals.store[key], want), state.residuals.store[key]
-            assert list(state.residuals.store) == [key] and list(state.parts) == [key]  # nothing left aside
-        else:
-            assert key not in state.residuals.store
+        # w2's residual first now, then w1's, then the bias's
+        want = torch.cat([torch.arange(16.0, 32.0), torch.arange(16.0), torch.arange(32.0, 36.0)])
+        assert torch.equal(state.residuals.store[key], want), (named, state.residuals.store[key])
+        assert list(state.residuals.store) == [key] and list(state.parts) == [key]  # nothing left aside
         assert _key(state, 0, [bias, w1, w2])[0] != key  # another order of shapes: another key
+
+
+def test_attaching_a_model_drops_the_residuals_of_parameters_it_no_longer_has_at_their_size():
+    """A checkpoint's residuals for a parameter that the model now has at another size (or not at
+    all) could never be taken by a bucket: dropped at ``attach``, with a warning naming them;
+    the others are kept for the buckets to take."""
+    state = zipccl.ddp.State(codec="topk", rules=None)
+    store = state.residuals.store
+    store["both"], store["gone"] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), torch.tensor([6.0, 7.0])
+    state.parts = {"both": (("a", 3), ("b", 2)), "gone": (("c", 2),)}
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))  # b reshaped
+    with pytest.warns(RuntimeWarning, match="residuals of b, c dropped"):
+        state.attach(None, model)
+    assert list(store) == ["both"] and torch.equal(store["both"], torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0]))
+    assert state.parts == {"both": (("a", 3), (None, 2))}
 
 
 def test_segments_of_a_bucket():

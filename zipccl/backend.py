@@ -74,9 +74,10 @@ class Options:
     all-reduces (SUM or AVG) of float tensors with at least ``lossy_min_numel`` elements. A
     residual belongs to a tensor's size, dtype and place among the step's tensors of that size:
     a step ends at ``zipccl.backend.step(group)`` or, until the first such call, with each
-    backward pass (DDP's buckets, whose layout changes after its first step), and outside one
-    when the step's first size comes again. For per-parameter rules, use zipccl.ddp's hook or
-    zipccl.fsdp instead."""
+    backward pass (DDP's buckets), and outside one when the step's first size comes again. The
+    first backward pass that makes such calls is sent exact: DDP rebuilds its buckets after it,
+    and the backend, which sees flat buckets, could not move their residuals with their
+    parameters. For per-parameter rules, use zipccl.ddp's hook or zipccl.fsdp instead."""
     codec: str | None = None
     algorithm: str = "auto"
     lossy: str | None = None
@@ -293,7 +294,7 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         self._compressor = None if self.options.lossy is None else Compressor(self.options.lossy, rules=None)
         self._seen: dict = {}  # (numel, dtype) -> lossy calls this step
-        self._anchor, self._stepped, self._task = None, False, None
+        self._anchor, self._stepped, self._task, self._first_pass = None, False, None, None
 
     # ---- what torch asks of a Python process group --------------------------------------------------------
 
@@ -664,20 +665,23 @@ class ProcessGroupZipccl(dist.ProcessGroup):
         if self._compressor is None or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) \
                 or x.numel() < self.options.lossy_min_numel:
             return None
+        task = _graph_task()
+        if task != -1 and self._first_pass in (None, task):  # DDP's buckets before its rebuild, which would
+            self._first_pass = task  # put their residuals at other parameters' positions: sent exact
+            return None
         sig = (x.numel(), str(x.dtype).replace("torch.", ""))
-        if not self._stepped and self._begins(sig):
+        if not self._stepped and self._begins(sig, task):
             self._seen.clear()
             self._compressor.mark()
         k = self._seen.get(sig, 0)
         self._seen[sig] = k + 1
         return f"{sig[0]}:{sig[1]}:{k}"
 
-    def _begins(self, sig) -> bool:
+    def _begins(self, sig, task: int) -> bool:
         """Whether a lossy call of signature ``sig`` begins a step, where ``step()`` is not called:
-        inside autograd's backward (DDP's comm hook), the first call of each backward pass, so
-        that DDP's buckets, rebuilt after its first step, keep their keys; elsewhere, the step's
-        first signature again (the first call's)."""
-        task = _graph_task()
+        inside autograd's backward pass ``task`` (DDP's comm hook), the first call of each backward
+        pass, so that DDP's buckets, rebuilt after its first step, keep their keys; elsewhere (-1),
+        the step's first signature again (the first call's)."""
         if task != -1:
             begins, self._task = task != self._task, task
             return begins

@@ -11,6 +11,7 @@ composes too on CUDA with NCCL; on CPU, DDP refuses any hook *named*
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as real types.
+import warnings
 from typing import Optional
 
 import torch
@@ -125,18 +126,21 @@ class State:
         _check_member(group)
         held = self.residuals is not None and bool(self.residuals.store)
         check_saved_by(self.saved_by, rank_in(group), held)
-        if held and model is None and not self.names and any(self.parts.values()):
+        if held and model is None and not self.names and any(_by_name(v) for v in self.parts.values()):
             raise ValueError("these error-feedback residuals are held by parameter name (the state was made with "
                              "model=...): attach(group, model=model), or they would be dropped, not applied")
         self.group = group
         if model is not None:
             self.names = {id(p): n for n, p in model.named_parameters()}
             self.layouts, self.members = {}, {}
+            _drop_unmatched(self, {n: p.numel() for n, p in model.named_parameters()})
         return self
 
     def __getstate__(self):  # parameter ids and bucket layouts belong to this process: rebuilt on use
         local = ("group", "names", "layouts", "members", "used", "last_index")
-        return {**{k: getattr(self, k) for k in self.__slots__ if k not in local}, "saved_by": rank_in(self.group)}
+        parts = {k: v for k, v in self.parts.items() if not v or _by_name(v)}  # not by ids, which are this process's
+        return {**{k: getattr(self, k) for k in self.__slots__ if k not in local}, "parts": parts,
+                "saved_by": rank_in(self.group)}
 
     def __setstate__(self, state):
         self.group, self.names, self.layouts, self.algorithm = None, {}, {}, "auto"  # older checkpoints: no algorithm
@@ -144,6 +148,34 @@ class State:
         self.members, self.used, self.first_lossy, self.saved_by, self.last_index = {}, set(), -1, None, -1
         for k, v in state.items():
             setattr(self, k, v)
+
+
+def _drop_unmatched(state: State, numels: dict) -> None:
+    """Drop the residuals of parameters that ``model`` (``numels``: name -> numel) no longer has
+    at their size (removed, reshaped), which no bucket would ever take, and say so."""
+    store, dropped = state.residuals.store if state.residuals is not None else {}, []
+    for k, parts in list(state.parts.items()):
+        if not _by_name(parts) or k not in store:
+            continue
+        at, kept = 0, []
+        for name, numel in parts:
+            if name is not None and numels.get(name) != numel:
+                store[k][at:at + numel].zero_()
+                dropped.append(name)
+                name = None
+            kept.append((name, numel))
+            at += numel
+        state.parts[k] = tuple(kept)
+        if all(name is None for name, _ in kept):
+            del store[k], state.parts[k]
+    if dropped:
+        warnings.warn(f"zipccl.ddp: error-feedback residuals of {', '.join(sorted(dropped))} dropped: the model has no "
+                      "such parameter of that size", RuntimeWarning, stacklevel=3)
+
+
+def _by_name(parts) -> bool:
+    """Whether a residual's ``parts`` name parameters by the model's names (not by ids)."""
+    return bool(parts) and any(isinstance(n, str) for n, _ in parts)
 
 
 def _check_member(group) -> None:
@@ -158,6 +190,8 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     buffer = bucket.buffer()
     if not buffer.is_floating_point():
         raise UnsupportedError(f"gradient bucket of dtype {buffer.dtype}")
+    if buffer.layout != torch.strided:  # sparse gradients (nn.Embedding(sparse=True)): not coded, averaged by
+        return _averaged_by_backend(state.group, buffer)  # the group's backend, as torch's allreduce_hook does
     index, stale = bucket.index(), []
     if index <= state.last_index:  # a new step whose last bucket did not come (DDP's
         stale = _step_ended(state)  # skip_all_reduce_unused_params skips a bucket of unused parameters)
@@ -192,6 +226,12 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         return buffer
 
     return handle.get_future().then(done)
+
+
+def _averaged_by_backend(group, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    group = group if group is not None else dist.group.WORLD
+    buffer.div_(dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 def _step_ended(state: State) -> list:
@@ -266,12 +306,14 @@ def _split(state: State, step: int, key, buffer: torch.Tensor, layout, first: bo
 
 def _parts(state: State, params: list, numel: int) -> tuple | None:
     """The parameters whose gradients a bucket's residual holds, in order, as (name, numel): the
-    lossy ones (all, without rules); None where a name is unknown (no ``model`` given) or the
-    parameters do not tile the bucket."""
-    names = [state.names.get(id(p)) for p in params]
+    lossy ones (all, without rules); without ``model``, named by this process's ids (("id", n),
+    which a checkpoint does not keep), so that DDP's rebuild moves the residual all the same;
+    None where a name is unknown or the parameters do not tile the bucket."""
+    names = [state.names.get(id(p)) for p in params] if state.names else [("id", id(p)) for p in params]
     if None in names or sum(p.numel() for p in params) != numel:
         return None
-    return tuple((n, p.numel()) for n, p in zip(names, params) if state.rules is None or state.rules.lossy(n, p))
+    return tuple((n, p.numel()) for n, p in zip(names, params)
+                 if state.rules is None or state.rules.lossy(state.names.get(id(p), ""), p))
 
 
 def _take_residual(state: State, key) -> None:
