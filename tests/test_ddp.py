@@ -435,10 +435,14 @@ def test_error_feedback_is_exact_across_ddps_rebuild_and_a_restored_checkpoint(p
     bucket, under another key, or under the same one where the bucket's shapes in order are the
     same), and (``saved_after``) across a checkpoint saved after the rebuild and restored into
     a new DDP, whose first step has the buckets as before it."""
-    res = pool.run(_resumed, 4, saved_after, like_shapes, timeout=120)[:2]
+    _assert_error_feedback(pool.run(_resumed, 4, saved_after, like_shapes, timeout=120)[:2], 4)
+
+
+def _assert_error_feedback(res: list, steps: int) -> None:
+    """Both ranks' weight gradients at every step are plain torch's top-k with error feedback."""
     assert all(not isinstance(r, BaseException) for r in res), res
-    want = _error_feedback([r["local"] for r in res], 4, 0.05)
-    for step in range(4):
+    want = _error_feedback([r["local"] for r in res], steps, 0.05)
+    for step in range(steps):
         for name, w in want[step].items():
             assert torch.equal(res[0]["got"][step][name], w), (step, name)
             assert torch.equal(res[1]["got"][step][name], w), (step, name)
@@ -449,13 +453,7 @@ def test_error_feedback_is_exact_across_ddps_rebuild_without_parameter_names(poo
     """The same without ``model=``: the residual follows its parameters into DDP's rebuilt bucket
     by this process's parameters, not dropped (step 0's unsent gradient was lost) nor applied at
     another parameter's positions."""
-    res = pool.run(_resumed, 4, None, like_shapes, False, timeout=120)[:2]
-    assert all(not isinstance(r, BaseException) for r in res), res
-    want = _error_feedback([r["local"] for r in res], 4, 0.05)
-    for step in range(4):
-        for name, w in want[step].items():
-            assert torch.equal(res[0]["got"][step][name], w), (step, name)
-            assert torch.equal(res[1]["got"][step][name], w), (step, name)
+    _assert_error_feedback(pool.run(_resumed, 4, None, like_shapes, False, timeout=120)[:2], 4)
 
 
 def test_a_new_buckets_residual_is_taken_from_the_buckets_that_held_its_parameters():
