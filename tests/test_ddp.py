@@ -608,7 +608,8 @@ def test_a_bucket_of_the_same_shapes_but_other_parameters_takes_its_residual_by_
 def test_attaching_a_model_drops_the_residuals_of_parameters_it_no_longer_has_at_their_size():
     """A checkpoint's residuals for a parameter that the model now has at another size (or not at
     all) could never be taken by a bucket: dropped at ``attach``, with a warning naming them;
-    the others are kept for the buckets to take."""
+    the others are kept for the buckets to take. Those of a state made without ``model`` (held
+    by this process's parameters) are named by it."""
     state = zipccl.ddp.State(codec="topk", rules=None)
     store = state.residuals.store
     store["both"], store["gone"] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), torch.tensor([6.0, 7.0])
@@ -619,6 +620,13 @@ def test_attaching_a_model_drops_the_residuals_of_parameters_it_no_longer_has_at
         state.attach(None, model)
     assert list(store) == ["both"] and torch.equal(store["both"], torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0]))
     assert state.parts == {"both": (("a", 3), (None, 2))}
+    state = zipccl.ddp.State(codec="topk", rules=None)  # made without model: by this process's parameters
+    state.residuals.store["ids"] = torch.arange(1.0, 9.0)
+    state.parts = {"ids": ((("id", id(model.b)), 4), (("id", id(model.a)), 3), (("id", 0), 1))}
+    with pytest.warns(RuntimeWarning, match=r"residuals of \('id', 0\) dropped"):
+        state.attach(None, model)
+    assert state.parts == {"ids": (("b", 4), ("a", 3), (None, 1))}  # named now: taken by name
+    assert torch.equal(state.residuals.store["ids"], torch.tensor([1.0, 2, 3, 4, 5, 6, 7, 0]))
 
 
 def test_segments_of_a_bucket():

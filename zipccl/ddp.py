@@ -133,6 +133,8 @@ class State:
         if model is not None:
             self.names = {id(p): n for n, p in model.named_parameters()}
             self.layouts, self.members = {}, {}
+            self.parts = {k: v and tuple((self.names.get(n[1], n) if isinstance(n, tuple) else n, numel)
+                                         for n, numel in v) for k, v in self.parts.items()}  # ids to names
             _drop_unmatched(self, {n: p.numel() for n, p in model.named_parameters()})
         return self
 
@@ -151,17 +153,18 @@ class State:
 
 
 def _drop_unmatched(state: State, numels: dict) -> None:
-    """Drop the residuals of parameters that ``model`` (``numels``: name -> numel) no longer has
-    at their size (removed, reshaped), which no bucket would ever take, and say so."""
+    """Drop the residuals of parameters that ``model`` (``numels``: name -> numel) does not have
+    at their size (removed, reshaped, or by an id that is not the model's), which no bucket would
+    ever take, and say so."""
     store, dropped = state.residuals.store if state.residuals is not None else {}, []
     for k, parts in list(state.parts.items()):
-        if not _by_name(parts) or k not in store:
+        if not parts or k not in store:
             continue
         at, kept = 0, []
         for name, numel in parts:
             if name is not None and numels.get(name) != numel:
                 store[k][at:at + numel].zero_()
-                dropped.append(name)
+                dropped.append(str(name))
                 name = None
             kept.append((name, numel))
             at += numel
