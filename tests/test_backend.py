@@ -302,6 +302,26 @@ def test_a_works_future_is_done_when_it_returns_and_its_callbacks_may_issue_call
     assert zpool().run(_futures, timeout=120) == [(0, True, True, True)] * 4
 
 
+def _gather_future(rank, groups):
+    """all_gather_into_tensor's async future value on gloo and on the zipccl groups: each
+    tensor's shape and where it starts in the output (bytes)."""
+    out = {}
+    for name in ("gloo", "raw", "lossless"):
+        output, x = torch.zeros(3 * dist.get_world_size(), 2), torch.full((3, 2), float(rank))
+        work = dist.all_gather_into_tensor(output, x, group=groups[name], async_op=True)
+        work.wait()
+        out[name] = [(tuple(t.shape), t.data_ptr() - output.data_ptr()) for t in work.get_future().value()]
+    return out
+
+
+def test_all_gather_into_tensors_future_holds_what_gloos_does(zpool):
+    """gloo's future holds the output's chunk per rank (not the whole output): so do zipccl's."""
+    for rank, value in enumerate(zpool().run(_gather_future, timeout=60)):
+        assert not isinstance(value, BaseException), f"rank {rank}: {value!r}"
+        assert value["gloo"] == [((3, 2), 24 * r) for r in range(4)], value
+        assert value["raw"] == value["lossless"] == value["gloo"], value
+
+
 def _async(rank, groups):
     import zipccl
     g = groups["lossless"]

@@ -435,8 +435,10 @@ class ProcessGroupZipccl(dist.ProcessGroup):
                 or (own := self._own("all_gather", output, input))):
             return self._passed(input)._allgather_base(output, input, _options(AllgatherOptions, opts))
         out, src = _data([output, input])
+        # the future's value as the backend's own: gloo's is the output's chunk per rank, NCCL's the output
+        result = list(output.chunk(self.size())) if output.device.type == "cpu" else [output]
         return self._run(lambda: api.all_gather(out, src, group=self, codec=self.codec,
-                                                algorithm=self.options.algorithm), [output], async_op, [input],
+                                                algorithm=self.options.algorithm), result, async_op, [input],
                          groups=own is False)
 
     def reduce_scatter_single(self, output, input, opts=None):
