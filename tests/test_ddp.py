@@ -505,8 +505,8 @@ def _sparse_gradients(rank, groups, codec):
     ddp(ids).square().sum().backward()
     local = _SparseEmbedding()
     local(ids).square().sum().backward()
-    dense = {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad) for n, p in ddp.module.named_parameters()}
-    return dense, {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad) for n, p in local.named_parameters()}
+    return [{n: p.grad.to_dense() if p.grad.is_sparse else p.grad for n, p in m.named_parameters()}
+            for m in (ddp.module, local)]
 
 
 @pytest.mark.parametrize("codec", ["lossless", "topk"])

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from . import api, collectives
 from .stats import stats as _snapshot
@@ -133,9 +134,7 @@ class State:
         if model is not None:
             self.names = {id(p): n for n, p in model.named_parameters()}
             self.layouts, self.members = {}, {}
-            self.parts = {k: v and tuple((self.names.get(n[1], n) if isinstance(n, tuple) else n, numel)
-                                         for n, numel in v) for k, v in self.parts.items()}  # ids to names
-            _drop_unmatched(self, {n: p.numel() for n, p in model.named_parameters()})
+            _match_model(self, model)
         return self
 
     def __getstate__(self):  # parameter ids and bucket layouts belong to this process: rebuilt on use
@@ -152,16 +151,19 @@ class State:
             setattr(self, k, v)
 
 
-def _drop_unmatched(state: State, numels: dict) -> None:
-    """Drop the residuals of parameters that ``model`` (``numels``: name -> numel) does not have
-    at their size (removed, reshaped, or by an id that is not the model's), which no bucket would
-    ever take, and say so."""
+def _match_model(state: State, model: torch.nn.Module) -> None:
+    """Name the residuals' parameters by ``model`` (those held by this process's ids, made
+    without it), and drop those of parameters it does not have at their size (removed, reshaped,
+    or an id not the model's), which no bucket would ever take, saying so."""
+    numels = {n: p.numel() for n, p in model.named_parameters()}
     store, dropped = state.residuals.store if state.residuals is not None else {}, []
     for k, parts in list(state.parts.items()):
         if not parts or k not in store:
             continue
         at, kept = 0, []
         for name, numel in parts:
+            if isinstance(name, tuple):  # ("id", id(p))
+                name = state.names.get(name[1], name)
             if name is not None and numels.get(name) != numel:
                 store[k][at:at + numel].zero_()
                 dropped.append(str(name))
@@ -193,8 +195,8 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
     buffer = bucket.buffer()
     if not buffer.is_floating_point():
         raise UnsupportedError(f"gradient bucket of dtype {buffer.dtype}")
-    if buffer.layout != torch.strided:  # sparse gradients (nn.Embedding(sparse=True)): not coded, averaged by
-        return _averaged_by_backend(state.group, buffer)  # the group's backend, as torch's allreduce_hook does
+    if buffer.layout != torch.strided:  # sparse gradients (nn.Embedding(sparse=True)): not coded
+        return allreduce_hook(state.group, bucket)  # torch's own hook: averaged by the group's backend
     index, stale = bucket.index(), []
     if index <= state.last_index:  # a new step whose last bucket did not come (DDP's
         stale = _step_ended(state)  # skip_all_reduce_unused_params skips a bucket of unused parameters)
@@ -229,12 +231,6 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         return buffer
 
     return handle.get_future().then(done)
-
-
-def _averaged_by_backend(group, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    group = group if group is not None else dist.group.WORLD
-    buffer.div_(dist.get_world_size(group))
-    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 def _step_ended(state: State) -> list:
