@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import zipccl
 from host_waits import recording
+from zipccl import lifetime
 from zipccl.collectives import pipeline
 from zipccl.reference import packet
 from zipccl.reference.packet import Verdict
@@ -115,6 +116,9 @@ def device_like(group, monkeypatch_attrs: dict):
     Stream the stand-ins', strict mode on, and ``monkeypatch_attrs`` {(object, name): value} set;
     all undone on exit."""
     key = group if group is not None else dist.GroupMember.WORLD
+    # a process's first sweep forgets every transport (a new world): take it before the stand-in
+    # goes in, or the first zipccl call in a fresh worker would forget the stand-in and make its own
+    lifetime.sweep()
     saved = {(obj, name): getattr(obj, name) for obj, name in monkeypatch_attrs}
     saved_cuda = torch.cuda.Event, torch.cuda.Stream
     old_strict, old_transport = zipccl.config.STRICT_TRANSPORT, torch_dist._transports.get(key)
