@@ -54,12 +54,35 @@ SMALL_PIECE_BYTES = 1 << 20
 
 @contextlib.contextmanager
 def piece_bytes(nbytes: int):
-    """Set the pipeline's piece size for the calls inside, in this process."""
-    old, P.PIECE_BYTES = P.PIECE_BYTES, nbytes
+    """Set ZIPCCL_PIECE_BYTES's value for the calls inside, in this process (the pool lives on)."""
+    old, zipccl.config.PIECE_BYTES = zipccl.config.PIECE_BYTES, nbytes
     try:
         yield
     finally:
-        P.PIECE_BYTES = old
+        zipccl.config.PIECE_BYTES = old
+
+
+def test_a_chunk_is_cut_by_its_devices_piece_size():
+    """Pieces of 8 MiB on CPU, 32 MiB on CUDA, ZIPCCL_PIECE_BYTES where set (at most 16 a phase);
+    a coded phase's first and last pieces cut again (1/4, 1/4, 1/2 and 1/2, 1/4, 1/4); a plain
+    codec's pieces at least 16 MiB and uncut. 64 MiB of bf16 a phase: 4 ranks' chunks of 8 Mi."""
+    m = 8 << 20
+
+    def sizes(**kwargs) -> list[int]:
+        cuts = pieces(m, 4, 2, **kwargs)
+        assert cuts[0][0] == 0 and cuts[-1][1] == m and all(c[1] == d[0] for c, d in zip(cuts, cuts[1:])), cuts
+        return [b - a for a, b in cuts]
+
+    q, h = m // 8, m // 2
+    assert sizes() == [q // 4, q // 4, q // 2] + [q] * 6 + [q // 2, q // 4, q // 4]
+    assert sizes(cuda=True) == [h // 4, h // 4, h // 2, h // 2, h // 4, h // 4]
+    assert sizes(plain=True) == [m // 4] * 4
+    assert sizes(plain=True, cuda=True) == [h] * 2
+    with piece_bytes(128 << 20):
+        assert sizes() == sizes(cuda=True) == sizes(plain=True) == [m]
+    with piece_bytes(1 << 20):
+        assert len(sizes()) == len(sizes(cuda=True)) == 16 + 4
+        assert sizes(plain=True) == [m // 4] * 4
 
 
 def _every_combination(rank, groups, size, n, algorithm):
@@ -374,6 +397,15 @@ def _mismatch(rank, groups, size, case):
             except Exception as e:
                 return type(e).__name__, str(e)
         return "ok", ""
+    elif case == "PIECE_BYTES":  # rank 1's pieces would not meet the others'
+        old, zipccl.config.PIECE_BYTES = zipccl.config.PIECE_BYTES, 1 << 20 if rank == 1 else 0
+        try:
+            zipccl.all_reduce(x, **kwargs)
+        except Exception as e:
+            return type(e).__name__, str(e)
+        finally:
+            zipccl.config.PIECE_BYTES = old
+        return "ok", ""
     elif case in ("rs_size", "rs_size_checked"):  # only rank 0 passes a wrong size: ValueError, others MismatchError
         out = torch.empty(10)
         inp = torch.ones(10 * size + (1 if rank == 0 else 0))
@@ -410,7 +442,7 @@ def _mismatch(rank, groups, size, case):
     return "ok", ""
 
 
-@pytest.mark.parametrize("case", ["numel", "dtype", "op", "codec", "algorithm"])
+@pytest.mark.parametrize("case", ["numel", "dtype", "op", "codec", "algorithm", "PIECE_BYTES"])
 def test_mismatched_calls_raise_on_every_rank(pool, case):
     res = pool.run(_mismatch, 4, case, timeout=60)
     assert all(r[0] == "MismatchError" for r in res), res

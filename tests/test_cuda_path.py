@@ -560,7 +560,7 @@ def test_metadata_exchange_sends_no_cpu_tensor_on_nccl(nccl_group):
     t, sent, strict = nccl_group
     fate = Fate.of("all_reduce", t)
     metadata.Call("all_reduce", torch.bfloat16, 1000, dist.ReduceOp.SUM, Raw()).start(t, [10, 12], None, fate)
-    row = 1 + 6 + 2 * autoplan.REPORT_SLOTS + 2  # status, signature, auto reports, sizes
+    row = 1 + 7 + 2 * autoplan.REPORT_SLOTS + 2  # status, signature (7 fields), auto reports, sizes
     assert sent == _expected(strict, ("isend", row), ("irecv", row))
 
 

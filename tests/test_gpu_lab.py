@@ -403,11 +403,13 @@ def _syncs(rank: int, n: int, port: int, results) -> None:
     join_gpu_world(rank, n, port)
     numel = 32 << 20
     x = _data(rank, numel, torch.bfloat16).cuda()
-    calls = {"all_reduce": (lambda: zipccl.all_reduce(x.clone(), codec="lossless"), 2 * len(pieces(numel // n, n, 2))),
+    calls = {"all_reduce": (lambda: zipccl.all_reduce(x.clone(), codec="lossless"),
+                            2 * len(pieces(numel // n, n, 2, cuda=True))),
              "reduce_scatter": (lambda: zipccl.reduce_scatter(torch.empty(numel // n, dtype=x.dtype, device="cuda"),
-                                                              x, codec="lossless"), len(pieces(numel // n, n, 2))),
+                                                              x, codec="lossless"),
+                                len(pieces(numel // n, n, 2, cuda=True))),
              "all_gather": (lambda: zipccl.all_gather(torch.empty(n * numel, dtype=x.dtype, device="cuda"), x,
-                                                      codec="lossless"), len(pieces(numel, n, 2)))}
+                                                      codec="lossless"), len(pieces(numel, n, 2, cuda=True)))}
     out = {}
     for name, (call, phase_pieces) in calls.items():
         call()  # warm: the communicators exist (CuPy imported), the kernels are compiled

@@ -89,6 +89,12 @@ def _text(name: str) -> str | None:
 AUTO_LEARN = _setting("AUTO_LEARN", _flag, "ZIPCCL_AUTO_LEARN", "1")
 
 
+#: Input bytes of a coded pipeline piece (all ranks' chunks of a phase together; zipccl.collectives.
+#: pipeline): 0 (default) takes the device's (8 MiB on CPU, 32 MiB on CUDA), at most 16 pieces a
+#: phase either way; raw's pieces are at least 16 MiB. The same on every rank (each call checks it).
+PIECE_BYTES = _setting("PIECE_BYTES", _bytes, "ZIPCCL_PIECE_BYTES", 0)
+
+
 #: Reduce-scatter algorithm (every rank must use the same; the metadata exchange checks it):
 #: "direct" sends each rank's packet of each chunk to its owner, which decodes them all and
 #: reduces them in rank order with fp32 accumulation, rounded once (DESIGN.md invariant 3);

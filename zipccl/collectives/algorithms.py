@@ -77,7 +77,7 @@ def _reduce_scatter_direct(t, chunks, op, codec, call: Call, acc: dict, fate: Fa
     op_code = _OPS[op]
     m = chunks.shape[1]
     result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
-    cuts = pieces(m, n, chunks.element_size())
+    cuts = pieces(m, n, chunks.element_size(), cuda=chunks.is_cuda)
 
     def encode(k):
         """This rank's packets of piece k and a _SizeMail of their sizes (the first piece's
@@ -151,7 +151,7 @@ def _reduce_scatter_plain(t, chunks, op, call: Call, acc: dict, fate: Fate, on_p
     op_code, itemsize = _OPS[op], chunks.element_size()
     m = chunks.shape[1]
     result = torch.empty(m, dtype=chunks.dtype, device=chunks.device)
-    cuts = pieces(m, n, itemsize, plain=True)
+    cuts = pieces(m, n, itemsize, plain=True, cuda=chunks.is_cuda)
     timed(acc, "comm_seconds", call.exchange, t, [], None, fate)
     acc["meta_bytes"] += _meta_bytes(n)
     peers = [j for j in range(n) if j != r]
@@ -263,7 +263,7 @@ def _reduce_scatter_ring(t, chunks, op, codec, call: Call, acc: dict, fate: Fate
         if on_piece is not None:
             on_piece(a, b, result[a:b])
 
-    waiting = [ring(a, b) for a, b in pieces(m, n, itemsize)]
+    waiting = [ring(a, b) for a, b in pieces(m, n, itemsize, cuda=chunks.is_cuda)]
     active = []
     while waiting or active:
         while waiting and len(active) < RING_DEPTH:

@@ -89,7 +89,7 @@ def run_all_to_all(t, sends: list[torch.Tensor], recvs: list[torch.Tensor], code
         recvs[r].copy_(sends[r])
 
     def cut(count: int) -> list[tuple[int, int]]:
-        return pieces(count, n, itemsize) if count else []
+        return pieces(count, n, itemsize, cuda=sends[r].is_cuda) if count else []
 
     out_cuts = [cut(sends[j].numel()) if j != r else [] for j in range(n)]
     in_cuts = [cut(recvs[j].numel()) if j != r else [] for j in range(n)]

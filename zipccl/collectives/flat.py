@@ -89,7 +89,7 @@ def run_flat(name: str, t, output: torch.Tensor, input: torch.Tensor, op, codec,
         mine, outs = input.view(-1), output.view(t.size, -1)
         gather = _Gather(t, codec, Call(name, input.dtype, numel, None, codec), acc, lambda j, a, b: outs[j, a:b],
                          fate)
-        for a, b in pieces(numel, t.size, input.element_size(), plain(codec)):
+        for a, b in pieces(numel, t.size, input.element_size(), plain(codec), input.is_cuda):
             gather.push(a, b, mine[a:b])
         gather.finish()
     elif not getattr(codec, "exact", True):

@@ -18,7 +18,7 @@ from .resolve import _OPS, _codec_id
 
 
 _COLLECTIVES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_reduce/gather": 4, "all_to_all": 5}
-_FIELDS = ("collective", "dtype", "numel", "op", "codec", "reduce-scatter algorithm")
+_FIELDS = ("collective", "dtype", "numel", "op", "codec", "reduce-scatter algorithm", "ZIPCCL_PIECE_BYTES")
 _ALGORITHMS = {"direct": 1, "ring": 2}
 
 
@@ -41,7 +41,7 @@ _TAG_SPARSE = 10  # the top-k packets' exchange (collectives.sparse_reduce)
 def _shown(field: str, value: int) -> str:
     """A signature's field as the caller named it (a dtype, an op, a collective), where it is
     one of a known set; else its code (a codec's is a hash of its settings)."""
-    names = {"collective": _COLLECTIVES, "reduce-scatter algorithm": _ALGORITHMS,
+    names = {"collective": _COLLECTIVES, "reduce-scatter algorithm": _ALGORITHMS, "ZIPCCL_PIECE_BYTES": {"unset": 0},
              "dtype": {str(d).removeprefix("torch."): c for d, c in F.DTYPE_CODES.items()},
              "op": {str(op).rsplit(".", 1)[-1]: c for op, c in _OPS.items()}}.get(field, {})
     return next((name for name, code in names.items() if code == value), str(value))
@@ -76,7 +76,7 @@ class Call:
     def __init__(self, name: str, dtype: torch.dtype, numel: int, op, codec):
         self.name = name
         self.values = [_COLLECTIVES[name], dtype_code(dtype), numel, _OPS.get(op, 0), _signed_codec(codec),
-                       _ALGORITHMS[config.REDUCE_SCATTER]]
+                       _ALGORITHMS[config.REDUCE_SCATTER], config.PIECE_BYTES]
 
     def exchange(self, t, sizes: list[int], error: Exception | None = None, fate: Fate | None = None) -> torch.Tensor:
         """Exchange [status, signature, auto reports, sizes] with every rank; raise the same way

@@ -104,10 +104,11 @@ def _codec_used_id(codec) -> int:
     return 0 if codec is PLAIN else 1 + _codec_id(codec) % 1_000_000
 
 
-def _cuts(numel: int, itemsize: int, plain: bool) -> list[tuple[int, int]]:
+def _cuts(numel: int, itemsize: int, plain: bool, cuda: bool) -> list[tuple[int, int]]:
     """A message's pieces: pipeline.pieces of one rank's chunk (both ends cut alike; ``plain``:
-    the sender's codec is PLAIN, whose pieces are few and large)."""
-    return pieces(numel, 1, itemsize, plain) if numel else []
+    the sender's codec is PLAIN, whose pieces are few and large; ``cuda``: on a GPU, where both
+    ends' tensors are)."""
+    return pieces(numel, 1, itemsize, plain, cuda) if numel else []
 
 
 def _encode(codec, piece: torch.Tensor, acc: dict) -> torch.Tensor:
@@ -122,7 +123,7 @@ def send_message(t, x: torch.Tensor, peer: int, codec, sig: Signature, acc: dict
     group call may wait for the peer to post its receive (the caller posts on a lane of its own:
     zipccl.p2p)."""
     itemsize = x.element_size()
-    cuts = _cuts(x.numel(), itemsize, codec is PLAIN)
+    cuts = _cuts(x.numel(), itemsize, codec is PLAIN, x.is_cuda)
     header = torch.tensor([_MAGIC, fate.code, sig.dtype, sig.numel, sig.codec, _codec_used_id(codec), sig.tag,
                            len(cuts), seq], dtype=torch.int64)
     sends = []
@@ -173,10 +174,11 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
                                        "which this end's codec argument and link choose"), rank=t.global_rank(peer))
     codec = codec if problem is None else None
     itemsize = out.element_size()
-    cuts = _cuts(theirs.numel, itemsize_of(theirs.dtype) or itemsize, used == _codec_used_id(PLAIN))
+    cuts = _cuts(theirs.numel, itemsize_of(theirs.dtype) or itemsize, used == _codec_used_id(PLAIN), out.is_cuda)
     if len(cuts) != count:
         fate.fail(OTHER, FormatError(f"rank {t.global_rank(peer)} announced {count} pieces for {theirs.numel} "
-                                     f"elements, not {len(cuts)}"), rank=t.global_rank(peer))
+                                     f"elements, not {len(cuts)} (ZIPCCL_PIECE_BYTES differs?)"),
+                  rank=t.global_rank(peer))
         return problem, seq
 
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in cuts]
