@@ -112,6 +112,16 @@ def test_nccl_baseline_first():
         [("torch", None, "nccl"), ("lossless", "lossless", "world")]
 
 
+def test_a_cuda_tables_line_names_its_pieces(monkeypatch):
+    """The pipeline's piece size on CUDA, in the line each CUDA table opens with: an A/B of
+    ZIPCCL_PIECE_BYTES reads in its record which pieces each table ran."""
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    args = argparse.Namespace(device="cuda", share_gpu=True)
+    assert "NCCL 2.28.9;" in cuda.table_lines(args, 4)[0] and "pieces of 32 MiB;" in cuda.table_lines(args, 4)[0]
+    monkeypatch.setattr(config, "PIECE_BYTES", 12 << 19)
+    assert "pieces of 6 MiB;" in cuda.table_lines(args, 4)[0]
+
+
 def test_on_cuda_every_table_runs_on_the_nccl_group():
     """zipccl's tables on CUDA run on the group the baseline uses, so that auto's native plan is
     that group's own NCCL collective (on the gloo world it would be gloo's, staged through the host)."""

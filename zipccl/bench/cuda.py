@@ -21,6 +21,7 @@ import time
 import torch
 
 from .. import config, launch
+from ..collectives import pipeline
 
 #: zipccl's transport for CUDA tensors in the timed calls (ZIPCCL_TRANSPORT's values that move them).
 TRANSPORTS = ("nccl", "auto")
@@ -102,8 +103,10 @@ def table_lines(args, nranks: int) -> list[str]:
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
     where = (f"cuda:0 shared by {nranks} ranks, each its own NCCL host, NCCL's socket transport on "
              f"{os.environ.get('NCCL_SOCKET_IFNAME', 'lo')}" if args.share_gpu else "one GPU per rank")
+    pieces = pipeline.piece_bytes(cuda=True)
     return [f"# zipccl-perf on CUDA: {where}; NCCL {nccl}; every table on torch's nccl group; zipccl transport "
-            f"{config.TRANSPORT}; times from CUDA events on the caller's stream"]
+            f"{config.TRANSPORT}; coded pipeline pieces of {pieces / (1 << 20):g} MiB; times from CUDA events on the "
+            "caller's stream"]
 
 
 class Clock:
