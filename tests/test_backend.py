@@ -1440,7 +1440,8 @@ def test_variables_set_after_import_take_effect_when_a_drop_in_group_is_made(mon
 
 @pytest.mark.parametrize("variable,value", [("ZIPCCL_TIMEOUT", "nan"), ("ZIPCCL_TIMEOUT", "inf"),
                                             ("ZIPCCL_TIMEOUT", "-1"), ("ZIPCCL_TIMEOUT", "soon"),
-                                            ("ZIPCCL_TOPOLOGY", "2x"), ("ZIPCCL_TOPOLOGY", "0x4")])
+                                            ("ZIPCCL_TOPOLOGY", "2x"), ("ZIPCCL_TOPOLOGY", "0x4"),
+                                            ("ZIPCCL_PIECE_BYTES", "8M"), ("ZIPCCL_PIECE_BYTES", "-1")])
 def test_a_bad_setting_raises_naming_its_variable(monkeypatch, variable, value):
     """As at import: a timeout no wait can take (NaN, infinity: a timedelta of either raised deep
     in the first call, blamed on a peer), or a topology that is not NxM."""
@@ -1463,7 +1464,8 @@ def test_refresh_reads_what_an_import_reads(monkeypatch):
     changed = {"ZIPCCL_AUTO_MIN_BYTES": "1234", "ZIPCCL_AUTO_LEARN": "0", "ZIPCCL_REDUCE_SCATTER": "ring",
                "ZIPCCL_SPLIT_DIRECTIONS": "0", "ZIPCCL_TOPOLOGY": "2x2", "ZIPCCL_CHECK_NATIVE": "1", "ZIPCCL_SHM": "0",
                "ZIPCCL_TIMEOUT": "7.5", "ZIPCCL_CODEC": "raw", "ZIPCCL_STRICT_TRANSPORT": "0",
-               "ZIPCCL_TRANSPORT": "torch", "ZIPCCL_DATA": "some/folder", "ZIPCCL_TRITON_LAUNCH": "triton"}
+               "ZIPCCL_TRANSPORT": "torch", "ZIPCCL_DATA": "some/folder", "ZIPCCL_TRITON_LAUNCH": "triton",
+               "ZIPCCL_PIECE_BYTES": "4194304"}
     monkeypatch.setattr(config, "_SETTINGS", dict(config._SETTINGS))
     for name in config._SETTINGS:
         monkeypatch.setattr(config, name, getattr(config, name))
@@ -1477,7 +1479,8 @@ def test_refresh_reads_what_an_import_reads(monkeypatch):
     spec.loader.exec_module(fresh)
     got = {a: getattr(config, a) for a in config._SETTINGS}
     assert got == {a: getattr(fresh, a) for a in config._SETTINGS}, got
-    assert config.TIMEOUT == 7.5 and config.AUTO_LEARN is False and config.TOPOLOGY == "2x2"
+    assert config.TIMEOUT == 7.5 and config.AUTO_LEARN is False and config.TOPOLOGY == "2x2" and \
+        config.PIECE_BYTES == 4 << 20
     assert set(names) == expected and len(expected) >= 11, names
     assert config.refresh() == [] and config.changed() == []  # nothing changed since
     from zipccl.collectives.resolve import resolve_codec
