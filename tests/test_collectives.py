@@ -64,8 +64,8 @@ def piece_bytes(nbytes: int):
 
 def test_a_chunk_is_cut_by_its_devices_piece_size():
     """Pieces of 8 MiB on CPU, 32 MiB on CUDA, ZIPCCL_PIECE_BYTES where set (at most 16 a phase);
-    a coded phase's first and last pieces cut again (1/4, 1/4, 1/2 and 1/2, 1/4, 1/4); a plain
-    codec's pieces at least 16 MiB and uncut. 64 MiB of bf16 a phase: 4 ranks' chunks of 8 Mi."""
+    on CPU a coded phase's first and last pieces cut again (1/4, 1/4, 1/2 and 1/2, 1/4, 1/4); a
+    plain codec's pieces at least 16 MiB and uncut. 64 MiB of bf16 a phase: 4 ranks' chunks of 8 Mi."""
     m = 8 << 20
 
     def sizes(**kwargs) -> list[int]:
@@ -75,13 +75,13 @@ def test_a_chunk_is_cut_by_its_devices_piece_size():
 
     q, h = m // 8, m // 2
     assert sizes() == [q // 4, q // 4, q // 2] + [q] * 6 + [q // 2, q // 4, q // 4]
-    assert sizes(cuda=True) == [h // 4, h // 4, h // 2, h // 2, h // 4, h // 4]
+    assert sizes(cuda=True) == [h] * 2
     assert sizes(plain=True) == [m // 4] * 4
     assert sizes(plain=True, cuda=True) == [h] * 2
     with piece_bytes(128 << 20):
         assert sizes() == sizes(cuda=True) == sizes(plain=True) == [m]
     with piece_bytes(1 << 20):
-        assert len(sizes()) == len(sizes(cuda=True)) == 16 + 4
+        assert len(sizes()) == 16 + 4 and sizes(cuda=True) == [m // 16] * 16
         assert sizes(plain=True) == [m // 4] * 4
 
 

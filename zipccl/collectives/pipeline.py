@@ -24,9 +24,9 @@ MIN_RAMP = 4096  # elements: the smallest piece that pieces() cuts off the first
 PLAIN_PIECE_BYTES = 16 << 20
 #: On GPUs a piece costs the host more than its coding costs the GPU: its launch sequences (about
 #: 0.3 ms to encode and 0.45 ms to decode on an H200's host) and NCCL groups (its sizes, its
-#: packets), against about 0.15 ms of kernels to code 8 MiB of bf16 (docs/GPU.md). In the one-GPU
-#: lab shaped to 10 Gbit/s per rank, at 41adf7a, a lossless all-reduce of 64 MiB in 8 MiB pieces
-#: took 0.71x NCCL's time and one of 256 MiB in 16 MiB pieces 1.32x.
+#: packets), against about 0.12 ms of kernels to encode or decode 8 MiB of bf16 (docs/GPU.md). In the one-GPU
+#: lab shaped to 10 Gbit/s per rank, at 41adf7a, a lossless all-reduce of 64 MiB in 24 pieces of up
+#: to 8 MiB took 119 ms against NCCL's 85, and one of 256 MiB in 40 of up to 16 MiB 257 against 340.
 CUDA_PIECE_BYTES = 32 << 20
 
 
@@ -40,15 +40,16 @@ def piece_bytes(cuda: bool, plain: bool = False) -> int:
 
 def pieces(m: int, n: int, itemsize: int, plain: bool = False, cuda: bool = False) -> list[tuple[int, int]]:
     """Element ranges [a, b) that cut a chunk of ``m`` elements into pipeline pieces of
-    ``piece_bytes`` (``cuda``: the tensors are on a GPU). Where there are several, the first is
-    cut again into a quarter, a quarter and a half, and the last into a half, a quarter and a
-    quarter: the links idle while the first piece is encoded and while the last is decoded, so
-    those pieces are small (see _sizes). A plain codec's pieces (``plain``: nothing to encode or
-    decode) are uncut."""
+    ``piece_bytes`` (``cuda``: the tensors are on a GPU). On CPU, where there are several, the
+    first is cut again into a quarter, a quarter and a half, and the last into a half, a quarter
+    and a quarter: the links idle while the first piece is encoded and while the last is
+    decoded, so those pieces are small (see _sizes). On a GPU, which codes a piece in less time
+    than the host takes to launch it, and for a plain codec's pieces (``plain``: nothing to
+    encode or decode), they are not cut again."""
     count = max(1, min(MAX_PIECES, -(-m * n * itemsize // piece_bytes(cuda, plain)), m))
     step = max(1, -(-m // count))
     cuts = [(a, min(m, a + step)) for a in range(0, m, step)] or [(0, 0)]
-    if plain or len(cuts) < 2 or step < 4 * MIN_RAMP:
+    if plain or cuda or len(cuts) < 2 or step < 4 * MIN_RAMP:
         return cuts
     return _split(*cuts[0], (1, 1, 2)) + cuts[1:-1] + _split(*cuts[-1], (2, 1, 1))
 
