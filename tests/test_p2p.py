@@ -696,6 +696,36 @@ def test_a_mismatch_raises_on_both_ends(pool, case):
     assert all(h is True for h in pool.run(_healthy, timeout=120))
 
 
+def _pieces_differ(rank, groups):
+    """Rank 0 sends 8 MiB of bf16 in one piece to rank 1, whose ZIPCCL_PIECE_BYTES would cut it
+    into 12."""
+    g = groups[4]
+    if rank > 1:
+        return None
+    x = torch.ones(4 << 20, dtype=torch.bfloat16)
+    old, zipccl.config.PIECE_BYTES = zipccl.config.PIECE_BYTES, 1 << 20 if rank == 1 else 0
+    try:
+        if rank == 0:
+            zipccl.send(x, 1, group=g, codec="lossless")
+        else:
+            zipccl.recv(x, 0, group=g, codec="lossless")
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        return type(e).__name__, str(e)
+    finally:
+        zipccl.config.PIECE_BYTES = old
+    return "ok", ""
+
+
+def test_ends_that_cut_a_message_differently_both_raise_and_stay_in_step(pool):
+    """Both raise, the receiver naming the setting (and blaming the sender, as for any packet it
+    cannot take); the receiver drains the sender's piece, so the pair's next messages arrive."""
+    res = pool.run(_pieces_differ, timeout=120)
+    assert res[0][0] == res[1][0] == "RankFailure", res
+    assert "announced 1 pieces for 4194304 elements, not 12 (ZIPCCL_PIECE_BYTES differs?)" in res[1][1], res
+    assert res[0][1].startswith("zipccl.send: rank 0 failed"), res
+    assert all(h is True for h in pool.run(_healthy, timeout=120))
+
+
 def _encoder_fails(rank, groups):
     """Rank 0's encoder raises on its second piece: rank 1 hears of it, both raise RankFailure
     naming rank 0."""

@@ -34,7 +34,7 @@ from ..failure import ENCODE, OTHER, SIZE, Fate
 from ..transport import store
 from .links import PLAIN
 from .metadata import _TAG_P2P, dtype_code, timed
-from .pipeline import decode_to, pieces
+from .pipeline import MAX_PIECES, decode_to, pieces
 from .resolve import _codec_id
 
 __all__ = ["Signature", "send_message", "receive_message", "Verdict"]
@@ -179,7 +179,9 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
         fate.fail(OTHER, FormatError(f"rank {t.global_rank(peer)} announced {count} pieces for {theirs.numel} "
                                      f"elements, not {len(cuts)} (ZIPCCL_PIECE_BYTES differs?)"),
                   rank=t.global_rank(peer))
-        return problem, seq
+        if not 0 <= count <= MAX_PIECES + 4:  # no sender cuts so many: nothing to drain by
+            return problem, seq
+        cuts = [(0, 0)] * count  # the sender's pieces drained into scratch: the pair stays in step
 
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in cuts]
     size_works, flights = {}, []  # flights: (k, size, buffer, work), oldest first
