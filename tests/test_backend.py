@@ -1444,7 +1444,8 @@ def test_variables_set_after_import_take_effect_when_a_drop_in_group_is_made(mon
                                             ("ZIPCCL_PIECE_BYTES", "8M"), ("ZIPCCL_PIECE_BYTES", "-1")])
 def test_a_bad_setting_raises_naming_its_variable(monkeypatch, variable, value):
     """As at import: a timeout no wait can take (NaN, infinity: a timedelta of either raised deep
-    in the first call, blamed on a peer), or a topology that is not NxM."""
+    in the first call, blamed on a peer), a topology that is not NxM, or piece bytes that are not
+    a count of bytes."""
     from zipccl import config
     monkeypatch.setattr(config, "_SETTINGS", dict(config._SETTINGS))
     for name in config._SETTINGS:
