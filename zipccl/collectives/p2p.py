@@ -34,7 +34,7 @@ from ..failure import ENCODE, OTHER, SIZE, Fate
 from ..transport import store
 from .links import PLAIN
 from .metadata import _TAG_P2P, dtype_code, timed
-from .pipeline import MAX_PIECES, decode_to, pieces
+from .pipeline import MOST_PIECES, decode_to, pieces
 from .resolve import _codec_id
 
 __all__ = ["Signature", "send_message", "receive_message", "Verdict"]
@@ -179,7 +179,7 @@ def receive_message(t, out: torch.Tensor, peer: int, codec, sig: Signature, acc:
         fate.fail(OTHER, FormatError(f"rank {t.global_rank(peer)} announced {count} pieces for {theirs.numel} "
                                      f"elements, not {len(cuts)} (ZIPCCL_PIECE_BYTES differs?)"),
                   rank=t.global_rank(peer))
-        if not 0 <= count <= MAX_PIECES + 4:  # no sender cuts so many: nothing to drain by
+        if not 0 <= count <= MOST_PIECES:  # no sender cuts so many: nothing to drain by
             return problem, seq
         cuts = [(0, 0)] * count  # the sender's pieces drained into scratch: the pair stays in step
 

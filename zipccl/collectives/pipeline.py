@@ -18,15 +18,17 @@ from .metadata import Call, _SizeMail, _meta_bytes, _peers, timed
 #: together), so that encoding piece k+1 and decoding piece k-1 overlap piece k on the wire.
 PIECE_BYTES = 8 << 20
 MAX_PIECES = 16
+MOST_PIECES = MAX_PIECES + 4  # a phase's, its first and last pieces cut again into three (pieces)
 MIN_RAMP = 4096  # elements: the smallest piece that pieces() cuts off the first or last
 #: A plain codec's pieces (see ``plain``): with nothing to overlap but the reduction, fewer and
 #: larger messages cost less of the host.
 PLAIN_PIECE_BYTES = 16 << 20
 #: On GPUs a piece costs the host more than its coding costs the GPU: its launch sequences (about
 #: 0.3 ms to encode and 0.45 ms to decode on an H200's host) and NCCL groups (its sizes, its
-#: packets), against about 0.12 ms of kernels to encode or decode 8 MiB of bf16 (docs/GPU.md). In the one-GPU
-#: lab shaped to 10 Gbit/s per rank, at 41adf7a, a lossless all-reduce of 64 MiB in 24 pieces of up
-#: to 8 MiB took 119 ms against NCCL's 85, and one of 256 MiB in 40 of up to 16 MiB 257 against 340.
+#: packets), against about 0.12 ms of kernels to encode or decode 8 MiB of bf16 (docs/GPU.md). In
+#: the one-GPU lab shaped to 10 Gbit/s per rank, at 41adf7a, a lossless all-reduce of 64 MiB in 24
+#: pieces of up to 8 MiB took 119 ms against NCCL's 85, and one of 256 MiB in 40 of up to 16 MiB 257
+#: against 340.
 CUDA_PIECE_BYTES = 32 << 20
 
 
