@@ -37,8 +37,8 @@ def add_options(ap) -> None:
                          "socket transport between them on loopback (or the --netlab links): the one-GPU lab; "
                          "implies --device cuda")
     ap.add_argument("--transport", choices=TRANSPORTS,
-                    help="zipccl's transport for CUDA tensors (ZIPCCL_TRANSPORT, default nccl on CUDA); implies "
-                         "--device cuda")
+                    help="zipccl's transport for CUDA tensors, in place of ZIPCCL_TRANSPORT in the ranks (default "
+                         "nccl); implies --device cuda")
 
 
 def wanted(args) -> bool:
