@@ -357,7 +357,8 @@ def _made_where_issued(rank, groups, token, order):
         key = f"test/{token}/{pair[0]}>{pair[1]}"
         store.own().set(f"{key}/{rank}", "")
         store.wait(f"{key}/{1 - rank}", 20.0)
-        made.append((*pair, threading.current_thread().name.split(" ")[0]))
+        name = threading.current_thread().name  # a lane's: zipccl-lane ('send'|'recv', group, peer)
+        made.append((*pair, name.split("'")[1] if name.startswith("zipccl-lane") else name))
         return TorchTransport.of(group, messages=True)
 
     real, p2p.transport_for = p2p.transport_for, meeting
@@ -377,12 +378,12 @@ def _made_where_issued(rank, groups, token, order):
 
 
 def test_a_directions_transport_is_made_on_the_thread_that_issues_it(pool):
-    """A send's on its direction's lane, a receive's on zipccl's async thread, never in the
+    """A send's on its direction's send lane, a receive's on its receive lane, never in the
     caller's call: there, two ranks receiving first would each wait for the other."""
     import secrets
     res = pool.run(_made_where_issued, secrets.token_hex(4), "batch", timeout=60)
-    assert res[0] == (True, [(0, 1, "zipccl-lane"), (1, 0, "zipccl-async")]), res
-    assert res[1] == (True, [(0, 1, "zipccl-async"), (1, 0, "zipccl-lane")]), res
+    assert res[0] == (True, [(0, 1, "send"), (1, 0, "recv")]), res
+    assert res[1] == (True, [(0, 1, "recv"), (1, 0, "send")]), res
 
 
 def _batched_beside_framed(rank, groups):
@@ -992,6 +993,40 @@ def test_a_sends_future_completes_by_itself(pool):
     assert pool.run(_future_alone, timeout=120)[:2] == [True, True]
 
 
+def _receives_from_two_peers(rank, groups, codec):
+    """Rank 2 issues a receive from rank 0, then one from rank 1; rank 1 sends to rank 2 and waits
+    for it, then sends to rank 0; rank 0 receives from rank 1, then sends to rank 2. With torch's
+    receives, all posted at once, nothing waits for good; so with zipccl's, whose receive from
+    rank 1 must not wait behind the one from rank 0 (which waits for rank 1's second send).
+    Returns what each rank received, as (sender, bits equal to the sender's tensor)."""
+    if rank > 2:
+        return None
+    x = activations(3_000, seed=rank).to(torch.bfloat16)
+
+    def came(got, sender):
+        return sender, torch.equal(bits(got), bits(activations(3_000, seed=sender).to(torch.bfloat16)))
+    if rank == 2:
+        a, b = torch.empty_like(x), torch.empty_like(x)
+        ha, hb = zipccl.irecv(a, 0, codec=codec), zipccl.irecv(b, 1, codec=codec)
+        hb.wait(timeout=30)
+        ha.wait(timeout=30)
+        return [came(a, 0), came(b, 1)]
+    if rank == 1:
+        zipccl.send(x, 2, codec=codec)
+        zipccl.send(x, 0, codec=codec)
+        return []
+    got = torch.empty_like(x)
+    zipccl.recv(got, 1, codec=codec)
+    zipccl.send(x, 2, codec=codec)
+    return [came(got, 1)]
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless"])
+def test_a_receive_waiting_for_one_peer_does_not_hold_up_one_from_another(pool, codec):
+    assert pool.run(_receives_from_two_peers, codec, timeout=60)[:3] == [
+        [(1, True)], [], [(0, True), (1, True)]]
+
+
 def _callbacks_that_issue_messages(rank, groups):
     """Calls issued from a future's callback. A send's: the callback runs on the send lane's
     thread, and waits for a later send to the same peer, which completes there too. A
@@ -1189,17 +1224,26 @@ def _any_source_after_queued(rank, groups, way):
     (the backend's own receive, queued behind the all-reduce), then from any source; rank 1 sends
     two messages with the backend's own isend, same tag. The receive issued first takes the first
     message, as torch matches them; the receive from any source the second, naming rank 1.
-    ``way``: zipccl's calls, or dist's on a drop-in group (auto: a small message is the backend's)."""
+    ``way``: zipccl's calls, or dist's on a drop-in group (auto: a small message is the backend's),
+    or zipccl's with the receive from any source issued from a callback of a framed send's future
+    (to rank 3, posted before the all-reduce, received 0.5 s later), which a lane of zipccl's runs
+    while the all-reduce still waits for rank 2 (2 s late then)."""
     import time as clock
-    g = groups[4] if way == "zipccl" else dist.new_group(backend="zipccl")
+    g = groups[4] if way != "drop-in" else dist.new_group(backend="zipccl")
     first, second = torch.arange(1000, dtype=torch.float32), -torch.arange(1000, dtype=torch.float32)
     y = torch.ones(50_000)
     try:
         if rank == 0:
+            sent = zipccl.isend(torch.ones(10), 3, group=g, codec="raw") if way == "callback" else None
             handles = [zipccl.all_reduce(y, group=groups[4], codec="lossless", async_op=True)]
             got, other = torch.empty(1000), torch.empty(1000)
             if way == "zipccl":
                 handles += [zipccl.irecv(got, 1, group=g, codec="native"), zipccl.irecv(other, group=g)]
+            elif way == "callback":
+                handles.append(zipccl.irecv(got, 1, group=g, codec="native"))
+                box = []
+                sent.get_future().then(lambda _: box.append(zipccl.irecv(other, group=g))).wait()
+                handles += [sent, box[0]]
             else:
                 handles += [dist.irecv(got, 1, group=g), dist.irecv(other, group=g)]
             for h in handles:
@@ -1207,13 +1251,16 @@ def _any_source_after_queued(rank, groups, way):
             return torch.equal(got, first), torch.equal(other, second), handles[-1]._source_rank()
         sends = [dist.isend(first, 0, group=g), dist.isend(second, 0, group=g)] if rank == 1 else []
         if rank == 2:
-            clock.sleep(1.0)
+            clock.sleep(2.0 if way == "callback" else 1.0)
+        if rank == 3 and way == "callback":
+            clock.sleep(0.5)
+            zipccl.recv(torch.empty(10), 0, group=g, codec="raw")
         zipccl.all_reduce(y, group=groups[4], codec="lossless")
         for s in sends:
             s.wait()
         return None
     finally:
-        if way != "zipccl":
+        if way == "drop-in":
             dist.destroy_process_group(g)
 
 
@@ -1252,7 +1299,7 @@ def test_a_send_passes_a_queued_receive_from_any_source(pool, way):
     assert res == [(6.0, 2.0), (5.0, 2.0), None, None], res
 
 
-@pytest.mark.parametrize("way", ["zipccl", "drop-in"])
+@pytest.mark.parametrize("way", ["zipccl", "drop-in", "callback"])
 def test_a_receive_from_any_source_never_passes_a_receive_issued_before_it(pool, way):
     """A receive from any source is the backend's own: posted at once, it would take the message
     meant for a receive queued before it (both come from rank 1 on one tag)."""

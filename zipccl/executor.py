@@ -30,7 +30,8 @@ import torch
 
 from .errors import TimeoutError  # noqa: A004 - zipccl's, a subclass of the builtin
 
-__all__ = ["Handle", "drain", "idle", "last", "run", "submit", "on_lane", "wait_all", "wait_to_end"]
+__all__ = ["Handle", "drain", "idle", "inline", "lane_empty", "last", "run", "submit", "on_lane", "wait_all",
+           "wait_to_end"]
 
 
 class Handle:
@@ -208,6 +209,13 @@ def on_its_lane(key) -> bool:
     return getattr(_threads, "lane", None) == key
 
 
+def lane_empty(key) -> bool:
+    """Whether nothing waits on lane ``key`` behind the task that runs there."""
+    with _queue_lock:
+        entry = _lanes.get(key)
+        return entry is None or entry[0].empty()
+
+
 def idle() -> bool:
     """Whether no async call is queued or running: a call issued now is next on the group."""
     last = _last
@@ -219,10 +227,10 @@ def on_lane(key, fn, tensors=()) -> Handle:
     before it, with the CUDA semantics of an async call (its own stream per device, the caller's
     stream's work before it, ``wait()`` ordering the waiting stream after it); apart from the async
     calls' queue (``last`` is not changed); a lane idle for ``LANE_IDLE`` seconds ends. zipccl.p2p
-    posts each direction's framed sends on a lane of its own, so that making a pair's
-    communicators never blocks the caller."""
+    posts each direction's framed sends, and runs its framed receives, on a lane of its own, so
+    that making a pair's communicators never blocks the caller, nor a receive another peer's."""
     if _exiting:  # after _stop: at once, on the exit handler's thread
-        return _inline(fn)
+        return inline(fn)
     task = _task(fn, tensors)
     with _queue_lock:
         if key not in _lanes:
@@ -246,10 +254,10 @@ def _task(fn, tensors) -> tuple:
     return fn, handle, start, tensors
 
 
-def _inline(fn) -> Handle:
-    """``fn()`` now, on this thread (the async calls' own, as the call that is running there, or an
-    exit handler's after ``_stop``): its handle, finished (its device work, if any, on this
-    thread's current stream)."""
+def inline(fn) -> Handle:
+    """``fn()`` now, on this thread (the async calls' own, as the call that is running there; a
+    lane's, as the task that runs there; or an exit handler's after ``_stop``): its handle,
+    finished (its device work, if any, on this thread's current stream)."""
     handle = Handle()
     try:
         result = fn()
@@ -274,7 +282,7 @@ def run(fn, async_op: bool, tensors=()):
         fn()
         return None
     if running_queue() or _exiting:  # issued by a queued call (a future's callback, which torch runs on the
-        return _inline(fn)  # thread that finished the future): queued behind that call, a wait for it would wait
+        return inline(fn)  # thread that finished the future): queued behind that call, a wait for it would wait
     #                         for good; or by an exit handler after _stop: no thread is left to end it
     task = _task(fn, tensors)
     with _queue_lock:

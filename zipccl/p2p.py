@@ -14,23 +14,26 @@ on zipccl's NCCL transport instead of going native (and needs the GPU extra, as 
 CUDA tensors does).
 
 Order and progress, as NCCL's: a rank's messages to a peer match the peer's receives in issue
-order. A receive runs on zipccl's async thread, in issue order with zipccl's collectives, and
-holds that queue until its message has come; a send never waits for its peer: it is encoded and
-posted on its direction's lane (a thread of its own, zipccl.executor.on_lane), after the
-collectives issued before it and the direction's earlier sends, and completes in ``wait()``.
+order. A framed receive runs on its direction's receive lane (a thread of its own,
+zipccl.executor.on_lane), after the collectives issued before it and the direction's earlier
+receives, so that one waiting for its peer holds up neither the receives from other peers nor
+the calls issued after it; a native one is posted at once where nothing is queued, else on
+zipccl's async thread in issue order, which it holds until its message has come. A send never
+waits for its peer: it is encoded and posted on its direction's lane, after the collectives
+issued before it and the direction's earlier sends, and completes in ``wait()``.
 So framed messages between ranks that send to each other never block each other, whether in
 one ``batch_isend_irecv`` (whatever the list's order) or as separate isend and irecv calls. The
 backend's own messages follow the backend's rules: on NCCL a batch's go in one batch of
 torch's (``batch_isend_irecv``), while separate isend and irecv calls to one peer share torch's
 NCCL stream, as with torch alone. What does block: a blocking ``recv`` before the send its peer
 waits for (on any backend), a blocking ``send`` of a framed message before the receive its peer
-waits for (it returns with the receiver's verdict), and a collective issued between a receive
-and the send its peer waits for, on both ranks (the collective waits for the receive;
-docs/USAGE.md).
+waits for (it returns with the receiver's verdict), and a collective issued between a native
+receive that had to queue and the send its peer waits for, on both ranks (the collective waits
+for the receive; docs/USAGE.md).
 
 A framed message's transport is its direction's (``transport_for(..., pair=...)``), made by
 its two ranks alone with the first message in that direction, on the threads that issue it (the
-sender's lane, the receiver's async thread): on CUDA an NcclPair, whose communicators no other
+sender's lane, the receiver's): on CUDA an NcclPair, whose communicators no other
 rank and no other thread of these ranks uses.
 """
 
@@ -124,7 +127,7 @@ class _Op:
     def transport(self):
         """The transport of this framed message's direction, made on first use: on CUDA the
         NcclPair of its two ranks (zipccl.transport.nccl_pair), so it is asked for on the thread
-        that issues the message (a send's lane, a receive's async thread), never by the caller's
+        that issues the message (a send's lane, a receive's), never by the caller's
         call, which must not wait for the other end."""
         if self.t is None:
             pair = (self.me, self.peer) if self.kind == "send" else (self.peer, self.me)
@@ -525,15 +528,21 @@ def _forget(receive: weakref.ref, _future=None) -> None:
 
 
 def _post_receive(op: _Op, async_op: bool):
-    """``op``'s receive, queued in issue order (its handle), or run now (``async_op`` False)."""
-    if _ahead_of_a_queued_receive(op):
+    """``op``'s receive: its handle (``async_op``), or None once it has come. A framed one runs on
+    its direction's receive lane (``_framed_receive``); a native one is queued in issue order."""
+    if op.plan is not NATIVE:
+        op.seq = _next_seq(op)
+        handle = _framed_receive(op, async_op)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+    if _ahead_of_a_queued_receive((_group_name(op.group), op.peer_job)):
         raise UnsupportedError(
             f"zipccl: a receive from rank {op.peer_job} issued from a callback of an async call's future, while "
             "a receive from that rank issued before it still waits in zipccl's queue, would take the message "
             "meant for that one; issue it outside the callback, or once that receive has been waited for")
-    if op.plan is not NATIVE:
-        op.seq = _next_seq(op)
-    elif async_op and executor.idle():
+    if async_op and executor.idle():
         record_native("recv")
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
     before = executor.last()
@@ -541,15 +550,43 @@ def _post_receive(op: _Op, async_op: bool):
     return handle if handle is None else _a_receive(handle, before, (_group_name(op.group), op.peer_job))
 
 
-def _ahead_of_a_queued_receive(op: _Op) -> bool:
-    """Whether ``op``'s receive, issued on the async calls' thread (a future's callback, which runs
-    it at once: a wait for it queued would wait for good), would run ahead of a receive from the
-    same peer (or from any source) issued before it and still queued, and take its message."""
+def _framed_receive(op: _Op, async_op: bool) -> executor.Handle:
+    """Run ``op``'s framed receive on its direction's receive lane (executor.on_lane), in issue
+    order with the direction's other receives, once the collectives queued before it have ended:
+    so a receive waiting for one peer never holds up a receive from another, nor the async calls
+    issued after it (three ranks whose blocking sends each wait for a receive issued behind
+    another peer's would wait for each other for good, where torch's receives are all posted at
+    once). A receive issued on the lane itself (a callback of a receive's future from the same
+    peer) runs there at once, where no receive issued before it waits on the lane (queued, a
+    wait for it there would wait for good)."""
+    before = collective_before()
+    key = ("recv", _group_name(op.group), op.peer_job)
+
+    def receive():
+        if before is not None:
+            before.join()
+        return _receive(op)
+
+    if executor.on_its_lane(key):
+        if not executor.lane_empty(key):
+            raise UnsupportedError(
+                f"zipccl: a receive from rank {op.peer_job} issued from a callback of a receive's future, while a "
+                "receive from that rank issued before it still waits, would take the message meant for that one "
+                "or wait behind it for good; issue it outside the callback, or once that receive has been waited for")
+        return executor.inline(receive)
+    return executor.on_lane(key, receive, [t for t in (op.tensor, op.staged) if t is not None])
+
+
+def _ahead_of_a_queued_receive(mine: tuple | None) -> bool:
+    """Whether a receive from ``mine`` ((group, peer's job rank); None: any source), issued on the
+    async calls' thread (a future's callback, which runs it at once: a wait for it queued would
+    wait for good), would run ahead of a receive queued before it that may take the same message
+    (from the same peer or from any source; for one from any source, every queued receive)."""
     if not executor.running_queue():
         return False
-    mine = (_group_name(op.group), op.peer_job)
     with _receives_lock:
-        return any(not h.is_completed() and source in (mine, None) for h, (_, source) in list(_receives.items()))
+        return any(not h.is_completed() and (mine is None or source in (mine, None))
+                   for h, (_, source) in list(_receives.items()))
 
 
 def _a_receive(handle: executor.Handle, before, source: tuple | None = None) -> executor.Handle:
@@ -566,8 +603,15 @@ def after_queued(post, tensor: torch.Tensor):
     the sender in its group): posted at once where no receive or collective is queued, else behind
     them in issue order, so that it never takes a message meant for a receive issued before it.
     The Work, or a handle whose ``_source_rank()`` names the sender alike. On zipccl's async
-    thread (the drop-in's receive under zipccl's), what was issued before it is done: at once."""
-    if executor.ours() or executor.idle():
+    thread (the drop-in's receive under zipccl's, or a future's callback) at once, where no
+    receive queued before it is waiting (else UnsupportedError); on a lane's thread (a callback
+    of a send's future) it is queued as on the caller's."""
+    if _ahead_of_a_queued_receive(None):
+        raise UnsupportedError(
+            "zipccl: a receive from any source issued from a callback of an async call's future, while a receive "
+            "issued before it still waits in zipccl's queue, could take the message meant for that one; issue it "
+            "outside the callback, or once that receive has been waited for")
+    if executor.running_queue() or executor.idle():
         return post()
 
     def receive() -> int:
@@ -661,11 +705,11 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
 
 
 def batch_isend_irecv(p2p_op_list: list) -> list:
-    """Like ``dist.batch_isend_irecv``: the receives are queued, the sends posted on their
-    lanes, so the list's order never blocks it (two ranks may send to each other in one batch,
-    from a callback of an async call's future too). Takes
-    zipccl's or torch's P2POp; returns one handle per operation (none for one on a group that this
-    rank is not in, as torch's). On a backend that batches
+    """Like ``dist.batch_isend_irecv``: the receives queued (a framed one on its direction's
+    receive lane), the sends posted on their lanes, so the list's order never blocks it (two
+    ranks may send to each other in one batch, from a callback of an async call's future too).
+    Takes zipccl's or torch's P2POp; returns one handle per operation (none for one on a group
+    that this rank is not in, as torch's). On a backend that batches
     (NCCL), the messages that go to it are one batch of torch's, as torch's call would make them,
     issued once zipccl's collectives before them have ended (``_coalesced``)."""
     if not p2p_op_list:
@@ -689,8 +733,9 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
     together = _coalesced(ops)
     batched = {id(op) for batch in together for op in batch}
     sends = [op for op in ops if op.kind == "send" and id(op) not in batched]
-    # the receives first, queued on the async thread, the sends then posted on their lanes; but on
-    # that thread (a callback of an async call's future) a receive runs at once, so the sends first
+    # the receives first (a native one queued on the async thread: the sends pass it), the sends then
+    # posted on their lanes; but on that thread (a callback of an async call's future) a native
+    # receive runs at once, so the sends first
     sends_first = executor.running_queue()
     handles = {id(op): _send(op) for op in sends} if sends_first else {}
     handles.update({id(op): _post_receive(op, True) for op in receives if id(op) not in batched})
