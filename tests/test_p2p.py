@@ -1070,6 +1070,45 @@ def _callbacks_that_issue_messages(rank, groups):
     return [float(x[0]) for x in (*firsts, x3, x4, late, other)], refused
 
 
+def _a_batch_refused_in_a_callback(rank, groups):
+    """Rank 0's callback of an async all-reduce's future (zipccl's async thread), while a native
+    receive from rank 1 still waits in the queue behind it, issues a batch of a framed send to
+    rank 1 and a native receive from it: refused before anything is posted, so rank 1's next
+    framed receive takes the send issued after (7.0), not the refused batch's (9.0)."""
+    if rank > 1:
+        return None
+    old, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 10.0
+    try:
+        y = torch.ones(1000)
+        if rank == 1:
+            zipccl.all_reduce(y, group=groups[2])
+            got = torch.zeros(4)
+            zipccl.recv(got, 0, group=groups[2], codec="raw")
+            zipccl.send(torch.full((4,), 5.0), 0, group=groups[2], codec="native")
+            return got.tolist()
+        a, b = torch.zeros(4), torch.zeros(4)
+        h = zipccl.all_reduce(y, group=groups[2], async_op=True)
+        queued = zipccl.irecv(a, 1, group=groups[2], codec="native")
+
+        def batch(_):
+            try:
+                zipccl.batch_isend_irecv([zipccl.P2POp(zipccl.isend, torch.full((4,), 9.0), 1, groups[2], codec="raw"),
+                                          zipccl.P2POp(zipccl.irecv, b, 1, groups[2], codec="native")])
+                return "posted"
+            except zipccl.UnsupportedError:
+                return "refused"
+        said = h.get_future().then(batch).wait()
+        zipccl.send(torch.full((4,), 7.0), 1, group=groups[2], codec="raw")
+        queued.wait()
+        return said, a.tolist()
+    finally:
+        zipccl.config.TIMEOUT = old
+
+
+def test_a_batch_that_a_callback_may_not_issue_posts_nothing(pool):
+    assert pool.run(_a_batch_refused_in_a_callback, timeout=60)[:2] == [("refused", [5.0] * 4), [7.0] * 4]
+
+
 def test_a_futures_callback_may_send_and_may_not_take_a_queued_receives_message(pool):
     assert pool.run(_callbacks_that_issue_messages, timeout=120)[:3] == [
         "sent", ([1.0, 2.0, 3.0, 4.0, 0.0, 5.0], True), "sent"]
@@ -1545,6 +1584,44 @@ def test_a_send_whose_posting_waits_for_good_fails_within_the_bound():
     assert sorted(got) == [0, 1], got
     assert got[0][:2] == ("RankFailure", 1) and got[0][2] < TIMEOUT + 5.0, got
     assert got[1][0] == "RankFailure" and got[1][2] < TIMEOUT + 5.0, got
+
+
+def _slow_posting(rank, groups):
+    """Rank 0 sends rank 1 a message of several pieces whose encoding takes 0.5 s a piece (a
+    stand-in for a large message on a busy host), about 3 s of posting under ZIPCCL_TIMEOUT=2:
+    the posting makes progress all along, so both ends complete, bit for bit. What each saw."""
+    from test_collectives import piece_bytes
+
+    from zipccl.collectives import p2p as framing
+    if rank > 1:
+        return None
+    x = activations(96 << 10, seed=0).to(torch.bfloat16)  # 192 KiB: six pieces of at most 32 KiB
+    old, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 2.0
+    real = framing._encode
+
+    def slow(*args):
+        time.sleep(0.5)
+        return real(*args)
+    try:
+        with piece_bytes(32 << 10):
+            if rank == 0:
+                framing._encode = slow
+                zipccl.send(x, 1, codec="lossless")
+                return "sent"
+            got = torch.empty_like(x)
+            zipccl.recv(got, 0, codec="lossless")
+            return torch.equal(bits(got), bits(x))
+    except Exception as e:  # noqa: BLE001 - what the rank saw
+        return f"{type(e).__name__}: {e}"
+    finally:
+        framing._encode = real
+        zipccl.config.TIMEOUT = old
+
+
+def test_a_sends_bound_counts_from_its_last_posted_piece(pool):
+    """zipccl's bound on a send's posting counts the receiver's silence, not the sender's own
+    encoding: a live receiver is not named lost because a message takes longer to post."""
+    assert pool.run(_slow_posting, timeout=60)[:2] == ["sent", True]
 
 
 def _to_a_rank_that_is_not_there(rank, groups, codec):

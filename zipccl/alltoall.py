@@ -338,8 +338,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                       group=None, async_op: bool = False, *, codec="auto", algorithm: str = "auto"):
     """Like ``dist.all_to_all_single``: ``input`` cut along dim 0 by ``input_split_sizes`` (None:
     evenly), part j to rank j; ``output`` receives rank j's part for this rank at its place among
-    ``output_split_sizes``. Uneven and zero splits are fine; every rank checks every rank's
-    counts against its peers' before any data moves.
+    ``output_split_sizes``. Uneven and zero splits are fine. Where zipccl moves the data, every
+    rank checks every rank's counts against its peers' before any data moves; the backend's own
+    call (native, auto's plain plan) takes the counts as given, as torch's does, unless
+    ``ZIPCCL_CHECK_NATIVE=1`` exchanges them first.
 
     codec: "auto" (default: the backend's all-to-all, or zipccl's packets where they were
     measured faster: see the module's docstring), "native" (the backend's call alone), "raw",

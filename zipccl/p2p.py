@@ -450,10 +450,7 @@ def _send(op: _Op):
     def complete():
         if before is not None:  # the calls queued before, each waiting within its own bound: the posting's counts after them
             before.join()
-        try:
-            posted.wait(config.wait_bound())  # raises where posting failed (the pair's transport could not be made)
-        except ZipcclTimeout:
-            _not_posted(op, state)
+        _wait_posted(op, posted, state)
         fate, acc, sends = state[0]
         for w in sends:
             fate.wait(op.t, w, op.peer)
@@ -474,8 +471,28 @@ def _send(op: _Op):
                        ("sent", _group_name(op.group), op.peer_job), op.tensor.device if op.tensor.is_cuda else None)
 
 
+def _wait_posted(op: _Op, posted: executor.Handle, state: list) -> None:
+    """Wait for ``op``'s posting (raising where it failed: the pair's transport could not be
+    made), zipccl's bound at a time while it makes progress: it encodes each piece as the one
+    before leaves, so a large message may take longer than the bound to post on a live pair.
+    Only a bound's wait in which no piece was posted counts as the receiver's (_not_posted)."""
+    def progress() -> tuple:
+        return (state[0][1]["meta_bytes"], state[0][1]["raw_bytes"]) if state else (0, 0)
+
+    seen = progress()
+    while True:
+        try:
+            posted.wait(config.wait_bound())
+            return
+        except ZipcclTimeout:
+            now = progress()
+            if now == seen:
+                _not_posted(op, state)
+            seen = now
+
+
 def _not_posted(op: _Op, state: list):
-    """A send still posting after zipccl's bound: NCCL's group end, which connects the pair's
+    """A send whose posting posted nothing for zipccl's bound: NCCL's group end, which connects the pair's
     channels, waits for the receiver to post its side (or the pair's transport is still being
     made), and a receiver that never does would hold the sender for good. Its peer is lost:
     RankFailure naming the rank the heartbeats name, the pair's communicators aborted so that
@@ -537,11 +554,7 @@ def _post_receive(op: _Op, async_op: bool):
             return handle
         handle.wait()
         return None
-    if _ahead_of_a_queued_receive((_group_name(op.group), op.peer_job)):
-        raise UnsupportedError(
-            f"zipccl: a receive from rank {op.peer_job} issued from a callback of an async call's future, while "
-            "a receive from that rank issued before it still waits in zipccl's queue, would take the message "
-            "meant for that one; issue it outside the callback, or once that receive has been waited for")
+    _refuse_ahead(op)
     if async_op and executor.idle():
         record_native("recv")
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
@@ -575,6 +588,16 @@ def _framed_receive(op: _Op, async_op: bool) -> executor.Handle:
                 "or wait behind it for good; issue it outside the callback, or once that receive has been waited for")
         return executor.inline(receive)
     return executor.on_lane(key, receive, [t for t in (op.tensor, op.staged) if t is not None])
+
+
+def _refuse_ahead(op: _Op) -> None:
+    """Raise where ``op``, a native receive, would take the message of a receive queued before it
+    (``_ahead_of_a_queued_receive``)."""
+    if op.plan is NATIVE and _ahead_of_a_queued_receive((_group_name(op.group), op.peer_job)):
+        raise UnsupportedError(
+            f"zipccl: a receive from rank {op.peer_job} issued from a callback of an async call's future, while "
+            "a receive from that rank issued before it still waits in zipccl's queue, would take the message "
+            "meant for that one; issue it outside the callback, or once that receive has been waited for")
 
 
 def _ahead_of_a_queued_receive(mine: tuple | None) -> bool:
@@ -737,6 +760,8 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
     # posted on their lanes; but on that thread (a callback of an async call's future) a native
     # receive runs at once, so the sends first
     sends_first = executor.running_queue()
+    for op in receives:  # refused before anything is posted: no send of the batch left unmatched
+        _refuse_ahead(op)
     handles = {id(op): _send(op) for op in sends} if sends_first else {}
     handles.update({id(op): _post_receive(op, True) for op in receives if id(op) not in batched})
     if together:
