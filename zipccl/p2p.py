@@ -492,9 +492,9 @@ def _wait_posted(op: _Op, posted: executor.Handle, state: list) -> None:
 
 
 def _not_posted(op: _Op, state: list):
-    """A send whose posting posted nothing for zipccl's bound: NCCL's group end, which connects the pair's
-    channels, waits for the receiver to post its side (or the pair's transport is still being
-    made), and a receiver that never does would hold the sender for good. Its peer is lost:
+    """A send whose posting posted nothing for zipccl's bound: NCCL's group end, which connects
+    the pair's channels, waits for the receiver to post its side (or the pair's transport is
+    still being made), and a receiver that never does would hold the sender for good. Its peer is lost:
     RankFailure naming the rank the heartbeats name, the pair's communicators aborted so that
     the lane's group call ends."""
     if not state:
