@@ -928,6 +928,25 @@ def test_an_idle_lane_ends_and_the_next_send_makes_another(monkeypatch):
     assert not any(t.is_alive() for t in threads) and key not in executor._lanes
 
 
+def test_a_lanes_ended_tasks_are_not_kept():
+    """Once a lane's task has ended, zipccl keeps nothing of it: a rank that has talked to many
+    peers holds no handle per direction until each lane's thread idles out (LANE_IDLE)."""
+    import gc
+    import weakref
+
+    from zipccl import executor
+    handles = [executor.on_lane(("test", "kept", i), lambda: None) for i in range(20)]
+    for h in handles:
+        h._ended().wait(10)
+    refs = [weakref.ref(h) for h in handles]
+    del handles, h
+    deadline = time.monotonic() + 5
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert sum(r() is not None for r in refs) == 0
+
+
 def _async(rank, groups):
     """isend/irecv handles, between async all-reduces: the send waits for the all-reduce issued
     before it and passes the receive queued before it (which waits for the peer's send), the

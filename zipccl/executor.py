@@ -143,6 +143,10 @@ def _worker(q: queue.Queue, lane=None) -> None:
         except BaseException as e:  # surfaced by wait()
             handle._future.set_exception(e)
         finally:  # nothing of a finished task kept while this thread waits for the next (its tensors)
+            if lane is not None:  # an ended task (its future's callbacks returned) is nothing to wait for
+                with _queue_lock:
+                    if _lane_last.get(lane) is handle:
+                        del _lane_last[lane]
             handle._settled.set()  # the future's callbacks, run inside set_result, have returned
             fn = handle = start = tensors = result = task = None
 
