@@ -554,7 +554,7 @@ def _post_receive(op: _Op, async_op: bool):
             return handle
         handle.wait()
         return None
-    _refuse_ahead(op)
+    _refuse_passing((_group_name(op.group), op.peer_job))
     if async_op and executor.idle():
         record_native("recv")
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
@@ -590,26 +590,23 @@ def _framed_receive(op: _Op, async_op: bool) -> executor.Handle:
     return executor.on_lane(key, receive, [t for t in (op.tensor, op.staged) if t is not None])
 
 
-def _refuse_ahead(op: _Op) -> None:
-    """Raise where ``op``, a native receive, would take the message of a receive queued before it
-    (``_ahead_of_a_queued_receive``)."""
-    if op.plan is NATIVE and _ahead_of_a_queued_receive((_group_name(op.group), op.peer_job)):
-        raise UnsupportedError(
-            f"zipccl: a receive from rank {op.peer_job} issued from a callback of an async call's future, while "
-            "a receive from that rank issued before it still waits in zipccl's queue, would take the message "
-            "meant for that one; issue it outside the callback, or once that receive has been waited for")
-
-
-def _ahead_of_a_queued_receive(mine: tuple | None) -> bool:
-    """Whether a receive from ``mine`` ((group, peer's job rank); None: any source), issued on the
-    async calls' thread (a future's callback, which runs it at once: a wait for it queued would
-    wait for good), would run ahead of a receive queued before it that may take the same message
-    (from the same peer or from any source; for one from any source, every queued receive)."""
+def _refuse_passing(source: tuple | None) -> None:
+    """Raise UnsupportedError where a native receive from ``source`` ((group, peer's job rank);
+    None: any source), issued on the async calls' thread (a future's callback, which runs it at
+    once: a wait for it queued would wait for good), would run ahead of a receive queued before
+    it that may take the same message (from the same peer or from any source; for one from any
+    source, every queued receive)."""
     if not executor.running_queue():
-        return False
+        return
     with _receives_lock:
-        return any(not h.is_completed() and (mine is None or source in (mine, None))
-                   for h, (_, source) in list(_receives.items()))
+        ahead = any(not h.is_completed() and (source is None or mine in (source, None))
+                    for h, (_, mine) in list(_receives.items()))
+    if ahead:
+        whom = "any source" if source is None else f"rank {source[1]}"
+        raise UnsupportedError(
+            f"zipccl: a receive from {whom} issued from a callback of an async call's future, while a receive "
+            "issued before it still waits in zipccl's queue, would take the message meant for that one; issue it "
+            "outside the callback, or once that receive has been waited for")
 
 
 def _a_receive(handle: executor.Handle, before, source: tuple | None = None) -> executor.Handle:
@@ -629,11 +626,7 @@ def after_queued(post, tensor: torch.Tensor):
     thread (the drop-in's receive under zipccl's, or a future's callback) at once, where no
     receive queued before it is waiting (else UnsupportedError); on a lane's thread (a callback
     of a send's future) it is queued as on the caller's."""
-    if _ahead_of_a_queued_receive(None):
-        raise UnsupportedError(
-            "zipccl: a receive from any source issued from a callback of an async call's future, while a receive "
-            "issued before it still waits in zipccl's queue, could take the message meant for that one; issue it "
-            "outside the callback, or once that receive has been waited for")
+    _refuse_passing(None)
     if executor.running_queue() or executor.idle():
         return post()
 
@@ -761,7 +754,8 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
     # receive runs at once, so the sends first
     sends_first = executor.running_queue()
     for op in receives:  # refused before anything is posted: no send of the batch left unmatched
-        _refuse_ahead(op)
+        if op.plan is NATIVE:
+            _refuse_passing((_group_name(op.group), op.peer_job))
     handles = {id(op): _send(op) for op in sends} if sends_first else {}
     handles.update({id(op): _post_receive(op, True) for op in receives if id(op) not in batched})
     if together:
