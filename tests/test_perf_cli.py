@@ -92,8 +92,8 @@ def test_a_checked_call_that_writes_nothing_counts_every_element_wrong():
     data = torch.arange(64, dtype=torch.bfloat16)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        result = common.measure_placement(spec, args, False, 64, 64, torch.bfloat16, None, None, data, data.clone(),
-                                          0, 1)[0]
+        result = common.measure_placement(spec, args, False, 64, 64, torch.bfloat16, None,
+                                          [common.Variant("torch", None, reference=data.clone())], data, 0, 1)[0][0]
     finally:
         dist.destroy_process_group()
     assert len(calls) == 4 and result["wrong"] == 64 and result["failed"] == 1, result
@@ -194,6 +194,41 @@ def test_auto_reports_what_it_learned():
     how = re.search(r"^#   2097152 B bfloat16 sum: (\d+) \+ 0 calls; timed calls ran native / native$", res.stdout, re.M)
     assert how and int(how.group(1)) >= 2 * 3, res.stdout  # each of the three plans twice, out of place only
 
+
+def _drifting_pair(rank, groups, iters):
+    """Two tables of one and the same call, on a host that slows down call by call (each call
+    sleeps 1 ms more than the one before): their times as measure_side_by_side reports them."""
+    import dataclasses
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from zipccl.bench import all_reduce
+    made = [0]
+
+    def slower_each_call(out, inp, op, group, codec, algorithm):
+        made[0] += 1
+        time.sleep(0.001 * made[0])
+
+    spec = dataclasses.replace(all_reduce.SPEC, run=slower_each_call)
+    args = argparse.Namespace(iters=iters, warmup_iters=1, check=1, average=1, per_iter_timing=0, algorithm="auto",
+                              device="cpu")
+    rows = common.measure_side_by_side(spec, args, 16, 16, torch.float32, dist.ReduceOp.SUM,
+                                       [common.Variant("a", None), common.Variant("b", None)],
+                                       torch.zeros(16), rank, dist.get_world_size())
+    return [[row[k]["time_us"] for k in ("out_of_place", "in_place")] for row in rows]
+
+
+@pytest.mark.timeout(120)
+def test_side_by_side_tables_share_the_hosts_drift(pool):
+    """One call timed as two tables while the host slows down: as the tables' calls take turns,
+    each table reads the other's time (run one table after the other, the second would read
+    twice the first's)."""
+    iters = 10
+    for (a_out, a_in), (b_out, b_in) in pool.run(_drifting_pair, iters, timeout=90):
+        assert 0.9 < b_out / a_out < 1.1 and 0.9 < b_in / a_in < 1.1, ((a_out, a_in), (b_out, b_in))
+        assert a_in > 1.5 * a_out  # the drift is there: in place ran after out of place
 
 def _auto_row(rank, groups, iters, warmup):
     """One zipccl-perf row of codec "auto" at 1 MiB of bf16 (auto's smallest learned size) on a
@@ -554,7 +589,8 @@ def test_each_placements_first_call_is_untimed():
     data = torch.arange(64, dtype=torch.bfloat16)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        result = common.measure_placement(spec, args, False, 64, 64, torch.bfloat16, None, None, data, None, 0, 1)[0]
+        result = common.measure_placement(spec, args, False, 64, 64, torch.bfloat16, None, [common.Variant("torch", None)],
+                                          data, 0, 1)[0][0]
     finally:
         dist.destroy_process_group()
     assert len(calls) == 3 and result["time_us"] < 100_000, result

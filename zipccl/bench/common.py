@@ -393,39 +393,83 @@ def placed(spec: Spec, in_place: bool, numel_in: int, numel_out: int, rank: int,
         return torch.empty(numel_out, dtype=dtype), torch.empty(numel_in, dtype=dtype)
 
 
-def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out: int, dtype, op, codec,
-                      data: torch.Tensor, reference: torch.Tensor | None, rank: int, nranks: int,
-                      group=None, check_data: torch.Tensor | None = None) -> tuple:
-    """One untimed call (nccl-tests' first call of each placement: its one-off costs, such as a
-    buffer's first use, are never timed, whatever -w), then time ``args.iters`` calls one by one
-    (the input restored before each, untimed, so that every call sees the same data), then
-    check ``args.check`` calls on ``check_data`` (default ``data``) against ``reference``
-    (bitwise; wrong elements summed over the ranks). Returns the placement's figures and
-    zipccl's counters over the timed calls; for codec "auto", the figures also name the plans
+@dataclass
+class Variant:
+    """One table's calls at one size: ``codec`` None is the plain torch.distributed call on
+    ``group``; ``reference`` the output its checks expect (None: not checked)."""
+    label: str
+    codec: object
+    group: object = None
+    reference: torch.Tensor | None = None
+
+
+#: zipccl's counters that a row sums over its timed calls.
+TALLIED = ("calls", "raw_bytes", "wire_bytes")
+
+
+def _tally(spec: Spec, tally: dict) -> None:
+    """Add the call just made to ``tally``: zipccl's counters since the last reset_stats, its
+    async work ended first (a send's record comes from its lane); a send/recv call is two
+    records, a send's bytes and a receive's none, and counts as its sends."""
+    import zipccl
+    from .. import executor
+    executor.wait_all()
+    st = zipccl.stats()
+    total = st["total"]
+    for k in TALLIED:
+        tally[k] = tally.get(k, 0) + (st.get("send", total)["calls"] if k == "calls" and spec.name == "sendrecv"
+                                      else total[k])
+    tally["plan"] = st["last"].get("codec", tally.get("plan"))
+    zipccl.reset_stats()
+
+
+def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out: int, dtype, op,
+                      variants: list[Variant], data: torch.Tensor, rank: int, nranks: int,
+                      check_data: torch.Tensor | None = None) -> list[tuple]:
+    """One untimed call of each variant (nccl-tests' first call of each placement: its one-off
+    costs, such as a buffer's first use, are never timed, whatever -w), then ``args.iters``
+    timed calls of each, the variants taking turns call by call (forward, then backward), the
+    input restored before each, untimed, so that every call sees the same data; then each
+    variant's ``args.check`` calls on ``check_data`` (default ``data``) against its reference
+    (bitwise; wrong elements summed over the ranks). Returns each variant's figures and
+    zipccl's counters over its timed calls; for codec "auto", the figures also name the plans
     that the timed calls ran ("auto_plans")."""
     import zipccl
-    out, inp = placed(spec, in_place, numel_in, numel_out, rank, nranks, dtype, args.device)
-    inp.copy_(data)
     restore = in_place and spec.name != "all_gather"  # a gather writes back this rank's own data
-    spec.run(out, inp, op, group, codec, args.algorithm)
-    zipccl.reset_stats()
-    clock = Clock(args.device)
+    buffers = [placed(spec, in_place, numel_in, numel_out, rank, nranks, dtype, args.device) for _ in variants]
+    for v, (out, inp) in zip(variants, buffers):
+        inp.copy_(data)
+        spec.run(out, inp, op, v.group, v.codec, args.algorithm)
+    autos = [auto_class(spec, v.group, dtype, numel_in, args.device) if v.codec == "auto" else None for v in variants]
+    firsts = [a[0].calls.get(a[1], 0) if a else 0 for a in autos]
+    clocks, tallies = [Clock(args.device) for _ in variants], [{} for _ in variants]
     dist.barrier()
-    auto = auto_class(spec, group, dtype, numel_in, args.device) if codec == "auto" else None
-    first = auto[0].calls.get(auto[1], 0) if auto else 0
-    for _ in range(args.iters):
-        if restore:
-            inp.copy_(data)
-        with clock:
-            spec.run(out, inp, op, group, codec, args.algorithm)
+    zipccl.reset_stats()
+    turn = list(range(len(variants)))
+    for i in range(args.iters):
+        for j in (turn if i % 2 == 0 else turn[::-1]):
+            (out, inp), v = buffers[j], variants[j]
+            if restore:
+                inp.copy_(data)
+            with clocks[j]:
+                spec.run(out, inp, op, v.group, v.codec, args.algorithm)
+            _tally(spec, tallies[j])
+    return [_figures(spec, args, in_place, numel_in, numel_out, op, v, out, inp, data, clock, tally, auto, first,
+                     nranks, check_data)
+            for v, (out, inp), clock, tally, auto, first in zip(variants, buffers, clocks, tallies, autos, firsts)]
+
+
+def _figures(spec: Spec, args, in_place: bool, numel_in: int, numel_out: int, op, v: Variant, out, inp, data, clock,
+             tally: dict, auto, first: int, nranks: int, check_data) -> tuple:
+    """One variant's figures of a placement (measure_placement): its times, what auto ran, its checks."""
     times = clock.seconds()
-    st = zipccl.stats()
     ran = plans_since(*auto, first) if auto else None
+    reference = v.reference if spec.checks_in_place or not in_place else None
     wrong = failed = None  # as nccl-tests: the first check that finds a wrong element is the one reported
     for _ in range(args.check if reference is not None else 0):
         _unwritten(out)  # what the call leaves unwritten counts as wrong, not as the last call's result
         inp.copy_(data if check_data is None else check_data)  # in place, after: the input is (part of) the output
-        spec.run(out, inp, op, group, codec, args.algorithm)
+        spec.run(out, inp, op, v.group, v.codec, args.algorithm)
         mine = count_wrong(out.cpu(), reference, op)
         wrong, failed = sums_over_ranks([mine, int(mine > 0)])  # its elements, and the ranks that found them
         if wrong:
@@ -440,47 +484,61 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     if args.per_iter_timing:
         per_process = [[t * 1e6 for t in proc] for proc in gather_times(times)]
         result.update(per_process=per_process, times_us=[max(col) for col in zip(*per_process)])
-    return result, st
+    return result, tally
 
 
 def measure(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, codec, data: torch.Tensor,
             reference: torch.Tensor | None, rank: int, nranks: int, group=None, label: str | None = None,
             check_data: torch.Tensor | None = None) -> dict:
-    """One row of the table: codec "auto"'s learning (learn), warm up (out of place), then both
-    placements, nccl-tests' order: timed on ``data``, checked on ``check_data`` (default
-    ``data``). ``codec`` None: the plain torch.distributed call on ``group`` (the drop-in
-    backend's calls are those, on a zipccl group, and their zipccl figures are reported too)."""
-    label, codec = label or codec or BASELINE, zipccl_codec(args, codec)
-    dropin = codec is None and dist.get_backend(group) == "zipccl"
+    """One row of one table: measure_side_by_side of one variant."""
+    return measure_side_by_side(spec, args, numel_in, numel_out, dtype, op,
+                                [Variant(label or codec or BASELINE, codec, group, reference)], data, rank, nranks,
+                                check_data)[0]
+
+
+def measure_side_by_side(spec: Spec, args, numel_in: int, numel_out: int, dtype, op, variants: list[Variant],
+                         data: torch.Tensor, rank: int, nranks: int,
+                         check_data: torch.Tensor | None = None) -> list[dict]:
+    """One row of each variant's table at one size: codec "auto"'s learning (learn) and a warm-up
+    (out of place) for each variant in turn, then both placements, nccl-tests' order, timed on
+    ``data`` with the variants' calls taking turns (measure_placement), checked on
+    ``check_data`` (default ``data``). Taking turns call by call puts the host's drift, 20-40%
+    within minutes on a shared 2-core host, on every table alike: two tables run one after the
+    other read the same call 0.7-1.2x of itself. The drop-in backend's calls (codec None on a
+    zipccl group) are plain dist.* calls whose zipccl figures are reported too."""
     data = data.to(args.device)
     check_data = check_data.to(args.device) if check_data is not None else None
-    learning = {key: learn(spec, args, in_place, numel_in, numel_out, dtype, op, data, rank, nranks, group)
-                for key, in_place in PLACES} if codec == "auto" else None
-    out, inp = placed(spec, False, numel_in, numel_out, rank, nranks, dtype, args.device)
-    inp.copy_(data)
-    for _ in range(args.warmup_iters):
-        spec.run(out, inp, op, group, codec, args.algorithm)
+    variants = [Variant(v.label, zipccl_codec(args, v.codec), v.group, v.reference) for v in variants]
+    learning = [{key: learn(spec, args, in_place, numel_in, numel_out, dtype, op, data, rank, nranks, v.group)
+                 for key, in_place in PLACES} if v.codec == "auto" else None for v in variants]
+    for v in variants:
+        out, inp = placed(spec, False, numel_in, numel_out, rank, nranks, dtype, args.device)
+        inp.copy_(data)
+        for _ in range(args.warmup_iters):
+            spec.run(out, inp, op, v.group, v.codec, args.algorithm)
     count = spec.count(numel_in, numel_out, nranks) if spec.count else min(numel_in, numel_out)
-    row = dict(size=max(numel_in, numel_out) * data.element_size(), count=count,
-               type=args_type(dtype), redop=op_name(op) if spec.has_op else "none", root=-1, iterations=args.iters)
-    wire = raw = calls = 0
+    rows = [dict(size=max(numel_in, numel_out) * data.element_size(), count=count, type=args_type(dtype),
+                 redop=op_name(op) if spec.has_op else "none", root=-1, iterations=args.iters) for _ in variants]
+    tallies = [{} for _ in variants]
     for key, in_place in PLACES:
-        checked = reference if spec.checks_in_place or not in_place else None
-        row[key], st = measure_placement(spec, args, in_place, numel_in, numel_out, dtype, op, codec, data,
-                                         checked, rank, nranks, group, check_data)
-        total = st["total"]  # a send/recv call is two records, a send's bytes and a receive's none
-        wire, raw = wire + total["wire_bytes"], raw + total["raw_bytes"]
-        calls += st.get("send", total)["calls"] if spec.name == "sendrecv" else total["calls"]
-        plan = st["last"].get("codec")
-    zipccl_ran = codec is not None or dropin
-    row["zipccl"] = dict(codec=label, collective=spec.name, nranks=nranks,
-                         wire_bytes=int(wire / calls) if zipccl_ran and calls else None,
-                         raw_bytes=int(raw / calls) if zipccl_ran and calls else None,
-                         ratio=wire / raw if zipccl_ran and raw else None, plan=plan if zipccl_ran else None)
-    if learning is not None:
-        row["zipccl"]["auto"] = dict(learning_calls=learning,
-                                     timed_plans={key: row[key].pop("auto_plans") for key, _ in PLACES})
-    return row
+        placements = measure_placement(spec, args, in_place, numel_in, numel_out, dtype, op, variants, data, rank,
+                                       nranks, check_data)
+        for row, tally, (figures, st) in zip(rows, tallies, placements):
+            row[key] = figures
+            for k in TALLIED:
+                tally[k] = tally.get(k, 0) + st.get(k, 0)
+            tally["plan"] = st.get("plan")
+    for v, row, tally, learned in zip(variants, rows, tallies, learning):
+        ran = v.codec is not None or dist.get_backend(v.group) == "zipccl"
+        wire, raw, calls = (tally.get(k, 0) for k in ("wire_bytes", "raw_bytes", "calls"))
+        row["zipccl"] = dict(codec=v.label, collective=spec.name, nranks=nranks,
+                             wire_bytes=int(wire / calls) if ran and calls else None,
+                             raw_bytes=int(raw / calls) if ran and calls else None,
+                             ratio=wire / raw if ran and raw else None, plan=tally.get("plan") if ran else None)
+        if learned is not None:
+            row["zipccl"]["auto"] = dict(learning_calls=learned,
+                                         timed_plans={key: row[key].pop("auto_plans") for key, _ in PLACES})
+    return rows
 
 
 # ---- codec "auto": its learning, before the timed calls -------------------------------------------------------

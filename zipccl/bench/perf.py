@@ -9,7 +9,9 @@ Standard output is nccl-tests' (2.19.6) exactly, one complete table per codec (r
 out-of-place and in-place columns (size count type redop root time algbw busbw #wrong
 time algbw busbw #wrong), busbw on the uncompressed size (effective bandwidth). zipccl's
 own figures (codec, wire bytes, ratio, what auto ran) follow each table's footer in `#`
-lines and sit under "zipccl" keys in the -J JSON. Progress goes to standard error.
+lines and sit under "zipccl" keys in the -J JSON. Progress goes to standard error. The tables
+are printed when the sweep ends: at each size the tables' calls take turns, call by call, so
+that their ratios compare calls made in the same seconds on a host whose speed drifts.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from ..collectives import auto_policy
 from ..errors import UnsupportedError
 from . import all_gather, all_reduce, alltoall, reduce_scatter, report, sendrecv
 from . import cuda
-from .common import (BASELINE, DTYPES, OPS, codecs_of, load_data, measure, parser, plot, progress, rank_order_reduce,
-                     gaussian, real, sizes, validate, verifiable)
+from .common import (BASELINE, DTYPES, OPS, Variant, codecs_of, gaussian, load_data, measure_side_by_side, parser,
+                     plot, progress, rank_order_reduce, real, sizes, validate, verifiable)
 
 SPECS = {s.name: s for s in (all_reduce.SPEC, reduce_scatter.SPEC, all_gather.SPEC, alltoall.SPEC, sendrecv.SPEC)}
 
@@ -91,8 +93,9 @@ def _inputs(spec, args, data, dtype, op, numel_in, rank, nranks):
 
 
 def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[str] | None = None) -> list[dict]:
-    """Every rank runs the sweep, one table per variant; rank 0 prints them and writes the JSON
-    and the plot."""
+    """Every rank runs the sweep, size by size, each size's variants side by side (their calls
+    taking turns: common.measure_side_by_side); rank 0 prints one table per variant at the end,
+    and writes the JSON after each size (a run cut short keeps the sizes it measured) and the plot."""
     spec = SPECS[args.collective]
     if not spec.has_op:
         args.op = "sum"
@@ -102,73 +105,88 @@ def run_rank(rank: int, nranks: int, args, how: str = "local spawn", argv: list[
                                                                       args.stepbytes)]
     say = print if rank == 0 else (lambda *a, **k: None)
     start, cfg, devs = report.now(), run_config(args), devices(args.device)
-    version = (f"zipccl-perf version {__version__} (nccl-tests {report.FORMAT_VERSION} output format) "
-               f"torch {torch.__version__} backend {dist.get_backend()}")
     if args.output_file:
         say(f"# Writing JSON output to {args.output_file}")
-    tables, k, total = [], 0, len(points) * len(variants)
     groups = _groups(variants)
-    for label, variant, where in variants:
-        group = groups.get(where)
-        name = f"{spec.name}_perf:{label}"
+    topo = str(topology.topology(groups.get(variants[-1][2])))  # on every rank: the first call is collective
+    tables = [dict(name=f"{spec.name}_perf:{label}", codec=label, rows=[], notes=[], versus=None)
+              for label, _, _ in variants]
+    for k, (dtype, op, size) in enumerate(points, 1):
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        count = size // itemsize
+        if spec.line_bytes:  # as nccl-tests: each rank's part in whole 16-byte lines
+            line = spec.line_bytes // itemsize
+            count = count // nranks // line * line * nranks
+        numel_in, numel_out = spec.buffers(count, nranks)
+        if rank == 0:
+            progress(k, len(points), f"{spec.name} {size} B {dtype}: {', '.join(t['codec'] for t in tables)}")
+        inp, check, ref, inputs = _inputs(spec, args, data, dtype, op, numel_in, rank, nranks)
+        timed = []
+        for table, (label, variant, where) in zip(tables, variants):
+            group = groups.get(where)
+            if variant is None and spec.reduces and op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo":
+                table["notes"].append(f"{size} B {dtype}: avg skipped (gloo has no AVG)")
+                continue
+            reference = real_reference(spec, args, inputs, op, variant, rank, nranks) \
+                if data is not None and args.check else ref
+            timed.append((table, Variant(label, variant, group, reference)))
+        rows = measure_side_by_side(spec, args, numel_in, numel_out, dtype, op, [v for _, v in timed], inp, rank,
+                                    nranks, check)
+        for (table, v), row in zip(timed, rows):
+            table["rows"].append(row)
+            if v.codec == "auto" and rank == 0:  # which plans the row's calls ran, at once (a run cut short
+                # keeps it), on stderr as the progress lines: stdout keeps nccl-tests' format
+                for line in learning_lines([row])[1:]:
+                    print("# auto at " + line[1:].strip(), file=sys.stderr, flush=True)
+        _versus(tables)
+        if rank == 0 and args.output_file:
+            _write_json(args, spec, nranks, how, start, argv, cfg, devs, tables, variants, groups, topo)
+    version = (f"zipccl-perf version {__version__} (nccl-tests {report.FORMAT_VERSION} output format) "
+               f"torch {torch.__version__} backend {dist.get_backend()}")
+    clock = "CUDA-event" if args.device == "cuda" else "wall-clock"  # as bench.cuda.Clock times the calls
+    for table, (label, variant, where) in zip(tables, variants):
         what = {BASELINE: "plain torch.distributed (--baseline)", GLOO: "plain torch.distributed on gloo",
                 DROPIN: f"plain torch.distributed on the zipccl backend (ZIPCCL_CODEC={config.CODEC})"}.get(
                     label, f"zipccl codec {label}")
         extra = [f"# zipccl-perf table: {what}; {spec.name}, {nranks} ranks ({how}), algorithm {args.algorithm}, "
                  f"data {args.data or 'gaussian, checked on a grid whose sums are exact'}; busbw on uncompressed bytes"]
+        if len(variants) > 1:
+            extra.append(f"# its calls took turns, call by call, with those of "
+                         f"{', '.join(t['codec'] for t in tables if t is not table)}: the tables' ratios are of calls "
+                         f"made in the same seconds")
         extra += cuda.table_lines(args, nranks)
-        clock = "CUDA-event" if args.device == "cuda" else "wall-clock"  # as bench.cuda.Clock times the calls
-        for line in report.preamble_lines(name, version, cfg, devs, extra, clock) + \
-                report.header_lines(args.per_iter_timing):
+        lines = report.preamble_lines(table["name"], version, cfg, devs, extra, clock) + \
+            report.header_lines(args.per_iter_timing) + \
+            [report.row_line(row, args.per_iter_timing) for row in table["rows"]] + \
+            report.footer_lines(table["rows"], table["name"]) + \
+            zipccl_lines(table["rows"], table["notes"], variant == "auto", groups.get(where)) + \
+            (["# " + table["versus"]["line"]] if table["versus"] else []) + [""]
+        for line in lines:
             say(line, flush=True)
-        rows, notes = [], []
-        for dtype, op, size in points:
-            k += 1
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            count = size // itemsize
-            if spec.line_bytes:  # as nccl-tests: each rank's part in whole 16-byte lines
-                line = spec.line_bytes // itemsize
-                count = count // nranks // line * line * nranks
-            numel_in, numel_out = spec.buffers(count, nranks)
-            if rank == 0:
-                progress(k, total, f"{spec.name} {size} B {dtype} {label}")
-            if variant is None and spec.reduces and op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo":
-                notes.append(f"{size} B {dtype}: avg skipped (gloo has no AVG)")
-                continue
-            inp, check, ref, inputs = _inputs(spec, args, data, dtype, op, numel_in, rank, nranks)
-            if data is not None and args.check:
-                ref = real_reference(spec, args, inputs, op, variant, rank, nranks)
-            row = measure(spec, args, numel_in, numel_out, dtype, op, variant, inp, ref, rank, nranks, group, label,
-                          check)
-            rows.append(row)
-            say(report.row_line(row, args.per_iter_timing), flush=True)
-            if variant == "auto" and rank == 0:  # which plans the row's calls ran, at once (a run cut
-                # short keeps it), on stderr as the progress lines: stdout keeps nccl-tests' format
-                for line in learning_lines([row])[1:]:
-                    print("# auto at " + line[1:].strip(), file=sys.stderr, flush=True)
-        for line in report.footer_lines(rows, name) + zipccl_lines(rows, notes, variant == "auto", group):
-            say(line, flush=True)
-        versus = None
-        if tables and tables[0]["codec"] in (BASELINE, GLOO):  # each later table against the first
-            line, ratios = report.versus(label, rows, tables[0]["codec"], tables[0]["rows"])
-            say(line, flush=True)
-            versus = dict(line=line[2:], ratios=ratios)
-        say("", flush=True)
-        tables.append(dict(name=name, codec=label, rows=rows, notes=notes, versus=versus))
-        if rank == 0 and args.output_file:  # after each table: a run cut short keeps the tables it made
-            extra = dict(version=__version__, format=f"nccl-tests {report.FORMAT_VERSION}", collective=spec.name,
-                         nranks=nranks, launcher=how, backend=dist.get_backend(), torch=torch.__version__,
-                         algorithm=args.algorithm, data=str(args.data) if args.data else None,
-                         topology=str(topology.topology(group)),
-                         auto_plans=next((auto_policy(groups.get(w)).explain() for _, v, w in variants
-                                          if v == "auto"), []))
-            report.write_json(report.document(start, argv if argv is not None else sys.argv, cfg, devs, tables, extra,
-                                              cuda.nccl_version()), args.output_file)
     rows = [r for t in tables for r in t["rows"]]
     if rank == 0 and args.plot:
         plot([(f"zipccl-perf {spec.name}, {nranks} ranks ({how})", rows)], args.plot)
     _quiet_exit()
     return rows
+
+
+def _versus(tables: list[dict]) -> None:
+    """Each later table against the first, where that is the plain call (report.versus)."""
+    if not tables or tables[0]["codec"] not in (BASELINE, GLOO):
+        return
+    for table in tables[1:]:
+        line, ratios = report.versus(table["codec"], table["rows"], tables[0]["codec"], tables[0]["rows"])
+        table["versus"] = dict(line=line[2:], ratios=ratios)
+
+
+def _write_json(args, spec, nranks: int, how: str, start, argv, cfg, devs, tables, variants, groups, topo: str) -> None:
+    extra = dict(version=__version__, format=f"nccl-tests {report.FORMAT_VERSION}", collective=spec.name,
+                 nranks=nranks, launcher=how, backend=dist.get_backend(), torch=torch.__version__,
+                 algorithm=args.algorithm, data=str(args.data) if args.data else None,
+                 topology=topo,
+                 auto_plans=next((auto_policy(groups.get(w)).explain() for _, v, w in variants if v == "auto"), []))
+    report.write_json(report.document(start, argv if argv is not None else sys.argv, cfg, devs, tables, extra,
+                                      cuda.nccl_version()), args.output_file)
 
 
 def _groups(variants) -> dict:
