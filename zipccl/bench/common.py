@@ -429,7 +429,9 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
     """One untimed call of each variant (nccl-tests' first call of each placement: its one-off
     costs, such as a buffer's first use, are never timed, whatever -w), then ``args.iters``
     timed calls of each, the variants taking turns call by call (forward, then backward), the
-    input restored before each, untimed, so that every call sees the same data; then each
+    input restored before each and the ranks starting each together (a barrier), untimed: every
+    call sees the same data, and none is timed waiting for the laggards of a slower call before
+    it (of another table: a lossless call leaves the ranks milliseconds apart); then each
     variant's ``args.check`` calls on ``check_data`` (default ``data``) against its reference
     (bitwise; wrong elements summed over the ranks). Returns each variant's figures and
     zipccl's counters over its timed calls; for codec "auto", the figures also name the plans
@@ -451,6 +453,7 @@ def measure_placement(spec: Spec, args, in_place: bool, numel_in: int, numel_out
             (out, inp), v = buffers[j], variants[j]
             if restore:
                 inp.copy_(data)
+            dist.barrier()  # the ranks start together: no call's time holds the laggards of the call before
             with clocks[j]:
                 spec.run(out, inp, op, v.group, v.codec, args.algorithm)
             _tally(spec, tallies[j])

@@ -27,7 +27,7 @@ from .common import parser, plot
 #: 1, 4 and 16 MiB of bf16 on 4 local ranks: torch, raw, lossless, auto. Auto's learning calls
 #: come before its warm-up; a longer warm-up than zipccl-perf's 2 gives the other tables' first
 #: calls at a size (allocations, TCP buffers growing) time to settle too.
-LOOPBACK = ["--baseline", "-w", "5"]
+LOOPBACK = ["--baseline", "-w", "5", "-n", "40"]
 LAB_RATE = "1gbit"
 #: 4, 16 and 64 MiB on 2 nodes of 2 ranks: torch and auto, 5 timed calls each (a 64 MiB call
 #: takes about a second on these links).
