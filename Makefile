@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# Loopback tables, then (as root) the same collectives in the network lab: 111 s on a quiet 2-core
-# host (docs/bench/2026-11-27-make-bench-cc42b72), minutes more on a busy one.
+# Loopback tables, then (as root) the same collectives in the network lab: 167 s on a quiet 2-core
+# host (docs/bench/2026-12-03-make-bench-10d24fa), minutes more on a busy one.
 bench: setup
 	$(PYTHON) -m zipccl.bench.tour
 
