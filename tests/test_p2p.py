@@ -1663,3 +1663,49 @@ def test_a_peer_that_is_not_a_rank_of_the_group_is_a_value_error(pool, codec):
     res = pool.run(_to_a_rank_that_is_not_there, codec, timeout=60)
     assert res == [["send: rank 7 is not a rank of the group (4 ranks)", "recv: rank -1 is not a rank of the group "
                     "(4 ranks)", "send: rank 4 is not a rank of the group (4 ranks)"]] * 4, res
+
+
+def _native_receives_behind_a_busy_queue(rank, groups, way):
+    """Ranks 0 and 1, each with zipccl's async queue busy for 0.3 s, so that their native
+    receives queue behind it. ``way`` "collective": each receives from the other, then joins a
+    blocking all-reduce, then sends: the all-reduce must not wait for the receive, whose message
+    the peer sends only after the all-reduce; "any source" the same with receives from any source
+    (the handle naming the sender). "tags": rank 0 receives tag 1, then tag 2 from rank
+    1, which sends tag 2 first (torch's backends take both as they come). What arrived, bits
+    compared with the sender's, and the sum against plain torch's."""
+    from zipccl import executor
+    if rank > 1:
+        return None
+    g, peer = groups[2], 1 - rank
+    old, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 10.0
+    try:
+        mine = activations(3_000, seed=20 + rank)
+        executor.submit(lambda: time.sleep(0.3))
+        if way in ("collective", "any source"):
+            got, y = torch.empty_like(mine), torch.full((1000,), float(rank + 1))
+            h = zipccl.irecv(got, peer if way == "collective" else None, group=g, codec="native")
+            zipccl.all_reduce(y, group=g)
+            zipccl.send(mine, peer, group=g, codec="native")
+            h.wait()
+            theirs = activations(3_000, seed=20 + peer)
+            named = way == "collective" or h._source_rank() == peer
+            return torch.equal(bits(got), bits(theirs)) and named, torch.equal(y, torch.full((1000,), 3.0))
+        if rank == 1:
+            zipccl.send(mine, 0, group=g, tag=2, codec="native")
+            zipccl.send(-mine, 0, group=g, tag=1, codec="native")
+            return None
+        one, two = torch.empty_like(mine), torch.empty_like(mine)
+        handles = [zipccl.irecv(one, 1, group=g, tag=1, codec="native"),
+                   zipccl.irecv(two, 1, group=g, tag=2, codec="native")]
+        for h in handles:
+            h.wait()
+        theirs = activations(3_000, seed=21)
+        return torch.equal(bits(one), bits(-theirs)), torch.equal(bits(two), bits(theirs))
+    finally:
+        zipccl.config.TIMEOUT = old
+
+
+@pytest.mark.parametrize("way", ["collective", "any source", "tags"])
+def test_a_queued_native_receive_does_not_hold_up_the_calls_after_it(pool, way):
+    res = pool.run(_native_receives_behind_a_busy_queue, way, timeout=40)
+    assert res[0] == (True, True) and res[1] in ((True, True), None), res

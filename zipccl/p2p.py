@@ -17,8 +17,9 @@ Order and progress, as NCCL's: a rank's messages to a peer match the peer's rece
 order. A framed receive runs on its direction's receive lane (a thread of its own,
 zipccl.executor.on_lane), after the collectives issued before it and the direction's earlier
 receives, so that one waiting for its peer holds up neither the receives from other peers nor
-the calls issued after it; a native one is posted at once where nothing is queued, else on
-zipccl's async thread in issue order, which it holds until its message has come. A send never
+the calls issued after it; a native one is posted at once where nothing is queued, else by
+zipccl's async thread in issue order, and waited for on a lane of its peer's native receives,
+so that it holds up nothing but the completion of that peer's later ones. A send never
 waits for its peer: it is encoded and posted on its direction's lane, after the collectives
 issued before it and the direction's earlier sends, and completes in ``wait()``.
 So framed messages between ranks that send to each other never block each other, whether in
@@ -27,9 +28,7 @@ backend's own messages follow the backend's rules: on NCCL a batch's go in one b
 torch's (``batch_isend_irecv``), while separate isend and irecv calls to one peer share torch's
 NCCL stream, as with torch alone. What does block: a blocking ``recv`` before the send its peer
 waits for (on any backend), a blocking ``send`` of a framed message before the receive its peer
-waits for (it returns with the receiver's verdict), and a collective issued between a native
-receive that had to queue and the send its peer waits for, on both ranks (the collective waits
-for the receive; docs/USAGE.md).
+waits for (it returns with the receiver's verdict).
 
 A framed message's transport is its direction's (``transport_for(..., pair=...)``), made by
 its two ranks alone with the first message in that direction, on the threads that issue it (the
@@ -546,7 +545,8 @@ def _forget(receive: weakref.ref, _future=None) -> None:
 
 def _post_receive(op: _Op, async_op: bool):
     """``op``'s receive: its handle (``async_op``), or None once it has come. A framed one runs on
-    its direction's receive lane (``_framed_receive``); a native one is queued in issue order."""
+    its direction's receive lane (``_framed_receive``); a native one is posted in issue order
+    (_queued_native_receive)."""
     if op.plan is not NATIVE:
         op.seq = _next_seq(op)
         handle = _framed_receive(op, async_op)
@@ -558,9 +558,36 @@ def _post_receive(op: _Op, async_op: bool):
     if async_op and executor.idle():
         record_native("recv")
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
+    if not async_op:
+        return executor.run(lambda: _receive(op), False)
+    return _queued_native_receive(op)
+
+
+def _queued_native_receive(op: _Op) -> executor.Handle:
+    """An async native receive behind queued async calls: posted by zipccl's async thread in issue
+    order (after the collectives issued before it, as on every rank), then waited for on its
+    peer's native-receive lane, so that the async thread goes on at once. Held there until its
+    message came, the queue would hold up every call issued after it: a collective issued before
+    the send that the receive's peer waits for, on both ranks, waited for good, and so did
+    receives from other peers. Sends pass it until it is posted (``_a_receive``); the handle
+    completes once its message has come, a peer's receives in issue order."""
+    source, work = (_group_name(op.group), op.peer_job), []
+
+    def post() -> None:
+        record_native("recv")
+        work.append(_native_recv(op))  # kept here: a CUDA-aware future would pickle its value
+
     before = executor.last()
-    handle = executor.run(lambda: _receive(op), async_op, [t for t in (op.tensor, op.staged) if t is not None])
-    return handle if handle is None else _a_receive(handle, before, (_group_name(op.group), op.peer_job))
+    posted = _a_receive(executor.run(post, True, [op.tensor]), before, source)
+
+    def arrive() -> None:
+        posted.wait()  # the posting's error, if any
+        work[0].wait()
+
+    key = ("native recv", *source)
+    if executor.on_its_lane(key):  # a callback of an earlier receive's future, which the lane runs
+        return executor.inline(arrive)
+    return executor.on_lane(key, arrive, [op.tensor])
 
 
 def _framed_receive(op: _Op, async_op: bool) -> executor.Handle:
@@ -621,7 +648,8 @@ def _a_receive(handle: executor.Handle, before, source: tuple | None = None) -> 
 def after_queued(post, tensor: torch.Tensor):
     """A receive from any source, ``post()`` (the backend's: a Work whose ``_source_rank()`` names
     the sender in its group): posted at once where no receive or collective is queued, else behind
-    them in issue order, so that it never takes a message meant for a receive issued before it.
+    them in issue order, so that it never takes a message meant for a receive issued before it,
+    and then waited for on a lane of its own (the async thread goes on at once).
     The Work, or a handle whose ``_source_rank()`` names the sender alike. On zipccl's async
     thread (the drop-in's receive under zipccl's, or a future's callback) at once, where no
     receive queued before it is waiting (else UnsupportedError); on a lane's thread (a callback
@@ -630,13 +658,21 @@ def after_queued(post, tensor: torch.Tensor):
     if executor.running_queue() or executor.idle():
         return post()
 
-    def receive() -> int:
-        work = post()
-        work.wait()
-        return work._source_rank()
+    work = []
+
+    def posting() -> None:
+        work.append(post())  # kept here: a CUDA-aware future would pickle its value
 
     before = executor.last()
-    handle = _a_receive(executor.run(receive, True, [tensor]), before)
+    posted = _a_receive(executor.run(posting, True, [tensor]), before)
+
+    def arrive() -> int:  # on a lane, as _queued_native_receive's, so that the async thread goes on
+        posted.wait()
+        work[0].wait()
+        return work[0]._source_rank()
+
+    key = ("native recv", "any source")  # such receives complete in issue order, on one lane
+    handle = executor.inline(arrive) if executor.on_its_lane(key) else executor.on_lane(key, arrive, [tensor])
     handle._source_rank = lambda: handle.get_future().value()
     return handle
 
