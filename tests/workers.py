@@ -150,7 +150,7 @@ def spawn(target, n: int, args: tuple, answers: int | None = None, seconds: floa
     ``target(rank, *args, results)`` on n spawned processes and collect their ``(rank, value)``
     until ``answers`` ranks (default: all) have answered or ``seconds`` have passed
     (``stop_on_crash``: or a process has exited with an error); then join each for up to 30 s and
-    kill what still lives (a rank that never answered, a stopped one, gets 1 s). Returns
+    kill what still lives (the ranks that never answered, stopped ones, get 1 s together). Returns
     ({rank: value}, the processes): a rank that hung is missing. The processes fork from a
     fork server that has torch imported (zipccl.launch.fork_server). Inside a step of
     bench/gpu_check.sh (ZIPCCL_STEP_END: when the step is killed, in seconds since the epoch) the
@@ -185,8 +185,9 @@ def _run(ctx, target, n, args, answers, seconds, stop_on_crash, end=float("inf")
         if len(got) < wanted and deadline == end - 4 and time.monotonic() >= deadline:
             print(f"# tests/workers.py: the gpu_check.sh step's time ran out (ZIPCCL_STEP_END) before ranks "
                   f"{sorted(set(range(n)) - set(got))} answered", file=sys.stderr, flush=True)
+        grace = time.monotonic() + 1  # for the ranks that never answered, together
         for r, p in enumerate(procs):
-            p.join(timeout=max(0.1, min(30 if r in got else 1, end - time.monotonic())))
+            p.join(timeout=max(0.1, min(30 if r in got else grace - time.monotonic(), end - time.monotonic())))
     finally:
         for p in procs:
             if p.is_alive():

@@ -546,7 +546,7 @@ def _forget(receive: weakref.ref, _future=None) -> None:
 def _post_receive(op: _Op, async_op: bool):
     """``op``'s receive: its handle (``async_op``), or None once it has come. A framed one runs on
     its direction's receive lane (``_framed_receive``); a native one is posted in issue order
-    (_queued_native_receive)."""
+    (_posted_in_order)."""
     if op.plan is not NATIVE:
         op.seq = _next_seq(op)
         handle = _framed_receive(op, async_op)
@@ -560,34 +560,36 @@ def _post_receive(op: _Op, async_op: bool):
         return _native_recv(op)  # nothing queued before it: the backend's receive, posted at once
     if not async_op:
         return executor.run(lambda: _receive(op), False)
-    return _queued_native_receive(op)
+    record_native("recv")
+    source = (_group_name(op.group), op.peer_job)
+    return _posted_in_order(lambda: _native_recv(op), source, ("native recv", *source), op.tensor)
 
 
-def _queued_native_receive(op: _Op) -> executor.Handle:
-    """An async native receive behind queued async calls: posted by zipccl's async thread in issue
-    order (after the collectives issued before it, as on every rank), then waited for on its
-    peer's native-receive lane, so that the async thread goes on at once. Held there until its
-    message came, the queue would hold up every call issued after it: a collective issued before
-    the send that the receive's peer waits for, on both ranks, waited for good, and so did
-    receives from other peers. Sends pass it until it is posted (``_a_receive``); the handle
-    completes once its message has come, a peer's receives in issue order."""
-    source, work = (_group_name(op.group), op.peer_job), []
+def _posted_in_order(post, source: tuple | None, lane, tensor: torch.Tensor) -> executor.Handle:
+    """A native receive behind queued async calls, ``post()`` (the backend's: its Work): posted by
+    zipccl's async thread in issue order (after the collectives issued before it, as on every
+    rank), then waited for on ``lane``, so that the async thread goes on at once. Held there until
+    its message came, the queue would hold up every call issued after it: a collective issued
+    before the send that the receive's peer waits for, on both ranks, waited for good, and so did
+    receives from other peers or by other tags. Sends pass it until it is posted (``_a_receive``:
+    from ``source``, None for any). Its handle completes once the message has come, the lane's
+    receives in issue order; from any source, its value is the Work's ``_source_rank()``."""
+    work = []
 
-    def post() -> None:
-        record_native("recv")
-        work.append(_native_recv(op))  # kept here: a CUDA-aware future would pickle its value
+    def posting() -> None:
+        work.append(post())  # kept here: a CUDA-aware future would pickle its value
 
     before = executor.last()
-    posted = _a_receive(executor.run(post, True, [op.tensor]), before, source)
+    posted = _a_receive(executor.run(posting, True, [tensor]), before, source)
 
-    def arrive() -> None:
+    def arrive():
         posted.wait()  # the posting's error, if any
         work[0].wait()
+        return work[0]._source_rank() if source is None else None
 
-    key = ("native recv", *source)
-    if executor.on_its_lane(key):  # a callback of an earlier receive's future, which the lane runs
+    if executor.on_its_lane(lane):  # a callback of an earlier receive's future, which the lane runs
         return executor.inline(arrive)
-    return executor.on_lane(key, arrive, [op.tensor])
+    return executor.on_lane(lane, arrive, [tensor])
 
 
 def _framed_receive(op: _Op, async_op: bool) -> executor.Handle:
@@ -658,21 +660,7 @@ def after_queued(post, tensor: torch.Tensor):
     if executor.running_queue() or executor.idle():
         return post()
 
-    work = []
-
-    def posting() -> None:
-        work.append(post())  # kept here: a CUDA-aware future would pickle its value
-
-    before = executor.last()
-    posted = _a_receive(executor.run(posting, True, [tensor]), before)
-
-    def arrive() -> int:  # on a lane, as _queued_native_receive's, so that the async thread goes on
-        posted.wait()
-        work[0].wait()
-        return work[0]._source_rank()
-
-    key = ("native recv", "any source")  # such receives complete in issue order, on one lane
-    handle = executor.inline(arrive) if executor.on_its_lane(key) else executor.on_lane(key, arrive, [tensor])
+    handle = _posted_in_order(post, None, ("native recv", "any source"), tensor)
     handle._source_rank = lambda: handle.get_future().value()
     return handle
 

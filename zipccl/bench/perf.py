@@ -179,7 +179,9 @@ def _versus(tables: list[dict]) -> None:
         table["versus"] = dict(line=line[2:], ratios=ratios)
 
 
-def _write_json(args, spec, nranks: int, how: str, start, argv, cfg, devs, tables, variants, groups, topo: str) -> None:
+def _write_json(args, spec, nranks: int, how: str, start, argv, cfg, devs, tables, variants, groups,
+                topo: str) -> None:
+    """The run's nccl-tests JSON as it stands (rank 0, after each size)."""
     extra = dict(version=__version__, format=f"nccl-tests {report.FORMAT_VERSION}", collective=spec.name,
                  nranks=nranks, launcher=how, backend=dist.get_backend(), torch=torch.__version__,
                  algorithm=args.algorithm, data=str(args.data) if args.data else None,
