@@ -147,6 +147,17 @@ def test_ten_gigabit_lab_of_four_ranks_each_in_its_namespace():
     assert "zcl-" not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
 
 
+def _sleeping_ranks() -> list[int]:
+    """The lab's processes that are the killed run's ranks: while a lab is built, its own `ip` and
+    `tc` calls inside the namespaces are the lab's processes for a moment too."""
+    def cmdline(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            return ""
+    return [p for p in netlab.pids() if "sleep(300)" in cmdline(p)]
+
+
 @pytest.mark.timeout(420)
 def test_a_failed_rank_ends_the_run_and_a_killed_run_leaves_no_rank(tmp_path, monkeypatch):
     """A rank that fails: the others get RANK_GRACE seconds, then are killed, not left waiting on
@@ -171,10 +182,10 @@ def test_a_failed_rank_ends_the_run_and_a_killed_run_leaves_no_rank(tmp_path, mo
                                    "lab.run_ranks([sys.executable, '-c', 'import time; time.sleep(300)'], 400)\n"],
                                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
         t0 = time.monotonic()
-        while len(netlab.pids()) < 2 and runner.poll() is None and time.monotonic() - t0 < 240:
+        while len(_sleeping_ranks()) < 2 and runner.poll() is None and time.monotonic() - t0 < 240:
             time.sleep(0.2)
-        assert len(netlab.pids()) == 2, (f"after {time.monotonic() - t0:.0f} s the run's ranks are not up "
-                                         f"(its status: {runner.poll()})\n{netlab.status()}")
+        assert len(_sleeping_ranks()) == 2, (f"after {time.monotonic() - t0:.0f} s the run's ranks are not up "
+                                             f"(its status: {runner.poll()})\n{netlab.status()}")
         with pytest.raises(netlab.LabError, match="in use"):
             netlab.run_in_lab("1gbit", 2, ["-b", "8", "-e", "8"])
         runner.send_signal(signal.SIGKILL)
