@@ -1093,13 +1093,18 @@ def _a_batch_refused_in_a_callback(rank, groups):
     """Rank 0's callback of an async all-reduce's future (zipccl's async thread), while a native
     receive from rank 1 still waits in the queue behind it, issues a batch of a framed send to
     rank 1 and a native receive from it: refused before anything is posted, so rank 1's next
-    framed receive takes the send issued after (7.0), not the refused batch's (9.0)."""
+    framed receive takes the send issued after (7.0), not the refused batch's (9.0). Rank 1 joins
+    the all-reduce once the callback is attached: a future that completed before would run it on
+    rank 0's own thread, where nothing waits in the queue and the batch is posted."""
     if rank > 1:
         return None
     old, zipccl.config.TIMEOUT = zipccl.config.TIMEOUT, 10.0
+    store, key = dist.distributed_c10d._get_default_store(), "test/callback-attached"
     try:
         y = torch.ones(1000)
         if rank == 1:
+            store.wait([key], datetime.timedelta(seconds=30))
+            store.delete_key(key)
             zipccl.all_reduce(y, group=groups[2])
             got = torch.zeros(4)
             zipccl.recv(got, 0, group=groups[2], codec="raw")
@@ -1116,7 +1121,9 @@ def _a_batch_refused_in_a_callback(rank, groups):
                 return "posted"
             except zipccl.UnsupportedError:
                 return "refused"
-        said = h.get_future().then(batch).wait()
+        said = h.get_future().then(batch)
+        store.set(key, "")
+        said = said.wait()
         zipccl.send(torch.full((4,), 7.0), 1, group=groups[2], codec="raw")
         queued.wait()
         return said, a.tolist()

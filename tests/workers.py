@@ -124,9 +124,15 @@ class Pool:
         return [out[r] for r in range(self.nranks)]
 
     def run(self, fn, *args, timeout: float = 60.0) -> list:
+        """Every rank's ``fn(rank, groups, *args)``, or what it raised. A run that broke the groups
+        (a RankFailure with ``broken``) ends the pool, so the tests after it start on a new one
+        instead of failing on its lost connections."""
         for q in self.tasks:
             q.put((fn, args))
-        return self._collect(timeout)
+        values = self._collect(timeout)
+        if any(getattr(v, "broken", False) for v in values):
+            self.close(kill=True)
+        return values
 
     @property
     def alive(self) -> bool:
