@@ -1051,10 +1051,13 @@ def _callbacks_that_issue_messages(rank, groups):
     thread, and waits for a later send to the same peer, which completes there too. A
     receive's, while a receive issued after the one whose future it follows still waits in the
     queue: it would take that receive's message, so it raises, and the messages land in the
-    receives they were meant for; one from another peer is taken."""
+    receives they were meant for; one from another peer is taken. Rank 0 sends the messages for
+    them once rank 1 has queued them (else the first could end first, and its callbacks run on
+    rank 1's own thread)."""
     if rank > 2:
         return None
     g, n = groups[2], 1000
+    store, key = dist.distributed_c10d._get_default_store(), "test/receives-queued"
     if rank == 2:  # on the whole group, to rank 1's callback
         zipccl.send(torch.full((n,), 5.0), 1, codec="raw")
         return "sent"
@@ -1067,7 +1070,8 @@ def _callbacks_that_issue_messages(rank, groups):
             time.sleep(0.01)
         if not chained.done():
             return "a callback's send never completed"
-        time.sleep(1.0)  # the receiver's next receives are queued before its first completes
+        store.wait([key], datetime.timedelta(seconds=30))  # the receiver's next receives are queued
+        store.delete_key(key)
         for v in (3.0, 4.0):
             zipccl.send(torch.full((n,), v), 1, group=g, codec="raw")
         return "sent"
@@ -1080,6 +1084,7 @@ def _callbacks_that_issue_messages(rank, groups):
     chained = h3.get_future().then(lambda _: zipccl.irecv(late, 0, group=g, codec="raw").wait())
     from_other = h3.get_future().then(lambda _: zipccl.irecv(other, 2, codec="raw").wait())
     h4 = zipccl.irecv(x4, 0, group=g, codec="raw")
+    store.set(key, "")
     h3.wait(), h4.wait(), from_other.wait()
     try:
         chained.wait()
