@@ -380,7 +380,9 @@ class _SendHandle(executor.Handle):
         and raise what went wrong on either end. ``timeout`` (seconds or a timedelta): as
         ``Handle.wait``'s, zipccl.errors.TimeoutError past it, while the send completes in the
         background (a dead receiver is still named there, and by the next ``wait()``),
-        which orders the caller's current CUDA stream after the send as ``wait()`` does."""
+        which orders the caller's current CUDA stream after the send as ``wait()`` does. On the
+        lane's own thread (a callback of an earlier send's future) the send completes there and
+        then, within zipccl's bound but not ``timeout``: queued, it would wait for that callback."""
         if timeout is None:
             self._finish()
         else:
