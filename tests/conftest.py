@@ -85,18 +85,11 @@ def real_grads() -> torch.Tensor:
 
 @pytest.fixture(scope="session")
 def pool_factory():
-    """One worker pool of 4 gloo ranks for the whole test run, restarted if a test killed it."""
-    from workers import Pool
-    state = {}
-
-    def get():
-        if "pool" not in state or not state["pool"].alive:
-            state["pool"] = Pool(4)
-        return state["pool"]
-
-    yield get
-    if "pool" in state:
-        state["pool"].close()
+    """One worker pool of 4 gloo ranks for the whole test run, restarted if a test ended it."""
+    from workers import Pool, Restarting
+    pools = Restarting(lambda: Pool(4))
+    yield pools
+    pools.close()
 
 
 @pytest.fixture

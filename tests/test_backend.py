@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workers import Pool
+from workers import Pool, Restarting
 
 R = dist.ReduceOp
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,9 +39,10 @@ def zipccl_groups(nranks: int) -> dict:
 
 @pytest.fixture(scope="module")
 def zpool():
-    pool = Pool(4, backend="zipccl", more_groups=zipccl_groups)
-    yield lambda: pool
-    pool.close()
+    """The file's pool of 4 ranks on the drop-in, started again after a test ended it."""
+    pools = Restarting(lambda: Pool(4, backend="zipccl", more_groups=zipccl_groups))
+    yield pools
+    pools.close()
 
 
 def _op(name: str, factor: float = 0.375):

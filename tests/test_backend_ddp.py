@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers import Pool
+from workers import Pool, Restarting
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,17 +41,10 @@ def ddp_groups(nranks: int) -> dict:
 
 @pytest.fixture(scope="module")
 def dpool():
-    """The file's pool of 2 ranks, started again after a test killed it (a rank died)."""
-    state = {}
-
-    def get() -> Pool:
-        if "pool" not in state or not state["pool"].alive:
-            state["pool"] = Pool(WORLD, backend="zipccl", more_groups=ddp_groups)
-        return state["pool"]
-
-    yield get
-    if "pool" in state:
-        state["pool"].close()
+    """The file's pool of 2 ranks, started again after a test ended it."""
+    pools = Restarting(lambda: Pool(WORLD, backend="zipccl", more_groups=ddp_groups))
+    yield pools
+    pools.close()
 
 
 class _Net(torch.nn.Module):

@@ -150,6 +150,23 @@ class Pool:
                 p.kill()
 
 
+class Restarting:
+    """A pool made on first use, and made again once a test ended it (a rank died, or a run broke
+    its groups): ``pools()`` is the live one. ``make()``: a new Pool."""
+
+    def __init__(self, make):
+        self.make, self.pool = make, None
+
+    def __call__(self) -> Pool:
+        if self.pool is None or not self.pool.alive:
+            self.pool = self.make()
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
 def spawn(target, n: int, args: tuple, answers: int | None = None, seconds: float = 180,
           stop_on_crash: bool = False) -> tuple[dict, list]:
     """Fresh processes for tests a pool cannot host (a rank that dies, one world per test): start
