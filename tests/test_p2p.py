@@ -1126,9 +1126,9 @@ def _a_batch_refused_in_a_callback(rank, groups):
                 return "posted"
             except zipccl.UnsupportedError:
                 return "refused"
-        said = h.get_future().then(batch)
+        then = h.get_future().then(batch)
         store.set(key, "")
-        said = said.wait()
+        said = then.wait()
         zipccl.send(torch.full((4,), 7.0), 1, group=groups[2], codec="raw")
         queued.wait()
         return said, a.tolist()
